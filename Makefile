@@ -1,0 +1,24 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make demo   runs the main job on its embedded default
+#   make test   runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install
+
+$(BIN)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch; the package itself accepts any torch >= 2.4 for GPU users.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/engram-offload hash --preset deepseek-v4.1-flash "Engram hashes the last few tokens of every position."
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,163 @@
+"""Row formats (SPEC section 5): how one embedding row of ``head_dim`` values is stored.
+
+Every format has a fixed byte layout per row, so a table file is a flat array of
+``[num_rows, row_bytes]`` bytes and any row can be read on its own:
+
+- ``fp32``, ``bf16``, ``fp16``: ``head_dim`` little-endian values.
+- ``fp8_e4m3_ue8m0``: ``head_dim`` bytes of float8_e4m3fn, then ``head_dim / 32``
+  ue8m0 scale bytes (value = fp8 * 2**(byte - 127)).
+- ``int8``: ``head_dim`` int8 values, then one float32 scale (value = int8 * scale).
+
+``encode`` turns float rows ``[n, d]`` into raw bytes ``[n, row_bytes]``; ``decode``
+turns raw bytes back into float rows. fp8 round trip error bound, per element:
+``|x - decode(encode(x))| <= max(|x| * 2**-4, scale * 2**-10)`` where ``scale`` is the
+power-of-two block scale (3 mantissa bits; subnormal spacing 2**-9 of the scale).
+int8: ``|x - x'| <= amax(row) / 254``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ROW_FORMATS",
+    "RowFormat",
+    "get_row_format",
+    "row_bytes",
+    "encode_rows",
+    "decode_rows",
+    "quantize_fp8_ue8m0",
+    "dequantize_fp8_ue8m0",
+]
+
+FP8_MAX = 448.0
+FP8_BLOCK = 32
+UE8M0_BIAS = 127
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """A row layout: its name and how many bytes one row of ``head_dim`` values takes."""
+
+    name: str
+    description: str
+
+    def row_bytes(self, head_dim: int) -> int:
+        if self.name == "fp32":
+            return 4 * head_dim
+        if self.name in ("bf16", "fp16"):
+            return 2 * head_dim
+        if self.name == "fp8_e4m3_ue8m0":
+            _check_fp8_dim(head_dim)
+            return head_dim + head_dim // FP8_BLOCK
+        if self.name == "int8":
+            return head_dim + 4
+        raise AssertionError(self.name)
+
+
+ROW_FORMATS: dict[str, RowFormat] = {
+    f.name: f
+    for f in (
+        RowFormat("fp32", "float32 values"),
+        RowFormat("bf16", "bfloat16 values"),
+        RowFormat("fp16", "float16 values"),
+        RowFormat("fp8_e4m3_ue8m0", "float8_e4m3fn values with a ue8m0 scale per 32"),
+        RowFormat("int8", "int8 values with one float32 scale per row"),
+    )
+}
+
+_PLAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def get_row_format(name: str) -> RowFormat:
+    """Look up a row format by name; raise ``ValueError`` listing the known ones."""
+    try:
+        return ROW_FORMATS[name]
+    except KeyError:
+        known = ", ".join(ROW_FORMATS)
+        raise ValueError(f"unknown row format {name!r}; choose one of: {known}") from None
+
+
+def row_bytes(name: str, head_dim: int) -> int:
+    """Bytes one row of ``head_dim`` values takes in format ``name``."""
+    return get_row_format(name).row_bytes(head_dim)
+
+
+def _check_fp8_dim(head_dim: int) -> None:
+    if head_dim % FP8_BLOCK:
+        raise ValueError(
+            f"fp8_e4m3_ue8m0 needs head_dim divisible by {FP8_BLOCK}, got {head_dim}"
+        )
+
+
+def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float rows ``[n, d]`` to (fp8 values ``[n, d]``, ue8m0 scale bytes ``[n, d/32]``).
+
+    Each block of 32 gets the smallest power-of-two scale with ``amax / scale <= 448``.
+    """
+    n, d = x.shape
+    _check_fp8_dim(d)
+    blocks = x.detach().to(torch.float32).reshape(n, d // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # [n, d/32]
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax/448 = m * 2**e, m in [0.5, 1)
+    # ceil(log2(amax/448)): e, except e-1 when the ratio is an exact power of two.
+    exp = exponent - (mantissa == 0.5).to(exponent.dtype)
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -UE8M0_BIAS))
+    exp = exp.clamp(-UE8M0_BIAS, UE8M0_BIAS)  # [n, d/32]
+    scaled = torch.ldexp(blocks, (-exp).unsqueeze(-1).to(torch.float32))
+    values = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(n, d).to(torch.float8_e4m3fn)
+    scales = (exp + UE8M0_BIAS).to(torch.uint8)
+    return values, scales
+
+
+def dequantize_fp8_ue8m0(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """fp8 values ``[n, d]`` and ue8m0 scale bytes ``[n, d/32]`` -> float rows ``[n, d]``."""
+    n, d = values.shape
+    exp = scales.to(torch.int32) - UE8M0_BIAS  # [n, d/32]
+    blocks = values.to(torch.float32).reshape(n, d // FP8_BLOCK, FP8_BLOCK)
+    out = torch.ldexp(blocks, exp.unsqueeze(-1).to(torch.float32))
+    return out.reshape(n, d).to(dtype)
+
+
+def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Float rows ``[n, d]`` -> raw bytes ``uint8 [n, row_bytes]`` in format ``fmt``."""
+    get_row_format(fmt)
+    if x.dim() != 2:
+        raise ValueError(f"rows must be [n, head_dim], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    if fmt in _PLAIN_DTYPES:
+        return x.detach().to(_PLAIN_DTYPES[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
+    if fmt == "fp8_e4m3_ue8m0":
+        values, scales = quantize_fp8_ue8m0(x)
+        return torch.cat([values.view(torch.uint8), scales], dim=1)
+    # int8 row-wise
+    xf = x.detach().to(torch.float32)
+    amax = xf.abs().amax(dim=1, keepdim=True)  # [n, 1]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+
+
+def decode_rows(
+    raw: torch.Tensor, fmt: str, head_dim: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Raw bytes ``uint8 [n, row_bytes]`` -> float rows ``[n, head_dim]`` of ``dtype``."""
+    rb = row_bytes(fmt, head_dim)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
+        raise ValueError(
+            f"raw rows for {fmt} at head_dim {head_dim} must be uint8 [n, {rb}], "
+            f"got {raw.dtype} {tuple(raw.shape)}"
+        )
+    raw = raw.contiguous()
+    if fmt in _PLAIN_DTYPES:
+        return raw.view(_PLAIN_DTYPES[fmt]).to(dtype)
+    if fmt == "fp8_e4m3_ue8m0":
+        values = raw[:, :head_dim].contiguous().view(torch.float8_e4m3fn)
+        return dequantize_fp8_ue8m0(values, raw[:, head_dim:], dtype)
+    q = raw[:, :head_dim].contiguous().view(torch.int8).to(torch.float32)
+    scale = raw[:, head_dim:].contiguous().view(torch.float32)  # [n, 1]
+    return (q * scale).to(dtype)
