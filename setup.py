@@ -1,5 +1,25 @@
-"""Build hook: the package is pure Python; native helpers are declared here when present."""
+"""Build hook for the optional native helpers.
 
-from setuptools import setup
+The package itself is pure Python.  ``engram_offload.tiers._uring`` is a small
+C extension (batched O_DIRECT reads through io_uring, raw syscalls only, no
+liburing).  It is declared ``optional=True``: when it cannot be compiled (no C
+compiler, not Linux, missing kernel headers) the package still installs and
+``engram_offload.tiers.uring.available()`` reports False.
+"""
 
-setup()
+import sys
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if sys.platform.startswith("linux"):
+    ext_modules.append(
+        Extension(
+            "engram_offload.tiers._uring",
+            sources=["src/engram_offload/tiers/_uring.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-parameter"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules)

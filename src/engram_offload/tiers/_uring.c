@@ -1,0 +1,773 @@
+/*
+ * _uring.c - batched, asynchronous positional reads through io_uring.
+ *
+ * A tiny CPython extension that performs many pread()-like requests into one
+ * destination buffer with a bounded number of reads in flight.  It talks to
+ * the kernel through the raw io_uring syscalls and <linux/io_uring.h>; no
+ * liburing is needed.
+ *
+ * Exposed objects:
+ *
+ *   probe() -> None
+ *       Creates and destroys a one-entry ring.  Raises OSError when io_uring
+ *       is unusable (old kernel, seccomp filter, kernel.io_uring_disabled).
+ *
+ *   Ring(queue_depth=128, setup_flags=-1)
+ *       One submission/completion ring.  setup_flags=-1 picks the best flag
+ *       set the kernel accepts (see ring_setup()).
+ *
+ *   Ring.read(fd, offsets, lengths, dest, dest_offsets, retries=3) -> None
+ *       offsets, dest_offsets: contiguous int64 buffers of n items.
+ *       lengths: an int (same length for every read) or an int64 buffer.
+ *       dest: a writable C-contiguous buffer.
+ *       Reads lengths[i] bytes at file offset offsets[i] into
+ *       dest[dest_offsets[i]:dest_offsets[i] + lengths[i]].
+ *       The GIL is released for the whole batch.
+ *
+ *       Semantics of failures:
+ *         - every destination range is bounds-checked before any I/O is
+ *           issued (ValueError, nothing read);
+ *         - a short read is resubmitted for the remainder;
+ *         - a read that returns 0 bytes before its length is complete hit
+ *           end of file: OSError(EIO, "... end of file ...");
+ *         - a transient error (EIO, EAGAIN, EINTR, ...) is retried up to
+ *           `retries` times, then raised as OSError(errno, ...) naming the
+ *           file offset; deterministic errors (EBADF, EINVAL, EFAULT, ...)
+ *           are raised at once;
+ *         - on any failure, reads already in flight are drained before the
+ *           call returns, so the kernel never writes into dest afterwards.
+ *
+ *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <linux/io_uring.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef __NR_io_uring_setup
+#define __NR_io_uring_setup 425
+#endif
+#ifndef __NR_io_uring_enter
+#define __NR_io_uring_enter 426
+#endif
+
+/* Flags newer than some installed headers; the kernel rejects unknown ones
+ * with EINVAL, and ring_setup() then falls back to a smaller set. */
+#ifndef IORING_SETUP_COOP_TASKRUN
+#define IORING_SETUP_COOP_TASKRUN (1U << 8)
+#endif
+#ifndef IORING_SETUP_SINGLE_ISSUER
+#define IORING_SETUP_SINGLE_ISSUER (1U << 12)
+#endif
+#ifndef IORING_SETUP_DEFER_TASKRUN
+#define IORING_SETUP_DEFER_TASKRUN (1U << 13)
+#endif
+#ifndef IORING_FEAT_SINGLE_MMAP
+#define IORING_FEAT_SINGLE_MMAP (1U << 0)
+#endif
+
+/* Largest single request; io_uring's sqe->len is 32 bits and the kernel caps
+ * one read at MAX_RW_COUNT (INT_MAX & PAGE_MASK) anyway. */
+#define MAX_READ_LEN ((int64_t)1 << 30)
+#define MAX_QUEUE_DEPTH 4096
+
+/* ------------------------------------------------------------------------ */
+/* Raw syscalls                                                              */
+/* ------------------------------------------------------------------------ */
+
+static int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
+{
+    return (int)syscall(__NR_io_uring_setup, entries, p);
+}
+
+static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete,
+                              unsigned flags)
+{
+    return (int)syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags,
+                        NULL, (size_t)0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Ring memory                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Per-request bookkeeping for a read in flight.  user_data carries the slot
+ * number, so completions can be matched without any search. */
+typedef struct {
+    int64_t index;   /* which of the n reads this is */
+    int64_t done;    /* bytes already transferred (short reads) */
+    int32_t tries;   /* error retries spent */
+} slot_t;
+
+typedef struct {
+    int ring_fd;
+    unsigned setup_flags;
+    unsigned features;
+    unsigned queue_depth; /* max reads in flight */
+
+    /* mmapped regions */
+    void *sq_ptr;
+    size_t sq_len;
+    void *cq_ptr; /* == sq_ptr with IORING_FEAT_SINGLE_MMAP */
+    size_t cq_len;
+    struct io_uring_sqe *sqes;
+    size_t sqes_len;
+
+    /* submission ring */
+    unsigned *sq_head;
+    unsigned *sq_tail;
+    unsigned sq_mask;
+    unsigned sq_entries;
+    unsigned *sq_array;
+
+    /* completion ring */
+    unsigned *cq_head;
+    unsigned *cq_tail;
+    unsigned cq_mask;
+    struct io_uring_cqe *cqes;
+
+    /* request slots and a stack of free slot numbers */
+    slot_t *slots;
+    unsigned *free_slots;
+    unsigned n_free;
+    int broken; /* io_uring_enter failed mid-batch; the ring is unusable */
+} ring_t;
+
+static void ring_destroy(ring_t *r)
+{
+    if (r->sqes && r->sqes != MAP_FAILED)
+        munmap(r->sqes, r->sqes_len);
+    if (r->cq_ptr && r->cq_ptr != MAP_FAILED && r->cq_ptr != r->sq_ptr)
+        munmap(r->cq_ptr, r->cq_len);
+    if (r->sq_ptr && r->sq_ptr != MAP_FAILED)
+        munmap(r->sq_ptr, r->sq_len);
+    if (r->ring_fd >= 0)
+        close(r->ring_fd);
+    free(r->slots);
+    free(r->free_slots);
+    memset(r, 0, sizeof(*r));
+    r->ring_fd = -1;
+}
+
+/* Creates the ring with exactly `flags`.  Returns 0 or a negative errno. */
+static int ring_init_flags(ring_t *r, unsigned queue_depth, unsigned flags)
+{
+    struct io_uring_params p;
+    int err;
+
+    memset(r, 0, sizeof(*r));
+    r->ring_fd = -1;
+    memset(&p, 0, sizeof(p));
+    p.flags = flags;
+
+    r->ring_fd = sys_io_uring_setup(queue_depth, &p);
+    if (r->ring_fd < 0) {
+        err = -errno;
+        r->ring_fd = -1;
+        return err;
+    }
+    r->setup_flags = flags;
+    r->features = p.features;
+    r->sq_entries = p.sq_entries;
+    /* Never more reads in flight than SQ entries: every prepared SQE then
+     * finds room, and the CQ (2x the SQ by default) cannot overflow. */
+    r->queue_depth = queue_depth < p.sq_entries ? queue_depth : p.sq_entries;
+
+    r->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    r->cq_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        if (r->cq_len > r->sq_len)
+            r->sq_len = r->cq_len;
+        r->cq_len = r->sq_len;
+    }
+
+    r->sq_ptr = mmap(NULL, r->sq_len, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | MAP_POPULATE, r->ring_fd, IORING_OFF_SQ_RING);
+    if (r->sq_ptr == MAP_FAILED)
+        goto fail;
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        r->cq_ptr = r->sq_ptr;
+    } else {
+        r->cq_ptr = mmap(NULL, r->cq_len, PROT_READ | PROT_WRITE,
+                         MAP_SHARED | MAP_POPULATE, r->ring_fd, IORING_OFF_CQ_RING);
+        if (r->cq_ptr == MAP_FAILED)
+            goto fail;
+    }
+    r->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
+    r->sqes = mmap(NULL, r->sqes_len, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_POPULATE, r->ring_fd, IORING_OFF_SQES);
+    if (r->sqes == MAP_FAILED)
+        goto fail;
+
+    r->sq_head = (unsigned *)((char *)r->sq_ptr + p.sq_off.head);
+    r->sq_tail = (unsigned *)((char *)r->sq_ptr + p.sq_off.tail);
+    r->sq_mask = *(unsigned *)((char *)r->sq_ptr + p.sq_off.ring_mask);
+    r->sq_array = (unsigned *)((char *)r->sq_ptr + p.sq_off.array);
+    r->cq_head = (unsigned *)((char *)r->cq_ptr + p.cq_off.head);
+    r->cq_tail = (unsigned *)((char *)r->cq_ptr + p.cq_off.tail);
+    r->cq_mask = *(unsigned *)((char *)r->cq_ptr + p.cq_off.ring_mask);
+    r->cqes = (struct io_uring_cqe *)((char *)r->cq_ptr + p.cq_off.cqes);
+
+    /* Identity map: SQ ring slot i always points at SQE i. */
+    for (unsigned i = 0; i < p.sq_entries; i++)
+        r->sq_array[i] = i;
+
+    r->slots = calloc(r->queue_depth, sizeof(slot_t));
+    r->free_slots = calloc(r->queue_depth, sizeof(unsigned));
+    if (!r->slots || !r->free_slots) {
+        ring_destroy(r);
+        return -ENOMEM;
+    }
+    for (unsigned i = 0; i < r->queue_depth; i++)
+        r->free_slots[i] = r->queue_depth - 1 - i;
+    r->n_free = r->queue_depth;
+    return 0;
+
+fail:
+    err = -errno;
+    ring_destroy(r);
+    return err;
+}
+
+/* Flag sets tried in order when the caller asks for automatic selection.
+ * COOP_TASKRUN avoids interrupting the task for every completion; the reads
+ * are reaped from inside io_uring_enter anyway.  DEFER_TASKRUN (which needs
+ * SINGLE_ISSUER) is not used automatically: it ties the ring to the thread
+ * that created it. */
+static const unsigned auto_flag_sets[] = {
+    IORING_SETUP_COOP_TASKRUN,
+    0,
+};
+
+static int ring_setup(ring_t *r, unsigned queue_depth, long long flags)
+{
+    int err = -EINVAL;
+    if (flags >= 0)
+        return ring_init_flags(r, queue_depth, (unsigned)flags);
+    for (size_t i = 0; i < sizeof(auto_flag_sets) / sizeof(auto_flag_sets[0]); i++) {
+        err = ring_init_flags(r, queue_depth, auto_flag_sets[i]);
+        if (err != -EINVAL)
+            return err;
+    }
+    return err;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The batch read loop (runs without the GIL)                                */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    int fd;
+    int64_t n;
+    const int64_t *offsets;
+    const int64_t *lengths; /* NULL: every read is `length` bytes */
+    int64_t length;
+    char *dest;
+    const int64_t *dest_offsets;
+    int retries;
+    unsigned wait_batch; /* completions to wait for per io_uring_enter */
+
+    /* outcome */
+    int err;            /* 0, or a positive errno */
+    int eof;            /* the failure was a read returning 0 (end of file) */
+    int64_t err_index;  /* which read failed */
+    int64_t err_done;   /* bytes it had transferred */
+    int enter_failed;   /* the failure came from io_uring_enter itself */
+    int64_t n_enter;    /* statistics: io_uring_enter calls */
+} batch_t;
+
+static inline int64_t batch_len(const batch_t *b, int64_t i)
+{
+    return b->lengths ? b->lengths[i] : b->length;
+}
+
+/* Errors that retrying cannot fix. */
+static int is_permanent(int e)
+{
+    switch (e) {
+    case EBADF: case EINVAL: case EFAULT: case ENOSYS: case EOPNOTSUPP:
+    case EISDIR: case ENXIO: case ESPIPE: case EOVERFLOW: case EPERM:
+    case EACCES: case ENODEV:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Writes an SQE for the (remaining part of the) read held by `slot`. */
+static inline void prep_read(ring_t *r, const batch_t *b, unsigned slot)
+{
+    const slot_t *s = &r->slots[slot];
+    unsigned tail = *r->sq_tail; /* only this thread writes the tail */
+    struct io_uring_sqe *sqe = &r->sqes[tail & r->sq_mask];
+    int64_t i = s->index;
+
+    memset(sqe, 0, sizeof(*sqe));
+    sqe->opcode = IORING_OP_READ;
+    sqe->fd = b->fd;
+    sqe->off = (uint64_t)(b->offsets[i] + s->done);
+    sqe->addr = (uint64_t)(uintptr_t)(b->dest + b->dest_offsets[i] + s->done);
+    sqe->len = (uint32_t)(batch_len(b, i) - s->done);
+    sqe->user_data = slot;
+    /* Publish the SQE before the tail moves. */
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+}
+
+/* Validates every request; returns the first bad index or -1. */
+static int64_t batch_check(const batch_t *b, int64_t dest_len)
+{
+    for (int64_t i = 0; i < b->n; i++) {
+        int64_t len = batch_len(b, i), off = b->offsets[i], doff = b->dest_offsets[i];
+        if (len < 0 || len > MAX_READ_LEN || off < 0 || doff < 0 ||
+            doff > dest_len || len > dest_len - doff || off > INT64_MAX - len)
+            return i;
+    }
+    return -1;
+}
+
+static void batch_fail(batch_t *b, const slot_t *s, int err, int eof)
+{
+    if (b->err)
+        return; /* keep the first failure */
+    b->err = err;
+    b->eof = eof;
+    b->err_index = s->index;
+    b->err_done = s->done;
+}
+
+static void batch_run(ring_t *r, batch_t *b)
+{
+    int64_t next = 0;        /* next request not yet issued */
+    unsigned inflight = 0;   /* SQEs prepared and not yet completed */
+    unsigned unsubmitted = 0;/* SQEs prepared but not yet taken by the kernel */
+
+    for (;;) {
+        /* 1. Reap every completion already posted (no syscall needed). */
+        unsigned head = *r->cq_head;
+        unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+        while (head != tail) {
+            const struct io_uring_cqe *cqe = &r->cqes[head & r->cq_mask];
+            unsigned slot = (unsigned)cqe->user_data;
+            int res = cqe->res;
+            slot_t *s = &r->slots[slot];
+            int resubmit = 0;
+            head++;
+            inflight--;
+
+            if (res > 0) {
+                s->done += res;
+                /* Short read: ask for the rest (unless we are failing). */
+                resubmit = s->done < batch_len(b, s->index);
+            } else if (res == 0) {
+                /* Zero bytes before the length was complete: end of file. */
+                batch_fail(b, s, EIO, 1);
+            } else {
+                int e = -res;
+                if (is_permanent(e) || ++s->tries > b->retries)
+                    batch_fail(b, s, e, 0);
+                else
+                    resubmit = 1;
+            }
+            if (resubmit && !b->err) {
+                prep_read(r, b, slot);
+                inflight++;
+                unsubmitted++;
+            } else {
+                r->free_slots[r->n_free++] = slot;
+            }
+        }
+        __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+
+        /* 2. Fill free slots with new requests. */
+        while (!b->err && r->n_free > 0 && next < b->n) {
+            int64_t i = next++;
+            unsigned slot;
+            if (batch_len(b, i) == 0)
+                continue; /* nothing to read */
+            slot = r->free_slots[--r->n_free];
+            r->slots[slot].index = i;
+            r->slots[slot].done = 0;
+            r->slots[slot].tries = 0;
+            prep_read(r, b, slot);
+            inflight++;
+            unsubmitted++;
+        }
+
+        if (inflight == 0)
+            break;
+
+        /* 3. One syscall: submit what was prepared and wait for a batch of
+         * completions.  Waiting for several at once amortises the syscall
+         * and wakeup cost; the device still has the rest in flight. */
+        {
+            unsigned want = b->wait_batch;
+            int ret;
+            if (want > inflight)
+                want = inflight;
+            if (want == 0)
+                want = 1;
+            ret = sys_io_uring_enter(r->ring_fd, unsubmitted, want,
+                                     IORING_ENTER_GETEVENTS);
+            b->n_enter++;
+            if (ret < 0) {
+                int e = errno;
+                if (e == EINTR || e == EAGAIN || e == EBUSY)
+                    continue; /* reap and try again */
+                /* The ring itself failed.  Take back the SQEs the kernel
+                 * never saw, so a later call cannot submit them, then wait
+                 * out the submitted ones: the kernel may still write into
+                 * dest until they complete.  The ring is not reused. */
+                if (!b->err) {
+                    b->err = e;
+                    b->err_index = next > 0 ? next - 1 : 0;
+                    b->enter_failed = 1;
+                }
+                __atomic_store_n(r->sq_tail, *r->sq_tail - unsubmitted, __ATOMIC_RELEASE);
+                inflight -= unsubmitted;
+                while (inflight > 0) {
+                    unsigned h = *r->cq_head;
+                    unsigned t = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+                    if (h != t) {
+                        inflight -= (t - h) < inflight ? (t - h) : inflight;
+                        __atomic_store_n(r->cq_head, t, __ATOMIC_RELEASE);
+                        continue;
+                    }
+                    if (sys_io_uring_enter(r->ring_fd, 0, 1, IORING_ENTER_GETEVENTS) < 0 &&
+                        errno != EINTR && errno != EAGAIN)
+                        break;
+                }
+                r->broken = 1;
+                return;
+            }
+            unsubmitted -= (unsigned)ret;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Python type                                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    ring_t ring;
+    int open;
+    int busy; /* a read() is running (with the GIL released) */
+    int64_t n_enter; /* statistics: syscalls made by read() so far */
+} RingObject;
+
+static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
+{
+    const char *f;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    /* Accept native or little-endian 8-byte signed integers ('q' or 'l'). */
+    f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (view->itemsize != 8 || !(f[0] == 'q' || f[0] == 'l') || f[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", name);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"queue_depth", "setup_flags", NULL};
+    int queue_depth = 128;
+    long long flags = -1;
+    int err;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|iL", kwlist, &queue_depth, &flags))
+        return -1;
+    if (queue_depth < 1 || queue_depth > MAX_QUEUE_DEPTH) {
+        PyErr_Format(PyExc_ValueError, "queue_depth must be in [1, %d]", MAX_QUEUE_DEPTH);
+        return -1;
+    }
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring already initialised");
+        return -1;
+    }
+    err = ring_setup(&self->ring, (unsigned)queue_depth, flags);
+    if (err < 0) {
+        errno = -err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->open = 1;
+    return 0;
+}
+
+static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    RingObject *self = (RingObject *)type->tp_alloc(type, 0);
+    if (self) {
+        self->ring.ring_fd = -1;
+        self->open = 0;
+        self->busy = 0;
+    }
+    return (PyObject *)self;
+}
+
+static void Ring_dealloc(RingObject *self)
+{
+    /* busy cannot be set here: read() holds a reference to self. */
+    if (self->open) {
+        ring_destroy(&self->ring);
+        self->open = 0;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot close a Ring while a read is running");
+        return NULL;
+    }
+    if (self->open) {
+        ring_destroy(&self->ring);
+        self->open = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "offsets", "lengths", "dest", "dest_offsets",
+                             "retries", "wait_batch", NULL};
+    int fd, retries = 3, wait_batch = -1;
+    PyObject *offsets_obj, *lengths_obj, *dest_obj, *doffs_obj;
+    Py_buffer offs = {0}, lens = {0}, dest = {0}, doffs = {0};
+    int have_lens = 0;
+    batch_t b;
+    int64_t bad;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|ii", kwlist, &fd, &offsets_obj,
+                                     &lengths_obj, &dest_obj, &doffs_obj, &retries,
+                                     &wait_batch))
+        return NULL;
+    if (!self->open) {
+        PyErr_SetString(PyExc_ValueError, "read on a closed Ring");
+        return NULL;
+    }
+    if (self->ring.broken) {
+        PyErr_SetString(PyExc_OSError, "the ring failed earlier; create a new one");
+        return NULL;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "Ring.read is not reentrant: one call at a time per Ring");
+        return NULL;
+    }
+    if (retries < 0)
+        retries = 0;
+
+    memset(&b, 0, sizeof(b));
+    b.fd = fd;
+    b.retries = retries;
+
+    if (get_int64_buffer(offsets_obj, &offs, "offsets") < 0)
+        goto done;
+    if (get_int64_buffer(doffs_obj, &doffs, "dest_offsets") < 0)
+        goto done;
+    if (PyLong_Check(lengths_obj)) {
+        b.length = PyLong_AsLongLong(lengths_obj);
+        if (b.length == -1 && PyErr_Occurred())
+            goto done;
+        b.lengths = NULL;
+    } else {
+        if (get_int64_buffer(lengths_obj, &lens, "lengths") < 0)
+            goto done;
+        have_lens = 1;
+        b.lengths = (const int64_t *)lens.buf;
+    }
+    if (PyObject_GetBuffer(dest_obj, &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        dest.obj = NULL;
+        goto done;
+    }
+
+    b.n = offs.len / 8;
+    if (doffs.len / 8 != b.n || (have_lens && lens.len / 8 != b.n)) {
+        PyErr_Format(PyExc_ValueError,
+                     "offsets, lengths and dest_offsets must have the same length "
+                     "(%zd, %zd, %zd)", offs.len / 8,
+                     have_lens ? lens.len / 8 : offs.len / 8, doffs.len / 8);
+        goto done;
+    }
+    b.offsets = (const int64_t *)offs.buf;
+    b.dest_offsets = (const int64_t *)doffs.buf;
+    b.dest = (char *)dest.buf;
+    if (wait_batch <= 0) {
+        /* Default: wait for a quarter of the queue per syscall. */
+        wait_batch = (int)(self->ring.queue_depth / 4);
+        if (wait_batch < 1)
+            wait_batch = 1;
+    }
+    b.wait_batch = (unsigned)wait_batch;
+
+    bad = batch_check(&b, (int64_t)dest.len);
+    if (bad >= 0) {
+        int64_t len = batch_len(&b, bad);
+        PyErr_Format(PyExc_ValueError,
+                     "read %lld out of range: file offset %lld, length %lld, "
+                     "dest offset %lld, dest size %lld",
+                     (long long)bad, (long long)b.offsets[bad], (long long)len,
+                     (long long)b.dest_offsets[bad], (long long)dest.len);
+        goto done;
+    }
+
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    batch_run(&self->ring, &b);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    self->n_enter += b.n_enter;
+
+    if (b.err) {
+        PyObject *exc_args;
+        const char *what = b.enter_failed ? "io_uring_enter failed during batch"
+                                          : (b.eof ? "end of file" : strerror(b.err));
+        int64_t i = b.err_index;
+        if (b.enter_failed) {
+            exc_args = Py_BuildValue("(is)", b.err, what);
+        } else {
+            PyObject *msg = PyUnicode_FromFormat(
+                "read of %lld bytes at file offset %lld failed after %lld bytes: %s",
+                (long long)batch_len(&b, i), (long long)b.offsets[i],
+                (long long)b.err_done, what);
+            exc_args = msg ? Py_BuildValue("(iN)", b.err, msg) : NULL;
+        }
+        if (exc_args) {
+            PyErr_SetObject(PyExc_OSError, exc_args);
+            Py_DECREF(exc_args);
+        }
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+
+done:
+    if (offs.obj) PyBuffer_Release(&offs);
+    if (doffs.obj) PyBuffer_Release(&doffs);
+    if (lens.obj) PyBuffer_Release(&lens);
+    if (dest.obj) PyBuffer_Release(&dest);
+    return result;
+}
+
+static PyObject *Ring_get_queue_depth(RingObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->open ? self->ring.queue_depth : 0);
+}
+
+static PyObject *Ring_get_setup_flags(RingObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->open ? self->ring.setup_flags : 0);
+}
+
+static PyObject *Ring_get_features(RingObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->open ? self->ring.features : 0);
+}
+
+static PyObject *Ring_get_closed(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(!self->open);
+}
+
+static PyObject *Ring_get_n_enter(RingObject *self, void *closure)
+{
+    return PyLong_FromLongLong(self->n_enter);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))Ring_read, METH_VARARGS | METH_KEYWORDS,
+     "read(fd, offsets, lengths, dest, dest_offsets, retries=3, wait_batch=-1)\n"
+     "Reads lengths[i] bytes at offsets[i] into dest[dest_offsets[i]:]."},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "Unmaps the ring and closes it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"queue_depth", (getter)Ring_get_queue_depth, NULL, "reads kept in flight", NULL},
+    {"setup_flags", (getter)Ring_get_setup_flags, NULL, "IORING_SETUP_* flags in use", NULL},
+    {"features", (getter)Ring_get_features, NULL, "IORING_FEAT_* reported by the kernel", NULL},
+    {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
+    {"n_enter", (getter)Ring_get_n_enter, NULL, "io_uring_enter calls made by read()", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "engram_offload.tiers._uring.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(queue_depth=128, setup_flags=-1): an io_uring for batched reads.",
+    .tp_new = Ring_new,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Module                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static PyObject *mod_probe(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    ring_t r;
+    int err = ring_setup(&r, 1, -1);
+    if (err < 0) {
+        errno = -err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    ring_destroy(&r);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"probe", (PyCFunction)mod_probe, METH_NOARGS,
+     "Creates and destroys a small ring; raises OSError if io_uring is unusable."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef uring_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "engram_offload.tiers._uring",
+    .m_doc = "Batched positional reads through io_uring (raw syscalls).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__uring(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&RingType) < 0)
+        return NULL;
+    m = PyModule_Create(&uring_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "SETUP_COOP_TASKRUN", IORING_SETUP_COOP_TASKRUN);
+    PyModule_AddIntConstant(m, "SETUP_SINGLE_ISSUER", IORING_SETUP_SINGLE_ISSUER);
+    PyModule_AddIntConstant(m, "SETUP_DEFER_TASKRUN", IORING_SETUP_DEFER_TASKRUN);
+    return m;
+}
