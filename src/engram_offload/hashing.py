@@ -47,6 +47,12 @@ def _as_numpy_ids(x: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _as_numpy_mask(x: np.ndarray | torch.Tensor | Sequence[bool]) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).astype(bool, copy=False)
+
+
 class NgramHasher:
     """Hashes token ids into the row ids of every Engram layer of ``config``.
 
@@ -146,7 +152,7 @@ class NgramHasher:
         windows = np.stack([comp[:, n - 1 - k: n - 1 - k + t] for k in range(n)], axis=-1)
         dead_windows = None
         if dead_mask is not None:
-            dead = _as_numpy_ids(dead_mask).astype(bool)
+            dead = _as_numpy_mask(dead_mask)
             if dead.shape != ids.shape:
                 raise ValueError(f"dead_mask shape {dead.shape} != input_ids shape {ids.shape}")
             dpad = np.zeros((b, t + n - 1), dtype=bool)
@@ -224,7 +230,7 @@ class NgramHasher:
         has_dead = dead is not None and any(d is not None for d in dead)
         if has_dead:
             dead_new = np.concatenate([
-                np.zeros(n_, bool) if d is None else _as_numpy_ids(d).reshape(-1).astype(bool)
+                np.zeros(n_, bool) if d is None else _as_numpy_mask(d).reshape(-1)
                 for d, n_ in zip(dead, lengths)
             ])
             if dead_new.size != comp.size:

@@ -7,13 +7,22 @@ id; the n-gram hash runs over compressed ids. ``compress_tokenizer`` accepts a p
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["compress_tokenizer", "load_tokenizer", "default_tokenizer_path", "engram_normalizer"]
+__all__ = [
+    "compress_tokenizer",
+    "cached_token_map",
+    "load_tokenizer",
+    "default_tokenizer_path",
+    "engram_normalizer",
+]
 
 _SENTINEL = "\ue000"  # private-use character: keeps a lone-space token alive through Strip()
 _REPLACEMENT_CHAR = "\ufffd"
@@ -109,3 +118,42 @@ def compress_tokenizer(tokenizer: str | Path | Any) -> np.ndarray:
             key = normalize(text) or text
         out[token_id] = key_to_id.setdefault(key, len(key_to_id))
     return out
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("ENGRAM_OFFLOAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engram-offload"
+    )
+    return Path(base)
+
+
+def cached_token_map(path: str | Path | None = None, cache_dir: str | Path | None = None) -> np.ndarray:
+    """``compress_tokenizer`` of a ``tokenizer.json``, cached on disk by the file's SHA-256.
+
+    Compressing DeepSeek's 129,280-token vocabulary takes seconds; the cache makes repeat
+    runs instant. The cache file is written atomically; a damaged one is rebuilt.
+    """
+    source = Path(path) if path is not None else default_tokenizer_path()
+    if source.is_dir():
+        source = source / "tokenizer.json"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:32]
+    folder = Path(cache_dir) if cache_dir is not None else _cache_dir() / "token_maps"
+    target = folder / f"{digest}.npy"
+    try:
+        cached = np.load(target, allow_pickle=False)
+        if cached.dtype == np.int64 and cached.ndim == 1:
+            return cached
+    except (OSError, ValueError):
+        pass
+    token_map = compress_tokenizer(source)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, token_map, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return token_map

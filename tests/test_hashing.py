@@ -1,0 +1,130 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_offload.config import EngramConfig
+from engram_offload.hashing import NgramHasher
+from reference import reference_row_ids
+
+SMALL = EngramConfig(layer_ids=(1, 4), max_ngram_size=4, n_heads=3, head_dim=32,
+                     prime_starts=(500, 700, 900), pad_id=3, variant="v4.1",
+                     row_format="fp8_e4m3_ue8m0")
+VOCAB = 50
+TOKEN_MAP = np.array([i % 37 for i in range(VOCAB)], dtype=np.int64)  # 37 compressed ids
+
+
+@pytest.fixture(scope="module")
+def small_hasher() -> NgramHasher:
+    return NgramHasher(SMALL, TOKEN_MAP)
+
+
+def test_demo_vectors(demo_vectors):
+    meta = demo_vectors["meta"]
+    config = EngramConfig.from_demo(**meta["config"])
+    hasher = NgramHasher(config, demo_vectors["lookup_table"])
+    assert hasher.compressed_vocab_size == meta["compressed_vocab_size"]
+    assert hasher.pad == meta["compressed_pad_id"]
+    out = hasher.hash(demo_vectors["input_ids"])
+    for layer in config.layer_ids:
+        local = out[layer] - torch.tensor(config.head_offsets(layer))
+        assert torch.equal(local, demo_vectors[f"hash.layer{layer}"]), layer
+        assert out[layer].dtype == torch.int64
+        assert out[layer].shape == (*demo_vectors["input_ids"].shape, config.cols_per_layer)
+
+
+def test_matches_reference_with_dead_tokens(small_hasher):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, VOCAB, (3, 40))
+    dead = rng.random((3, 40)) < 0.15
+    got = small_hasher.hash_all(ids, dead).numpy()
+    for b in range(3):
+        assert np.array_equal(got[b], reference_row_ids(SMALL, TOKEN_MAP, ids[b].tolist(), dead[b].tolist()))
+
+
+def test_large_batch_uses_threads_and_matches(small_hasher):
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, VOCAB, (3, 5000))  # above the per-thread chunk
+    got = small_hasher.hash_all(ids).numpy()
+    assert np.array_equal(got[1, -50:], reference_row_ids(SMALL, TOKEN_MAP, ids[1].tolist())[-50:])
+
+
+def test_negative_ids_pass_through_like_the_demo(small_hasher):
+    ids = [[5, -1, 7, 9]]
+    got = small_hasher.hash_all(ids).numpy()[0]
+    assert np.array_equal(got, reference_row_ids(SMALL, TOKEN_MAP, ids[0]))
+    assert (got >= 0).all()
+
+
+def test_out_of_vocabulary_id_is_named(small_hasher):
+    with pytest.raises(ValueError, match=r"token id 50 .* vocabulary of 50"):
+        small_hasher.hash([[1, 2, 50]])
+
+
+def test_declared_compressed_vocab_must_match():
+    with pytest.raises(ValueError, match=r"compresses to 37 .* declares .* 99,092"):
+        NgramHasher(SMALL.replace(compressed_vocab_size=99_092), TOKEN_MAP)
+
+
+def test_table_ids_add_layer_bases(small_hasher):
+    rows = small_hasher.hash_all([[1, 2, 3]])
+    flat = small_hasher.table_ids(rows)
+    assert torch.equal(flat[..., 1, :] - rows[..., 1, :],
+                       torch.full_like(rows[..., 1, :], SMALL.layer_row_base(4)))
+    assert int(flat.max()) < SMALL.num_rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+)
+def test_any_split_equals_whole(small_hasher, data, lengths):
+    """Hashing sequences piece by piece (chunked prefill, then decode) equals hashing them whole."""
+    seqs = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)) for n in lengths]
+    deads = [data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for n in lengths]
+    use_dead = data.draw(st.booleans())
+    history = small_hasher.new_history(capacity=1)  # forces growth
+    got = [[] for _ in seqs]
+    cursor = [0] * len(seqs)
+    while any(c < len(s) for c, s in zip(cursor, seqs)):
+        active = [i for i, s in enumerate(seqs) if cursor[i] < len(s)]
+        pieces, dead_pieces = [], []
+        decode = data.draw(st.booleans())
+        for i in active:
+            n = 1 if decode else data.draw(st.integers(1, len(seqs[i]) - cursor[i]))
+            pieces.append(seqs[i][cursor[i]: cursor[i] + n])
+            dead_pieces.append(deads[i][cursor[i]: cursor[i] + n] if use_dead else None)
+            cursor[i] += n
+        if decode and not use_dead:
+            out = small_hasher.hash_decode(history, active, [p[0] for p in pieces])
+        else:
+            out = small_hasher.hash_pieces(history, active, pieces, dead_pieces)
+        start = 0
+        for i, piece in zip(active, pieces):
+            got[i].append(out[start: start + len(piece)])
+            start += len(piece)
+        assert start == out.shape[0]
+    for i, s in enumerate(seqs):
+        whole = small_hasher.hash_all([s], [deads[i]] if use_dead else None)[0]
+        assert torch.equal(torch.cat(got[i]), whole)
+
+
+def test_released_sequence_starts_over(small_hasher):
+    history = small_hasher.new_history()
+    first = small_hasher.hash_pieces(history, [7], [[1, 2, 3]])
+    small_hasher.hash_pieces(history, [7], [[4]])
+    history.release(7)
+    assert 7 not in history
+    assert torch.equal(small_hasher.hash_pieces(history, [7], [[1, 2, 3]]), first)
+
+
+def test_pieces_argument_errors(small_hasher):
+    history = small_hasher.new_history()
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        small_hasher.hash_pieces(history, [1, 2], [[1]])
+    with pytest.raises(ValueError, match="only once per step"):
+        small_hasher.hash_pieces(history, [1, 1], [[1], [2]])
+    with pytest.raises(ValueError, match="2 token ids for 3 sequences"):
+        small_hasher.hash_decode(history, [1, 2, 3], [1, 2])

@@ -1,0 +1,68 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_offload.rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+
+
+@pytest.mark.parametrize("fmt", list(ROW_FORMATS))
+def test_round_trip_shapes_and_bytes(fmt):
+    x = torch.randn(17, 64) * 3
+    raw = encode_rows(x, fmt)
+    assert raw.dtype == torch.uint8 and raw.shape == (17, row_bytes(fmt, 64))
+    y = decode_rows(raw, fmt, 64)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    # decoded values are representable: encoding them again gives the same values
+    assert torch.equal(decode_rows(encode_rows(y, fmt), fmt, 64), y)
+
+
+def test_plain_formats_are_exact_or_rounded():
+    x = torch.randn(5, 16)
+    assert torch.equal(decode_rows(encode_rows(x, "fp32"), "fp32", 16), x)
+    assert torch.equal(decode_rows(encode_rows(x, "bf16"), "bf16", 16), x.bfloat16().float())
+    assert torch.equal(decode_rows(encode_rows(x, "fp16"), "fp16", 16), x.half().float())
+
+
+def test_fp8_layout_and_scale_bytes():
+    assert row_bytes("fp8_e4m3_ue8m0", 256) == 264
+    x = torch.zeros(1, 64)
+    x[0, :32] = 448.0  # exactly representable at scale 1 -> scale byte 127
+    x[0, 32:] = 449.0  # needs scale 2 -> byte 128
+    raw = encode_rows(x, "fp8_e4m3_ue8m0")
+    assert raw[0, 64:].tolist() == [127, 128]
+    assert torch.equal(raw[0, :32].view(torch.float8_e4m3fn).float(), torch.full((32,), 448.0))
+    y = decode_rows(raw, "fp8_e4m3_ue8m0", 64)
+    assert torch.equal(y[0, :32], x[0, :32])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(1e-6, 1e6), st.integers(0, 2**31 - 1))
+def test_fp8_error_bound(magnitude, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 64, generator=g) * magnitude
+    raw = encode_rows(x, "fp8_e4m3_ue8m0")
+    y = decode_rows(raw, "fp8_e4m3_ue8m0", 64)
+    scale = torch.ldexp(torch.ones(4, 2), raw[:, 64:].to(torch.float32) - 127).repeat_interleave(32, dim=1)
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10)
+    assert ((x - y).abs() <= bound).all()
+    # every block uses at most the full fp8 range and the smallest such power-of-two scale
+    blocks = x.abs().reshape(4, 2, 32).amax(-1)
+    s = scale[:, ::32]
+    assert (blocks / s <= 448).all()
+    assert ((blocks == 0) | (blocks / (s / 2) > 448)).all()
+
+
+def test_int8_error_bound():
+    x = torch.randn(8, 32)
+    y = decode_rows(encode_rows(x, "int8"), "int8", 32)
+    assert ((x - y).abs() <= x.abs().amax(1, keepdim=True) / 254 + 1e-7).all()
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="unknown row format"):
+        row_bytes("fp4", 32)
+    with pytest.raises(ValueError, match=r"uint8 \[n, 264\]"):
+        decode_rows(torch.zeros(2, 100, dtype=torch.uint8), "fp8_e4m3_ue8m0", 256)
+    with pytest.raises(ValueError, match="head_dim"):
+        encode_rows(torch.zeros(3), "fp32")
