@@ -22,4 +22,14 @@ if sys.platform.startswith("linux"):
         )
     )
 
+# The n-gram hash kernel: portable C, optional like the reader (NumPy is the fallback).
+ext_modules.append(
+    Extension(
+        "engram_offload._hashkernel",
+        sources=["src/engram_offload/_hashkernel.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
+        optional=True,
+    )
+)
+
 setup(ext_modules=ext_modules)

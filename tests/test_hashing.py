@@ -128,3 +128,31 @@ def test_pieces_argument_errors(small_hasher):
         small_hasher.hash_pieces(history, [1, 1], [[1], [2]])
     with pytest.raises(ValueError, match="2 token ids for 3 sequences"):
         small_hasher.hash_decode(history, [1, 2, 3], [1, 2])
+
+
+@pytest.mark.native
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(-5, VOCAB - 1), min_size=6, max_size=6), min_size=1, max_size=40))
+def test_native_kernel_equals_numpy_path(rows):
+    """The compiled kernel and the NumPy fallback give the same ids (negative ids included)."""
+    native = NgramHasher(SMALL, TOKEN_MAP)
+    if native._kernel is None:
+        pytest.skip("the native hash kernel is not built")
+    fallback = NgramHasher(SMALL, TOKEN_MAP)
+    fallback._kernel = None
+    ids = np.array(rows)
+    assert torch.equal(native.hash_all(ids), fallback.hash_all(ids))
+
+
+def test_native_kernel_extreme_mixes():
+    """Mixes near 2**63 and large primes: the reciprocal modulo stays exact."""
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=4, head_dim=32,
+                          prime_starts=(2**31,), pad_id=0)
+    token_map = np.arange(1000, dtype=np.int64)
+    native = NgramHasher(config, token_map)
+    fallback = NgramHasher(config, token_map)
+    fallback._kernel = None
+    native.multipliers[:] = (2**63 - 1) // 1000 | 1  # products close to 2**63
+    fallback.multipliers[:] = native.multipliers
+    ids = np.arange(1000).reshape(1, -1)
+    assert torch.equal(native.hash_all(ids), fallback.hash_all(ids))

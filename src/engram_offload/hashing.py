@@ -23,7 +23,18 @@ import torch
 
 from .config import EngramConfig
 
-__all__ = ["NgramHasher", "SequenceHistory"]
+__all__ = ["NgramHasher", "SequenceHistory", "native_kernel"]
+
+
+def native_kernel():
+    """The compiled hash kernel, or None (not built, or ENGRAM_OFFLOAD_NO_NATIVE=1)."""
+    if os.environ.get("ENGRAM_OFFLOAD_NO_NATIVE") == "1":
+        return None
+    try:
+        from . import _hashkernel
+    except ImportError:
+        return None
+    return _hashkernel
 
 # Positions per work item when a batch is split across threads; keeps the temporaries
 # of one item ([L, orders, heads, chunk] int64) inside the CPU caches.
@@ -86,6 +97,10 @@ class NgramHasher:
         self.layer_bases = np.array(config.layer_row_bases, dtype=np.int64)
         self._col_shift = self.offsets.reshape(len(layers), orders, heads, 1)
         self._max_n = n
+        # floor(2**64 / prime), for the native kernel's reciprocal modulo
+        self._magic = np.array([(1 << 64) // int(p) for p in self.primes.reshape(-1)],
+                               dtype=np.uint64).reshape(self.primes.shape)
+        self._kernel = native_kernel()
 
     # ------------------------------------------------------------------ compression
     def compress(self, input_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
@@ -104,6 +119,12 @@ class NgramHasher:
     # ------------------------------------------------------------------ core
     def _hash_windows_into(self, windows: np.ndarray, out: np.ndarray) -> None:
         """windows int64 [P, N] (column k = compressed id at lookback k) -> out [L, orders, heads, P]."""
+        if self._kernel is not None:
+            layers, orders, heads = self.primes.shape
+            self._kernel.hash_windows(np.ascontiguousarray(windows), self.multipliers, self.primes,
+                                      self._magic, self.offsets, out, windows.shape[0],
+                                      self._max_n, layers, heads)
+            return
         products = self.multipliers[:, :, None] * windows.T[None]  # [L, N, P]
         rolling = products[:, 0].copy()  # [L, P]
         for k in range(1, self._max_n):
@@ -276,6 +297,8 @@ class SequenceHistory:
     any_dead: bool = field(default=False, init=False)
     _slots: dict[int, int] = field(default_factory=dict, init=False)
     _free: list[int] = field(default_factory=list, init=False)
+    _last_key: tuple | None = field(default=None, init=False)
+    _last_slots: np.ndarray | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.tokens = np.full((self.capacity, self.width), self.pad, np.int64)
@@ -289,7 +312,13 @@ class SequenceHistory:
         return len(self._slots)
 
     def slots_for(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """Slot of each sequence, allocating (at the sequence start) for new ones."""
+        """Slot of each sequence, allocating (at the sequence start) for new ones.
+
+        Decode steps repeat the previous step's batch, so that answer is kept and reused.
+        """
+        key = tuple(seq_ids)
+        if key == self._last_key:
+            return self._last_slots
         out = np.empty(len(seq_ids), np.int64)
         for i, seq in enumerate(seq_ids):
             slot = self._slots.get(seq)
@@ -301,12 +330,14 @@ class SequenceHistory:
                 self.tokens[slot] = self.pad
                 self.dead[slot] = False
             out[i] = slot
+        self._last_key, self._last_slots = key, out
         return out
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence; its next piece would start a new sequence."""
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
+            self._last_key = None
             self._free.append(slot)
 
     def _grow(self) -> None:

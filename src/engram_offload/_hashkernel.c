@@ -1,0 +1,111 @@
+/*
+ * Native kernel for the Engram n-gram hash (SPEC section 3), with the GIL released.
+ *
+ * hash_windows(windows, multipliers, primes, magic, offsets, out, P, N, L, H)
+ *   windows      int64 [P, N]      compressed id at lookback k of each position
+ *   multipliers  int64 [L, N]      per layer, per lookback
+ *   primes       int64 [L, N-1, H] head row counts
+ *   magic        uint64 [L, N-1, H] floor(2**64 / prime)
+ *   offsets      int64 [L, (N-1)*H] head offsets within the layer
+ *   out          int64 [L, (N-1)*H, P] global-in-layer row ids (written)
+ *
+ * mix_n = XOR_{k<n} windows[p, k] * m[k] in wrapping int64 arithmetic (as NumPy does);
+ * row = floor-mod(mix_n, prime) + offset. For mix >= 0 the quotient comes from one 64x64->128
+ * multiply by the reciprocal `magic`, which is at most one below the true quotient, so a single
+ * correction gives the exact remainder; negative mixes (negative ids pass through
+ * uncompressed, as in the demo) take the plain division path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline int64_t floor_mod(int64_t x, int64_t prime, uint64_t magic) {
+    if (x >= 0) {
+        uint64_t ux = (uint64_t)x;
+        uint64_t q = (uint64_t)(((unsigned __int128)ux * magic) >> 64);
+        uint64_t r = ux - q * (uint64_t)prime;
+        if (r >= (uint64_t)prime) r -= (uint64_t)prime;
+        return (int64_t)r;
+    }
+    int64_t r = x % prime;
+    return r < 0 ? r + prime : r;
+}
+
+static int check_len(Py_buffer *b, Py_ssize_t items, const char *name) {
+    if (b->len != items * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd", name, b->len,
+                     items * (Py_ssize_t)sizeof(int64_t));
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *hash_windows(PyObject *self, PyObject *args) {
+    Py_buffer win, mult, primes, magic, offsets, out;
+    Py_ssize_t P, N, L, H;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnn", &win, &mult, &primes, &magic, &offsets, &out,
+                          &P, &N, &L, &H))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t O = N - 1, C = O * H;
+    int64_t *rolling = NULL;
+    if (P < 0 || N < 2 || L < 1 || H < 1) {
+        PyErr_SetString(PyExc_ValueError, "bad dimensions");
+        goto done;
+    }
+    if (check_len(&win, P * N, "windows") || check_len(&mult, L * N, "multipliers") ||
+        check_len(&primes, L * C, "primes") || check_len(&magic, L * C, "magic") ||
+        check_len(&offsets, L * C, "offsets") || check_len(&out, L * C * P, "out"))
+        goto done;
+    rolling = (int64_t *)malloc((size_t)(P > 0 ? P : 1) * sizeof(int64_t));
+    if (!rolling) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *w = (const int64_t *)win.buf, *m = (const int64_t *)mult.buf;
+    const int64_t *pr = (const int64_t *)primes.buf, *off = (const int64_t *)offsets.buf;
+    const uint64_t *mg = (const uint64_t *)magic.buf;
+    int64_t *o = (int64_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t l = 0; l < L; l++) {
+        const int64_t *ml = m + l * N;
+        for (Py_ssize_t p = 0; p < P; p++)
+            rolling[p] = (int64_t)((uint64_t)w[p * N] * (uint64_t)ml[0]);
+        for (Py_ssize_t k = 1; k < N; k++) {
+            for (Py_ssize_t p = 0; p < P; p++)
+                rolling[p] ^= (int64_t)((uint64_t)w[p * N + k] * (uint64_t)ml[k]);
+            for (Py_ssize_t h = 0; h < H; h++) {
+                Py_ssize_t col = (k - 1) * H + h;
+                int64_t prime = pr[l * C + col], shift = off[l * C + col];
+                uint64_t mag = mg[l * C + col];
+                int64_t *dst = o + (l * C + col) * P;
+                for (Py_ssize_t p = 0; p < P; p++)
+                    dst[p] = floor_mod(rolling[p], prime, mag) + shift;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(rolling);
+    PyBuffer_Release(&win);
+    PyBuffer_Release(&mult);
+    PyBuffer_Release(&primes);
+    PyBuffer_Release(&magic);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"hash_windows", hash_windows, METH_VARARGS,
+     "hash_windows(windows, multipliers, primes, magic, offsets, out, P, N, L, H): Engram row ids."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hashkernel",
+                                    "Native Engram n-gram hash kernel.", -1, methods};
+
+PyMODINIT_FUNC PyInit__hashkernel(void) { return PyModule_Create(&module); }
