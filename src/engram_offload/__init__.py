@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 from .config import PRESETS, EngramConfig
 from .errors import ChecksumError, EngramError, TableFormatError, TierError
 from .rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+from .store import open_table
+from .table.writer import write_table
 
 __all__ = [
     "__version__",
@@ -23,4 +25,6 @@ __all__ = [
     "TableFormatError",
     "ChecksumError",
     "TierError",
+    "open_table",
+    "write_table",
 ]

@@ -1,0 +1,149 @@
+"""``make-table``, ``convert``, ``verify``, ``bench-tier``: table files and tier speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import EngramConfig
+from ..errors import ChecksumError
+
+DEFAULT_QUEUE_DEPTH = 64
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    make = sub.add_parser(
+        "make-table", help="write a table of seeded random rows (for benchmarks)",
+        description="Write a table of seeded random rows at a preset's layout, optionally scaled down.",
+    )
+    make.add_argument("--preset", default="deepseek-v4.1-flash", help="layout (default deepseek-v4.1-flash)")
+    make.add_argument("--scale", type=float, default=1.0,
+                      help="scale every prime-search start by F (0 < F <= 1) for a smaller table")
+    make.add_argument("--out", required=True, help="table file to write")
+    make.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
+    make.add_argument("--block-size", type=int, default=1 << 20, help="checksum block bytes (default 1 MiB)")
+    make.add_argument("--no-progress", action="store_true", help="no progress bar")
+    make.set_defaults(func=cmd_make_table)
+
+    conv = sub.add_parser(
+        "convert", help="convert a checkpoint's Engram embeddings (safetensors) into a table",
+        description="Stream the Engram embeddings of a safetensors checkpoint into one table file. "
+        "The layout comes from CHECKPOINT_DIR/config.json, or --preset / --config, or the flags.",
+    )
+    conv.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    conv.add_argument("--out", required=True, help="table file to write")
+    conv.add_argument("--preset", help="a named layout (for checkpoints without config.json)")
+    conv.add_argument("--config", help="a Hugging Face config.json with engram_* fields")
+    conv.add_argument("--layer-ids", help="comma-separated Engram layer ids, e.g. 1,15")
+    conv.add_argument("--max-ngram-size", type=int)
+    conv.add_argument("--n-heads", type=int)
+    conv.add_argument("--head-dim", type=int)
+    conv.add_argument("--prime-start", help="prime-search start, one value or one per order (comma-separated)")
+    conv.add_argument("--row-format", help="store rows in this format (default: the config's)")
+    conv.add_argument("--no-progress", action="store_true")
+    conv.set_defaults(func=cmd_convert)
+
+    ver = sub.add_parser("verify", help="check every block of a table against its checksum",
+                         description="Check a table's header, size and every block's checksum.")
+    ver.add_argument("path")
+    ver.add_argument("--no-progress", action="store_true")
+    ver.set_defaults(func=cmd_verify)
+
+    bench = sub.add_parser(
+        "bench-tier", help="measure random-row reads from one tier",
+        description="Gather uniformly random rows from a table on one tier and report rows/s, "
+        "reads/s and CPU time per read.",
+    )
+    bench.add_argument("--table", required=True)
+    bench.add_argument("--tier", required=True, help="memory, pinned, mmap or direct")
+    bench.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads")
+    bench.add_argument("--cold", action="store_true", help="drop the file's page cache first")
+    bench.add_argument("--seconds", type=float, default=10.0)
+    bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
+                       help="reads in flight (direct) or concurrent reader threads (mmap)")
+    bench.add_argument("--batch", type=int, default=1024, help="rows per gather call")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.set_defaults(func=cmd_bench_tier)
+
+
+def cmd_make_table(args: argparse.Namespace) -> int:
+    from ..table import make_random_table
+
+    config = EngramConfig.from_name(args.preset).scaled(args.scale)
+    path = make_random_table(args.out, config, args.seed, block_size=args.block_size,
+                             progress=False if args.no_progress else None)
+    print(f"wrote {path}: {config.num_rows:,} rows of {config.row_bytes} bytes "
+          f"({path.stat().st_size / 2**30:.2f} GiB), layout {config.name}")
+    return 0
+
+
+def _convert_config(args: argparse.Namespace) -> EngramConfig:
+    flags = (args.layer_ids, args.max_ngram_size, args.n_heads, args.head_dim, args.prime_start)
+    if args.config:
+        config = EngramConfig.from_hf_config(args.config)
+    elif args.preset:
+        config = EngramConfig.from_name(args.preset)
+    elif all(v is not None for v in flags):
+        starts = [int(s) for s in args.prime_start.split(",")]
+        config = EngramConfig(
+            layer_ids=tuple(int(i) for i in args.layer_ids.split(",")),
+            max_ngram_size=args.max_ngram_size, n_heads=args.n_heads, head_dim=args.head_dim,
+            prime_starts=tuple(starts) if len(starts) > 1 else starts[0],
+            row_format=args.row_format or "fp32",
+        )
+    elif (Path(args.checkpoint) / "config.json").exists():
+        config = EngramConfig.from_hf_config(Path(args.checkpoint) / "config.json")
+    else:
+        raise ValueError(
+            f"{args.checkpoint} has no config.json: give --preset, --config, or all of --layer-ids, "
+            "--max-ngram-size, --n-heads, --head-dim, --prime-start"
+        )
+    if args.row_format:
+        config = config.replace(row_format=args.row_format)
+    return config
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..table.convert import convert_checkpoint
+
+    config = _convert_config(args)
+    path = convert_checkpoint(args.checkpoint, args.out, config,
+                              progress=False if args.no_progress else None)
+    print(f"wrote {path}: {config.num_rows:,} rows ({config.row_format}, {config.row_bytes} bytes a row), "
+          f"layers {list(config.layer_ids)}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..table import verify_table
+
+    try:
+        header = verify_table(args.path, progress=False if args.no_progress else None)
+    except ChecksumError as exc:
+        print(f"engram-offload verify: FAILED: {exc}", file=sys.stderr)
+        return 1
+    layout = header.layout
+    print(f"{header.path}: OK, {layout.num_blocks:,} blocks, {layout.num_rows:,} rows "
+          f"({layout.row_format}), {layout.file_bytes:,} bytes")
+    return 0
+
+
+def cmd_bench_tier(args: argparse.Namespace) -> int:
+    from ..tiers.bench import run_tier_bench
+
+    result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
+                            queue_depth=args.queue_depth, cold=args.cold, engine=args.engine,
+                            seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    cold = f"cold ({', '.join(result['cold_method'])})" if args.cold else "warm"
+    print(f"{result['tier']} [{result['engine']}] {cold}, batch {args.batch}, queue depth {args.queue_depth}")
+    print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
+          f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
+    print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
+          f"p99 {result['batch_ms_p99']:.2f} ms")
+    return 0

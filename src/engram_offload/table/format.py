@@ -1,0 +1,254 @@
+"""The table file format: header, row placement, checksum trailer.
+
+A table file is, in order::
+
+    prefix   24 bytes: b"ENGRAMTB", u32 format version, u32 JSON length, u64 xxh3_64(JSON)
+    header   UTF-8 JSON (magic, version, the full EngramConfig, the layout), zero padded
+             to ``data_offset`` (a multiple of 4096)
+    data     ``num_pages`` pages of ``page_bytes``; page ``p`` holds rows
+             ``p*rows_per_page .. (p+1)*rows_per_page-1`` back to back, zero padded
+    trailer  at ``trailer_offset``: one little-endian u64 xxh3_64 digest per ``block_size``
+             bytes of data (the last block may be shorter), then u64 xxh3_64 of those digests
+
+``page_bytes`` is 4096 when a row fits in 4 KiB (``floor(4096 / row_bytes)`` rows a page,
+so no row straddles a page), else the row size rounded up to 4096 (one row a page, every
+row page aligned). Every row is therefore served by one direct read of the smallest
+512-byte-aligned span holding it. All integers are little-endian; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..config import EngramConfig
+from ..errors import TableFormatError
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "PAGE_BYTES",
+    "SECTOR_BYTES",
+    "DEFAULT_BLOCK_SIZE",
+    "TableLayout",
+    "TableHeader",
+    "read_header",
+    "encode_header",
+]
+
+MAGIC = b"ENGRAMTB"
+MAGIC_NAME = "engram-offload-table"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<8sIIQ")  # magic, version, JSON length, xxh3_64 of the JSON
+PAGE_BYTES = 4096
+SECTOR_BYTES = 512
+DEFAULT_BLOCK_SIZE = 1 << 20
+MAX_HEADER_BYTES = 1 << 24
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where every byte of a table goes, derived from its config and block size."""
+
+    config: EngramConfig
+    block_size: int
+    data_offset: int
+
+    @classmethod
+    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "TableLayout":
+        """The layout of ``config``'s table; ``block_size`` is rounded up to whole pages."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        page = _page_bytes(config.row_bytes)
+        layout = cls(config, round_up(block_size, page), PAGE_BYTES)
+        # The header size depends on data_offset only through its digits: settle it.
+        while True:
+            need = round_up(PREFIX.size + len(layout.header_json()), PAGE_BYTES)
+            if need == layout.data_offset:
+                return layout
+            layout = cls(config, layout.block_size, need)
+
+    # -- geometry ---------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.config.num_rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.config.row_bytes
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def row_format(self) -> str:
+        return self.config.row_format
+
+    @property
+    def page_bytes(self) -> int:
+        return _page_bytes(self.row_bytes)
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_bytes // self.row_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_rows // self.rows_per_page)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.data_bytes // self.block_size)
+
+    @property
+    def trailer_offset(self) -> int:
+        return self.data_offset + self.data_bytes
+
+    @property
+    def trailer_bytes(self) -> int:
+        return 8 * (self.num_blocks + 1)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.trailer_offset + self.trailer_bytes
+
+    def row_offsets(self, ids: np.ndarray) -> np.ndarray:
+        """File byte offsets (int64) of rows ``ids`` (int64, already range checked)."""
+        rpp = self.rows_per_page
+        return self.data_offset + (ids // rpp) * self.page_bytes + (ids % rpp) * self.row_bytes
+
+    def block_range(self, block: int) -> tuple[int, int]:
+        """File byte range ``[start, end)`` of data block ``block``."""
+        start = self.data_offset + block * self.block_size
+        return start, min(start + self.block_size, self.trailer_offset)
+
+    # -- header -----------------------------------------------------------------------
+    def header_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "magic": MAGIC_NAME,
+            "version": FORMAT_VERSION,
+            "config": c.to_dict(),
+            "layer_ids": list(c.layer_ids),
+            "head_sizes": {str(i): list(c.head_sizes(i)) for i in c.layer_ids},
+            "layer_row_bases": list(c.layer_row_bases),
+            "num_rows": c.num_rows,
+            "head_dim": c.head_dim,
+            "row_format": c.row_format,
+            "row_bytes": c.row_bytes,
+            "stride": self.page_bytes,
+            "rows_per_page": self.rows_per_page,
+            "data_offset": self.data_offset,
+            "data_bytes": self.data_bytes,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "checksum": "xxh3_64",
+            "trailer_offset": self.trailer_offset,
+            "file_bytes": self.file_bytes,
+        }
+
+    def header_json(self) -> bytes:
+        return json.dumps(self.header_dict(), sort_keys=True).encode()
+
+
+def _page_bytes(row_bytes: int) -> int:
+    return PAGE_BYTES if row_bytes <= PAGE_BYTES else round_up(row_bytes, PAGE_BYTES)
+
+
+def encode_header(layout: TableLayout) -> bytes:
+    """The file's first ``data_offset`` bytes: prefix, JSON, zero padding."""
+    body = layout.header_json()
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    return head + bytes(layout.data_offset - len(head))
+
+
+@dataclass(frozen=True)
+class TableHeader:
+    """An opened table's path, layout and block checksums (from the trailer)."""
+
+    path: Path
+    layout: TableLayout
+    block_digests: np.ndarray  # uint64 [num_blocks]
+
+    @property
+    def config(self) -> EngramConfig:
+        return self.layout.config
+
+
+def read_header(path: str | os.PathLike[str]) -> TableHeader:
+    """Open ``path`` as a table: check magic, version, header, size and trailer.
+
+    Raises ``TableFormatError`` saying what is wrong (foreign file, truncation, ...).
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no table file at {path}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            raise TableFormatError(
+                f"{path} is not an engram-offload table: {size} bytes is too short for a header"
+            )
+        magic, version, length, digest = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise TableFormatError(
+                f"{path} is not an engram-offload table (starts with {magic!r}, expected {MAGIC!r})"
+            )
+        if version != FORMAT_VERSION:
+            raise TableFormatError(
+                f"{path} has table format version {version}; this engram-offload reads version "
+                f"{FORMAT_VERSION}: rewrite the table with this version (make-table or convert)"
+            )
+        if length > MAX_HEADER_BYTES:
+            raise TableFormatError(f"{path}: header length {length} is implausible; the file is damaged")
+        body = f.read(length)
+        if len(body) < length:
+            raise TableFormatError(f"{path} is truncated inside its header ({size} bytes)")
+        if xxhash.xxh3_64_intdigest(body) != digest:
+            raise TableFormatError(f"{path}: the header does not match its checksum; the file is damaged")
+        try:
+            meta = json.loads(body)
+            config = EngramConfig(**meta["config"])
+            layout = TableLayout(config, int(meta["block_size"]), int(meta["data_offset"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TableFormatError(f"{path}: unreadable table header ({exc})") from None
+        expected = layout.header_dict()
+        for key in ("magic", "num_rows", "row_bytes", "stride", "data_bytes", "num_blocks",
+                    "trailer_offset", "file_bytes"):
+            if meta.get(key) != expected[key]:
+                raise TableFormatError(
+                    f"{path}: header field {key}={meta.get(key)!r} disagrees with the layout "
+                    f"derived from its config ({expected[key]!r}); the file is damaged"
+                )
+        if size != layout.file_bytes:
+            what = "truncated" if size < layout.file_bytes else "longer than its header says"
+            raise TableFormatError(
+                f"{path} is {what}: {size:,} bytes, expected {layout.file_bytes:,}; "
+                "rewrite or re-copy the table"
+            )
+        f.seek(layout.trailer_offset)
+        trailer = f.read(layout.trailer_bytes)
+    digests = np.frombuffer(trailer[:-8], dtype="<u8").copy()
+    (check,) = struct.unpack("<Q", trailer[-8:])
+    if xxhash.xxh3_64_intdigest(trailer[:-8]) != check:
+        raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
+    return TableHeader(path, layout, digests)

@@ -1,0 +1,222 @@
+"""Writing tables: a streaming writer (rows in chunks, any size) and ``write_table``.
+
+Writes are atomic: the table is written under a temporary name in the target directory,
+fsynced, renamed over the target and the directory fsynced, so a reader sees either the
+old file or the whole new one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from ..config import EngramConfig
+from ..rows import encode_rows
+from .format import DEFAULT_BLOCK_SIZE, TableLayout, encode_header
+from .progress import byte_progress
+
+__all__ = ["TableWriter", "write_table", "as_raw_rows"]
+
+ENCODE_CHUNK_ROWS = 1 << 16
+RowSource = torch.Tensor | np.ndarray | Iterable[torch.Tensor | np.ndarray]
+
+
+def as_raw_rows(rows: torch.Tensor | np.ndarray, config: EngramConfig) -> np.ndarray:
+    """Float rows ``[n, head_dim]`` (encoded to the config's format) or raw ``uint8 [n, row_bytes]``
+    -> raw bytes, a C-contiguous ``np.uint8 [n, row_bytes]``."""
+    t = torch.from_numpy(np.ascontiguousarray(rows)) if isinstance(rows, np.ndarray) else rows
+    if t.dim() != 2:
+        raise ValueError(f"rows must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype == torch.uint8:
+        if t.shape[1] != config.row_bytes:
+            raise ValueError(
+                f"raw uint8 rows must be [n, {config.row_bytes}] ({config.row_format} at head_dim "
+                f"{config.head_dim}), got {tuple(t.shape)}"
+            )
+        return t.detach().cpu().contiguous().numpy()
+    if not t.is_floating_point():
+        raise ValueError(f"rows must be float [n, head_dim] or uint8 [n, row_bytes], got {t.dtype}")
+    if t.shape[1] != config.head_dim:
+        raise ValueError(f"float rows must be [n, {config.head_dim}], got {tuple(t.shape)}")
+    return encode_rows(t.detach().cpu(), config.row_format).contiguous().numpy()
+
+
+class _BlockSink:
+    """Writes data bytes to a file while hashing each ``block_size`` block (xxh3_64)."""
+
+    def __init__(self, f, block_size: int) -> None:
+        self.f, self.block_size = f, block_size
+        self.digests: list[int] = []
+        self._hash, self._filled = xxhash.xxh3_64(), 0
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+        while len(data):
+            take = min(len(data), self.block_size - self._filled)
+            self._hash.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block_size:
+                self._close_block()
+
+    def _close_block(self) -> None:
+        self.digests.append(self._hash.intdigest())
+        self._hash, self._filled = xxhash.xxh3_64(), 0
+
+    def finish(self) -> list[int]:
+        if self._filled:
+            self._close_block()
+        return self.digests
+
+
+class TableWriter:
+    """Streams rows into a new table file; ``close()`` publishes it atomically.
+
+    ``write(rows)`` takes float rows ``[n, head_dim]`` or raw ``uint8 [n, row_bytes]``, in
+    table row order. Exactly ``config.num_rows`` rows must be written before ``close``.
+    Used as a context manager, an exception discards the temporary file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: EngramConfig,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        progress: bool | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.layout = TableLayout.for_config(config, block_size)
+        if not self.path.parent.is_dir():
+            raise FileNotFoundError(f"directory {self.path.parent} does not exist")
+        self._tmp = self.path.parent / f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp"
+        self._f = open(self._tmp, "wb", buffering=0)
+        self._f.write(encode_header(self.layout))
+        self._sink = _BlockSink(self._f, self.layout.block_size)
+        self._pending = np.empty((0, config.row_bytes), np.uint8)
+        self.rows_written = 0
+        self._progress = byte_progress(f"writing {self.path.name}", self.layout.data_bytes, progress)
+        self._advance = self._progress.__enter__()
+        self._done = False
+
+    def write(self, rows: torch.Tensor | np.ndarray) -> None:
+        """Append rows (float ``[n, head_dim]`` or raw ``uint8 [n, row_bytes]``)."""
+        for start in range(0, len(rows), ENCODE_CHUNK_ROWS):
+            self._write_raw(as_raw_rows(rows[start:start + ENCODE_CHUNK_ROWS], self.config))
+
+    def _write_raw(self, raw: np.ndarray) -> None:  # raw: [n, row_bytes] uint8
+        n = len(raw)
+        if self.rows_written + n > self.config.num_rows:
+            self.abort()
+            raise ValueError(
+                f"too many rows: the table holds {self.config.num_rows:,} rows, got at least "
+                f"{self.rows_written + n:,}"
+            )
+        self.rows_written += n
+        if len(self._pending):
+            raw = np.concatenate([self._pending, raw])
+        rpp, rb, page = self.layout.rows_per_page, self.config.row_bytes, self.layout.page_bytes
+        full = len(raw) // rpp
+        if full:
+            self._write_pages(raw[: full * rpp], full)
+        self._pending = raw[full * rpp:].copy()
+
+    def _write_pages(self, raw: np.ndarray, pages: int) -> None:
+        rpp, rb, page = self.layout.rows_per_page, self.config.row_bytes, self.layout.page_bytes
+        if rpp * rb == page:
+            packed = np.ascontiguousarray(raw).reshape(-1)
+        else:
+            packed = np.zeros((pages, page), np.uint8)  # [pages, page_bytes]
+            packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
+        self._sink.write(memoryview(packed).cast("B"))
+        self._advance(pages * page)
+
+    def close(self) -> Path:
+        """Finish the file (pad, trailer, fsync) and rename it into place; returns the path."""
+        if self._done:
+            return self.path
+        if self.rows_written != self.config.num_rows:
+            self.abort()
+            raise ValueError(
+                f"the table needs {self.config.num_rows:,} rows, only {self.rows_written:,} were "
+                "written; the file was not created"
+            )
+        try:
+            if len(self._pending):
+                padded = np.zeros((self.layout.rows_per_page, self.config.row_bytes), np.uint8)
+                padded[: len(self._pending)] = self._pending
+                self._write_pages(padded, 1)
+            digests = np.asarray(self._sink.finish(), dtype="<u8").tobytes()
+            assert len(digests) == 8 * self.layout.num_blocks
+            self._f.write(digests + struct.pack("<Q", xxhash.xxh3_64_intdigest(digests)))
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self._tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._progress.__exit__(None, None, None)
+        return self.path
+
+    def abort(self) -> None:
+        """Discard the temporary file; the target path is left as it was."""
+        if self._done:
+            return
+        self._done = True
+        self._progress.__exit__(None, None, None)
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "TableWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _chunks(rows: RowSource) -> Iterator[torch.Tensor | np.ndarray]:
+    if isinstance(rows, (torch.Tensor, np.ndarray)):
+        yield rows
+    else:
+        yield from rows
+
+
+def write_table(
+    path: str | os.PathLike[str],
+    config: EngramConfig,
+    rows: RowSource,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: bool | None = None,
+) -> Path:
+    """Write a table atomically.
+
+    ``rows``: float rows ``[num_rows, head_dim]`` (encoded with ``rows.encode_rows`` into
+    ``config.row_format``), raw ``uint8 [num_rows, row_bytes]``, or an iterator of chunks
+    of either, in row order.
+    """
+    with TableWriter(path, config, block_size=block_size, progress=progress) as writer:
+        for chunk in _chunks(rows):
+            writer.write(chunk)
+    return writer.path

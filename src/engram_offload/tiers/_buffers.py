@@ -1,0 +1,38 @@
+"""Page-aligned host buffers (for O_DIRECT) and byte-offset row gathers out of them."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import torch
+
+__all__ = ["aligned_empty", "gather_at", "madvise_quietly"]
+
+ALIGN = mmap.PAGESIZE
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised, page-aligned ``np.uint8 [nbytes]`` (anonymous mapping; freed with it)."""
+    mm = mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+    return np.frombuffer(mm, np.uint8, count=nbytes)
+
+
+def madvise_quietly(mm: mmap.mmap, advice_name: str) -> bool:
+    """``mm.madvise(mmap.<advice_name>)`` where the OS has it; False when refused."""
+    advice = getattr(mmap, advice_name, None)
+    if advice is None:
+        return False
+    try:
+        mm.madvise(advice)
+    except OSError:
+        return False
+    return True
+
+
+def gather_at(src: torch.Tensor, byte_offsets: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+    """Copy the ``row_bytes``-long byte runs of ``src`` (uint8 ``[N]``) starting at
+    ``byte_offsets`` (int64 ``[n]``) into ``out`` (uint8 ``[n, row_bytes]``)."""
+    rb = out.shape[1]
+    windows = src.as_strided((src.numel() - rb + 1, rb), (1, 1))  # [N - rb + 1, rb], overlapping
+    return torch.index_select(windows, 0, torch.from_numpy(byte_offsets), out=out)

@@ -1,0 +1,210 @@
+"""Table format: layout, round trips, streaming writes, atomicity, damaged files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engram_offload.errors import ChecksumError, TableFormatError
+from engram_offload.rows import decode_rows, encode_rows
+from engram_offload.table import (TableLayout, TableWriter, make_random_table, random_rows,
+                                  read_header, verify_table, write_table)
+from engram_offload.table.format import PAGE_BYTES, SECTOR_BYTES
+
+
+def raw_rows_of(config, seed=0) -> np.ndarray:
+    return np.concatenate(list(random_rows(config, seed)))  # [num_rows, row_bytes]
+
+
+def read_all_rows(path) -> np.ndarray:
+    header = read_header(path)
+    layout = header.layout
+    data = np.fromfile(path, np.uint8)
+    ids = np.arange(layout.num_rows)
+    offs = layout.row_offsets(ids)
+    return data[offs[:, None] + np.arange(layout.row_bytes)]
+
+
+@pytest.mark.parametrize("fmt,head_dim", [("fp8_e4m3_ue8m0", 64), ("fp32", 64), ("bf16", 80),
+                                          ("fp16", 48), ("int8", 64), ("fp32", 1100)])
+def test_layout_rows_never_straddle_a_page(fmt, head_dim, tiny_config):
+    config = tiny_config(fmt, head_dim)
+    layout = TableLayout.for_config(config)
+    offs = layout.row_offsets(np.arange(config.num_rows))
+    rb = config.row_bytes
+    assert layout.data_offset % PAGE_BYTES == 0 and layout.block_size % layout.page_bytes == 0
+    if rb <= PAGE_BYTES:
+        assert layout.rows_per_page == PAGE_BYTES // rb
+        assert np.all((offs % PAGE_BYTES) + rb <= PAGE_BYTES)
+        # one direct read: the sector span holding a row stays inside its page
+        span_end = (offs + rb + SECTOR_BYTES - 1) // SECTOR_BYTES * SECTOR_BYTES
+        assert np.all((span_end - 1) // PAGE_BYTES == offs // PAGE_BYTES)
+    else:
+        assert layout.rows_per_page == 1 and np.all(offs % PAGE_BYTES == 0)
+    assert len(np.unique(offs)) == config.num_rows
+
+
+def test_v41_row_packing_is_dense(tiny_config):
+    config = tiny_config("fp8_e4m3_ue8m0", 256)  # 264-byte rows, as DeepSeek-V4.1
+    layout = TableLayout.for_config(config)
+    assert config.row_bytes == 264 and layout.rows_per_page == 15 and layout.page_bytes == 4096
+
+
+@pytest.mark.parametrize("fmt,head_dim", [("fp8_e4m3_ue8m0", 64), ("bf16", 80), ("fp32", 1100), ("int8", 64)])
+def test_round_trip_raw_rows(tmp_path, fmt, head_dim, tiny_config):
+    config = tiny_config(fmt, head_dim)
+    raw = raw_rows_of(config)
+    path = write_table(tmp_path / "t.tbl", config, torch.from_numpy(raw))
+    header = read_header(path)
+    assert header.config == config
+    assert os.path.getsize(path) == header.layout.file_bytes
+    np.testing.assert_array_equal(read_all_rows(path), raw)
+    verify_table(path)
+
+
+def test_float_rows_are_encoded(tmp_path, tiny_config):
+    config = tiny_config("bf16", 80)
+    x = torch.randn(config.num_rows, 80)
+    path = write_table(tmp_path / "t.tbl", config, x)
+    got = torch.from_numpy(read_all_rows(path))
+    assert torch.equal(got, encode_rows(x, "bf16"))
+    assert torch.equal(decode_rows(got, "bf16", 80), x.to(torch.bfloat16).float())
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 900), min_size=1, max_size=12))
+def test_chunked_writes_match_one_write(tmp_path_factory, sizes, tiny_config):
+    config = tiny_config()
+    raw = raw_rows_of(config, seed=3)
+    bounds = np.cumsum([0] + sizes)
+    bounds = np.unique(np.clip(np.append(bounds, config.num_rows), 0, config.num_rows))
+    chunks = [raw[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    d = tmp_path_factory.mktemp("chunks")
+    one = write_table(d / "one.tbl", config, raw)
+    many = write_table(d / "many.tbl", config, iter(chunks), block_size=8192)
+    np.testing.assert_array_equal(read_all_rows(many), read_all_rows(one))
+    assert read_header(many).layout.num_blocks > read_header(one).layout.num_blocks
+
+
+def test_wrong_row_count_leaves_no_file(tmp_path, config):
+    raw = raw_rows_of(config)
+    with pytest.raises(ValueError, match="needs .* rows"):
+        write_table(tmp_path / "t.tbl", config, raw[:-1])
+    with pytest.raises(ValueError, match="too many rows"):
+        write_table(tmp_path / "t.tbl", config, iter([raw, raw[:1]]))
+    with pytest.raises(ValueError, match=r"\[n, 66\]"):
+        write_table(tmp_path / "t.tbl", config, raw[:, :-1])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_is_atomic(tmp_path, config):
+    path = make_random_table(tmp_path / "t.tbl", config, seed=1)
+    before = path.read_bytes()
+
+    def failing():
+        yield raw_rows_of(config)[:100]
+        raise RuntimeError("source failed")
+
+    with pytest.raises(RuntimeError):
+        write_table(path, config, failing())
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["t.tbl"]
+    with TableWriter(path, config) as w:  # the old file stays until close() renames
+        w.write(raw_rows_of(config, seed=2))
+        assert path.read_bytes() == before
+    assert path.read_bytes() != before
+
+
+def test_seeded_tables_are_reproducible(tmp_path, config):
+    a = make_random_table(tmp_path / "a.tbl", config, seed=5).read_bytes()
+    b = make_random_table(tmp_path / "b.tbl", config, seed=5).read_bytes()
+    c = make_random_table(tmp_path / "c.tbl", config, seed=6).read_bytes()
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("fmt,head_dim", [("fp8_e4m3_ue8m0", 64), ("fp32", 64), ("bf16", 80),
+                                          ("fp16", 48), ("int8", 64)])
+def test_random_rows_are_finite(fmt, head_dim, tiny_config):
+    config = tiny_config(fmt, head_dim)
+    rows = decode_rows(torch.from_numpy(raw_rows_of(config)), fmt, head_dim)
+    assert torch.isfinite(rows).all() and rows.abs().max() > 0
+
+
+# ---------------------------------------------------------------- damaged and foreign files
+@pytest.fixture
+def table(tmp_path, config):
+    return make_random_table(tmp_path / "t.tbl", config, seed=0, block_size=8192)
+
+
+def test_truncated_file_fails_at_open(table):
+    size = os.path.getsize(table)
+    for keep in (size - 1, size // 2, 100, 10, 0):
+        with open(table, "r+b") as f:
+            f.truncate(keep)
+        with pytest.raises(TableFormatError, match="truncated|too short"):
+            read_header(table)
+
+
+def test_foreign_file_fails_at_open(tmp_path):
+    foreign = tmp_path / "model.safetensors"
+    foreign.write_bytes(struct.pack("<Q", 2) + b"{}" + bytes(5000))
+    with pytest.raises(TableFormatError, match="not an engram-offload table"):
+        read_header(foreign)
+
+
+def test_other_version_fails_at_open(table):
+    with open(table, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))
+    with pytest.raises(TableFormatError, match="version 99"):
+        read_header(table)
+
+
+def test_damaged_header_and_trailer_fail_at_open(table, tmp_path):
+    data = bytearray(table.read_bytes())
+    header = bytearray(data)
+    header[40] ^= 0xFF
+    (tmp_path / "h.tbl").write_bytes(bytes(header))
+    with pytest.raises(TableFormatError, match="header does not match"):
+        read_header(tmp_path / "h.tbl")
+    trailer = bytearray(data)
+    trailer[-12] ^= 0x01
+    (tmp_path / "tr.tbl").write_bytes(bytes(trailer))
+    with pytest.raises(TableFormatError, match="trailer"):
+        read_header(tmp_path / "tr.tbl")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no table file"):
+        read_header(tmp_path / "nope.tbl")
+
+
+def test_flipped_byte_fails_verify_naming_the_block(table):
+    header = read_header(table)
+    layout = header.layout
+    block = layout.num_blocks // 2
+    start, end = layout.block_range(block)
+    with open(table, "r+b") as f:
+        f.seek(start + 1234)
+        byte = f.read(1)
+        f.seek(start + 1234)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match=rf"block {block} \(bytes {start:,}\.\.{end:,}\)"):
+        verify_table(table)
+
+
+def test_header_is_json_with_the_layout(table):
+    data = table.read_bytes()
+    (length,) = struct.unpack("<I", data[12:16])
+    meta = json.loads(data[24:24 + length])
+    assert meta["magic"] == "engram-offload-table" and meta["version"] == 1
+    assert meta["data_offset"] % 4096 == 0 and meta["checksum"] == "xxh3_64"
+    assert meta["config"]["row_format"] == "fp8_e4m3_ue8m0"
+    assert set(meta) >= {"layer_ids", "head_sizes", "row_bytes", "stride", "block_size", "trailer_offset"}

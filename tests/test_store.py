@@ -1,0 +1,59 @@
+"""``open_table``: the store over a tier, decoding rows, counting, refusing caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload import open_table, write_table
+from engram_offload.config import EngramConfig
+from engram_offload.errors import TableFormatError
+from engram_offload.rows import decode_rows, encode_rows
+
+
+@pytest.fixture
+def v41_table(tmp_path):
+    config = EngramConfig.from_name("deepseek-v4.1-flash").scaled(2e-5)
+    x = torch.randn(config.num_rows, config.head_dim)  # [rows, 256]
+    path = write_table(tmp_path / "v41.tbl", config, x)
+    return path, config, encode_rows(x, config.row_format)
+
+
+@pytest.mark.parametrize("tier", ["memory", "mmap", "direct"])
+def test_gather_decodes_rows(v41_table, tier):
+    path, config, raw = v41_table
+    with open_table(path, tier) as store:
+        assert store.config == config and store.num_rows == config.num_rows
+        base = config.layer_row_base(config.layer_ids[1])
+        ids = torch.tensor([[0, base], [base - 1, config.num_rows - 1]])  # [2, 2]
+        rows = store.gather(ids, dtype=torch.bfloat16)
+        assert rows.shape == (2, 2, 256) and rows.dtype == torch.bfloat16
+        want = decode_rows(raw[ids.reshape(-1)], config.row_format, 256, torch.bfloat16)
+        assert torch.equal(rows.reshape(4, 256), want)
+        assert torch.equal(store.read_raw([3, 3]), raw[[3, 3]])
+        stats = store.stats()
+        assert stats["requests"] == 2 and stats["rows"] == 6 and stats["tier"] == tier
+        assert stats["bytes_read"] >= 6 * 264
+
+
+def test_cache_bytes_is_refused_clearly(v41_table):
+    with pytest.raises(ValueError, match="caches are not available yet"):
+        open_table(v41_table[0], "direct", cache_bytes=1 << 20)
+
+
+def test_unknown_tier_and_bad_files(v41_table, tmp_path):
+    with pytest.raises(ValueError, match="unknown tier"):
+        open_table(v41_table[0], "floppy")
+    (tmp_path / "junk").write_bytes(b"hello world" * 100)
+    with pytest.raises(TableFormatError):
+        open_table(tmp_path / "junk")
+
+
+def test_bad_ids(v41_table):
+    with open_table(v41_table[0], "memory") as store:
+        with pytest.raises(IndexError, match=f"row id {store.num_rows}"):
+            store.gather(np.array([store.num_rows]))
+        with pytest.raises(TypeError, match="integers"):
+            store.gather(np.array([1.5]))
+        assert store.gather([]).shape == (0, 256)

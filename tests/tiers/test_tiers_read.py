@@ -1,0 +1,146 @@
+"""Every tier returns exactly the table's rows: formats, duplicates, edges, threads, bad ids."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tier_cases import FORMATS, TIER_CASES, skip_unavailable
+from engram_offload.table import read_header
+from engram_offload.tiers import TIERS, get_tier_class, open_tier
+from engram_offload.tiers.direct import plan_spans
+
+CASE_IDS = [f"{t}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for t, o in TIER_CASES]
+
+
+def opened(tier, options, path):
+    skip_unavailable(tier, options, path.parent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # pinned without CUDA
+        return open_tier(tier, read_header(path), **options)
+
+
+def read(t, ids) -> np.ndarray:
+    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
+    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
+
+
+@pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f"{f}-{d}" for f, d in FORMATS])
+def test_every_row_of_every_format(tables, tier, options, fmt):
+    path, expected = tables[fmt]
+    with opened(tier, options, path) as t:
+        n = t.num_rows
+        ids = np.concatenate([np.arange(n), [0, n - 1, n - 1, 0], np.arange(n)[::-7]])
+        np.testing.assert_array_equal(read(t, ids), expected[ids])
+        assert len(read(t, [])) == 0
+
+
+@pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_ids_with_duplicates_match_memory(tables, tier, options, data):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    n = len(expected)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, n - 1), st.sampled_from([0, 1, n - 2, n - 1])),
+                             min_size=1, max_size=300))
+    ids += data.draw(st.lists(st.sampled_from(ids), max_size=50))  # duplicates
+    with opened(tier, options, path) as t:
+        np.testing.assert_array_equal(read(t, ids), expected[ids])
+
+
+@pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
+def test_threads_gathering_at_once(tables, tier, options):
+    path, expected = tables[("bf16", 80)]
+    with opened(tier, options, path) as t:
+        barrier, failures = threading.Barrier(6), []
+
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            barrier.wait()
+            for _ in range(20):
+                ids = rng.integers(0, t.num_rows, int(rng.integers(1, 400)))
+                got = read(t, ids)
+                if not np.array_equal(got, expected[ids]):
+                    failures.append(seed)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert failures == []
+        assert t.stats()["requests"] == 120
+
+
+@pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
+def test_out_of_range_ids_raise_index_error(tables, tier, options):
+    path, _ = tables[("fp8_e4m3_ue8m0", 64)]
+    with opened(tier, options, path) as t:
+        n = t.num_rows
+        for bad in (-1, n, n + 1000):
+            with pytest.raises(IndexError, match=rf"row id {bad} \(at position 2\)"):
+                read(t, [0, 1, bad, 3])
+        with pytest.raises(ValueError, match="out must be uint8"):
+            t.read_rows(np.zeros(3, np.int64), torch.empty((2, t.row_bytes), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="closed"):
+        read(t, [0])
+
+
+def test_direct_reads_only_the_needed_sectors(tables):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]  # 66-byte rows, 62 a page
+    layout = read_header(path).layout
+    ids = np.array([0, 1, 2, 61, 62, 5, 0], np.int64)  # pages 0 and 1
+    starts, lengths, dests, total, pos = plan_spans(layout.row_offsets(ids), 66, 4096, layout.data_offset)
+    assert len(starts) == 2  # rows sharing a page cost one read
+    assert np.all(starts % 512 == 0) and np.all(lengths % 512 == 0) and np.all(dests % 4096 == 0)
+    assert starts[0] == layout.data_offset and lengths[0] == 4096  # rows 0..61 span the page
+    assert lengths[1] == 512  # rows 62 (first of page 1)
+    skip_unavailable("direct", {}, path.parent)
+    with open_tier("direct", read_header(path), engine="threads") as t:
+        np.testing.assert_array_equal(read(t, ids), expected[ids])
+        stats = t.stats()
+        assert stats["reads"] == 2 and stats["bytes_read"] == 4096 + 512
+
+
+def test_registry_is_lazy_and_complete():
+    assert set(TIERS) == {"memory", "pinned", "mmap", "direct"}
+    assert get_tier_class("mmap").name == "mmap"
+    with pytest.raises(ValueError, match="unknown tier 'nvme'.*memory"):
+        get_tier_class("nvme")
+
+
+def test_pinned_without_cuda_says_so(tables):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    path, _ = tables[("fp32", 64)]
+    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+        t = open_tier("pinned", read_header(path))
+    with t:
+        assert t.stats()["pinned"] is False
+
+
+@pytest.mark.gpu
+def test_pinned_gathers_to_the_gpu(tables):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path, expected = tables[("fp32", 64)]
+    with open_tier("pinned", read_header(path)) as t:
+        assert t.stats()["pinned"] is True and t.rows.is_pinned()
+        ids = np.array([5, 0, 5, t.num_rows - 1], np.int64)
+        out = torch.empty((4, t.row_bytes), dtype=torch.uint8, device="cuda")
+        t.read_rows(ids, out)
+        np.testing.assert_array_equal(out.cpu().numpy(), expected[ids])
+
+
+def test_memory_tier_uses_dense_rows(tables):
+    path, expected = tables[("int8", 64)]
+    with open_tier("memory", read_header(path)) as t:
+        assert t.rows.shape == expected.shape and t.rows.is_contiguous()
+        np.testing.assert_array_equal(t.rows.numpy(), expected)
