@@ -1,0 +1,135 @@
+"""Eviction policies: which cached rows to drop, kept apart from where the bytes live.
+
+A policy sees only slot numbers. The cache tells it about hits (``touch``), new rows
+(``insert``) and dropped rows (``remove``), and asks it for ``victims`` among the slots it
+may evict (occupied and not pinned). Every call takes a batch of slots, so a policy works
+with vector operations rather than a Python loop per row.
+
+Policies are registered by name in ``POLICIES``; ``make_policy(name, capacity)`` builds one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["EvictionPolicy", "POLICIES", "make_policy"]
+
+
+class EvictionPolicy(ABC):
+    """Keeps a score per slot; the lowest-scoring evictable slots are the victims."""
+
+    name: ClassVar[str] = "policy"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self.clock = 0  # advances once per batch of accesses
+
+    @abstractmethod
+    def touch(self, slots: np.ndarray) -> None:
+        """Slots that were hit (distinct)."""
+
+    @abstractmethod
+    def insert(self, slots: np.ndarray, frequency: np.ndarray | None = None) -> None:
+        """Slots that received new rows; ``frequency`` is an estimate of past accesses."""
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Slots whose rows were dropped (default: nothing to forget)."""
+
+    @abstractmethod
+    def scores(self) -> np.ndarray:
+        """int64 ``[capacity]``: lower is evicted first."""
+
+    def victims(self, count: int, evictable: np.ndarray) -> np.ndarray:
+        """Up to ``count`` evictable slots with the lowest scores (bool ``evictable [capacity]``)."""
+        candidates = np.flatnonzero(evictable)
+        if count <= 0 or candidates.size == 0:
+            return np.empty(0, np.int64)
+        if count >= candidates.size:
+            return candidates
+        scores = self.scores()[candidates]
+        return candidates[np.argpartition(scores, count - 1)[:count]]
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.name}
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: the score is the time of the last access."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.stamp = np.zeros(capacity, np.int64)  # [capacity] clock at last access
+
+    def touch(self, slots: np.ndarray) -> None:
+        self.clock += 1
+        self.stamp[slots] = self.clock
+
+    def insert(self, slots: np.ndarray, frequency: np.ndarray | None = None) -> None:
+        self.clock += 1
+        self.stamp[slots] = self.clock
+
+    def scores(self) -> np.ndarray:
+        return self.stamp
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used with aging; ties go to the least recently used.
+
+    Each hit adds one to a slot's count; every ``aging_period`` hits all counts halve, so
+    rows that were popular long ago make room for rows popular now. A new row starts at
+    its estimated past frequency (from the admission sketch) rather than at one, so it is
+    not the first to go merely for being new.
+    """
+
+    name = "lfu"
+    _STAMP_BITS = 40
+
+    def __init__(self, capacity: int, aging_period: int | None = None, max_count: int = 1 << 15) -> None:
+        super().__init__(capacity)
+        self.count = np.zeros(capacity, np.int64)  # [capacity]
+        self.stamp = np.zeros(capacity, np.int64)  # [capacity]
+        self.aging_period = int(aging_period or max(64, 4 * capacity))
+        self.max_count = max_count
+        self._since_aging = 0
+
+    def _age(self, accesses: int) -> None:
+        self._since_aging += accesses
+        if self._since_aging >= self.aging_period:
+            self.count >>= 1
+            self._since_aging = 0
+
+    def touch(self, slots: np.ndarray) -> None:
+        self.clock += 1
+        self.count[slots] = np.minimum(self.count[slots] + 1, self.max_count)
+        self.stamp[slots] = self.clock
+        self._age(slots.size)
+
+    def insert(self, slots: np.ndarray, frequency: np.ndarray | None = None) -> None:
+        self.clock += 1
+        start = np.ones(slots.size, np.int64) if frequency is None else np.clip(frequency, 1, self.max_count)
+        self.count[slots] = start
+        self.stamp[slots] = self.clock
+        self._age(slots.size)
+
+    def scores(self) -> np.ndarray:
+        return (self.count << self._STAMP_BITS) | (self.stamp & ((1 << self._STAMP_BITS) - 1))
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.name, "aging_period": self.aging_period}
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str, capacity: int, **options: Any) -> EvictionPolicy:
+    """A policy by name (``lru`` or ``lfu``) for a cache of ``capacity`` rows."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
+    return cls(capacity, **options)

@@ -1,0 +1,240 @@
+"""``RowCache``: raw rows of a table held in a fixed tensor of slots, in front of a tier.
+
+Bookkeeping (which id lives in which slot, pins, the policy, admission) happens under the
+cache's lock; bytes are copied outside it. Two rules make that safe:
+
+- A reader pins the slots it found (``acquire``) and unpins them when it has copied them
+  (``release``). A pinned slot is never chosen as a victim, so no eviction can overwrite
+  a row while someone reads it.
+- A filler reserves slots (``reserve``): the ids enter the index at once but are marked not
+  ready, so concurrent lookups treat them as misses (and read the tier themselves) while a
+  second filler of the same id sees it taken. ``publish`` marks them ready.
+
+A miss is never approximated: the cache only ever reports "here is the row" or "miss".
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .admission import FrequencySketch
+from .index import RowIndex
+from .policy import EvictionPolicy, make_policy
+from .stats import LevelStats
+
+__all__ = ["RowCache"]
+
+
+class RowCache:
+    """Up to ``capacity_bytes // row_bytes`` raw rows on ``device``, evicted by ``policy``.
+
+    ``admission=True`` adds a frequency sketch: once full, the cache takes a missed row only
+    when it has been asked for at least ``admit_min`` times recently. ``evict_batch`` rows
+    (default 1/64 of the capacity) are freed at a time so the O(capacity) victim search is
+    paid rarely.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        row_bytes: int,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        device: str | torch.device = "cpu",
+        admission: bool = False,
+        admit_min: int = 2,
+        evict_batch: int | None = None,
+        name: str = "dram",
+    ) -> None:
+        capacity = int(capacity_bytes) // int(row_bytes)
+        if capacity < 1:
+            raise ValueError(
+                f"a cache of {capacity_bytes} bytes holds no {row_bytes}-byte row: give cache_bytes "
+                f">= {row_bytes}, or 0 for no cache"
+            )
+        self.name = name
+        self.capacity = capacity
+        self.row_bytes = int(row_bytes)
+        self.device = torch.device(device)
+        self.data = torch.empty((capacity, row_bytes), dtype=torch.uint8, device=self.device)  # [slots, row_bytes]
+        self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
+        self.sketch = FrequencySketch(max(256, 4 * capacity), min_count=admit_min) if admission else None
+        self.evict_batch = int(evict_batch or max(1, capacity // 64))
+        self.index = RowIndex(capacity)
+        self.slot_id = np.full(capacity, -1, np.int64)  # [slots] row id held, -1 when free
+        self.pins = np.zeros(capacity, np.int32)  # [slots] readers and fillers holding the slot
+        self.ready = np.zeros(capacity, bool)  # [slots] bytes written and visible
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
+        self._nfree = capacity
+        self.lock = threading.Lock()
+        self.stats = LevelStats(name)
+        self.evictions = 0
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ lookups
+    def acquire(self, ids: np.ndarray) -> np.ndarray:
+        """Distinct ids ``[n]`` -> slots ``[n]`` (-1 for a miss); hit slots come back pinned."""
+        with self.lock:
+            slots = self.index.lookup(ids)
+            hit = slots >= 0
+            if hit.any():
+                hit[hit] = self.ready[slots[hit]]
+                slots[~hit] = -1
+                found = slots[hit]
+                self.pins[found] += 1
+                self.policy.touch(found)
+            if self.sketch is not None:
+                self.sketch.record(ids)
+        return slots
+
+    def read(self, slots: np.ndarray, out: torch.Tensor) -> None:
+        """Copy pinned slots ``[k]`` into ``out [k, row_bytes]`` (any device)."""
+        if slots.size == 0:
+            return
+        index = torch.from_numpy(slots).to(self.device)
+        rows = self.data.index_select(0, index)
+        out.copy_(rows, non_blocking=False)
+
+    def release(self, slots: np.ndarray) -> None:
+        """Unpin slots from ``acquire`` or ``reserve(pin=True)`` (-1 entries ignored)."""
+        slots = slots[slots >= 0]
+        if slots.size == 0:
+            return
+        with self.lock:
+            np.subtract.at(self.pins, slots, 1)
+            if (self.pins[slots] < 0).any():
+                raise RuntimeError(f"{self.name} cache: a slot was released more often than pinned")
+
+    # ------------------------------------------------------------------ fills
+    def reserve(self, ids: np.ndarray) -> np.ndarray:
+        """Claim slots for distinct missed ids ``[n]`` -> slots ``[n]`` (-1: not cached).
+
+        An id is skipped when it is already cached or being filled, when admission turns it
+        away, or when every slot is pinned. Claimed slots are pinned; write their bytes with
+        ``write`` and then ``publish`` them.
+        """
+        out = np.full(ids.size, -1, np.int64)
+        if ids.size == 0:
+            return out
+        with self.lock:
+            want = np.flatnonzero(self.index.lookup(ids) < 0)
+            frequency = None
+            if self.sketch is not None and want.size:
+                frequency = self.sketch.estimate(ids[want])
+                if want.size > self._nfree:
+                    ok = frequency >= self.sketch.min_count
+                    # rows frequent enough, plus as many others as there are free slots
+                    spare = np.flatnonzero(~ok)[: self._nfree]
+                    ok[spare] = True
+                    self.rejected += int(np.count_nonzero(~ok))
+                    want, frequency = want[ok], frequency[ok]
+            if want.size > self._nfree:
+                self._evict(max(want.size - self._nfree, self.evict_batch))
+            take = min(want.size, self._nfree)
+            if take < want.size:
+                self.rejected += want.size - take
+            want = want[:take]
+            if frequency is not None:
+                frequency = frequency[:take]
+            slots = self._free[self._nfree - take: self._nfree][::-1].copy()
+            self._nfree -= take
+            chosen = ids[want]
+            self.slot_id[slots] = chosen
+            self.pins[slots] += 1
+            self.ready[slots] = False
+            self.index.insert(chosen, slots)
+            self.policy.insert(slots, frequency)
+            out[want] = slots
+        return out
+
+    def write(self, slots: np.ndarray, rows: torch.Tensor) -> None:
+        """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]``."""
+        if slots.size:
+            index = torch.from_numpy(slots).to(self.device)
+            self.data.index_copy_(0, index, rows.to(self.device))
+
+    def publish(self, slots: np.ndarray, keep_pinned: bool = False) -> None:
+        """Make written slots visible to lookups; unpin unless ``keep_pinned``."""
+        slots = slots[slots >= 0]
+        if slots.size == 0:
+            return
+        with self.lock:
+            self.ready[slots] = True
+            if not keep_pinned:
+                self.pins[slots] -= 1
+
+    def abandon(self, slots: np.ndarray) -> None:
+        """Give back reserved slots whose bytes never arrived (a failed tier read)."""
+        slots = slots[slots >= 0]
+        if slots.size == 0:
+            return
+        with self.lock:
+            self.pins[slots] -= 1
+            self._drop(slots)
+
+    def fill(self, ids: np.ndarray, rows: torch.Tensor) -> int:
+        """Reserve, write and publish in one call; returns how many rows were cached."""
+        slots = self.reserve(ids)
+        kept = slots >= 0
+        self.write(slots[kept], rows[torch.from_numpy(np.flatnonzero(kept))])
+        self.publish(slots[kept])
+        return int(np.count_nonzero(kept))
+
+    # ------------------------------------------------------------------ eviction
+    def _evict(self, count: int) -> None:
+        evictable = (self.slot_id >= 0) & (self.pins == 0)
+        victims = self.policy.victims(count, evictable)
+        self._drop(victims)
+        self.evictions += victims.size
+
+    def _drop(self, slots: np.ndarray) -> None:
+        if slots.size == 0:
+            return
+        self.index.remove(self.slot_id[slots])
+        self.policy.remove(slots)
+        self.slot_id[slots] = -1
+        self.ready[slots] = False
+        self._free[self._nfree: self._nfree + slots.size] = slots
+        self._nfree += slots.size
+
+    # ------------------------------------------------------------------ inspection
+    def __len__(self) -> int:
+        return self.capacity - self._nfree
+
+    def __contains__(self, row_id: int) -> bool:
+        with self.lock:
+            slot = int(self.index.lookup(np.array([row_id], np.int64))[0])
+            return slot >= 0 and bool(self.ready[slot])
+
+    def pinned(self) -> int:
+        """Slots currently pinned by readers or fillers."""
+        with self.lock:
+            return int(np.count_nonzero(self.pins))
+
+    def check(self) -> None:
+        """Assert the bookkeeping is consistent (for tests)."""
+        with self.lock:
+            keys, slots = self.index.items()
+            assert len(keys) == self.capacity - self._nfree, "index size != occupied slots"
+            assert (self.slot_id[slots] == keys).all(), "index and slot table disagree"
+            assert (self.pins >= 0).all(), "negative pin count"
+            free = self._free[: self._nfree]
+            assert (self.slot_id[free] == -1).all(), "a free slot holds a row"
+            assert np.unique(free).size == free.size, "a slot is free twice"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "level": self.name,
+            "device": str(self.device),
+            "capacity_rows": self.capacity,
+            "capacity_bytes": self.capacity * self.row_bytes,
+            "resident_rows": len(self),
+            "evictions": self.evictions,
+            "rejected": self.rejected,
+            "admission": self.sketch is not None,
+            **self.policy.describe(),
+        }

@@ -1,0 +1,325 @@
+"""``CachedStore``: dedup, then row caches level by level, then the tier; statistics per level.
+
+The levels run fastest first: a fast cache (GPU memory when there is one, else a tensor in
+RAM), then a DRAM cache, then the tier behind them all. A step's ids are deduplicated once;
+each level pins what it holds; only what no level holds is read from the tier, and those
+rows fill the last (DRAM) cache. Rows found in a lower cache are promoted to the ones
+above it: a row asked for again is a hot row.
+
+``fetch(unique_ids, hold=True)`` returns a ``Lease`` whose pins last until it is released,
+which is how a prefetcher keeps a step's rows resident while the step runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..config import EngramConfig
+from ..dedup import dedup
+from ..rows import decode_rows
+from .row_cache import RowCache
+from .stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
+
+__all__ = ["CachedStore", "Lease", "RowSource"]
+
+
+class RowSource(Protocol):
+    """What a cached store reads misses from: a tier (``tiers.base.Tier``) or a fake."""
+
+    num_rows: int
+    row_bytes: int
+
+    def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor: ...
+
+
+class Lease:
+    """Raw rows of distinct ids (``raw: uint8 [u, row_bytes]``) and the cache pins behind them.
+
+    ``release()`` (or leaving the ``with`` block) unpins; releasing twice is harmless.
+    """
+
+    def __init__(self, ids: np.ndarray, raw: torch.Tensor, held: list[tuple[RowCache, np.ndarray]]) -> None:
+        self.ids = ids
+        self.raw = raw
+        self._held = held
+        self._lock = threading.Lock()
+
+    @property
+    def pinned_rows(self) -> int:
+        return sum(int(s.size) for _, s in self._held)
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for level, slots in held:
+            level.release(slots)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # a forgotten lease must not pin rows forever
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+class CachedStore:
+    """Rows of one table through row caches in front of a ``RowSource``. Thread-safe.
+
+    Offers the store interface (``gather``, ``read_raw``, ``config``, ``num_rows``,
+    ``row_bytes``, ``stats``, ``close``) plus ``fetch`` for prefetchers. ``inner`` is the
+    uncached store the source belongs to (closed with this one; its stats are included).
+    """
+
+    def __init__(
+        self,
+        source: RowSource,
+        config: EngramConfig,
+        levels: Sequence[RowCache] = (),
+        *,
+        inner: Any = None,
+        promote: bool = True,
+    ) -> None:
+        if source.row_bytes != config.row_bytes:
+            raise ValueError(f"source rows are {source.row_bytes} bytes, the config's {config.row_bytes}")
+        for level in levels:
+            if level.row_bytes != source.row_bytes:
+                raise ValueError(f"cache {level.name!r} holds {level.row_bytes}-byte rows, the table has {source.row_bytes}")
+        self.source = source
+        self._config = config
+        self.levels = list(levels)
+        self.inner = inner
+        self.promote = promote
+        self.device = self.levels[0].device if self.levels else torch.device("cpu")
+        self.tier_stats = LevelStats("tier")
+        self._lock = threading.Lock()
+        self._steps = 0
+        self._requested = 0
+        self._unique = 0
+        self._stall = 0.0
+        self._stall_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.closed = False
+
+    # ------------------------------------------------------------------ store interface
+    @property
+    def config(self) -> EngramConfig:
+        return self._config
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.source.num_rows)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.source.row_bytes)
+
+    def read_raw(self, row_ids: Any) -> torch.Tensor:
+        """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
+        d = dedup(row_ids)
+        with self.fetch(d.unique, hold=False, requested=d.requested) as lease:
+            raw = lease.raw
+        return raw.index_select(0, torch.from_numpy(d.inverse).to(raw.device))
+
+    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``."""
+        d = dedup(row_ids)
+        with self.fetch(d.unique, hold=False, requested=d.requested) as lease:
+            rows = self.decode(lease.raw, dtype)  # [u, head_dim]
+        return d.expand(rows)
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device)."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype)
+
+    # ------------------------------------------------------------------ the fetch path
+    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows or (ids.size > 1 and (np.diff(ids) <= 0).any())):
+            bad = ids[(ids < 0) | (ids >= self.num_rows)]
+            if bad.size:
+                raise IndexError(
+                    f"row id {int(bad[0])} is out of range: the table has {self.num_rows:,} rows "
+                    f"(ids 0..{self.num_rows - 1:,})"
+                )
+            raise ValueError("fetch needs sorted distinct row ids: pass dedup(ids).unique")
+        return ids
+
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
+        """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).
+
+        Every row comes from a cache or the tier; a tier failure raises (pins are let go
+        first). With ``hold`` the rows stay pinned in their caches until the lease is
+        released; without it, only while they are copied.
+        """
+        if self.closed:
+            raise ValueError("this store is closed: open the table again")
+        ids = self._check_ids(unique_ids)
+        t_start = time.perf_counter()
+        u, rb = ids.size, self.row_bytes
+        out = torch.empty((u, rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
+        held: list[tuple[RowCache, np.ndarray]] = []
+        found: list[np.ndarray] = []  # per level: positions (in ids) it served
+        remaining = np.arange(u)
+        try:
+            for level in self.levels:
+                t0 = time.perf_counter()
+                slots = level.acquire(ids[remaining])
+                hit = slots >= 0
+                hit_slots = slots[hit]
+                held.append((level, hit_slots))
+                if hit_slots.size:
+                    positions = torch.from_numpy(remaining[hit]).to(self.device)
+                    rows = level.data.index_select(0, torch.from_numpy(hit_slots).to(level.device))
+                    out.index_copy_(0, positions, rows.to(self.device))
+                found.append(remaining[hit])
+                level.stats.record(remaining.size, hit_slots.size, hit_slots.size * rb, time.perf_counter() - t0)
+                remaining = remaining[~hit]
+            if remaining.size:
+                t0 = time.perf_counter()
+                buf = torch.empty((remaining.size, rb), dtype=torch.uint8)  # [misses, row_bytes]
+                self.source.read_rows(ids[remaining], buf)
+                out.index_copy_(0, torch.from_numpy(remaining).to(self.device), buf.to(self.device))
+                self.tier_stats.record(remaining.size, 0, remaining.size * rb, time.perf_counter() - t0)
+            if self.levels:
+                self._fill(ids, out, remaining, found, held, hold)
+        except BaseException:
+            for level, slots in held:
+                level.release(slots)
+            raise
+        lease = Lease(ids, out, held)
+        if not hold:
+            lease.release()
+        seconds = time.perf_counter() - t_start
+        with self._lock:
+            self._steps += 1
+            self._requested += u if requested is None else int(requested)
+            self._unique += u
+            self._fetch_samples.append(seconds)
+        return lease
+
+    def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, found: list[np.ndarray],
+              held: list[tuple[RowCache, np.ndarray]], hold: bool) -> None:
+        """Tier rows go into the last cache; rows found in a lower cache rise into the ones above."""
+        plans: list[tuple[int, np.ndarray]] = [(len(self.levels) - 1, missed)]
+        if self.promote:
+            for j in range(1, len(self.levels)):
+                for above in range(j):
+                    plans.append((above, found[j]))
+            # tier rows also enter the upper caches when those have room to spare
+        for li, positions in plans:
+            if positions.size == 0:
+                continue
+            level = self.levels[li]
+            slots = level.reserve(ids[positions])
+            kept = slots >= 0
+            if not kept.any():
+                continue
+            slots = slots[kept]
+            try:
+                rows = out.index_select(0, torch.from_numpy(positions[kept]).to(out.device))
+                level.write(slots, rows)
+            except BaseException:
+                level.abandon(slots)
+                raise
+            level.publish(slots, keep_pinned=hold)
+            if hold:
+                held.append((level, slots))
+
+    # ------------------------------------------------------------------ statistics
+    def record_stall(self, seconds: float) -> None:
+        """Time a consumer waited for rows (called by the prefetcher)."""
+        with self._lock:
+            self._stall += seconds
+            self._stall_samples.append(seconds)
+
+    def reset_stats(self) -> None:
+        for level in self.levels:
+            level.stats.reset()
+        self.tier_stats.reset()
+        with self._lock:
+            self._steps = self._requested = self._unique = 0
+            self._stall = 0.0
+            self._stall_samples.clear()
+            self._fetch_samples.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """``{"store": ..., "levels": [...], "tier": ...}``: counters per level, as plain values.
+
+        store: requests (fetches), rows requested, unique rows, unique_ratio, hit_rate (rows
+        served by any cache), bytes_read from the tier, fetch latency p50/p90/p99, stall.
+        levels: per cache and for the tier: requests, rows, hits, misses, hit_rate, bytes_read,
+        latency p50/p90/p99, plus capacity, policy and evictions for caches.
+        """
+        levels = [{**lv.stats.as_dict(), **lv.describe()} for lv in self.levels]
+        tier = {**self.tier_stats.as_dict(), "level": "tier"}
+        with self._lock:
+            unique = self._unique
+            store = {
+                "requests": self._steps,
+                "rows_requested": self._requested,
+                "rows_unique": unique,
+                "unique_ratio": unique / self._requested if self._requested else 1.0,
+                "hit_rate": 1.0 - tier["rows"] / unique if unique else 0.0,
+                "bytes_read": tier["bytes_read"],
+                "stall_seconds": self._stall,
+                "stall_events": len(self._stall_samples),
+                **{f"fetch_{k}": v for k, v in percentiles_ms(self._fetch_samples).items()},
+                **{f"stall_{k}": v for k, v in percentiles_ms(self._stall_samples).items()},
+            }
+        result: dict[str, Any] = {"store": store, "levels": levels + [tier]}
+        if self.inner is not None and hasattr(self.inner, "stats"):
+            result["backing"] = self.inner.stats()
+        return result
+
+    def close(self) -> None:
+        self.closed = True
+        if self.inner is not None:
+            self.inner.close()
+        elif hasattr(self.source, "close"):
+            self.source.close()
+
+    def __enter__(self) -> "CachedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in self.levels)
+        return f"CachedStore([{names}] over {type(self.source).__name__}, rows={self.num_rows:,})"
+
+
+def build_levels(
+    row_bytes: int,
+    cache_bytes: int,
+    policy: str = "lru",
+    *,
+    fast_cache_bytes: int = 0,
+    fast_device: str | torch.device | None = None,
+    admission: bool | None = None,
+) -> list[RowCache]:
+    """The caches for ``cache_bytes`` of DRAM (and ``fast_cache_bytes`` of fast memory above it).
+
+    The fast level lives on the GPU when CUDA is available (or on ``fast_device``).
+    ``admission=None`` picks the policy's default (on for ``lfu``, off for ``lru``).
+    """
+    if admission is None:
+        admission = policy == "lfu"
+    levels = []
+    if fast_cache_bytes:
+        device = fast_device or ("cuda" if torch.cuda.is_available() else "cpu")
+        levels.append(RowCache(fast_cache_bytes, row_bytes, policy, device=device, admission=admission, name="fast"))
+    if cache_bytes:
+        levels.append(RowCache(cache_bytes, row_bytes, policy, admission=admission, name="dram"))
+    return levels

@@ -1,0 +1,76 @@
+"""Deduplicate a step's row ids before any cache or tier access.
+
+A serving step needs ``tokens x layers x cols`` rows, and many repeat: the same n-gram
+hashes to the same rows wherever it occurs, and short n-grams are common. ``dedup`` returns
+the distinct ids (sorted, so tier reads walk the file forward) and the inverse that puts
+them back in the step's order: ``ids == unique[inverse]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Dedup", "dedup"]
+
+
+@dataclass(frozen=True)
+class Dedup:
+    """Distinct ids of a step and how to expand rows of them back to the step's shape."""
+
+    unique: np.ndarray  # int64 [u], sorted
+    inverse: np.ndarray  # int64 [n]: ids.reshape(-1) == unique[inverse]
+    shape: tuple[int, ...]  # the ids' original shape
+
+    @property
+    def requested(self) -> int:
+        return int(self.inverse.size)
+
+    @property
+    def ratio(self) -> float:
+        """unique / requested (1.0 for an empty step)."""
+        return self.unique.size / self.inverse.size if self.inverse.size else 1.0
+
+    def expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the unique ids ``[u, ...]`` -> rows of the step ``[*shape, ...]``."""
+        if rows.shape[0] != self.unique.size:
+            raise ValueError(f"expand needs one row per unique id ({self.unique.size}), got {rows.shape[0]}")
+        index = torch.from_numpy(self.inverse).to(rows.device)
+        return rows.index_select(0, index).reshape(*self.shape, *rows.shape[1:])
+
+
+def _as_ids(ids: Any) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return arr.astype(np.int64)
+        raise TypeError(f"row ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def dedup(ids: Any) -> Dedup:
+    """Row ids of any shape -> ``Dedup`` (sorted distinct ids plus inverse).
+
+    Uses one stable argsort: cheaper than ``np.unique(return_inverse=True)``, which sorts
+    a second time to build the inverse on some NumPy versions.
+    """
+    arr = _as_ids(ids)
+    flat = arr.reshape(-1)
+    n = flat.size
+    if n == 0:
+        return Dedup(np.empty(0, np.int64), np.empty(0, np.int64), arr.shape)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    unique = ordered[starts]
+    group = np.cumsum(starts) - 1  # [n] group of each sorted position
+    inverse = np.empty(n, np.int64)
+    inverse[order] = group
+    return Dedup(unique, inverse, arr.shape)

@@ -1,0 +1,81 @@
+"""RowIndex against a dict, and the policies' choice of victims."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_offload.cache import FrequencySketch, LFUPolicy, LRUPolicy, RowIndex, make_policy
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove"]),
+                          st.lists(st.integers(0, 200), min_size=1, max_size=30)), max_size=30))
+def test_index_matches_a_dict(ops):
+    index, ref, next_value = RowIndex(64), {}, 0
+    for op, keys in ops:
+        keys = np.unique(np.array(keys, np.int64))
+        if op == "add":
+            new = np.array([k for k in keys if k not in ref], np.int64)[: 64 - len(ref)]
+            values = np.arange(next_value, next_value + new.size, dtype=np.int64)
+            next_value += new.size
+            index.insert(new, values)
+            ref.update(zip(new.tolist(), values.tolist()))
+        else:
+            index.remove(keys)
+            for k in keys.tolist():
+                ref.pop(k, None)
+        probe = np.arange(0, 201, dtype=np.int64)
+        expected = np.array([ref.get(k, -1) for k in probe.tolist()])
+        assert (index.lookup(probe) == expected).all()
+        assert len(index) == len(ref)
+
+
+def test_index_survives_many_removals():
+    index = RowIndex(100)
+    for round_ in range(50):  # tombstones pile up and force rebuilds
+        keys = np.arange(round_ * 100, round_ * 100 + 100, dtype=np.int64)
+        index.insert(keys, keys * 2)
+        assert (index.lookup(keys) == keys * 2).all()
+        index.remove(keys)
+        assert (index.lookup(keys) == -1).all()
+    assert len(index) == 0
+
+
+def test_lru_evicts_least_recent():
+    p = LRUPolicy(4)
+    p.insert(np.array([0, 1, 2, 3]))
+    p.touch(np.array([0]))
+    p.touch(np.array([2]))
+    victims = p.victims(2, np.ones(4, bool))
+    assert sorted(victims.tolist()) == [1, 3]
+
+
+def test_victims_skip_what_is_not_evictable():
+    p = make_policy("lru", 4)
+    p.insert(np.array([0, 1, 2, 3]))
+    evictable = np.array([False, True, False, True])
+    assert sorted(p.victims(4, evictable).tolist()) == [1, 3]
+
+
+def test_lfu_keeps_frequent_rows_and_ages():
+    p = LFUPolicy(4, aging_period=1000)
+    p.insert(np.array([0, 1, 2, 3]))
+    for _ in range(5):
+        p.touch(np.array([0, 1]))
+    p.touch(np.array([2, 3]))  # 2 and 3 are more recent, but rarely used
+    assert sorted(p.victims(2, np.ones(4, bool)).tolist()) == [2, 3]
+    aged = LFUPolicy(2, aging_period=2)
+    aged.insert(np.array([0, 1]))
+    aged.touch(np.array([0, 1]))
+    assert aged.count.max() <= 1  # halved after 2 accesses
+
+
+def test_sketch_counts_and_admits():
+    s = FrequencySketch(1024, min_count=2)
+    s.record(np.array([5, 6], np.int64))
+    s.record(np.array([5], np.int64))
+    est = s.estimate(np.array([5, 6, 7], np.int64))
+    assert est[0] >= 2 and est[1] >= 1 and est[2] >= 0
+    assert s.admit(np.array([5, 7], np.int64)).tolist() == [True, False]

@@ -1,0 +1,106 @@
+"""RowCache bookkeeping: pins block eviction, reservations hide half-written rows, admission."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.cache import RowCache
+
+RB = 8
+
+
+def rows_for(ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy((ids[:, None] * 7 + np.arange(RB)[None]).astype(np.uint8))
+
+
+def test_fill_then_hit_returns_the_bytes():
+    cache = RowCache(10 * RB, RB)
+    ids = np.array([3, 9, 12], np.int64)
+    assert cache.fill(ids, rows_for(ids)) == 3
+    slots = cache.acquire(ids)
+    assert (slots >= 0).all()
+    out = torch.empty(3, RB, dtype=torch.uint8)
+    cache.read(slots, out)
+    assert torch.equal(out, rows_for(ids))
+    cache.release(slots)
+    cache.check()
+
+
+def test_pinned_rows_are_never_evicted():
+    cache = RowCache(4 * RB, RB, evict_batch=1)
+    first = np.array([0, 1, 2, 3], np.int64)
+    cache.fill(first, rows_for(first))
+    pinned = cache.acquire(first[:2])  # a reader holds rows 0 and 1
+    more = np.array([10, 11, 12], np.int64)
+    cache.fill(more, rows_for(more))  # only 2 and 3 may make room
+    assert 0 in cache and 1 in cache
+    assert cache.pinned() == 2
+    cache.release(pinned)
+    cache.check()
+
+
+def test_all_pinned_means_not_cached_rather_than_evicted():
+    cache = RowCache(2 * RB, RB)
+    ids = np.array([0, 1], np.int64)
+    cache.fill(ids, rows_for(ids))
+    held = cache.acquire(ids)
+    assert cache.fill(np.array([5], np.int64), rows_for(np.array([5]))) == 0
+    assert 0 in cache and 1 in cache and 5 not in cache
+    cache.release(held)
+    assert cache.fill(np.array([5], np.int64), rows_for(np.array([5]))) == 1
+
+
+def test_reserved_rows_are_misses_until_published():
+    cache = RowCache(4 * RB, RB)
+    ids = np.array([7], np.int64)
+    slots = cache.reserve(ids)
+    assert slots[0] >= 0
+    assert cache.acquire(ids)[0] == -1  # not yet written: a miss, never stale bytes
+    assert cache.reserve(ids)[0] == -1  # and a second filler does not take it twice
+    cache.write(slots, rows_for(ids))
+    cache.publish(slots)
+    got = cache.acquire(ids)
+    assert got[0] == slots[0]
+    cache.release(got)
+    cache.check()
+
+
+def test_abandoned_reservation_frees_the_slot():
+    cache = RowCache(1 * RB, RB)
+    slots = cache.reserve(np.array([4], np.int64))
+    cache.abandon(slots)
+    assert 4 not in cache and len(cache) == 0
+    cache.check()
+
+
+def test_admission_turns_away_one_off_rows_when_full():
+    cache = RowCache(4 * RB, RB, policy="lfu", admission=True, admit_min=2, evict_batch=1)
+    hot = np.array([0, 1, 2, 3], np.int64)
+    for _ in range(3):
+        got = cache.acquire(hot)
+        cache.release(got)
+        cache.fill(hot, rows_for(hot))
+    cold = np.array([50], np.int64)
+    cache.release(cache.acquire(cold))
+    assert cache.fill(cold, rows_for(cold)) == 0  # seen once: not admitted into a full cache
+    assert cache.rejected >= 1
+    for _ in range(2):
+        cache.release(cache.acquire(cold))
+    assert cache.fill(cold, rows_for(cold)) == 1
+
+
+def test_release_more_than_pinned_is_an_error():
+    cache = RowCache(2 * RB, RB)
+    ids = np.array([1], np.int64)
+    cache.fill(ids, rows_for(ids))
+    slots = cache.acquire(ids)
+    cache.release(slots)
+    with pytest.raises(RuntimeError, match="released more often"):
+        cache.release(slots)
+
+
+def test_too_small_cache_is_refused():
+    with pytest.raises(ValueError, match="holds no"):
+        RowCache(RB - 1, RB)
