@@ -1,0 +1,121 @@
+"""``plan``: where an Engram table should live on a given GPU, and at which TP degree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+from ..planner import OBJECTIVES, custom_model, get_gpu, get_model, make_plan
+from ..planner.hardware import GPUS
+from ..planner.models import MODELS
+from ..planner.mrc import load_trace
+from ..planner.placement import Workload
+from ..planner.plan import Plan, curve_for
+
+GiB = 2**30
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan where an Engram table lives (HBM, DRAM, NVMe, remote) and at which TP",
+        description="Evaluate every placement of an Engram table at every tensor-parallel degree "
+        "on a GPU type and recommend one. Facts and assumptions: docs/planner.md.",
+    )
+    m = p.add_mutually_exclusive_group(required=True)
+    m.add_argument("--model", help=f"a preset: {', '.join(MODELS)}")
+    m.add_argument("--config", help="a Hugging Face config.json with engram_* fields (custom model)")
+    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs available; TP degrees tried are powers of two up to it (default 8)")
+    p.add_argument("--context", type=int, default=32768, help="tokens of context per sequence (default 32768)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per replica (default: the best under the interactivity floor)")
+    p.add_argument("--trace", help="row ids to size the NVMe DRAM cache: .npy int64 or a text file of integers")
+    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of row popularity when no trace (default 1.0)")
+    p.add_argument("--target-hit-rate", type=float, default=0.9, help="DRAM cache hit rate for the nvme placement (default 0.9)")
+    p.add_argument("--min-interactivity", type=float, default=50.0, help="decode tokens/s per user to meet (default 50)")
+    p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
+    p.add_argument("--price", type=float, default=None, help="dollars per GPU-hour (overrides the preset)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    c = p.add_argument_group("custom model (with --config)")
+    c.add_argument("--total-params", type=float, help="backbone parameters, without the Engram table (e.g. 552e9)")
+    c.add_argument("--active-params", type=float, help="active parameters per token in decode")
+    c.add_argument("--active-params-prefill", type=float, help="active parameters per token in prefill (default: --active-params)")
+    c.add_argument("--precision", default="fp8", help="weight precision: fp32, bf16, fp16, fp8, fp4, int8 (default fp8)")
+    c.add_argument("--expert-precision", help="routed-expert precision if different (e.g. fp4)")
+    c.add_argument("--routed-fraction", type=float, help="share of parameters in routed experts (default 0.95 for MoE)")
+    c.add_argument("--kv-bytes-per-token", type=float, help="KV-cache bytes per token, all layers")
+    c.add_argument("--layers", type=int, help="layer count (default: num_hidden_layers of config.json)")
+    p.set_defaults(func=cmd_plan)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    if args.config:
+        model = custom_model(
+            args.config, total_params=args.total_params, active_params_decode=args.active_params,
+            active_params_prefill=args.active_params_prefill, precision=args.precision,
+            expert_precision=args.expert_precision, routed_fraction=args.routed_fraction,
+            kv_bytes_per_token=args.kv_bytes_per_token, num_layers=args.layers,
+        )
+    else:
+        model = get_model(args.model)
+    gpu = get_gpu(args.gpu).with_price(args.price)
+    trace = load_trace(args.trace) if args.trace else None
+    curve, label = curve_for(model, trace, args.zipf)
+    workload = Workload(context=args.context, batch=args.batch, gpus=args.gpus,
+                        min_interactivity=args.min_interactivity,
+                        target_hit_rate=args.target_hit_rate, curve=curve, curve_label=label)
+    return make_plan(model, gpu, workload, args.objective)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print_plan(plan)
+    return 0
+
+
+def print_plan(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(160, shutil.get_terminal_size((160, 24)).columns), highlight=False)
+    e, w, g = plan.model.engram, plan.workload, plan.gpu
+    console.print(
+        f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {e.table_bytes / GiB:.1f} GiB, "
+        f"{e.bytes_per_token / 1024:.1f} KiB per token, weights {plan.model.weight_bytes / GiB:.1f} GiB, "
+        f"context {w.context:,}, floor {w.min_interactivity:g} tok/s/user"
+    )
+    t = Table(show_lines=False)
+    for col in ("placement", "TP", "fits", "KV GiB/GPU", "seqs", "KiB/tok/GPU", "batch",
+                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache"):
+        t.add_column(col, justify="left" if col in ("placement", "fits", "cache") else "right")
+    why: list[str] = []
+    for r in plan.placements:
+        cache = ""
+        if r.name == "nvme" and r.cache_hit_rate is not None:
+            cache = f"{r.cache_bytes_per_gpu / GiB:.1f} GiB, {r.cache_hit_rate:.0%} hit"
+        ok = r.fits and r.batch > 0
+        dash = lambda s: s if ok else "-"  # noqa: E731
+        t.add_row(
+            r.name, str(r.tp), "yes" if r.fits else "[red]no[/]",
+            f"{r.hbm_free_bytes / GiB:.1f}", f"{r.max_concurrent_seqs:,}",
+            f"{r.bytes_per_token_per_gpu / 1024:.1f}", dash(str(r.batch)),
+            dash(f"{r.transfer_us:.0f}"), dash(f"{r.window_us:.0f}"),
+            dash(f"{r.predicted_stall_us:.0f}"), dash(f"{r.interactivity:.0f}"),
+            dash(f"{r.tokens_per_s_per_gpu:,.0f}"), cache,
+        )
+        why.extend(f"{r.name} TP={r.tp}: {reason}" for reason in r.why_not)
+    console.print(t)
+    for line in why:
+        console.print(f"  [dim]{line}[/]")
+    rec = plan.recommendation
+    if rec.choice is not None:
+        console.print(f"[bold]Recommendation ({OBJECTIVES[rec.objective]}):[/] "
+                      f"table in {rec.choice.name.upper()}, TP={rec.choice.tp}, batch {rec.choice.batch}")
+    else:
+        console.print("[bold]Recommendation:[/] none fits")
+    for reason in rec.reasons:
+        console.print(f"  - {reason}")

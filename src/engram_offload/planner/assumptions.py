@@ -1,0 +1,57 @@
+"""The planner's stated assumptions: every constant that is a judgement, not a datasheet fact.
+
+Change them with ``dataclasses.replace`` (the CLI exposes the ones operators ask about).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Assumptions", "DEFAULT_ASSUMPTIONS"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    # Share of HBM a serving engine lets itself use: vLLM's default
+    # gpu_memory_utilization is 0.9 (docs.vllm.ai, engine arguments).
+    gpu_memory_utilization: float = 0.9
+    # Per-GPU HBM for activations, CUDA graphs, communication buffers and the allocator's
+    # slack, on top of weights, table and KV cache (typical vLLM profiling result).
+    runtime_overhead_bytes: float = 4 * GiB
+    # A placement is feasible only if the KV cache gets at least this share of HBM: below a
+    # tenth, an engine runs a handful of sequences and the GPUs idle. (For B300 and
+    # DeepSeek-V4.1-Flash the smallest-TP answer is the same for any value in 1.1%..36%.)
+    min_kv_fraction: float = 0.10
+    # Share of host DRAM the table (or its cache) may pin; the rest stays with the OS,
+    # the engine and the page cache.
+    dram_usable_fraction: float = 0.8
+    # Achieved fraction of link bandwidth for row-sized (~256 B) scattered reads by a
+    # gather kernel over UVA: PCIe TLP and completion overheads roughly halve it.
+    host_link_efficiency: float = 0.5
+    host_link_latency_us: float = 2.0  # one round trip to host memory plus launch
+    # Achieved fractions of datasheet peaks in decode (roofline derating).
+    hbm_efficiency: float = 0.8
+    flops_efficiency: float = 0.5
+    # One small all-reduce across a tensor-parallel group (one-shot NVLink kernels).
+    allreduce_latency_us: float = 8.0
+    allreduces_per_layer: int = 2  # after attention and after the MoE/MLP
+    # NVMe path: one 4 KiB read per missing row, plus the software cost of a step that
+    # reads from NVMe (gathering ids, submitting, copying back): the article's first
+    # mmap prototype did this on the CPU between GPU segments.
+    nvme_read_bytes: int = 4096
+    nvme_step_overhead_us: float = 50.0
+    # A pooled remote tier (CXL memory or an RDMA memory pool): per-GPU bandwidth of
+    # one 400 Gb/s port, and one round trip.
+    remote_bw: float = 50e9
+    remote_latency_us: float = 5.0
+    # Tokens per prefill chunk when checking the prefill prefetch window.
+    prefill_chunk_tokens: int = 8192
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_ASSUMPTIONS = Assumptions()

@@ -1,0 +1,256 @@
+"""Evaluate each placement of the Engram table at each tensor-parallel degree.
+
+Placements: ``hbm`` (table sharded over the TP group's HBM), ``dram`` (pinned host memory
+read by the GPU over UVA), ``nvme`` (files on local NVMe behind a DRAM row cache sized from
+a miss-ratio curve), ``remote`` (a pooled memory tier reached over the network or CXL).
+For each: does it fit, how much HBM is left for KV cache and how many sequences that holds,
+how many bytes cross the host link per step against the prefetch window, the predicted
+stall, and the best batch under the interactivity floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from .hardware import GpuSpec
+from .mrc import MissRatioCurve
+from .models import ModelSpec
+from .perf import decode_step, decode_window_us, prefill_window_us
+
+__all__ = ["PLACEMENTS", "Workload", "PlacementResult", "evaluate", "evaluate_all",
+           "tp_degrees", "smallest_feasible_tp"]
+
+PLACEMENTS = ("hbm", "dram", "nvme", "remote")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the operator serves: context length, batch (None: search), GPUs, targets."""
+
+    context: int = 32768
+    batch: int | None = None
+    gpus: int = 8
+    min_interactivity: float = 50.0  # decode tokens/s per user
+    target_hit_rate: float = 0.9
+    curve: MissRatioCurve | None = None
+    curve_label: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.context < 1:
+            raise ValueError(f"--context must be a positive token count, got {self.context}")
+        if self.batch is not None and self.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {self.batch}")
+        if self.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        if not 0 < self.target_hit_rate <= 1:
+            raise ValueError(f"--target-hit-rate must be in (0, 1], got {self.target_hit_rate}")
+
+
+@dataclass
+class PlacementResult:
+    name: str
+    tp: int
+    fits: bool
+    why_not: list[str] = field(default_factory=list)
+    bytes_per_token_per_gpu: int = 0
+    weight_bytes_per_gpu: float = 0.0
+    table_hbm_bytes_per_gpu: float = 0.0
+    host_bytes_per_gpu: float = 0.0
+    hbm_free_bytes: float = 0.0  # per GPU, for KV cache
+    kv_fraction: float = 0.0
+    max_concurrent_seqs: int = 0  # per TP group (replica) at the context length
+    batch: int = 0
+    link: str = ""
+    link_bytes_per_step: float = 0.0  # per GPU
+    transfer_us: float = 0.0
+    window_us: float = 0.0
+    predicted_stall_us: float = 0.0
+    prefill_transfer_us: float = 0.0
+    prefill_window_us: float = 0.0
+    prefill_stall_us: float = 0.0
+    cache_bytes_per_gpu: float = 0.0
+    cache_hit_rate: float | None = None
+    nvme_iops_needed: float = 0.0  # per server
+    nvme_iops_available: float = 0.0
+    step_us: float = 0.0
+    bound: str = ""
+    interactivity: float = 0.0  # tokens/s per user
+    tokens_per_s_per_gpu: float = 0.0
+    tokens_per_dollar: float = 0.0
+    meets_interactivity: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tp_degrees(gpus: int) -> list[int]:
+    """Powers of two up to ``gpus``."""
+    return [2**k for k in range(int(math.log2(gpus)) + 1)]
+
+
+def _batches(max_seqs: int, fixed: int | None) -> list[int]:
+    if max_seqs < 1:
+        return []
+    if fixed is not None:
+        return [min(fixed, max_seqs)]
+    out = [b for b in (2**k for k in range(31)) if b <= max_seqs]
+    if out[-1] != max_seqs:
+        out.append(max_seqs)
+    return out
+
+
+def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
+            a: Assumptions, r: PlacementResult) -> None:
+    table = model.engram.table_bytes
+    r.weight_bytes_per_gpu = model.weight_bytes / tp
+    r.table_hbm_bytes_per_gpu = table / tp if name == "hbm" else 0.0
+    budget = a.gpu_memory_utilization * gpu.hbm_bytes
+    r.hbm_free_bytes = max(0.0, budget - r.weight_bytes_per_gpu - r.table_hbm_bytes_per_gpu
+                           - a.runtime_overhead_bytes)
+    r.kv_fraction = r.hbm_free_bytes / gpu.hbm_bytes
+    kv_per_seq = w.context * model.kv_bytes_per_token
+    if not model.kv_replicated_across_tp:
+        kv_per_seq /= tp
+    r.max_concurrent_seqs = int(r.hbm_free_bytes // kv_per_seq)
+    need = r.weight_bytes_per_gpu + r.table_hbm_bytes_per_gpu + a.runtime_overhead_bytes
+    if need > budget:
+        r.why_not.append(
+            f"weights {r.weight_bytes_per_gpu / GiB:.1f} GiB"
+            + (f" + table {r.table_hbm_bytes_per_gpu / GiB:.1f} GiB" if name == "hbm" else "")
+            + f" + runtime {a.runtime_overhead_bytes / GiB:.0f} GiB per GPU exceed "
+            f"{a.gpu_memory_utilization:.0%} of {gpu.hbm_bytes / GiB:.0f} GiB HBM"
+        )
+    elif r.kv_fraction < a.min_kv_fraction:
+        r.why_not.append(
+            f"only {r.hbm_free_bytes / GiB:.1f} GiB ({r.kv_fraction:.1%} of HBM) left for KV "
+            f"cache per GPU, under the {a.min_kv_fraction:.0%} minimum"
+        )
+    elif r.max_concurrent_seqs < 1:
+        r.why_not.append(f"the KV cache cannot hold one sequence of {w.context:,} tokens")
+    dram_cap = a.dram_usable_fraction * gpu.host_dram_per_gpu
+    if name == "dram":
+        r.host_bytes_per_gpu = table / tp
+        if r.host_bytes_per_gpu > dram_cap:
+            r.why_not.append(
+                f"table share {r.host_bytes_per_gpu / GiB:.1f} GiB per GPU exceeds "
+                f"{a.dram_usable_fraction:.0%} of {gpu.host_dram_per_gpu / GiB:.0f} GiB host DRAM per GPU"
+            )
+    if name == "nvme":
+        if table > gpu.nvme_bytes_per_server:
+            r.why_not.append(
+                f"table {table / 1e12:.2f} TB exceeds the server's NVMe "
+                f"{gpu.nvme_bytes_per_server / 1e12:.1f} TB"
+            )
+        curve = w.curve
+        rows = model.engram.num_rows
+        want = curve.rows_for_hit_rate(w.target_hit_rate) if curve else rows
+        cap_rows = int(dram_cap * tp // model.engram.row_bytes)
+        cache_rows = min(rows if want is None else want, cap_rows, rows)
+        r.cache_bytes_per_gpu = cache_rows * model.engram.row_bytes / tp
+        r.host_bytes_per_gpu = r.cache_bytes_per_gpu
+        r.cache_hit_rate = 1.0 if cache_rows >= rows else (curve.hit_ratio(cache_rows) if curve else 0.0)
+
+
+def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
+            a: Assumptions, r: PlacementResult) -> dict[str, float]:
+    step = decode_step(model, gpu, tp, batch, w.context, a)
+    window = decode_window_us(model, step)
+    bpt = model.engram.bytes_per_token_per_gpu(tp)
+    rows_per_token = bpt // model.engram.row_bytes
+    link_bytes = batch * bpt if name != "hbm" else 0.0
+    extra = 0.0
+    if name in ("dram", "nvme"):
+        transfer = a.host_link_latency_us + link_bytes / (gpu.host_link_bw * a.host_link_efficiency) * 1e6
+    elif name == "remote":
+        transfer = a.remote_latency_us + link_bytes / a.remote_bw * 1e6
+    else:
+        transfer = 0.0
+    misses = 0.0
+    if name == "nvme":
+        hit = r.cache_hit_rate or 0.0
+        misses = batch * rows_per_token * (1 - hit)
+        iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
+        if misses > 0:
+            extra = (gpu.nvme_latency_us + misses / iops_share * 1e6 + a.nvme_step_overhead_us
+                     + misses * a.nvme_read_bytes / (gpu.nvme_bw_per_drive * gpu.nvme_drives
+                                                     / gpu.gpus_per_server) * 1e6)
+    total = transfer + extra
+    stall = max(0.0, total - window)
+    step_us = step.backbone_us + stall
+    iops = misses / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
+    return dict(step=step, window=window, link_bytes=link_bytes, transfer=total, stall=stall,
+                step_us=step_us, iops=iops)
+
+
+def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,
+             assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> PlacementResult:
+    """One placement at one tensor-parallel degree."""
+    if name not in PLACEMENTS:
+        raise ValueError(f"unknown placement {name!r}; choose one of: {', '.join(PLACEMENTS)}")
+    a, w = assumptions, workload
+    r = PlacementResult(name=name, tp=tp, fits=False,
+                        bytes_per_token_per_gpu=model.engram.bytes_per_token_per_gpu(tp))
+    r.link = {"hbm": "HBM", "dram": gpu.host_link, "nvme": f"NVMe -> DRAM cache -> {gpu.host_link}",
+              "remote": "pooled memory (network/CXL)"}[name]
+    _memory(model, gpu, tp, name, w, a, r)
+    best: tuple[float, int, dict[str, float]] | None = None
+    fallback: tuple[float, int, dict[str, float]] | None = None
+    for batch in _batches(r.max_concurrent_seqs, w.batch):
+        d = _decode(model, gpu, tp, name, batch, w, a, r)
+        inter = 1e6 / d["step_us"]
+        tput = batch * inter / tp
+        if fallback is None or inter > fallback[0]:
+            fallback = (inter, batch, d)
+        if inter >= w.min_interactivity and (best is None or tput > best[0]):
+            best = (tput, batch, d)
+    chosen = best or fallback
+    if chosen is not None:
+        _, batch, d = chosen
+        r.batch = batch
+        r.link_bytes_per_step = d["link_bytes"]
+        r.transfer_us = d["transfer"]
+        r.window_us = d["window"]
+        r.predicted_stall_us = d["stall"]
+        r.step_us = d["step_us"]
+        r.bound = d["step"].bound
+        r.interactivity = 1e6 / d["step_us"]
+        r.tokens_per_s_per_gpu = batch * r.interactivity / tp
+        r.tokens_per_dollar = r.tokens_per_s_per_gpu * 3600 / gpu.price_per_hour
+        r.meets_interactivity = best is not None
+        r.nvme_iops_needed = d["iops"]
+        if name == "nvme":
+            r.nvme_iops_available = gpu.nvme_iops_per_server
+            if r.nvme_iops_needed > r.nvme_iops_available:
+                r.why_not.append(
+                    f"needs {r.nvme_iops_needed / 1e6:.2f}M IOPS per server at a "
+                    f"{(r.cache_hit_rate or 0):.0%} hit rate; the drives give "
+                    f"{r.nvme_iops_available / 1e6:.1f}M"
+                )
+    # prefill: a chunk of tokens reads its rows while the layers before the first Engram
+    # layer compute; every row of the chunk crosses the link (no deduplication assumed)
+    if name != "hbm":
+        tokens = a.prefill_chunk_tokens
+        r.prefill_window_us = prefill_window_us(model, gpu, tp, tokens, a)
+        bw = a.remote_bw if name == "remote" else gpu.host_link_bw * a.host_link_efficiency
+        lat = a.remote_latency_us if name == "remote" else a.host_link_latency_us
+        r.prefill_transfer_us = lat + tokens * r.bytes_per_token_per_gpu / bw * 1e6
+        r.prefill_stall_us = max(0.0, r.prefill_transfer_us - r.prefill_window_us)
+    r.fits = not r.why_not
+    return r
+
+
+def evaluate_all(model: ModelSpec, gpu: GpuSpec, workload: Workload,
+                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[PlacementResult]:
+    """Every placement at every power-of-two TP degree up to ``workload.gpus``."""
+    return [evaluate(model, gpu, name, tp, workload, assumptions)
+            for name in PLACEMENTS for tp in tp_degrees(workload.gpus)]
+
+
+def smallest_feasible_tp(results: list[PlacementResult], name: str) -> int | None:
+    """The smallest TP degree at which placement ``name`` fits, or None."""
+    tps = [r.tp for r in results if r.name == name and r.fits]
+    return min(tps) if tps else None

@@ -1,0 +1,89 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engram_offload.planner.mrc import (
+    COLD, ZipfMRC, load_trace, lru_hits_bruteforce, mrc_from_trace, shards_mrc, shards_sample,
+    stack_distances,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 25), min_size=0, max_size=150), st.integers(0, 30))
+def test_stack_distances_match_bruteforce_lru(ids, capacity):
+    ids = np.array(ids, dtype=np.int64)
+    d = stack_distances(ids)
+    assert int(np.sum((d != COLD) & (d < capacity))) == lru_hits_bruteforce(ids, capacity)
+
+
+def test_stack_distances_small_example():
+    # a b c a b b: a's reuse sees {b, c}, b's sees {c, a}, the last b sees nothing
+    assert stack_distances(np.array([1, 2, 3, 1, 2, 2])).tolist() == [-1, -1, -1, 2, 2, 0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=200), st.floats(0.05, 1.0))
+def test_rows_for_hit_rate_is_the_smallest_size(ids, h):
+    ids = np.array(ids, dtype=np.int64)
+    curve = mrc_from_trace(ids)
+    rows = curve.rows_for_hit_rate(h)
+    if rows is None:
+        assert curve.max_hit_ratio() < h
+    else:
+        assert curve.hit_ratio(rows) >= h - 1e-12
+        assert rows == 0 or curve.hit_ratio(rows - 1) < h
+        assert lru_hits_bruteforce(ids, rows) / len(ids) >= h - 1e-12
+
+
+def test_shards_sampling_keeps_whole_ids_and_tracks_exact_curve():
+    rng = np.random.default_rng(1)
+    ids = rng.zipf(1.1, size=300_000) % 200_000
+    sample = shards_sample(ids, 0.1)
+    kept = set(np.unique(sample).tolist())
+    assert all((x in kept) == (x in kept) for x in ids[:1000].tolist())
+    assert np.array_equal(np.isin(ids, list(kept)), np.isin(ids, sample))  # all or none of an id
+    exact, approx = mrc_from_trace(ids), shards_mrc(ids, 0.1)
+    for rows in (1_000, 10_000, 50_000):
+        assert abs(exact.hit_ratio(rows) - approx.hit_ratio(rows)) < 0.03
+
+
+def test_long_traces_are_sampled():
+    ids = np.arange(50_000) % 1000
+    assert mrc_from_trace(ids, exact_limit=10_000).method.startswith("shards")
+    assert mrc_from_trace(ids).method == "exact"
+
+
+def test_zipf_curve_is_monotone_and_inverts():
+    z = ZipfMRC(1.0, 100_000, heads=4)
+    hits = [z.hit_ratio(r) for r in (0, 1_000, 10_000, 100_000, 400_000)]
+    assert hits == sorted(hits) and hits[0] == 0 and hits[-1] == 1
+    rows = z.rows_for_hit_rate(0.8)
+    assert abs(z.hit_ratio(rows) - 0.8) < 0.01
+
+
+def test_zipf_che_matches_simulation():
+    # Che's approximation vs an LRU simulation of independent Zipf references
+    rng = np.random.default_rng(2)
+    n, s = 2_000, 0.9
+    p = np.arange(1, n + 1, dtype=float) ** -s
+    ids = rng.choice(n, size=60_000, p=p / p.sum())
+    sim = mrc_from_trace(ids)
+    z = ZipfMRC(s, n, exact_ranks=n)
+    for rows in (50, 200, 800):
+        warm = sim.hit_ratio(rows) / sim.max_hit_ratio() * 1.0
+        assert abs(z.hit_ratio(rows) - sim.hit_ratio(rows)) < 0.03, (rows, warm)
+
+
+def test_load_trace_npy_and_text(tmp_path):
+    np.save(tmp_path / "t.npy", np.array([3, 1, 2], dtype=np.int64))
+    (tmp_path / "t.txt").write_text("3 1\n2\n")
+    assert load_trace(tmp_path / "t.npy").tolist() == [3, 1, 2]
+    assert load_trace(tmp_path / "t.txt").tolist() == [3, 1, 2]
+    (tmp_path / "bad.txt").write_text("3 x 2")
+    with pytest.raises(ValueError, match="not an integer"):
+        load_trace(tmp_path / "bad.txt")
+    np.save(tmp_path / "f.npy", np.array([1.5]))
+    with pytest.raises(ValueError, match="integers"):
+        load_trace(tmp_path / "f.npy")
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "missing.npy")

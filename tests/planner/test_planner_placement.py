@@ -1,0 +1,118 @@
+import dataclasses
+
+import pytest
+
+from engram_offload.planner import (
+    DEFAULT_ASSUMPTIONS, GPUS, MODELS, Workload, get_gpu, get_model, make_plan,
+    smallest_feasible_tp,
+)
+from engram_offload.planner.models import PRECISION_BYTES
+from engram_offload.planner.placement import evaluate_all
+from engram_offload.planner.plan import curve_for
+
+KiB, GiB = 1024, 2**30
+
+
+def plan_for(model="deepseek-v4.1-flash", gpu="b300", **kw):
+    m = get_model(model)
+    curve, label = curve_for(m)
+    return make_plan(m, get_gpu(gpu), Workload(curve=curve, curve_label=label, **kw))
+
+
+def test_v41_flash_table_and_per_token_bytes():
+    d = plan_for().to_dict()
+    assert round(d["table_bytes"] / GiB, 1) == 188.8
+    assert d["table_bytes"] == 202_758_032_400
+    assert round(d["bytes_per_token"] / KiB, 1) == 12.4
+    assert round(d["bytes_per_token_per_gpu"]["4"] / KiB, 1) == 3.1
+    tp4 = [p for p in d["placements"] if p["tp"] == 4]
+    assert tp4 and all(p["bytes_per_token_per_gpu"] == 3168 for p in tp4)
+
+
+def test_v41_flash_weights_follow_the_fp4_fp8_checkpoint():
+    m = get_model("deepseek-v4.1-flash")
+    assert m.total_params == pytest.approx(552e9)
+    assert m.active_params_prefill == 8e9 and m.active_params_decode == 16e9
+    assert {g.precision for g in m.weights if g.routed} == {"fp4"}
+    assert PRECISION_BYTES["fp4"] == 0.53125
+    # 552B with 97.4% routed experts at 4.25 bits, the rest FP8 (embeddings bf16): ~301 GB
+    assert 295e9 < m.weight_bytes < 305e9
+    # the whole system: backbone plus table parameters, "748B" in the article
+    total = m.total_params + m.engram.num_rows * m.engram.head_dim
+    assert round(total / 1e9) == 749 or round(total / 1e9) == 748
+
+
+def test_b300_smallest_tp_is_4_in_hbm_and_2_in_dram():
+    results = plan_for().placements
+    assert smallest_feasible_tp(results, "hbm") == 4
+    assert smallest_feasible_tp(results, "dram") == 2
+    hbm2 = next(r for r in results if r.name == "hbm" and r.tp == 2)
+    assert not hbm2.fits and "left for KV cache" in hbm2.why_not[0]
+    dram1 = next(r for r in results if r.name == "dram" and r.tp == 1)
+    assert any("exceed" in w for w in dram1.why_not)  # 301 GB of weights > one 288 GB GPU
+
+
+@pytest.mark.parametrize("kv_fraction", [0.02, 0.05, 0.10, 0.20, 0.35])
+def test_b300_result_is_robust_to_the_kv_reserve(kv_fraction):
+    a = dataclasses.replace(DEFAULT_ASSUMPTIONS, min_kv_fraction=kv_fraction)
+    m = get_model("deepseek-v4.1-flash")
+    results = evaluate_all(m, get_gpu("b300"), Workload(curve=curve_for(m)[0]), a)
+    assert smallest_feasible_tp(results, "hbm") == 4
+    assert smallest_feasible_tp(results, "dram") == 2
+
+
+def test_all_fp8_weights_would_not_fit_b300_at_tp2():
+    m = get_model("deepseek-v4.1-flash")
+    fp8 = dataclasses.replace(m, weights=tuple(dataclasses.replace(g, precision="fp8") for g in m.weights))
+    results = evaluate_all(fp8, get_gpu("b300"), Workload(curve=curve_for(m)[0]))
+    assert smallest_feasible_tp(results, "dram") == 4
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_preset_model_and_gpu_gets_an_answer(model, gpu):
+    plan = plan_for(model, gpu)
+    d = plan.to_dict()
+    assert {p["name"] for p in d["placements"]} == {"hbm", "dram", "nvme", "remote"}
+    for p in d["placements"]:
+        for key in ("name", "tp", "fits", "hbm_free_bytes", "max_concurrent_seqs", "predicted_stall_us"):
+            assert key in p
+        assert p["predicted_stall_us"] >= 0
+    rec = d["recommendation"]
+    assert rec["reasons"]
+    if rec["placement"] is not None:
+        chosen = next(p for p in d["placements"] if p["name"] == rec["placement"] and p["tp"] == rec["tp"])
+        assert chosen["fits"]
+
+
+def test_dram_stall_appears_when_the_link_is_slow():
+    m = get_model("deepseek-v4.1-flash")
+    slow = dataclasses.replace(get_gpu("b300"), host_link_bw=0.05e9)
+    results = evaluate_all(m, slow, Workload(curve=curve_for(m)[0], batch=256))
+    dram = next(r for r in results if r.name == "dram" and r.tp == 4)
+    assert dram.link_bytes_per_step == 256 * 3168
+    assert dram.predicted_stall_us > 0
+    assert dram.predicted_stall_us == pytest.approx(dram.transfer_us - dram.window_us)
+
+
+def test_nvme_cache_follows_the_target_hit_rate():
+    lo = plan_for(target_hit_rate=0.5).placements
+    hi = plan_for(target_hit_rate=0.95).placements
+    pick = lambda rs: next(r for r in rs if r.name == "nvme" and r.tp == 4)  # noqa: E731
+    assert pick(lo).cache_bytes_per_gpu < pick(hi).cache_bytes_per_gpu
+    assert pick(lo).nvme_iops_needed > pick(hi).nvme_iops_needed
+
+
+def test_low_interactivity_floor_favours_the_dram_tp2_replica():
+    plan = plan_for(min_interactivity=20)
+    rec = plan.recommendation
+    assert (rec.choice.name, rec.choice.tp) == ("dram", 2)
+    assert any("smallest workable TP is 4" in r for r in rec.reasons)
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="b300"):
+        get_gpu("a100")
+    with pytest.raises(ValueError, match="deepseek-v4.1-flash"):
+        get_model("nope")
+    assert get_gpu("B300") is get_gpu("b300")
