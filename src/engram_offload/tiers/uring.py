@@ -32,6 +32,7 @@ Read semantics (:meth:`UringReader.read`):
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from types import ModuleType, TracebackType
@@ -39,7 +40,14 @@ from typing import Optional, Union
 
 import numpy as np
 
-__all__ = ["available", "unavailable_reason", "UringReader", "DEFAULT_QUEUE_DEPTH"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "UringReader",
+    "PreadReader",
+    "open_reader",
+    "DEFAULT_QUEUE_DEPTH",
+]
 
 DEFAULT_QUEUE_DEPTH = 128
 """Reads kept in flight by default; enough to saturate an NVMe namespace."""
@@ -96,7 +104,7 @@ def unavailable_reason() -> Optional[str]:
     return _reason
 
 
-def _as_int64(name: str, a: Union[np.ndarray, int], n: Optional[int] = None) -> np.ndarray:
+def _as_int64(name: str, a: Union[np.ndarray, int, list[int]], n: Optional[int] = None) -> np.ndarray:
     arr = np.ascontiguousarray(a, dtype=np.int64)
     if arr.ndim != 1:
         arr = arr.reshape(-1)
@@ -210,3 +218,109 @@ class UringReader:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"queue_depth={self.queue_depth}"
         return f"UringReader(fd={self._fd}, {state})"
+
+
+class PreadReader:
+    """Pure-Python stand-in for :class:`UringReader` (same interface and
+    failure semantics), used when the native helper is unavailable.
+
+    Reads one request at a time with ``os.preadv`` straight into ``dest``, so
+    it has no queue depth: expect a few microseconds of Python overhead per
+    read on top of the device latency.  Thread-safe (no shared state besides
+    the borrowed descriptor).
+    """
+
+    def __init__(self, fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, retries: int = 3) -> None:
+        os.fstat(fd)  # raises OSError(EBADF) for a bad descriptor
+        self._fd = int(fd)
+        self._retries = int(retries)
+        self._closed = False
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def queue_depth(self) -> int:
+        return 1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def read(
+        self,
+        offsets: np.ndarray,
+        lengths: Union[np.ndarray, int],
+        dest: np.ndarray,
+        dest_offsets: np.ndarray,
+        *,
+        wait_batch: int = -1,
+    ) -> None:
+        """Same contract as :meth:`UringReader.read`."""
+        if self._closed:
+            raise ValueError("read on a closed PreadReader")
+        offs = _as_int64("offsets", offsets)
+        n = offs.shape[0]
+        doffs = _as_int64("dest_offsets", dest_offsets, n)
+        lens = _as_int64("lengths", np.full(n, lengths) if np.ndim(lengths) == 0 else lengths, n)
+        view = memoryview(dest).cast("B")  # raises for non-contiguous buffers
+        if view.readonly:
+            raise TypeError("dest must be writable")
+        size = view.nbytes
+        bad = (lens < 0) | (offs < 0) | (doffs < 0) | (doffs > size) | (lens > size - doffs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"read {i} out of range: file offset {offs[i]}, length {lens[i]}, "
+                f"dest offset {doffs[i]}, dest size {size}"
+            )
+        for off, length, doff in zip(offs.tolist(), lens.tolist(), doffs.tolist()):
+            done = 0
+            tries = 0
+            while done < length:
+                try:
+                    got = os.preadv(self._fd, [view[doff + done : doff + length]], off + done)
+                except OSError as exc:
+                    if exc.errno in _PERMANENT_ERRNOS or tries >= self._retries:
+                        raise OSError(
+                            exc.errno,
+                            f"read of {length} bytes at file offset {off} failed after "
+                            f"{done} bytes: {exc.strerror}",
+                        ) from None
+                    tries += 1
+                    continue
+                if got == 0:
+                    raise OSError(
+                        errno.EIO,
+                        f"read of {length} bytes at file offset {off} failed after "
+                        f"{done} bytes: end of file",
+                    )
+                done += got
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "PreadReader":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+_PERMANENT_ERRNOS = frozenset(
+    {errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOSYS, errno.EOPNOTSUPP, errno.EISDIR,
+     errno.ENXIO, errno.ESPIPE, errno.EOVERFLOW, errno.EPERM, errno.EACCES, errno.ENODEV}
+)
+
+
+def open_reader(fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Union[UringReader, PreadReader]:
+    """A :class:`UringReader` when :func:`available`, else a :class:`PreadReader`."""
+    if available():
+        return UringReader(fd, queue_depth)
+    return PreadReader(fd, queue_depth)
