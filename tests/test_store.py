@@ -1,4 +1,4 @@
-"""``open_table``: the store over a tier, decoding rows, counting, refusing caches."""
+"""``open_table``: the store over a tier, decoding rows, counting, with and without caches."""
 
 from __future__ import annotations
 
@@ -37,9 +37,15 @@ def test_gather_decodes_rows(v41_table, tier):
         assert stats["bytes_read"] >= 6 * 264
 
 
-def test_cache_bytes_is_refused_clearly(v41_table):
-    with pytest.raises(ValueError, match="caches are not available yet"):
-        open_table(v41_table[0], "direct", cache_bytes=1 << 20)
+def test_cache_bytes_wraps_the_tier_in_a_cached_store(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "direct", cache_bytes=1 << 20, policy="lfu") as store:
+        ids = torch.tensor([5, 7, 5])
+        for _ in range(2):
+            assert torch.equal(store.read_raw(ids), raw[ids])
+        assert store.stats()["levels"][0]["hits"] == 2
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        open_table(path, "mmap", cache_bytes=1 << 20, policy="fifo")
 
 
 def test_unknown_tier_and_bad_files(v41_table, tmp_path):

@@ -86,17 +86,35 @@ class TableStore:
 
 
 def open_table(
-    path: str | os.PathLike[str], tier: str = "mmap", *, cache_bytes: int | None = None, **options: Any
-) -> TableStore:
+    path: str | os.PathLike[str],
+    tier: str = "mmap",
+    *,
+    cache_bytes: int | None = None,
+    policy: str = "lru",
+    fast_cache_bytes: int = 0,
+    admission: bool | None = None,
+    **options: Any,
+) -> Any:
     """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``).
 
     ``options`` go to the tier (e.g. ``engine``, ``queue_depth``, ``verify_reads`` for
     ``direct``). Raises ``TableFormatError`` for a file that is not a valid table.
+
+    ``cache_bytes`` puts a DRAM row cache of that size in front of the tier (and
+    ``fast_cache_bytes`` a fast cache above it, on the GPU when there is one), evicting by
+    ``policy`` (``lru`` or ``lfu``); the result is then a ``cache.CachedStore``, with the
+    same methods plus ``fetch`` and per-level statistics.
     """
-    if cache_bytes:
-        raise ValueError(
-            "row caches are not available yet: open the table without cache_bytes "
-            "(every read goes to the tier)"
-        )
     header = read_header(path)
-    return TableStore(header, open_tier(tier, header, **options))
+    store = TableStore(header, open_tier(tier, header, **options))
+    if not cache_bytes and not fast_cache_bytes:
+        return store
+    from .cache import CachedStore, build_levels
+
+    try:
+        levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
+                              fast_cache_bytes=int(fast_cache_bytes), admission=admission)
+    except BaseException:
+        store.close()
+        raise
+    return CachedStore(store.tier, store.config, levels, inner=store)
