@@ -15,6 +15,8 @@ import numpy as np
 
 __all__ = ["drop_page_cache", "run_tier_bench"]
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
 
 def drop_page_cache(path: str | os.PathLike[str]) -> list[str]:
     """Evict ``path`` from the page cache; return the methods that worked.
@@ -32,9 +34,9 @@ def drop_page_cache(path: str | os.PathLike[str]) -> list[str]:
         os.close(fd)
     try:
         os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
+        with open(DROP_CACHES, "w") as f:
             f.write("1\n")
-        done.append("/proc/sys/vm/drop_caches=1")
+        done.append(f"{DROP_CACHES}=1")
     except OSError:
         pass
     return done

@@ -107,8 +107,10 @@ class ThreadEngine:
             self._read_carefully(off, length, view[d: d + length])
 
     def _read_carefully(self, off: int, length: int, view: memoryview) -> None:
-        """One span, with retries: short reads resume, transient errors retry, then TierError."""
-        done, failures, last = 0, 0, "short read"
+        """One span after a failed first attempt: short reads resume, transient errors retry,
+        then TierError (``1 + retries`` attempts in all)."""
+        done, failures, last = 0, 1, "short read"
+        self.tier._count(retries=1)
         while done < length:
             try:
                 got = self.pread(self.tier._fd, [view[done:]], off + done)
@@ -116,13 +118,17 @@ class ThreadEngine:
                 if exc.errno not in TRANSIENT:
                     raise self.tier._error(off, length, exc) from exc
                 got, last = -1, f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
-            if got > 0:
-                done += got - (got % SECTOR_BYTES if done + got < length else 0)
-            if got <= 0 or done < length:
+            advanced = 0
+            if got > 0:  # resume a short read at the last whole sector
+                advanced = got - (got % SECTOR_BYTES if done + got < length else 0)
+                done += advanced
+            if done < length:
+                self.tier._count(retries=1)
+                if advanced:
+                    continue  # progress: not a failure
                 if got == 0:
                     last = "end of file (truncated?)"
                 failures += 1
-                self.tier._count(retries=1)
                 if failures > self.retries:
                     raise TierError(
                         f"{self.tier.header.path}: reading {length} bytes at offset {off:,} failed "

@@ -1,0 +1,172 @@
+"""Failures are loud: checksum mismatches, injected I/O errors, refused O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tier_cases import skip_unavailable, uring_available
+from engram_offload.errors import ChecksumError, TierError
+from engram_offload.table import read_header
+from engram_offload.tiers import open_tier
+from engram_offload.tiers import direct as direct_module
+
+
+def read(t, ids) -> np.ndarray:
+    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
+    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
+
+
+@pytest.fixture
+def damaged(tables, tmp_path):
+    """A copy of the fp8 table with one byte flipped in block 2: (path, bad row, good row, expected)."""
+    src, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    path = tmp_path / "damaged.tbl"
+    shutil.copy(src, path)
+    layout = read_header(path).layout
+    start, _ = layout.block_range(2)
+    with open(path, "r+b") as f:
+        f.seek(start + 100)
+        b = f.read(1)
+        f.seek(start + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    ids = np.arange(layout.num_rows)
+    blocks = (layout.row_offsets(ids) - layout.data_offset) // layout.block_size
+    bad_row = int(ids[blocks == 2][-1])  # not the row holding the flipped byte: the block is what counts
+    good_row = int(ids[blocks == 0][0])
+    return path, bad_row, good_row, expected
+
+
+DIRECT_ENGINES = [{"engine": "threads"}, {"engine": "uring"}]
+
+
+@pytest.mark.parametrize("tier,options", [("mmap", {})] + [("direct", o) for o in DIRECT_ENGINES])
+def test_read_verification_names_the_bad_block(damaged, tier, options):
+    path, bad_row, good_row, expected = damaged
+    skip_unavailable(tier, options, path.parent)
+    with open_tier(tier, read_header(path), verify_reads=True, **options) as t:
+        np.testing.assert_array_equal(read(t, [good_row]), expected[[good_row]])
+        with pytest.raises(ChecksumError, match=r"block 2 \(bytes [\d,]+\.\.[\d,]+\)"):
+            read(t, [good_row, bad_row])
+        with pytest.raises(ChecksumError):  # still refused the second time
+            read(t, [bad_row])
+        assert t.stats()["blocks_verified"] == 1
+    with open_tier(tier, read_header(path), **options) as t:  # without verification: served as stored
+        read(t, [bad_row])
+
+
+def test_memory_tier_verifies_while_loading(damaged):
+    path = damaged[0]
+    with pytest.raises(ChecksumError, match="block 2"):
+        open_tier("memory", read_header(path), verify_reads=True)
+    open_tier("memory", read_header(path)).close()
+
+
+class FlakyPread:
+    """An ``os.preadv`` stand-in failing as scripted, then reading for real."""
+
+    def __init__(self, mode: str, failures: int = 10**9) -> None:
+        self.mode, self.failures, self.calls = mode, failures, 0
+
+    def __call__(self, fd, buffers, offset):
+        self.calls += 1
+        if self.failures > 0:
+            self.failures -= 1
+            if self.mode == "eio":
+                raise OSError(errno.EIO, "Input/output error")
+            if self.mode == "eof":
+                return 0
+            if self.mode == "short":  # half of the request, sector aligned
+                view = buffers[0]
+                half = max(512, len(view) // 2 // 512 * 512)
+                return os.preadv(fd, [view[:half]], offset) if len(view) > 512 else os.preadv(fd, [view], offset)
+            if self.mode == "ragged":  # a short read ending mid-sector
+                view = buffers[0]
+                got = os.preadv(fd, [view], offset)
+                return min(got, 700)
+        return os.preadv(fd, buffers, offset)
+
+
+def open_flaky(tables, pread, **options):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    skip_unavailable("direct", {}, path.parent)
+    return open_tier("direct", read_header(path), engine="threads", pread=pread, **options), expected
+
+
+@pytest.mark.parametrize("mode,failures", [("eio", 2), ("short", 50), ("ragged", 3), ("eof", 1)])
+def test_transient_failures_are_retried(tables, mode, failures):
+    pread = FlakyPread("none", 0)
+    t, expected = open_flaky(tables, pread, queue_depth=2, retries=3)
+    with t:
+        ids = np.random.default_rng(0).integers(0, t.num_rows, 200)
+        pread.mode, pread.failures = mode, failures
+        np.testing.assert_array_equal(read(t, ids), expected[ids])
+        assert t.stats()["retries"] >= 1
+
+
+@pytest.mark.parametrize("mode,message", [("eio", "EIO"), ("eof", "end of file")])
+def test_persistent_failures_raise_tier_error(tables, mode, message):
+    pread = FlakyPread("none", 0)
+    t, _ = open_flaky(tables, pread, queue_depth=3, retries=2)
+    with t:
+        pread.mode, pread.failures = mode, 10**9
+        with pytest.raises(TierError, match=rf"offset [\d,]+ failed after 2 retries \({message}"):
+            read(t, [0, 1000, 2000])
+
+
+def test_hard_errors_are_not_retried(tables):
+    calls = []
+
+    def pread(fd, buffers, offset):
+        if calls:
+            calls.append(offset)
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        calls.append(offset)
+        return os.preadv(fd, buffers, offset)
+
+    t, _ = open_flaky(tables, pread, queue_depth=1)
+    with t:
+        with pytest.raises(TierError, match="Bad file descriptor"):
+            read(t, [5])
+        assert len(calls) == 3  # probe, fast path, one careful attempt
+
+
+def test_refused_o_direct_is_a_clear_error(tables, monkeypatch):
+    path, _ = tables[("fp32", 64)]
+    real_open = os.open
+
+    def no_direct(p, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(direct_module.os, "open", no_direct)
+    with pytest.raises(TierError, match="refuses O_DIRECT.*mmap or memory tier"):
+        open_tier("direct", read_header(path), engine="threads")
+
+
+def test_o_direct_refused_at_read_is_a_clear_error(tables):
+    path, _ = tables[("fp32", 64)]
+    skip_unavailable("direct", {}, path.parent)
+
+    def pread(fd, buffers, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with pytest.raises(TierError, match="refuses O_DIRECT"):
+        open_tier("direct", read_header(path), engine="threads", pread=pread)
+
+
+def test_engine_choice(tables):
+    path, _ = tables[("fp32", 64)]
+    skip_unavailable("direct", {}, path.parent)
+    with pytest.raises(ValueError, match="unknown direct engine"):
+        open_tier("direct", read_header(path), engine="spdk")
+    with open_tier("direct", read_header(path), engine="threads") as t:
+        assert t.stats()["engine"] == "threads"
+    with open_tier("direct", read_header(path)) as t:
+        assert t.stats()["engine"] == ("uring" if uring_available() else "threads")
