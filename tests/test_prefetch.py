@@ -1,0 +1,126 @@
+"""Prefetcher: rows equal a direct gather, failures surface at rows(), cancel, pins per step."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload import open_table, write_table
+from engram_offload.config import EngramConfig
+from engram_offload.errors import TierError
+from engram_offload.hashing import NgramHasher
+from engram_offload.prefetch import Prefetcher, PrefetchError, StepCancelled
+
+CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32,
+                      prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")
+VOCAB = 1000
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    x = torch.randn(CONFIG.num_rows, CONFIG.head_dim)
+    return write_table(tmp_path_factory.mktemp("prefetch") / "t.tbl", CONFIG, x)
+
+
+@pytest.fixture
+def hasher():
+    token_map = np.arange(VOCAB, dtype=np.int64) % 700
+    return NgramHasher(CONFIG, token_map)
+
+
+def expected_rows(store, hasher, tokens: np.ndarray, layer_pos: int) -> torch.Tensor:
+    ids = hasher.table_ids(hasher.hash_all(tokens))[:, :, layer_pos]  # [B, T, C]
+    return store.gather(ids, torch.float32)
+
+
+def test_prefill_then_decode_rows_match_gathers(table, hasher):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(3, 9))
+    with open_table(table, "mmap") as plain, open_table(table, "mmap", cache_bytes=100 * CONFIG.row_bytes) as store, \
+            Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([10, 11, 12], [tokens[0, :5], tokens[1, :5], tokens[2, :5]])
+        for pos, layer in enumerate(CONFIG.layer_ids):
+            got = pf.rows(layer)  # [3*5, C, d]
+            want = expected_rows(plain, hasher, tokens, pos)[:, :5].reshape(15, CONFIG.cols_per_layer, -1)
+            assert torch.equal(got, want)
+        pf.end_step(step)
+        for t in range(5, 9):  # decode: one token per sequence
+            pf.begin_step([10, 11, 12], tokens[:, t])
+            for pos, layer in enumerate(CONFIG.layer_ids):
+                want = expected_rows(plain, hasher, tokens, pos)[:, t]
+                assert torch.equal(pf.rows(layer), want)
+            pf.end_step()
+        s = store.stats()["store"]
+        assert s["rows_requested"] == 9 * 3 * CONFIG.rows_per_token and s["rows_unique"] < s["rows_requested"]
+        assert s["stall_events"] >= 2
+        assert pf.stats()["steps"] == 5
+
+
+def test_failure_surfaces_at_rows_and_the_worker_keeps_going(table, hasher):
+    with open_table(table, "mmap", cache_bytes=100 * CONFIG.row_bytes) as store, Prefetcher(store, hasher) as pf:
+        real = store.source.read_rows
+        calls = {"n": 0}
+
+        def flaky(ids, out):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise TierError("disk went away")
+            return real(ids, out)
+
+        store.source.read_rows = flaky
+        pf.begin_step([1], [[5, 6, 7]])
+        with pytest.raises(PrefetchError, match="disk went away") as info:
+            pf.rows(CONFIG.layer_ids[0])
+        assert isinstance(info.value.__cause__, TierError)
+        pf.end_step()
+        pf.begin_step([2], [[5, 6, 7]])  # the worker is still alive and serves the next step
+        assert pf.rows(CONFIG.layer_ids[1]).shape == (3, CONFIG.cols_per_layer, CONFIG.head_dim)
+        pf.end_step()
+        assert pf.stats()["failures"] == 1
+        assert all(level.pinned() == 0 for level in store.levels)
+
+
+def test_rows_are_pinned_until_end_step(table, hasher):
+    with open_table(table, "mmap", cache_bytes=4000 * CONFIG.row_bytes) as store, Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([1, 2], [[1, 2, 3], [4, 5]])
+        pf.rows(CONFIG.layer_ids[0])
+        dram = store.levels[0]
+        assert dram.pinned() == step.dedup.unique.size
+        pf.end_step(step)
+        assert dram.pinned() == 0
+
+
+def test_cancel_before_the_fetch_runs(table, hasher):
+    with open_table(table, "mmap", cache_bytes=100 * CONFIG.row_bytes) as store, Prefetcher(store, hasher) as pf:
+        gate = threading.Event()
+        real = store.source.read_rows
+
+        def slow(ids, out):
+            gate.wait(5)
+            return real(ids, out)
+
+        store.source.read_rows = slow
+        first = pf.begin_step([1], [[1, 2]])
+        second = pf.begin_step([2], [[3, 4]])
+        pf.cancel(second)
+        gate.set()
+        pf.rows(CONFIG.layer_ids[0], first)
+        with pytest.raises(StepCancelled):
+            pf.rows(CONFIG.layer_ids[0], second)
+        pf.end_step(first)
+        assert all(level.pinned() == 0 for level in store.levels)
+
+
+def test_plain_store_and_layout_mismatch(table, hasher):
+    with open_table(table, "memory") as store, Prefetcher(store, hasher) as pf:
+        pf.begin_step([0], [[9, 8, 7, 6]])
+        assert pf.rows(CONFIG.layer_ids[1]).shape == (4, CONFIG.cols_per_layer, CONFIG.head_dim)
+        with pytest.raises(KeyError, match="not an Engram layer"):
+            pf.rows(2)
+        pf.end_step()
+        other = NgramHasher(CONFIG.replace(prime_starts=(400, 600)), np.arange(VOCAB) % 700)
+        with pytest.raises(ValueError, match="different layouts"):
+            Prefetcher(store, other)
