@@ -189,3 +189,14 @@ def test_hot_rows_are_promoted_to_the_fast_level(fake_tier):
     assert 1 in store.levels[0]
     store.fetch(ids, hold=False)
     assert store.stats()["levels"][0]["hits"] == 2
+
+
+def test_stats_table_renders(fake_tier):
+    from engram_offload.cache.report import format_stats_table
+
+    store = make_store(fake_tier, dram_rows=8, fast_rows=4)
+    store.read_raw([1, 2, 1])
+    store.read_raw([1, 2])
+    store.record_stall(0.002)
+    text = format_stats_table(store.stats())
+    assert "fast" in text and "dram" in text and "tier" in text and "stall" in text
