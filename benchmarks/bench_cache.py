@@ -187,14 +187,13 @@ def main() -> int:
     bconfig = config.replace(hidden_size=args.hidden, name=None)
     torch.manual_seed(0)
     model = EngramBackbone(bconfig, num_layers=max(config.layer_ids) + 2, vocab_size=token_map.size, heads=8).eval()
-    model.to(torch.bfloat16)
     hasher = NgramHasher(config, token_map)
     stall = {}
     tokens = [s for s in seqs if s.size >= args.stall_steps][: args.batch]
     batch_tokens = np.stack([s[: args.stall_steps] for s in tokens])  # [B, steps]
     for name, store in (("direct+cache", cached), ("memory", mem)):
         store_stall, compute = [], []
-        with Prefetcher(store, hasher, dtype=torch.bfloat16) as pf, torch.no_grad():
+        with Prefetcher(store, hasher, dtype=torch.float32) as pf, torch.no_grad():
             for t in range(args.stall_steps):
                 t0 = time.perf_counter()
                 res = forward_with_prefetch(model, pf, list(range(len(tokens))), list(batch_tokens[:, t]))
@@ -207,9 +206,9 @@ def main() -> int:
     # baseline: no prefetch, gather at each Engram layer (whole prefix rehashed: time only the gather part)
     with torch.no_grad():
         ids = torch.from_numpy(batch_tokens[:, :1])
-        t_sync = timed(lambda: forward_with_store(model, cached, hasher, ids, torch.bfloat16), 5)
+        t_sync = timed(lambda: forward_with_store(model, cached, hasher, ids, torch.float32), 5)
         t_model = timed(lambda: model(ids, lambda layer: torch.zeros(ids.shape[0], 1, config.cols_per_layer,
-                                                                    config.head_dim, dtype=torch.bfloat16)), 5)
+                                                                    config.head_dim)), 5)
     stall["synchronous_gather_step_ms"] = t_sync * 1e3
     stall["model_only_step_ms"] = t_model * 1e3
     stall["layers_before_first_engram"] = min(config.layer_ids)

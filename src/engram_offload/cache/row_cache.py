@@ -26,7 +26,17 @@ from .index import RowIndex
 from .policy import EvictionPolicy, make_policy
 from .stats import LevelStats
 
-__all__ = ["RowCache"]
+__all__ = ["RowCache", "wide_view"]
+
+
+def wide_view(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, row_bytes]`` viewed with the widest integer dtype that divides a row
+    (int64 for 264-byte rows): row copies then move 8 bytes per element, not 1."""
+    rb = rows.shape[-1]
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rb % size == 0 and rows.is_contiguous():
+            return rows.view(dtype)
+    return rows
 
 
 class RowCache:
@@ -96,7 +106,7 @@ class RowCache:
         if slots.size == 0:
             return
         index = torch.from_numpy(slots).to(self.device)
-        rows = self.data.index_select(0, index)
+        rows = wide_view(self.data).index_select(0, index).view(torch.uint8)
         out.copy_(rows, non_blocking=False)
 
     def release(self, slots: np.ndarray) -> None:
@@ -155,7 +165,7 @@ class RowCache:
         """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]``."""
         if slots.size:
             index = torch.from_numpy(slots).to(self.device)
-            self.data.index_copy_(0, index, rows.to(self.device))
+            wide_view(self.data).index_copy_(0, index, wide_view(rows.to(self.device).contiguous()))
 
     def publish(self, slots: np.ndarray, keep_pinned: bool = False) -> None:
         """Make written slots visible to lookups; unpin unless ``keep_pinned``."""

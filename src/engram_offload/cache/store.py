@@ -23,7 +23,7 @@ import torch
 from ..config import EngramConfig
 from ..dedup import dedup
 from ..rows import decode_rows
-from .row_cache import RowCache
+from .row_cache import RowCache, wide_view
 from .stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 
 __all__ = ["CachedStore", "Lease", "RowSource"]
@@ -129,7 +129,7 @@ class CachedStore:
         d = dedup(row_ids)
         with self.fetch(d.unique, hold=False, requested=d.requested) as lease:
             raw = lease.raw
-        return raw.index_select(0, torch.from_numpy(d.inverse).to(raw.device))
+        return wide_view(raw).index_select(0, torch.from_numpy(d.inverse).to(raw.device)).view(torch.uint8)
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``."""
@@ -180,8 +180,8 @@ class CachedStore:
                 held.append((level, hit_slots))
                 if hit_slots.size:
                     positions = torch.from_numpy(remaining[hit]).to(self.device)
-                    rows = level.data.index_select(0, torch.from_numpy(hit_slots).to(level.device))
-                    out.index_copy_(0, positions, rows.to(self.device))
+                    rows = wide_view(level.data).index_select(0, torch.from_numpy(hit_slots).to(level.device))
+                    wide_view(out).index_copy_(0, positions, rows.to(self.device))
                 found.append(remaining[hit])
                 level.stats.record(remaining.size, hit_slots.size, hit_slots.size * rb, time.perf_counter() - t0)
                 remaining = remaining[~hit]
@@ -189,7 +189,7 @@ class CachedStore:
                 t0 = time.perf_counter()
                 buf = torch.empty((remaining.size, rb), dtype=torch.uint8)  # [misses, row_bytes]
                 self.source.read_rows(ids[remaining], buf)
-                out.index_copy_(0, torch.from_numpy(remaining).to(self.device), buf.to(self.device))
+                wide_view(out).index_copy_(0, torch.from_numpy(remaining).to(self.device), wide_view(buf.to(self.device)))
                 self.tier_stats.record(remaining.size, 0, remaining.size * rb, time.perf_counter() - t0)
             if self.levels:
                 self._fill(ids, out, remaining, found, held, hold)
@@ -227,7 +227,7 @@ class CachedStore:
                 continue
             slots = slots[kept]
             try:
-                rows = out.index_select(0, torch.from_numpy(positions[kept]).to(out.device))
+                rows = wide_view(out).index_select(0, torch.from_numpy(positions[kept]).to(out.device)).view(torch.uint8)
                 level.write(slots, rows)
             except BaseException:
                 level.abandon(slots)
