@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
                        help="reads in flight (direct) or concurrent reader threads (mmap)")
     bench.add_argument("--batch", type=int, default=1024, help="rows per gather call")
+    bench.add_argument("--callers", type=int, help="caller threads (default: 1; mmap: the queue depth)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.set_defaults(func=cmd_bench_tier)
@@ -136,7 +137,7 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
 
     result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
                             queue_depth=args.queue_depth, cold=args.cold, engine=args.engine,
-                            seed=args.seed)
+                            seed=args.seed, callers=args.callers)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -10,6 +10,7 @@ import torch
 __all__ = ["aligned_empty", "gather_at", "madvise_quietly"]
 
 ALIGN = mmap.PAGESIZE
+GATHER_SLICE = 1024
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -35,4 +36,9 @@ def gather_at(src: torch.Tensor, byte_offsets: np.ndarray, out: torch.Tensor) ->
     ``byte_offsets`` (int64 ``[n]``) into ``out`` (uint8 ``[n, row_bytes]``)."""
     rb = out.shape[1]
     windows = src.as_strided((src.numel() - rb + 1, rb), (1, 1))  # [N - rb + 1, rb], overlapping
-    return torch.index_select(windows, 0, torch.from_numpy(byte_offsets), out=out)
+    index = torch.from_numpy(byte_offsets)
+    # index_select over overlapping windows parallelises badly for large n: go in slices.
+    for start in range(0, len(index), GATHER_SLICE):
+        stop = start + GATHER_SLICE
+        torch.index_select(windows, 0, index[start:stop], out=out[start:stop])
+    return out

@@ -52,20 +52,24 @@ def run_tier_bench(
     cold: bool = False,
     engine: str = "auto",
     seed: int = 0,
+    callers: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Gather uniformly random rows for ``seconds``; return the figures as a dict.
 
     ``direct``: one caller, ``queue_depth`` reads in flight in the tier. ``mmap``: page
     faults are synchronous, so ``queue_depth`` caller threads fault concurrently.
-    ``memory``/``pinned``: one caller. CPU time is process time (all threads) during reads.
+    ``memory``/``pinned``: one caller. ``callers`` overrides the number of caller threads
+    (e.g. 2 for ``direct``, so one caller's copying overlaps the other's I/O). CPU time is
+    process time (all threads) over the run.
     """
     from ..store import open_table
 
     cold_method = drop_page_cache(table) if cold else []
     if tier == "direct":
         options.update(engine=engine, queue_depth=queue_depth)
-    callers = queue_depth if tier == "mmap" else 1
+    if callers is None:
+        callers = queue_depth if tier == "mmap" else 1
     store = open_table(table, tier, **options)
     stop_at = [0.0]
     latencies: list[float] = []

@@ -1,0 +1,176 @@
+"""Tier comparison: direct vs fio, memory vs raw index_select, direct vs mmap (cold).
+
+    python benchmarks/bench_tier.py --table /tmp/engram-bench/t2g.tbl --out benchmarks/results/tier.json
+
+(a) direct tier, cold random rows, vs ``fio --ioengine=io_uring --direct=1 --rw=randread
+    --bs=4k --iodepth=Q`` on the same file in the same run (skipped when fio is absent);
+    targets: >= 85% of fio's IOPS, <= 3 us CPU per read.
+(b) memory tier gather of random ids vs ``torch.index_select`` into a preallocated buffer on
+    the same ids; target >= 0.8x.
+(c) direct and mmap side by side, cold, at the same queue depth (mmap: that many threads
+    faulting at once).
+Each is repeated ``--repeats`` times; medians are reported. Makes the table with
+``make-table`` first when it does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram_offload import cli
+from engram_offload.table import read_header
+from engram_offload.tiers import open_tier
+from engram_offload.tiers.bench import drop_page_cache, run_tier_bench
+
+
+def machine_facts(table: Path) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    dev = os.stat(table).st_dev
+    disk = {"device": f"{os.major(dev)}:{os.minor(dev)}"}
+    try:
+        name = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
+        disk["name"] = name
+        queue = Path(f"/sys/block/{name}/queue")
+        for key in ("rotational", "logical_block_size", "scheduler", "nr_requests"):
+            if (queue / key).exists():
+                disk[key] = (queue / key).read_text().strip()
+        model = Path(f"/sys/block/{name}/device/model")
+        if model.exists():
+            disk["model"] = model.read_text().strip()
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+        "disk": disk, "python": platform.python_version(), "torch": torch.__version__,
+        "numpy": np.__version__, "fio": _fio_version(), "loadavg_start": os.getloadavg(),
+    }
+
+
+def _fio_version() -> str | None:
+    if not shutil.which("fio"):
+        return None
+    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def fio_randread(table: Path, seconds: float, queue_depth: int) -> dict | None:
+    if not shutil.which("fio"):
+        return None
+    drop_page_cache(table)
+    cmd = ["fio", "--name=randread", f"--filename={table}", "--ioengine=io_uring", "--direct=1",
+           "--rw=randread", "--bs=4k", f"--iodepth={queue_depth}", f"--runtime={seconds:g}",
+           "--time_based", "--readonly", "--output-format=json"]
+    job = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["jobs"][0]
+    ios, runtime = job["read"]["total_ios"], job["read"]["runtime"] / 1e3
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime
+    return {"iops": job["read"]["iops"], "cpu_us_per_read": cpu_s / ios * 1e6, "command": " ".join(cmd)}
+
+
+def memory_vs_index_select(table: Path, seconds: float, batch: int) -> dict:
+    tier = open_tier("memory", read_header(table))
+    rows = tier.rows  # [num_rows, row_bytes]
+    rng = np.random.default_rng(0)
+    id_sets = [rng.integers(0, tier.num_rows, batch) for _ in range(64)]
+    id_tensors = [torch.from_numpy(ids) for ids in id_sets]
+    out = torch.empty((batch, tier.row_bytes), dtype=torch.uint8)
+
+    def rate(fn) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for i in range(len(id_sets)):
+                fn(i)
+            n += len(id_sets) * batch
+        return n / (time.perf_counter() - t0)
+
+    raw = rate(lambda i: torch.index_select(rows, 0, id_tensors[i], out=out))
+    ours = rate(lambda i: tier.read_rows(id_sets[i], out))
+    tier.close()
+    return {"memory_rows_per_s": ours, "index_select_rows_per_s": raw, "ratio": ours / raw,
+            "huge_pages": tier.huge_pages}
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", default="/tmp/engram-bench/t2g.tbl")
+    p.add_argument("--scale", default="0.011", help="make-table --scale when the table is missing")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--mmap-seconds", type=float, default=4.0,
+                   help="shorter: a cold mmap run warms the page cache as it goes")
+    p.add_argument("--queue-depth", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--out", default="benchmarks/results/tier.json")
+    args = p.parse_args(argv)
+    table = Path(args.table)
+    if not table.exists():
+        table.parent.mkdir(parents=True, exist_ok=True)
+        cli.main(["make-table", "--scale", args.scale, "--out", str(table), "--seed", "0"])
+    q, s = args.queue_depth, args.seconds
+    runs: dict[str, list] = {"direct_uring": [], "direct_threads": [], "fio": [], "memory": [],
+                             "direct_qd": [], "mmap_qd": []}
+    for rep in range(args.repeats):
+        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
+        runs["direct_uring"].append(run_tier_bench(table, "direct", seconds=s, batch=args.batch,
+                                                   queue_depth=q, cold=True, engine="uring"))
+        runs["direct_threads"].append(run_tier_bench(table, "direct", seconds=s, batch=args.batch,
+                                                     queue_depth=q, cold=True, engine="threads"))
+        fio = fio_randread(table, s, q)
+        if fio:
+            runs["fio"].append(fio)
+        runs["memory"].append(memory_vs_index_select(table, min(s, 3.0), args.batch))
+        runs["direct_qd"].append(run_tier_bench(table, "direct", seconds=args.mmap_seconds,
+                                                batch=args.batch, queue_depth=q, cold=True))
+        runs["mmap_qd"].append(run_tier_bench(table, "mmap", seconds=args.mmap_seconds, batch=32,
+                                              queue_depth=q, cold=True))
+    med = {
+        "a_direct_uring_reads_per_s": median_of(runs["direct_uring"], "reads_per_s"),
+        "a_direct_uring_cpu_us_per_read": median_of(runs["direct_uring"], "cpu_us_per_read"),
+        "a_direct_threads_reads_per_s": median_of(runs["direct_threads"], "reads_per_s"),
+        "a_direct_threads_cpu_us_per_read": median_of(runs["direct_threads"], "cpu_us_per_read"),
+        "b_memory_rows_per_s": median_of(runs["memory"], "memory_rows_per_s"),
+        "b_index_select_rows_per_s": median_of(runs["memory"], "index_select_rows_per_s"),
+        "b_ratio": median_of(runs["memory"], "ratio"),
+        "c_direct_reads_per_s": median_of(runs["direct_qd"], "reads_per_s"),
+        "c_direct_rows_per_s": median_of(runs["direct_qd"], "rows_per_s"),
+        "c_mmap_rows_per_s": median_of(runs["mmap_qd"], "rows_per_s"),
+        "c_direct_cpu_us_per_row": median_of(runs["direct_qd"], "cpu_us_per_row"),
+        "c_mmap_cpu_us_per_row": median_of(runs["mmap_qd"], "cpu_us_per_row"),
+    }
+    if runs["fio"]:
+        med["a_fio_iops"] = median_of(runs["fio"], "iops")
+        med["a_fio_cpu_us_per_read"] = median_of(runs["fio"], "cpu_us_per_read")
+        med["a_direct_uring_vs_fio"] = med["a_direct_uring_reads_per_s"] / med["a_fio_iops"]
+    result = {
+        "benchmark": "bench_tier",
+        "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "table": str(table), "table_bytes": table.stat().st_size,
+        "params": {"repeats": args.repeats, "seconds": s, "mmap_seconds": args.mmap_seconds,
+                   "queue_depth": q, "batch": args.batch},
+        "targets": {"a_direct_vs_fio_min": 0.85, "a_cpu_us_per_read_max": 3.0, "b_ratio_min": 0.8},
+        "machine": {**machine_facts(table), "loadavg_end": os.getloadavg()},
+        "median": med,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(med, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
