@@ -15,7 +15,7 @@ from engram_offload.dedup import dedup
 from engram_offload.errors import TierError
 from engram_offload.rows import decode_rows
 
-from conftest import FakeTier, small_config
+from cache_fakes import FakeTier, small_config
 
 CONFIG = small_config()
 RB = CONFIG.row_bytes

@@ -8,7 +8,7 @@ import torch
 
 from engram_offload import open_table, write_table
 
-from conftest import small_config
+from cache_fakes import small_config
 
 
 @pytest.fixture(scope="module")
