@@ -54,7 +54,7 @@ def machine_facts(table: Path) -> dict:
     return {
         "cpu_model": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
         "disk": disk, "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "fio": _fio_version(), "loadavg_start": os.getloadavg(),
+        "numpy": np.__version__, "fio": _fio_version(),
     }
 
 
@@ -85,16 +85,17 @@ def memory_vs_index_select(table: Path, seconds: float, batch: int) -> dict:
     id_tensors = [torch.from_numpy(ids) for ids in id_sets]
     out = torch.empty((batch, tier.row_bytes), dtype=torch.uint8)
 
-    def rate(fn) -> float:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for i in range(len(id_sets)):
-                fn(i)
-            n += len(id_sets) * batch
-        return n / (time.perf_counter() - t0)
-
-    raw = rate(lambda i: torch.index_select(rows, 0, id_tensors[i], out=out))
-    ours = rate(lambda i: tier.read_rows(id_sets[i], out))
+    raw_s = ours_s = 0.0
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:  # interleaved: both see the same machine load
+        for i in range(len(id_sets)):
+            t0 = time.perf_counter()
+            torch.index_select(rows, 0, id_tensors[i], out=out)
+            t1 = time.perf_counter()
+            tier.read_rows(id_sets[i], out)
+            raw_s, ours_s = raw_s + t1 - t0, ours_s + time.perf_counter() - t1
+        n += len(id_sets) * batch
+    raw, ours = n / raw_s, n / ours_s
     tier.close()
     return {"memory_rows_per_s": ours, "index_select_rows_per_s": raw, "ratio": ours / raw,
             "huge_pages": tier.huge_pages}
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/tier.json")
     args = p.parse_args(argv)
     table = Path(args.table)
+    load_start = os.getloadavg()
     if not table.exists():
         table.parent.mkdir(parents=True, exist_ok=True)
         cli.main(["make-table", "--scale", args.scale, "--out", str(table), "--seed", "0"])
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": {"repeats": args.repeats, "seconds": s, "mmap_seconds": args.mmap_seconds,
                    "queue_depth": q, "batch": args.batch},
         "targets": {"a_direct_vs_fio_min": 0.85, "a_cpu_us_per_read_max": 3.0, "b_ratio_min": 0.8},
-        "machine": {**machine_facts(table), "loadavg_end": os.getloadavg()},
+        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "median": med,
         "runs": runs,
     }
