@@ -2,7 +2,8 @@
 
     python benchmarks/bench_tier.py --table /tmp/engram-bench/t2g.tbl --out benchmarks/results/tier.json
 
-(a) direct tier, cold random rows, vs ``fio --ioengine=io_uring --direct=1 --rw=randread
+(a) direct tier, cold random rows (one caller at queue depth Q, and two callers at Q/2
+    each), vs ``fio --ioengine=io_uring --direct=1 --rw=randread
     --bs=4k --iodepth=Q`` on the same file in the same run (skipped when fio is absent);
     targets: >= 85% of fio's IOPS, <= 3 us CPU per read.
 (b) memory tier gather of random ids vs ``torch.index_select`` into a preallocated buffer on
@@ -123,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         table.parent.mkdir(parents=True, exist_ok=True)
         cli.main(["make-table", "--scale", args.scale, "--out", str(table), "--seed", "0"])
     q, s = args.queue_depth, args.seconds
-    runs: dict[str, list] = {"direct_uring": [], "direct_threads": [], "fio": [], "memory": [],
+    runs: dict[str, list] = {"direct_uring": [], "direct_uring_2callers": [], "direct_threads": [], "fio": [], "memory": [],
                              "direct_qd": [], "mmap_qd": []}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         runs["direct_uring"].append(run_tier_bench(table, "direct", seconds=s, batch=args.batch,
                                                    queue_depth=q, cold=True, engine="uring"))
+        runs["direct_uring_2callers"].append(run_tier_bench(  # same total queue depth, I/O overlaps copying
+            table, "direct", seconds=s, batch=args.batch, queue_depth=q // 2, cold=True,
+            engine="uring", callers=2))
         runs["direct_threads"].append(run_tier_bench(table, "direct", seconds=s, batch=args.batch,
                                                      queue_depth=q, cold=True, engine="threads"))
         fio = fio_randread(table, s, q)
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {
         "a_direct_uring_reads_per_s": median_of(runs["direct_uring"], "reads_per_s"),
         "a_direct_uring_cpu_us_per_read": median_of(runs["direct_uring"], "cpu_us_per_read"),
+        "a_direct_uring_2callers_reads_per_s": median_of(runs["direct_uring_2callers"], "reads_per_s"),
+        "a_direct_uring_2callers_cpu_us_per_read": median_of(runs["direct_uring_2callers"], "cpu_us_per_read"),
         "a_direct_threads_reads_per_s": median_of(runs["direct_threads"], "reads_per_s"),
         "a_direct_threads_cpu_us_per_read": median_of(runs["direct_threads"], "cpu_us_per_read"),
         "b_memory_rows_per_s": median_of(runs["memory"], "memory_rows_per_s"),
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         med["a_fio_iops"] = median_of(runs["fio"], "iops")
         med["a_fio_cpu_us_per_read"] = median_of(runs["fio"], "cpu_us_per_read")
         med["a_direct_uring_vs_fio"] = med["a_direct_uring_reads_per_s"] / med["a_fio_iops"]
+        med["a_direct_uring_2callers_vs_fio"] = med["a_direct_uring_2callers_reads_per_s"] / med["a_fio_iops"]
     result = {
         "benchmark": "bench_tier",
         "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
