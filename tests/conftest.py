@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engram_offload.config import EngramConfig
+from tiny_tables import tiny_config as _tiny_config
+
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "demo_small.safetensors"
 
 
@@ -35,3 +38,14 @@ def demo_vectors() -> dict:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         meta = json.loads(f.metadata()["meta"])
     return {"meta": meta, **tensors}
+
+
+@pytest.fixture
+def tiny_config():
+    """Factory: ``tiny_config(row_format, head_dim)`` -> a small EngramConfig for table files."""
+    return _tiny_config
+
+
+@pytest.fixture
+def config() -> EngramConfig:
+    return _tiny_config()

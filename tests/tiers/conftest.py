@@ -7,24 +7,10 @@ import pytest
 
 from engram_offload.config import EngramConfig
 from engram_offload.table import make_random_table, random_rows
+from tiny_tables import tiny_config as _tiny_config
 from tier_cases import FORMATS
 
 
-def _tiny_config(row_format: str = "fp8_e4m3_ue8m0", head_dim: int = 64, starts=(300, 500)) -> EngramConfig:
-    """Two layers, orders 2..3, two heads: a few thousand rows."""
-    return EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=head_dim,
-                        prime_starts=starts, row_format=row_format)
-
-
-@pytest.fixture
-def tiny_config():
-    """Factory: ``tiny_config(row_format, head_dim)`` -> a small EngramConfig."""
-    return _tiny_config
-
-
-@pytest.fixture
-def config() -> EngramConfig:
-    return _tiny_config()
 
 
 @pytest.fixture(scope="session")
