@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -32,31 +31,13 @@ import torch
 
 from engram_offload import cli
 from engram_offload.table import read_header
+from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.bench import drop_page_cache, run_tier_bench
 
 
 def machine_facts(table: Path) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    dev = os.stat(table).st_dev
-    disk = {"device": f"{os.major(dev)}:{os.minor(dev)}"}
-    try:
-        name = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
-        disk["name"] = name
-        queue = Path(f"/sys/block/{name}/queue")
-        for key in ("rotational", "logical_block_size", "scheduler", "nr_requests"):
-            if (queue / key).exists():
-                disk[key] = (queue / key).read_text().strip()
-        model = Path(f"/sys/block/{name}/device/model")
-        if model.exists():
-            disk["model"] = model.read_text().strip()
-    except OSError:
-        pass
-    return {
-        "cpu_model": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
-        "disk": disk, "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "fio": _fio_version(),
-    }
+    return {**shared_machine_facts(table), "fio": _fio_version()}
 
 
 def _fio_version() -> str | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.tiers import uring
 
 DEFAULT_FILE = "/tmp/engram_offload_uring_bench.bin"
@@ -129,27 +129,11 @@ def run_ours(path: str, bs: int, iodepth: int, runtime: float, batch: int,
     }
 
 
-def machine_facts(fio_path: str | None) -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+def machine_facts(fio_path: str | None, data_path: str) -> dict[str, Any]:
     fio_version = None
     if fio_path:
         fio_version = subprocess.run([fio_path, "--version"], capture_output=True, text=True).stdout.strip()
-    return {
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "fio_version": fio_version,
-    }
+    return {**shared_machine_facts(data_path), "fio_version": fio_version}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "fio_command": "fio --name=r --filename=F --ioengine=io_uring --direct=1 --rw=randread "
                        f"--bs=<size> --iodepth={args.iodepth} --runtime={args.runtime} --time_based "
                        "--output-format=json",
-        "machine": machine_facts(fio),
+        "machine": machine_facts(fio, args.file),
         "params": {
             "file_size_bytes": os.path.getsize(args.file),
             "iodepth": args.iodepth,

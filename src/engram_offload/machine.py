@@ -30,19 +30,38 @@ def _memory_bytes() -> int | None:
     return None
 
 
-def _block_device(path: str | os.PathLike[str] | None) -> str | None:
+def _block_device(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The block device under ``path``: its name, and queue facts from sysfs where readable."""
     if path is None:
         return None
     try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    disk: dict[str, Any] = {"device": f"{os.major(dev)}:{os.minor(dev)}"}
+    try:
+        name = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
+        disk["name"] = name
+        queue = Path(f"/sys/block/{name}/queue")
+        for key in ("rotational", "logical_block_size", "scheduler", "nr_requests"):
+            if (queue / key).exists():
+                disk[key] = (queue / key).read_text().strip()
+        model = Path(f"/sys/block/{name}/device/model")
+        if model.exists():
+            disk["model"] = model.read_text().strip()
+    except OSError:
+        pass
+    try:
         out = subprocess.run(["df", "--output=source,fstype", str(path)], capture_output=True,
                              text=True, timeout=5, check=True).stdout.split("\n")[1]
-        return " ".join(out.split())
+        disk["filesystem"] = " ".join(out.split())
     except (OSError, subprocess.SubprocessError, IndexError):
-        return None
+        pass
+    return disk
 
 
 def machine_facts(data_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """CPU, cores, memory, kernel, library versions and (given a path) its device and file system."""
+    """CPU, cores, memory, load, kernel, library versions and (given a path) its disk and file system."""
     import numpy
     import torch
 
@@ -50,6 +69,7 @@ def machine_facts(data_path: str | os.PathLike[str] | None = None) -> dict[str, 
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
+        "loadavg": os.getloadavg(),
         "memory_bytes": _memory_bytes(),
         "kernel": platform.release(),
         "python": platform.python_version(),
