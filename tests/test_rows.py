@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_offload.rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+from engram_offload.rows import ROW_FORMATS, decode_rows, dequantize_fp8_ue8m0, encode_rows, row_bytes
 
 
 @pytest.mark.parametrize("fmt", list(ROW_FORMATS))
@@ -66,3 +66,28 @@ def test_bad_input_is_refused():
         decode_rows(torch.zeros(2, 100, dtype=torch.uint8), "fp8_e4m3_ue8m0", 256)
     with pytest.raises(ValueError, match="head_dim"):
         encode_rows(torch.zeros(3), "fp32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_decode_matches_the_reference_bit_for_bit(dtype):
+    # every (scale byte, fp8 byte) pair, in rows of 64 values (two blocks of 32)
+    values = torch.arange(256, dtype=torch.uint8).repeat(256)  # [65536]
+    scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(256)  # [65536]
+    raw = torch.cat([values.view(-1, 64), scales.view(-1, 32)[:, 0].reshape(-1, 2)], dim=1)  # [1024, 66]
+    assert raw.shape == (1024, 66)
+    got = decode_rows(raw, "fp8_e4m3_ue8m0", 64, dtype)
+    want = dequantize_fp8_ue8m0(raw[:, :64].contiguous().view(torch.float8_e4m3fn), raw[:, 64:], dtype)
+    assert got.dtype == dtype and got.shape == (1024, 64)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+def test_fp8_decode_of_a_strided_view_and_of_no_rows():
+    x = torch.randn(6, 64) * 5
+    raw = encode_rows(x, "fp8_e4m3_ue8m0")  # [6, 66]
+    wide = torch.zeros(6, 80, dtype=torch.uint8)
+    wide[:, 3:69] = raw
+    view = wide[:, 3:69]  # not contiguous
+    assert torch.equal(decode_rows(view, "fp8_e4m3_ue8m0", 64), decode_rows(raw, "fp8_e4m3_ue8m0", 64))
+    empty = decode_rows(raw[:0], "fp8_e4m3_ue8m0", 64, torch.bfloat16)
+    assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16

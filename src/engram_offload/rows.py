@@ -17,8 +17,10 @@ int8: ``|x - x'| <= amax(row) / 254``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -123,6 +125,52 @@ def dequantize_fp8_ue8m0(
     return out.reshape(n, d).to(dtype)
 
 
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_FP8_TABLES_LOCK = threading.Lock()
+_BITS = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}  # by element size
+
+
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """Every decoded value: ``[65536]`` of ``dtype``, entry ``(scale byte << 8) | fp8 byte``.
+
+    Built once per dtype by the reference ``dequantize_fp8_ue8m0`` itself, so a lookup is
+    bit-for-bit what the reference computes (rounding, subnormals, inf and NaN included).
+    """
+    table = _FP8_TABLES.get(dtype)
+    if table is None:
+        with _FP8_TABLES_LOCK:
+            table = _FP8_TABLES.get(dtype)
+            if table is None:
+                values = torch.arange(256, dtype=torch.uint8).repeat(256).view(256, 256)  # [scale, byte]
+                scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 256 // FP8_BLOCK)
+                table = dequantize_fp8_ue8m0(values.view(torch.float8_e4m3fn), scales, dtype).reshape(-1)
+                _FP8_TABLES[dtype] = table
+    return table
+
+
+def _decode_fp8(raw: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 rows by table lookup: one gather of ``(scale << 8) | value`` per element.
+
+    Same values as ``dequantize_fp8_ue8m0`` (about 3x faster on a CPU: no float pow, no
+    intermediate float32 tensors). NumPy on the CPU (single-threaded, so it leaves the
+    cores to the model when it runs in a prefetch worker), torch elsewhere.
+    """
+    n = raw.shape[0]
+    blocks = head_dim // FP8_BLOCK
+    table = _fp8_table(dtype)
+    if raw.device.type != "cpu" or table.element_size() not in _BITS:
+        values = raw[:, :head_dim].reshape(n, blocks, FP8_BLOCK).to(torch.int32)
+        index = (raw[:, head_dim:].to(torch.int32) << 8).unsqueeze(-1) | values  # [n, blocks, 32]
+        return table.to(raw.device)[index.reshape(n, head_dim)]
+    a = raw.numpy()
+    index = np.left_shift(a[:, head_dim:], 8, dtype=np.uint16)[:, :, None]  # [n, blocks, 1]
+    index = np.bitwise_or(index, a[:, :head_dim].reshape(n, blocks, FP8_BLOCK))  # [n, blocks, 32]
+    out = torch.empty((n, head_dim), dtype=dtype)
+    _, bits = _BITS[table.element_size()]  # gather the values' bits as plain integers
+    np.take(table.view(bits).numpy(), index.reshape(n, head_dim), out=out.view(bits).numpy(), mode="wrap")
+    return out
+
+
 def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Float rows ``[n, d]`` -> raw bytes ``uint8 [n, row_bytes]`` in format ``fmt``."""
     get_row_format(fmt)
@@ -156,8 +204,7 @@ def decode_rows(
     if fmt in _PLAIN_DTYPES:
         return raw.view(_PLAIN_DTYPES[fmt]).to(dtype)
     if fmt == "fp8_e4m3_ue8m0":
-        values = raw[:, :head_dim].contiguous().view(torch.float8_e4m3fn)
-        return dequantize_fp8_ue8m0(values, raw[:, head_dim:], dtype)
+        return _decode_fp8(raw, head_dim, dtype)
     q = raw[:, :head_dim].contiguous().view(torch.int8).to(torch.float32)
     scale = raw[:, head_dim:].contiguous().view(torch.float32)  # [n, 1]
     return (q * scale).to(dtype)
