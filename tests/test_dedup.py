@@ -36,3 +36,17 @@ def test_expand_restores_the_step_shape():
 def test_empty_step():
     d = dedup(np.empty((0, 2, 4), np.int64))
     assert d.unique.size == 0 and d.ratio == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays(np.int64, st.integers(1, 300), elements=st.sampled_from([0, 7, 2**40, 2**55 + 3, 2**62, -5])))
+def test_ids_too_large_to_pack_still_dedup(ids):
+    d = dedup(ids)
+    assert (d.unique == np.unique(ids)).all()
+    assert (d.unique[d.inverse] == ids).all()
+
+
+def test_dedup_leaves_the_callers_ids_alone():
+    ids = np.array([5, 3, 5, 1], np.int64)
+    dedup(ids)
+    assert ids.tolist() == [5, 3, 5, 1]

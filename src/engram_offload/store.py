@@ -113,7 +113,8 @@ def open_table(
 
     try:
         levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
-                              fast_cache_bytes=int(fast_cache_bytes), admission=admission)
+                              fast_cache_bytes=int(fast_cache_bytes), admission=admission,
+                              num_rows=header.layout.num_rows)
     except BaseException:
         store.close()
         raise

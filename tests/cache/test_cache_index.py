@@ -79,3 +79,38 @@ def test_sketch_counts_and_admits():
     est = s.estimate(np.array([5, 6, 7], np.int64))
     assert est[0] >= 2 and est[1] >= 1 and est[2] >= 0
     assert s.admit(np.array([5, 7], np.int64)).tolist() == [True, False]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove"]),
+                          st.lists(st.integers(0, 200), min_size=1, max_size=30)), max_size=30))
+def test_direct_index_matches_a_dict(ops):
+    from engram_offload.cache.index import DirectIndex
+
+    index, ref, next_value = DirectIndex(201, 64), {}, 0
+    for op, keys in ops:
+        keys = np.unique(np.array(keys, np.int64))
+        if op == "add":
+            new = np.array([k for k in keys if k not in ref], np.int64)[: 64 - len(ref)]
+            values = np.arange(next_value, next_value + new.size, dtype=np.int64)
+            next_value += new.size
+            index.insert(new, values)
+            ref.update(zip(new.tolist(), values.tolist()))
+        else:
+            index.remove(keys)
+            for k in keys.tolist():
+                ref.pop(k, None)
+        probe = np.arange(0, 201, dtype=np.int64)
+        assert (index.lookup(probe) == np.array([ref.get(k, -1) for k in probe.tolist()])).all()
+        assert len(index) == len(ref)
+        keys_now, values_now = index.items()
+        assert dict(zip(keys_now.tolist(), values_now.tolist())) == ref
+
+
+def test_make_index_picks_the_smaller_table():
+    from engram_offload.cache.index import DirectIndex, make_index
+
+    assert isinstance(make_index(100), RowIndex)  # key space unknown
+    assert isinstance(make_index(100, num_keys=10**7), RowIndex)  # array far larger than the hash table
+    assert isinstance(make_index(100_000, num_keys=1_000_000), DirectIndex)
+    assert isinstance(make_index(10, num_keys=10**6, kind="direct"), DirectIndex)

@@ -200,3 +200,29 @@ def test_stats_table_renders(fake_tier):
     store.record_stall(0.002)
     text = format_stats_table(store.stats())
     assert "fast" in text and "dram" in text and "tier" in text and "stall" in text
+
+
+@pytest.mark.parametrize("num_rows", [None, "table"])
+def test_gather_with_many_or_few_repeats_and_every_hit_path(fake_tier, num_rows):
+    levels = build_levels(RB, 64 * RB, "lfu", fast_cache_bytes=8 * RB, fast_device="cpu",
+                          num_rows=CONFIG.num_rows if num_rows else None)
+    store = CachedStore(fake_tier, CONFIG, levels)
+    few = np.array([[9, 2, 40], [33, 5, 7]], np.int64)  # no repeats: raw rows ordered before decoding
+    many = np.array([[9, 9, 9], [2, 9, 2]], np.int64)  # mostly repeats: decoded rows expanded
+    for ids in (few, many, few, few[:, :1], many):  # misses, partial hits, all hits in one level
+        want = decode_rows(expected_raw(fake_tier, ids), CONFIG.row_format, CONFIG.head_dim)
+        assert torch.equal(store.gather(ids), want.reshape(*ids.shape, -1))
+        assert torch.equal(store.read_raw(ids), expected_raw(fake_tier, ids))
+    lease = store.fetch(np.array([2, 9], np.int64))
+    assert torch.equal(lease.raw, expected_raw(fake_tier, [2, 9]))
+    lease.release()
+    for level in levels:
+        level.check()
+        assert level.pinned() == 0
+
+
+def test_a_store_without_caches_reads_the_tier_directly(fake_tier):
+    store = CachedStore(fake_tier, CONFIG, [])
+    ids = np.array([4, 1, 4], np.int64)
+    assert torch.equal(store.read_raw(ids), expected_raw(fake_tier, ids))
+    assert store.stats()["store"]["hit_rate"] == 0.0

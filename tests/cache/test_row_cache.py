@@ -104,3 +104,31 @@ def test_release_more_than_pinned_is_an_error():
 def test_too_small_cache_is_refused():
     with pytest.raises(ValueError, match="holds no"):
         RowCache(RB - 1, RB)
+
+
+@pytest.mark.parametrize("index", ["hash", "direct"])
+def test_both_index_kinds_serve_the_same_rows(index):
+    cache = RowCache(8 * RB, RB, num_rows=100, index=index)
+    ids = np.array([3, 17, 99], np.int64)
+    assert cache.fill(ids, rows_for(ids)) == 3
+    slots = cache.acquire(np.array([3, 50, 99], np.int64))
+    assert slots[1] == -1 and (slots[[0, 2]] >= 0).all()
+    out = torch.empty((2, RB), dtype=torch.uint8)
+    cache.read(slots[[0, 2]], out)
+    assert torch.equal(out, rows_for(np.array([3, 99], np.int64)))
+    cache.release(slots)
+    assert 17 in cache and 50 not in cache and 1000 not in cache and -1 not in cache
+    cache.check()
+
+
+def test_a_slot_being_filled_is_a_miss_until_published():
+    cache = RowCache(4 * RB, RB)
+    ids = np.array([7], np.int64)
+    slots = cache.reserve(ids)
+    assert cache.acquire(ids)[0] == -1
+    cache.write(slots, rows_for(ids))
+    cache.publish(slots)
+    got = cache.acquire(ids)
+    assert got[0] == slots[0]
+    cache.release(got)
+    assert cache.pinned() == 0

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .admission import FrequencySketch
-from .index import RowIndex
+from .index import make_index
 from .policy import EvictionPolicy, make_policy
 from .stats import LevelStats
 
@@ -45,7 +45,8 @@ class RowCache:
     ``admission=True`` adds a frequency sketch: once full, the cache takes a missed row only
     when it has been asked for at least ``admit_min`` times recently. ``evict_batch`` rows
     (default 1/64 of the capacity) are freed at a time so the O(capacity) victim search is
-    paid rarely.
+    paid rarely. ``num_rows`` (the table's row count) lets the id -> slot index be a plain
+    array when that is no larger than a hash table (``index``: auto, direct or hash).
     """
 
     def __init__(
@@ -59,6 +60,8 @@ class RowCache:
         admit_min: int = 2,
         evict_batch: int | None = None,
         name: str = "dram",
+        num_rows: int | None = None,
+        index: str = "auto",
     ) -> None:
         capacity = int(capacity_bytes) // int(row_bytes)
         if capacity < 1:
@@ -74,10 +77,13 @@ class RowCache:
         self.policy = make_policy(policy, capacity) if isinstance(policy, str) else policy
         self.sketch = FrequencySketch(max(256, 4 * capacity), min_count=admit_min) if admission else None
         self.evict_batch = int(evict_batch or max(1, capacity // 64))
-        self.index = RowIndex(capacity)
+        self.index = make_index(capacity, num_rows, index)
         self.slot_id = np.full(capacity, -1, np.int64)  # [slots] row id held, -1 when free
         self.pins = np.zeros(capacity, np.int32)  # [slots] readers and fillers holding the slot
-        self.ready = np.zeros(capacity, bool)  # [slots] bytes written and visible
+        # [slots + 1] bytes written and visible; the extra last entry stays False, so
+        # ready[-1] (slot -1: absent) reads as not ready without masking first
+        self._ready = np.zeros(capacity + 1, bool)
+        self.ready = self._ready[:capacity]
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self._nfree = capacity
         self.lock = threading.Lock()
@@ -90,12 +96,14 @@ class RowCache:
         """Distinct ids ``[n]`` -> slots ``[n]`` (-1 for a miss); hit slots come back pinned."""
         with self.lock:
             slots = self.index.lookup(ids)
-            hit = slots >= 0
-            if hit.any():
-                hit[hit] = self.ready[slots[hit]]
+            hit = self._ready[slots]  # False for -1 (absent) and for slots still being filled
+            if hit.all():
+                found = slots
+            else:
                 slots[~hit] = -1
                 found = slots[hit]
-                self.pins[found] += 1
+            if found.size:
+                self.pins[found] += 1  # slots of distinct ids are distinct: no np.add.at needed
                 self.policy.touch(found)
             if self.sketch is not None:
                 self.sketch.record(ids)
@@ -110,14 +118,15 @@ class RowCache:
         out.copy_(rows, non_blocking=False)
 
     def release(self, slots: np.ndarray) -> None:
-        """Unpin slots from ``acquire`` or ``reserve(pin=True)`` (-1 entries ignored)."""
+        """Unpin distinct slots from ``acquire`` or ``reserve`` (-1 entries ignored)."""
         slots = slots[slots >= 0]
         if slots.size == 0:
             return
         with self.lock:
-            np.subtract.at(self.pins, slots, 1)
-            if (self.pins[slots] < 0).any():
+            left = self.pins[slots] - 1  # the slots of one acquire or reserve are distinct
+            if (left < 0).any():
                 raise RuntimeError(f"{self.name} cache: a slot was released more often than pinned")
+            self.pins[slots] = left
 
     # ------------------------------------------------------------------ fills
     def reserve(self, ids: np.ndarray) -> np.ndarray:
@@ -216,6 +225,9 @@ class RowCache:
         return self.capacity - self._nfree
 
     def __contains__(self, row_id: int) -> bool:
+        num_keys = getattr(self.index, "num_keys", None)
+        if row_id < 0 or (num_keys is not None and row_id >= num_keys):
+            return False
         with self.lock:
             slot = int(self.index.lookup(np.array([row_id], np.int64))[0])
             return slot >= 0 and bool(self.ready[slot])
@@ -246,5 +258,6 @@ class RowCache:
             "evictions": self.evictions,
             "rejected": self.rejected,
             "admission": self.sketch is not None,
+            "index": type(self.index).__name__,
             **self.policy.describe(),
         }

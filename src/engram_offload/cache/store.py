@@ -23,10 +23,14 @@ import torch
 from ..config import EngramConfig
 from ..dedup import dedup
 from ..rows import decode_rows
+from ..tiers.base import as_row_ids
 from .row_cache import RowCache, wide_view
 from .stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 
 __all__ = ["CachedStore", "Lease", "RowSource"]
+
+_EMPTY = np.empty(0, np.int64)
+EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode
 
 
 class RowSource(Protocol):
@@ -127,32 +131,33 @@ class CachedStore:
     def read_raw(self, row_ids: Any) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
         d = dedup(row_ids)
-        with self.fetch(d.unique, hold=False, requested=d.requested) as lease:
+        with self._fetch(self._ends_in_range(d.unique), False, d.requested) as lease:
             raw = lease.raw
         return wide_view(raw).index_select(0, torch.from_numpy(d.inverse).to(raw.device)).view(torch.uint8)
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``."""
+        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``.
+
+        When a step has few repeats, the raw rows (``row_bytes`` each) are put in the step's
+        order before decoding rather than the decoded ones after: fewer bytes move.
+        """
         d = dedup(row_ids)
-        with self.fetch(d.unique, hold=False, requested=d.requested) as lease:
-            rows = self.decode(lease.raw, dtype)  # [u, head_dim]
-        return d.expand(rows)
+        with self._fetch(self._ends_in_range(d.unique), False, d.requested) as lease:
+            raw = lease.raw
+        if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
+            raw = wide_view(raw).index_select(0, torch.from_numpy(d.inverse).to(raw.device)).view(torch.uint8)
+            return self.decode(raw, dtype).reshape(*d.shape, self._config.head_dim)
+        return d.expand(self.decode(raw, dtype))  # [*S, head_dim]
 
     def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device)."""
         return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype)
 
     # ------------------------------------------------------------------ the fetch path
-    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows or (ids.size > 1 and (np.diff(ids) <= 0).any())):
-            bad = ids[(ids < 0) | (ids >= self.num_rows)]
-            if bad.size:
-                raise IndexError(
-                    f"row id {int(bad[0])} is out of range: the table has {self.num_rows:,} rows "
-                    f"(ids 0..{self.num_rows - 1:,})"
-                )
-            raise ValueError("fetch needs sorted distinct row ids: pass dedup(ids).unique")
+    def _ends_in_range(self, ids: np.ndarray) -> np.ndarray:
+        """Sorted distinct ids (from ``dedup``): only the ends need a range check."""
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows):
+            as_row_ids(ids, self.num_rows)  # raises, naming the bad id
         return ids
 
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
@@ -162,36 +167,52 @@ class CachedStore:
         first). With ``hold`` the rows stay pinned in their caches until the lease is
         released; without it, only while they are copied.
         """
+        return self._fetch(as_row_ids(unique_ids, self.num_rows, sorted_distinct=True), hold, requested)
+
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> Lease:
         if self.closed:
             raise ValueError("this store is closed: open the table again")
-        ids = self._check_ids(unique_ids)
         t_start = time.perf_counter()
         u, rb = ids.size, self.row_bytes
         out = torch.empty((u, rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
         held: list[tuple[RowCache, np.ndarray]] = []
-        found: list[np.ndarray] = []  # per level: positions (in ids) it served
-        remaining = np.arange(u)
+        found: list[np.ndarray | None] = []  # per level: positions (in ids) it served; None: all
+        remaining: np.ndarray | None = None if u else _EMPTY  # positions no level has served yet; None: all
         try:
             for level in self.levels:
                 t0 = time.perf_counter()
-                slots = level.acquire(ids[remaining])
+                asked = ids if remaining is None else ids[remaining]
+                if asked.size == 0:
+                    found.append(remaining)
+                    level.stats.record(0, 0, 0, time.perf_counter() - t0)
+                    continue
+                slots = level.acquire(asked)
                 hit = slots >= 0
-                hit_slots = slots[hit]
+                nhit = int(np.count_nonzero(hit))
+                if nhit == asked.size:  # every row here: no masks, and no positions when it is all of them
+                    hit_slots, hit_pos, left = slots, remaining, _EMPTY
+                else:
+                    everywhere = np.arange(u) if remaining is None else remaining
+                    hit_slots, hit_pos, left = slots[hit], everywhere[hit], everywhere[~hit]
                 held.append((level, hit_slots))
-                if hit_slots.size:
-                    positions = torch.from_numpy(remaining[hit]).to(self.device)
-                    rows = wide_view(level.data).index_select(0, torch.from_numpy(hit_slots).to(level.device))
-                    wide_view(out).index_copy_(0, positions, rows.to(self.device))
-                found.append(remaining[hit])
-                level.stats.record(remaining.size, hit_slots.size, hit_slots.size * rb, time.perf_counter() - t0)
-                remaining = remaining[~hit]
-            if remaining.size:
+                if nhit:
+                    self._copy_from(level, hit_slots, hit_pos, out)
+                found.append(hit_pos)
+                level.stats.record(asked.size, nhit, nhit * rb, time.perf_counter() - t0)
+                remaining = left
+            if remaining is None or remaining.size:
                 t0 = time.perf_counter()
-                buf = torch.empty((remaining.size, rb), dtype=torch.uint8)  # [misses, row_bytes]
-                self.source.read_rows(ids[remaining], buf)
-                wide_view(out).index_copy_(0, torch.from_numpy(remaining).to(self.device), wide_view(buf.to(self.device)))
-                self.tier_stats.record(remaining.size, 0, remaining.size * rb, time.perf_counter() - t0)
+                asked = ids if remaining is None else ids[remaining]
+                if remaining is None and out.device.type == "cpu":
+                    self.source.read_rows(asked, out)  # no cache: straight into the result
+                else:
+                    buf = torch.empty((asked.size, rb), dtype=torch.uint8)  # [misses, row_bytes]
+                    self.source.read_rows(asked, buf)
+                    wide_view(out).index_copy_(0, torch.from_numpy(remaining).to(self.device),
+                                               wide_view(buf.to(self.device)))
+                self.tier_stats.record(asked.size, 0, asked.size * rb, time.perf_counter() - t0)
             if self.levels:
+                assert remaining is not None
                 self._fill(ids, out, remaining, found, held, hold)
         except BaseException:
             for level, slots in held:
@@ -208,14 +229,27 @@ class CachedStore:
             self._fetch_samples.append(seconds)
         return lease
 
-    def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, found: list[np.ndarray],
+    @staticmethod
+    def _copy_from(level: RowCache, slots: np.ndarray, positions: np.ndarray | None, out: torch.Tensor) -> None:
+        """Rows in ``level``'s pinned ``slots`` -> ``out[positions]`` (``None``: all of ``out``, in order)."""
+        index = torch.from_numpy(slots).to(level.device)
+        if positions is None and level.device == out.device:
+            torch.index_select(wide_view(level.data), 0, index, out=wide_view(out))  # one copy, no scatter
+            return
+        rows = wide_view(level.data).index_select(0, index).to(out.device)
+        if positions is None:
+            wide_view(out).copy_(rows)
+        else:
+            wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), rows)
+
+    def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, found: list[np.ndarray | None],
               held: list[tuple[RowCache, np.ndarray]], hold: bool) -> None:
         """Tier rows go into the last cache; rows found in a lower cache rise into the ones above."""
         plans: list[tuple[int, np.ndarray]] = [(len(self.levels) - 1, missed)]
         if self.promote:
             for j in range(1, len(self.levels)):
                 for above in range(j):
-                    plans.append((above, found[j]))
+                    plans.append((above, _EMPTY if found[j] is None else found[j]))
             # tier rows also enter the upper caches when those have room to spare
         for li, positions in plans:
             if positions.size == 0:
@@ -308,20 +342,25 @@ def build_levels(
     fast_cache_bytes: int = 0,
     fast_device: str | torch.device | None = None,
     admission: bool | None = None,
+    num_rows: int | None = None,
 ) -> list[RowCache]:
     """The caches for ``cache_bytes`` of DRAM (and ``fast_cache_bytes`` of fast memory above it).
 
     The fast level lives on the GPU when CUDA is available (or on ``fast_device``).
     ``admission=None`` means off: on the standard-library trace at 10% of a V4.1-Flash table
     the sketch's admission lowered the hit rate slightly (LFU 60.49% -> 60.36%, LRU 59.84% ->
-    59.80%; benchmarks/results/cache.json), so it is opt-in.
+    59.80%; benchmarks/results/cache.json), so it is opt-in. ``num_rows`` (the table's row
+    count) lets each cache index ids with a plain array when that is no larger than a hash
+    table (``cache.index.make_index``).
     """
     if admission is None:
         admission = False
     levels = []
     if fast_cache_bytes:
         device = fast_device or ("cuda" if torch.cuda.is_available() else "cpu")
-        levels.append(RowCache(fast_cache_bytes, row_bytes, policy, device=device, admission=admission, name="fast"))
+        levels.append(RowCache(fast_cache_bytes, row_bytes, policy, device=device, admission=admission,
+                               name="fast", num_rows=num_rows))
     if cache_bytes:
-        levels.append(RowCache(cache_bytes, row_bytes, policy, admission=admission, name="dram"))
+        levels.append(RowCache(cache_bytes, row_bytes, policy, admission=admission, name="dram",
+                               num_rows=num_rows))
     return levels

@@ -19,8 +19,12 @@ from ..table.format import TableHeader
 __all__ = ["Tier", "as_row_ids"]
 
 
-def as_row_ids(row_ids: Any, num_rows: int) -> np.ndarray:
-    """Row ids (any int array-like) -> flat ``np.int64`` array; ``IndexError`` names a bad id."""
+def as_row_ids(row_ids: Any, num_rows: int, *, sorted_distinct: bool = False) -> np.ndarray:
+    """Row ids (any int array-like) -> flat ``np.int64`` array; ``IndexError`` names a bad id.
+
+    ``sorted_distinct`` also requires strictly increasing ids (``ValueError`` otherwise);
+    the range check then only needs the first and the last id.
+    """
     if isinstance(row_ids, torch.Tensor):
         row_ids = row_ids.detach().cpu().numpy()
     ids = np.asarray(row_ids)
@@ -29,7 +33,8 @@ def as_row_ids(row_ids: Any, num_rows: int) -> np.ndarray:
             return np.empty(0, np.int64)
         raise TypeError(f"row ids must be integers, got dtype {ids.dtype}")
     ids = ids.reshape(-1).astype(np.int64, copy=False)
-    if ids.size:
+    ordered = sorted_distinct and (ids.size < 2 or bool((ids[1:] > ids[:-1]).all()))
+    if ids.size and (not ordered or ids[0] < 0 or ids[-1] >= num_rows):
         bad = np.flatnonzero((ids < 0) | (ids >= num_rows))
         if bad.size:
             i = int(bad[0])
@@ -37,6 +42,8 @@ def as_row_ids(row_ids: Any, num_rows: int) -> np.ndarray:
                 f"row id {int(ids[i])} (at position {i}) is out of range: the table has "
                 f"{num_rows:,} rows (ids 0..{num_rows - 1:,})"
             )
+    if sorted_distinct and not ordered:
+        raise ValueError("row ids must be sorted distinct ids (strictly increasing): pass dedup(ids).unique")
     return ids
 
 
