@@ -124,3 +124,84 @@ def test_plain_store_and_layout_mismatch(table, hasher):
         other = NgramHasher(CONFIG.replace(prime_starts=(400, 600)), np.arange(VOCAB) % 700)
         with pytest.raises(ValueError, match="different layouts"):
             Prefetcher(store, other)
+
+
+def _gate_second_layer(store, gate: threading.Event, fail: bool = False):
+    """Make the tier block (or fail) on reads of any row of the second Engram layer."""
+    real = store.source.read_rows
+    second_base = CONFIG.layer_row_bases[1]
+
+    def gated(ids, out):
+        if (np.asarray(ids) >= second_base).any():
+            if fail:
+                raise TierError("second layer unreadable")
+            gate.wait(10)
+        return real(ids, out)
+
+    store.source.read_rows = gated
+
+
+def test_first_layer_rows_arrive_before_the_second_layers(table, hasher):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCAB, size=(2, 6))
+    gate = threading.Event()
+    with open_table(table, "mmap") as plain, open_table(table, "mmap", cache_bytes=500 * CONFIG.row_bytes) as store, \
+            Prefetcher(store, hasher, split_min_rows=0) as pf:
+        _gate_second_layer(store, gate)
+        step = pf.begin_step([1, 2], [tokens[0], tokens[1]])
+        assert [li for _, _, li in step.parts] == [(0,), (1,)]
+        first = pf.rows(CONFIG.layer_ids[0], timeout=5)  # the second layer's read is still blocked
+        assert torch.equal(first, expected_rows(plain, hasher, tokens, 0).reshape(12, CONFIG.cols_per_layer, -1))
+        assert not step.done()
+        with pytest.raises(TimeoutError):
+            pf.rows(CONFIG.layer_ids[1], timeout=0.05)
+        gate.set()
+        second = pf.rows(CONFIG.layer_ids[1], timeout=5)
+        assert torch.equal(second, expected_rows(plain, hasher, tokens, 1).reshape(12, CONFIG.cols_per_layer, -1))
+        assert step.staged is not None and step.staged.shape[0] == step.dedup.unique.size
+        assert store.levels[0].pinned() == step.dedup.unique.size
+        pf.end_step(step)
+        assert store.levels[0].pinned() == 0
+        assert store.stats()["store"]["rows_requested"] == step.dedup.requested
+
+
+def test_a_failed_second_layer_keeps_the_first_layers_rows(table, hasher):
+    with open_table(table, "mmap", cache_bytes=500 * CONFIG.row_bytes) as store, \
+            Prefetcher(store, hasher, split_min_rows=0) as pf:
+        _gate_second_layer(store, threading.Event(), fail=True)
+        step = pf.begin_step([1], [[5, 6, 7, 8]])
+        assert pf.rows(CONFIG.layer_ids[0], timeout=5).shape == (4, CONFIG.cols_per_layer, CONFIG.head_dim)
+        with pytest.raises(PrefetchError, match="second layer unreadable") as info:
+            pf.rows(CONFIG.layer_ids[1], timeout=5)
+        assert isinstance(info.value.__cause__, TierError)
+        pf.end_step(step)
+        assert pf.stats()["failures"] == 1
+        assert store.levels[0].pinned() == 0
+
+
+def test_cancel_while_the_second_layer_is_in_flight(table, hasher):
+    gate = threading.Event()
+    with open_table(table, "mmap", cache_bytes=500 * CONFIG.row_bytes) as store, \
+            Prefetcher(store, hasher, split_min_rows=0) as pf:
+        _gate_second_layer(store, gate)
+        step = pf.begin_step([1], [[5, 6, 7, 8]])
+        pf.rows(CONFIG.layer_ids[0], timeout=5)
+        pf.cancel(step)
+        gate.set()
+        with pytest.raises(StepCancelled):
+            pf.rows(CONFIG.layer_ids[1], step, timeout=5)
+        step._done.wait(5)
+        assert step.done() and store.levels[0].pinned() == 0
+        nxt = pf.begin_step([2], [[1, 2, 3]])  # the worker carries on
+        assert pf.rows(CONFIG.layer_ids[1], nxt, timeout=5).shape == (3, CONFIG.cols_per_layer, CONFIG.head_dim)
+        pf.end_step(nxt)
+        assert store.levels[0].pinned() == 0
+
+
+def test_small_steps_are_fetched_in_one_piece(table, hasher):
+    with open_table(table, "mmap", cache_bytes=500 * CONFIG.row_bytes) as store, Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([1], [[5, 6, 7]])
+        assert len(step.parts) == 1
+        pf.rows(CONFIG.layer_ids[1])
+        pf.end_step(step)
+        assert store.stats()["store"]["requests"] == 1

@@ -6,9 +6,18 @@ history), deduplicates the ids of every token and every Engram layer at once, an
 the fetch to a background worker. ``rows(layer_id)`` returns that layer's rows, waiting
 only if they are not there yet; the wait is recorded as stall.
 
+Layers arrive in order. Every layer's rows sit in its own range of the table's flat row
+space (layer 1's below layer 14's in V4.1-Flash), so the step's sorted distinct ids split
+at the layer boundaries: the worker fetches and decodes the first Engram layer's rows,
+makes them available, then the next layer's. Only the backbone's layers before the first
+Engram layer overlap the first fetch, so ``rows(first_layer)`` need not wait for the rest.
+Steps under ``split_min_rows`` distinct rows are fetched in one piece (a second fetch call
+costs more than it saves there).
+
 Failures: an error in the worker is kept with its step and raised by ``rows()`` as a
 ``PrefetchError`` whose ``__cause__`` is the original error; the worker goes on serving
-later steps. A cancelled step raises ``StepCancelled``. Rows of a step stay pinned in the
+later steps (a failed layer fails itself and every layer after it; layers already
+delivered stay usable). A cancelled step raises ``StepCancelled``. Rows of a step stay pinned in the
 store's caches until ``end_step`` (or until the step is cancelled), so a prefetch for the
 next step can never evict rows this step still reads.
 
@@ -44,24 +53,35 @@ class StepCancelled(PrefetchError):
 
 
 class Step:
-    """One serving step: its row ids, their dedup, and (once fetched) the staged rows."""
+    """One serving step: its row ids, their dedup, and (once fetched) the staged rows.
+
+    The distinct ids are fetched in ``parts``: ``(lo, hi, layer positions)``, a slice of
+    ``dedup.unique`` holding every id of those layers; each part is staged and signalled
+    on its own.
+    """
 
     def __init__(self, number: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...],
-                 table_ids: torch.Tensor, d: Dedup, layer_ids: tuple[int, ...]) -> None:
+                 table_ids: torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
+                 parts: list[tuple[int, int, tuple[int, ...]]] | None = None) -> None:
         self.number = number
         self.seq_ids = seq_ids
         self.lengths = lengths  # tokens per sequence, in seq_ids order
         self.table_ids = table_ids  # int64 [T, L, C] flat table ids
         self.dedup = d
         self.layer_ids = layer_ids
-        self.staged: torch.Tensor | None = None  # [u, head_dim] rows of d.unique
-        self.error: BaseException | None = None
+        self.parts = parts or [(0, int(d.unique.size), tuple(range(len(layer_ids))))]
+        self._part_of = {li: p for p, (_, _, lis) in enumerate(self.parts) for li in lis}
+        self._part_rows: list[torch.Tensor | None] = [None] * len(self.parts)  # [hi - lo, head_dim] each
+        self._part_error: list[BaseException | None] = [None] * len(self.parts)
+        self._part_done = [threading.Event() for _ in self.parts]
+        self.error: BaseException | None = None  # the first failure
         self.cancelled = False
         self.stall_seconds = 0.0
         self.fetch_seconds = 0.0
+        self.first_part_seconds = 0.0  # until the first layer's rows were ready
         self.started = time.perf_counter()
         self._done = threading.Event()
-        self._lease: Any = None
+        self._leases: list[Any] = []
         self._lock = threading.Lock()
         self._layer_rows: dict[int, torch.Tensor] = {}
 
@@ -69,29 +89,50 @@ class Step:
     def num_tokens(self) -> int:
         return int(self.table_ids.shape[0])
 
+    @property
+    def staged(self) -> torch.Tensor | None:
+        """Rows of every id of ``dedup.unique`` ``[u, head_dim]`` once all parts are in (else None)."""
+        rows = self._part_rows
+        if any(r is None for r in rows):
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)  # type: ignore[arg-type]
+
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _finish(self, staged: torch.Tensor | None, lease: Any, error: BaseException | None) -> None:
+    def _finish_part(self, p: int, rows: torch.Tensor | None, lease: Any, error: BaseException | None) -> None:
         with self._lock:
             if self.cancelled and lease is not None:
                 lease.release()
                 lease = None
-            self.staged, self._lease, self.error = staged, lease, error
+            if lease is not None:
+                self._leases.append(lease)
+            self._part_rows[p], self._part_error[p] = rows, error
+            if error is not None and self.error is None:
+                self.error = error
+            if p == 0:
+                self.first_part_seconds = time.perf_counter() - self.started
+        self._part_done[p].set()
+
+    def _finish(self) -> None:
+        """Every part has been delivered, failed or skipped."""
+        with self._lock:
             self.fetch_seconds = time.perf_counter() - self.started
+        for event in self._part_done:
+            event.set()
         self._done.set()
 
     def release(self) -> None:
         """Let go of the step's cache pins (its staged rows stay usable)."""
         with self._lock:
-            lease, self._lease = self._lease, None
-        if lease is not None:
+            leases, self._leases = self._leases, []
+        for lease in leases:
             lease.release()
 
     def __repr__(self) -> str:
         state = "failed" if self.error else "cancelled" if self.cancelled else "ready" if self.done() else "fetching"
         return (f"Step({self.number}, tokens={self.num_tokens}, unique={self.dedup.unique.size}/"
-                f"{self.dedup.requested}, {state})")
+                f"{self.dedup.requested}, parts={len(self.parts)}, {state})")
 
 
 class Prefetcher:
@@ -99,7 +140,8 @@ class Prefetcher:
 
     ``store`` is a cached store (``fetch`` pins the step's rows) or any store with
     ``read_raw``. Rows are dequantized to ``dtype`` on ``device`` (default: the store's).
-    One worker thread serves steps in order; use as a context manager or call ``close``.
+    One worker thread serves steps in order, and each step's layers in order (steps of at
+    least ``split_min_rows`` distinct rows); use as a context manager or call ``close``.
     """
 
     def __init__(
@@ -110,6 +152,7 @@ class Prefetcher:
         history: SequenceHistory | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        split_min_rows: int = 512,
     ) -> None:
         if store.config.num_rows != hasher.config.num_rows or store.config.layer_ids != hasher.config.layer_ids:
             raise ValueError(
@@ -121,6 +164,8 @@ class Prefetcher:
         self.config = hasher.config
         self.history = history if history is not None else hasher.new_history()
         self.dtype = dtype
+        self.split_min_rows = int(split_min_rows)
+        self._layer_bases = np.asarray(self.config.layer_row_bases, np.int64)  # [L] first row of each layer
         self.device = torch.device(device) if device is not None else getattr(store, "device", torch.device("cpu"))
         self._queue: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
         self._step_count = 0
@@ -140,27 +185,44 @@ class Prefetcher:
             step = self._queue.get()
             if step is None:
                 return
-            if step.cancelled:
-                step._finish(None, None, None)
-                continue
-            lease = None
-            try:
-                lease, raw = self._fetch(step.dedup)
-                staged = decode_rows(raw.to(self.device), self.config.row_format, self.config.head_dim, self.dtype)
-                step._finish(staged, lease, None)
-            except BaseException as exc:  # kept for the caller; the worker carries on
-                if lease is not None:
-                    lease.release()
-                with self._lock:
-                    self.failures += 1
-                step._finish(None, None, exc)
+            failed: BaseException | None = None
+            for p, (lo, hi, _) in enumerate(step.parts):
+                if step.cancelled or failed is not None:
+                    step._finish_part(p, None, None, failed)  # skipped: a cancelled or failed step
+                    continue
+                lease = None
+                try:
+                    lease, raw = self._fetch(step.dedup, lo, hi)
+                    rows = decode_rows(raw.to(self.device), self.config.row_format, self.config.head_dim, self.dtype)
+                    step._finish_part(p, rows, lease, None)
+                except BaseException as exc:  # kept for the caller; the worker carries on
+                    if lease is not None:
+                        lease.release()
+                    with self._lock:
+                        self.failures += 1
+                    failed = exc
+                    step._finish_part(p, None, None, exc)
+            step._finish()
 
-    def _fetch(self, d: Dedup) -> tuple[Any, torch.Tensor]:
+    def _fetch(self, d: Dedup, lo: int = 0, hi: int | None = None) -> tuple[Any, torch.Tensor]:
+        ids = d.unique[lo:hi]
+        whole = ids.size == d.unique.size
         fetch = getattr(self.store, "fetch", None)
         if fetch is not None:
-            lease = fetch(d.unique, hold=True, requested=d.requested)
+            # the step's requested count goes with its first part, so store totals stay per step
+            requested = d.requested if whole else (d.requested if lo == 0 else 0)
+            lease = fetch(ids, hold=True, requested=requested)
             return lease, lease.raw
-        return None, self.store.read_raw(d.unique)
+        return None, self.store.read_raw(ids)
+
+    def _parts(self, unique: np.ndarray) -> list[tuple[int, int, tuple[int, ...]]] | None:
+        """One part per Engram layer, in layer order (None: fetch the step in one piece)."""
+        nl = len(self.config.layer_ids)
+        if nl < 2 or unique.size < max(1, self.split_min_rows):
+            return None
+        cuts = np.searchsorted(unique, self._layer_bases[1:]).tolist()  # layer boundaries in unique
+        bounds = [0, *cuts, int(unique.size)]
+        return [(bounds[i], bounds[i + 1], (i,)) for i in range(nl)]
 
     # ------------------------------------------------------------------ steps
     def begin_step(
@@ -191,7 +253,7 @@ class Prefetcher:
         with self._lock:
             self._step_count += 1
             step = Step(self._step_count, seq_ids, tuple(a.size for a in arrays), table_ids, d,
-                        self.config.layer_ids)
+                        self.config.layer_ids, self._parts(d.unique))
             self.current = step
             self._open.append(step)
         self._queue.put(step)
@@ -212,11 +274,14 @@ class Prefetcher:
         cached = step._layer_rows.get(layer_id)
         if cached is not None:
             return cached
+        li = step.layer_ids.index(layer_id)
+        p = step._part_of[li]
         t0 = time.perf_counter()
-        if not step._done.wait(timeout):
-            raise TimeoutError(f"rows of step {step.number} not ready after {timeout} s")
+        if not step._part_done[p].wait(timeout):
+            raise TimeoutError(f"rows of layer {layer_id} of step {step.number} not ready after {timeout} s")
         waited = time.perf_counter() - t0
-        step.stall_seconds += waited
+        with step._lock:
+            step.stall_seconds += waited
         with self._lock:
             self.stall_seconds += waited
         record = getattr(self.store, "record_stall", None)
@@ -224,17 +289,21 @@ class Prefetcher:
             record(waited)
         if step.cancelled:
             raise StepCancelled(f"step {step.number} was cancelled; begin a new step")
-        if step.error is not None:
+        error = step._part_error[p]
+        if error is not None:
             raise PrefetchError(
                 f"fetching the rows of step {step.number} ({step.dedup.unique.size} rows) failed: "
-                f"{type(step.error).__name__}: {step.error}"
-            ) from step.error
-        assert step.staged is not None
-        li = step.layer_ids.index(layer_id)
+                f"{type(error).__name__}: {error}"
+            ) from error
+        staged = step._part_rows[p]
+        assert staged is not None
+        lo = step.parts[p][0]
         inverse = torch.from_numpy(step.dedup.inverse).view(step.num_tokens, len(step.layer_ids), -1)
-        index = inverse[:, li].reshape(-1).to(step.staged.device)  # [T*C]
-        rows = step.staged.index_select(0, index).view(step.num_tokens, -1, self.config.head_dim)  # [T, C, d]
-        step._layer_rows[layer_id] = rows
+        index = inverse[:, li].reshape(-1)  # [T*C] positions in dedup.unique
+        if lo:
+            index = index - lo  # positions in this part
+        rows = staged.index_select(0, index.to(staged.device)).view(step.num_tokens, -1, self.config.head_dim)
+        step._layer_rows[layer_id] = rows  # [T, C, d]
         return rows
 
     def end_step(self, step: Step | None = None) -> None:
@@ -258,8 +327,8 @@ class Prefetcher:
             return
         with step._lock:
             step.cancelled = True
-            lease, step._lease = step._lease, None
-        if lease is not None:
+            leases, step._leases = step._leases, []
+        for lease in leases:
             lease.release()
         with self._lock:
             if step in self._open:
