@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--batch", type=int, default=1024, help="rows per gather call")
     bench.add_argument("--callers", type=int, help="caller threads (default: 1; mmap: the queue depth)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--cache-bytes", default="0",
+                       help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
+                       "table (10%%); default none")
+    bench.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.set_defaults(func=cmd_bench_tier)
 
@@ -135,9 +139,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_bench_tier(args: argparse.Namespace) -> int:
     from ..tiers.bench import run_tier_bench
 
+    from ..cache.policy import POLICIES
+    from ..table.format import read_header
+    from ..units import parse_size
+
+    layout = read_header(args.table).layout
+    cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
+    if cache_bytes and args.policy not in POLICIES:
+        raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
     result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
                             queue_depth=args.queue_depth, cold=args.cold, engine=args.engine,
-                            seed=args.seed, callers=args.callers)
+                            seed=args.seed, callers=args.callers, cache_bytes=cache_bytes, policy=args.policy)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -147,4 +159,8 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
           f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
     print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
           f"p99 {result['batch_ms_p99']:.2f} ms")
+    if result["cache"] is not None:
+        from ..cache.report import format_stats_table
+
+        print(format_stats_table(result["cache"], title=f"{args.tier} + {cache_bytes:,} B {args.policy} cache"))
     return 0

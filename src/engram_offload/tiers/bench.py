@@ -53,6 +53,8 @@ def run_tier_bench(
     engine: str = "auto",
     seed: int = 0,
     callers: int | None = None,
+    cache_bytes: int = 0,
+    policy: str = "lru",
     **options: Any,
 ) -> dict[str, Any]:
     """Gather uniformly random rows for ``seconds``; return the figures as a dict.
@@ -61,7 +63,9 @@ def run_tier_bench(
     faults are synchronous, so ``queue_depth`` caller threads fault concurrently.
     ``memory``/``pinned``: one caller. ``callers`` overrides the number of caller threads
     (e.g. 2 for ``direct``, so one caller's copying overlaps the other's I/O). CPU time is
-    process time (all threads) over the run.
+    process time (all threads) over the run. ``cache_bytes`` puts a DRAM row cache evicting by
+    ``policy`` in front of the tier; its ``stats()`` (hit rate per level) are returned as
+    ``cache``.
     """
     from ..store import open_table
 
@@ -70,7 +74,14 @@ def run_tier_bench(
         options.update(engine=engine, queue_depth=queue_depth)
     if callers is None:
         callers = queue_depth if tier == "mmap" else 1
+    if cache_bytes:
+        options.update(cache_bytes=cache_bytes, policy=policy)
     store = open_table(table, tier, **options)
+
+    def tier_counts() -> dict[str, Any]:
+        if not cache_bytes:
+            return store.stats()
+        return {**store.inner.stats(), **store.source.stats()}  # the tier's own counters: the misses
     stop_at = [0.0]
     latencies: list[float] = []
     errors: list[BaseException] = []
@@ -91,7 +102,7 @@ def run_tier_bench(
             latencies.extend(mine)
 
     with store:
-        before = store.stats()
+        before = tier_counts()
         cpu0, t0 = time.process_time(), time.perf_counter()
         stop_at[0] = t0 + seconds
         threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
@@ -100,10 +111,12 @@ def run_tier_bench(
         for t in threads:
             t.join()
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        after = store.stats()
+        after = tier_counts()
+        cache = store.stats() if cache_bytes else None
         if errors:
             raise errors[0]
-    rows = after["rows"] - before["rows"]
+    tier_rows = after["rows"] - before["rows"]
+    rows = len(latencies) * batch if cache_bytes else tier_rows  # rows served (a cache serves some)
     reads = after.get("reads", 0) - before.get("reads", 0)
     lat = np.array(latencies) * 1e3 if latencies else np.zeros(1)
     return {
@@ -128,4 +141,8 @@ def run_tier_bench(
         "cpu_us_per_row": cpu / max(rows, 1) * 1e6,
         "batch_ms_p50": float(np.percentile(lat, 50)),
         "batch_ms_p99": float(np.percentile(lat, 99)),
+        "tier_rows": tier_rows,
+        "cache_bytes": cache_bytes,
+        "policy": policy if cache_bytes else None,
+        "cache": cache,
     }
