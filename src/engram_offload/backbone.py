@@ -19,9 +19,17 @@ from torch import nn
 from .config import EngramConfig
 from .layer import EngramLayer
 
-__all__ = ["Block", "EngramBackbone", "RowsFor"]
+__all__ = ["Block", "EngramBackbone", "RowsFor", "packed_causal_mask"]
 
 RowsFor = Callable[[int], torch.Tensor]  # layer_id -> rows [B, T, C, d]
+
+
+def packed_causal_mask(lengths: list[int]) -> torch.Tensor:
+    """bool ``[T, T]`` for pieces of ``lengths`` packed back to back (T = their sum): each
+    position attends to the earlier positions of its own piece only."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
+    same = segment[:, None] == segment[None, :]
+    return same & torch.ones_like(same).tril()
 
 
 class Block(nn.Module):
@@ -39,11 +47,15 @@ class Block(nn.Module):
         self.up = nn.Linear(hidden, mlp_ratio * hidden, bias=False)
         self.down = nn.Linear(mlp_ratio * hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, D] -> the block's update [B, T, D]
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [B, T, D] -> the block's update [B, T, D]; attn_mask: bool [T, T] (True = may attend)
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)  # [B, T, h, dh]
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, dh]
+        if attn_mask is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = self.proj(a.transpose(1, 2).reshape(b, t, d))  # [B, T, D]
         return y + self.down(F.silu(self.up(self.norm2(x + y))))
 
@@ -67,8 +79,12 @@ class EngramBackbone(nn.Module):
     def first_engram_layer(self) -> int:
         return min(self.config.layer_ids)
 
-    def forward(self, input_ids: torch.Tensor, rows_for: RowsFor) -> torch.Tensor:
-        """``input_ids [B, T]``; ``rows_for(layer_id) -> [B, T, C, d]``. Returns ``[B, T, D]``."""
+    def forward(self, input_ids: torch.Tensor, rows_for: RowsFor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids [B, T]``; ``rows_for(layer_id) -> [B, T, C, d]``. Returns ``[B, T, D]``.
+
+        ``attn_mask`` (bool ``[T, T]``, True where a position may attend) replaces the causal
+        mask, e.g. ``packed_causal_mask`` for several sequences' pieces packed into one row.
+        """
         hc = self.config.hc_mult
         h = self.embed(input_ids).unsqueeze(2).expand(-1, -1, hc, -1).contiguous()  # [B, T, hc, D]
         for i, block in enumerate(self.blocks):
@@ -76,5 +92,5 @@ class EngramBackbone(nn.Module):
             if engram is not None:
                 out = engram(h, rows=rows_for(i))  # [B, T, hc, D]
                 h = h + out if self.config.variant == "demo" else out
-            h = h + block(h.mean(dim=2)).unsqueeze(2)
+            h = h + block(h.mean(dim=2), attn_mask).unsqueeze(2)
         return self.norm(h.mean(dim=2))

@@ -14,7 +14,7 @@ from typing import Sequence
 from . import __version__
 from .errors import EngramError
 
-COMMAND_MODULES = ("core", "table", "plan")
+COMMAND_MODULES = ("core", "table", "plan", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

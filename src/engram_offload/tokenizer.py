@@ -22,6 +22,7 @@ __all__ = [
     "load_tokenizer",
     "default_tokenizer_path",
     "engram_normalizer",
+    "engram_cache_dir",
 ]
 
 _SENTINEL = "\ue000"  # private-use character: keeps a lone-space token alive through Strip()
@@ -120,7 +121,8 @@ def compress_tokenizer(tokenizer: str | Path | Any) -> np.ndarray:
     return out
 
 
-def _cache_dir() -> Path:
+def engram_cache_dir() -> Path:
+    """The folder for derived files: $ENGRAM_OFFLOAD_CACHE, else $XDG_CACHE_HOME/engram-offload."""
     base = os.environ.get("ENGRAM_OFFLOAD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engram-offload"
     )
@@ -137,7 +139,7 @@ def cached_token_map(path: str | Path | None = None, cache_dir: str | Path | Non
     if source.is_dir():
         source = source / "tokenizer.json"
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:32]
-    folder = Path(cache_dir) if cache_dir is not None else _cache_dir() / "token_maps"
+    folder = Path(cache_dir) if cache_dir is not None else engram_cache_dir() / "token_maps"
     target = folder / f"{digest}.npy"
     try:
         cached = np.load(target, allow_pickle=False)

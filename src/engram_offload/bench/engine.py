@@ -1,0 +1,266 @@
+"""The serving loop: continuous batching over a real backbone, rows prefetched every step.
+
+Each step holds one decode token for every sequence that is decoding and prefill chunks
+for the others, up to ``max_step_tokens`` tokens (decode tokens first, as chunked-prefill
+schedulers do). At the step's beginning the prefetcher hashes the step's tokens through
+each sequence's hasher history and starts fetching every Engram layer's rows; then the
+backbone runs, and each Engram layer takes its rows from the prefetcher (a wait there is
+the step's Engram stall).
+
+Pieces of several sequences are packed into one row ``[1, T]`` with a per-piece causal
+mask. The backbone keeps no KV cache: attention covers the step's own piece, which keeps
+the compute per token (the dense layers) while leaving context length out of it.
+
+Prefill lookahead: a turn's input is known when the turn starts, so its rows need not
+wait for the step that computes it. The engine hashes and fetches upcoming prefill chunks
+("windows", at most ``lookahead_tokens`` tokens ahead in all) while earlier steps compute;
+only decode tokens, which exist once the previous step has sampled them, are fetched at
+their own step's beginning. ``lookahead_tokens=0`` turns this off: every piece is then
+fetched at the beginning of the step that computes it.
+
+The arrival process is closed-loop: ``concurrency`` requests are always in flight, and a
+new one starts as soon as one finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..backbone import packed_causal_mask
+from ..prefetch import Prefetcher, Step
+from .workload import Request, RequestStream
+
+__all__ = ["EngineRun", "ServingEngine"]
+
+
+@dataclass
+class EngineRun:
+    """What one timed run of the loop observed."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    tokens: int = 0  # prefill + decode tokens fed to the model
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    rows_requested: int = 0  # row ids of all steps (every token, every Engram layer)
+    rows_unique: int = 0  # after each step's dedup
+    step_seconds: list[float] = field(default_factory=list)
+    stall_seconds: list[float] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # finished, then those still running
+    finished: int = 0
+
+
+@dataclass
+class _Window:
+    """Prefetched rows of a request's input tokens [start, end)."""
+
+    start: int
+    end: int
+    step: Step
+
+
+class ServingEngine:
+    """Runs ``model`` over requests with rows from ``prefetcher`` (see the module docstring).
+
+    ``model=None`` replays the row accesses only (hash, fetch, wait): a fast warm-up pass
+    that fills caches as serving the same requests would.
+    """
+
+    def __init__(self, model: torch.nn.Module | None, prefetcher: Prefetcher, *, concurrency: int,
+                 max_step_tokens: int = 256, lookahead_tokens: int | None = None) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if max_step_tokens < concurrency:
+            raise ValueError(
+                f"max_step_tokens ({max_step_tokens}) must be >= concurrency ({concurrency}): every "
+                "decoding sequence needs one token a step"
+            )
+        self.model = model
+        self.prefetcher = prefetcher
+        self.concurrency = concurrency
+        self.max_step_tokens = max_step_tokens
+        self.lookahead_tokens = 2 * max_step_tokens if lookahead_tokens is None else int(lookahead_tokens)
+        cfg = prefetcher.config
+        self._cols, self._dim = cfg.cols_per_layer, cfg.head_dim
+        self._layers = list(cfg.layer_ids)
+        self._windows: dict[int, list[_Window]] = {}  # request number -> its input windows, in order
+        self._hashed: dict[int, int] = {}  # request number -> input tokens hashed so far
+        self._run: EngineRun | None = None
+        self._waiting: list[Request] = []  # active requests not in this step
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self, active: list[Request]) -> tuple[list[Request], list[np.ndarray]]:
+        """This step's sequences and their pieces: every decode token, then prefill chunks."""
+        budget = self.max_step_tokens
+        chosen, pieces = [], []
+        for r in active:
+            if not r.in_prefill:
+                chosen.append(r)
+                pieces.append(r.next_piece(1))
+                budget -= 1
+        for r in active:
+            if r.in_prefill and budget > 0:
+                piece = r.next_piece(budget)
+                chosen.append(r)
+                pieces.append(piece)
+                budget -= piece.size
+        return chosen, pieces
+
+    def _issue(self, r: Request, upto: int) -> int:
+        """Hash and start fetching r's input up to position ``upto``; returns tokens issued."""
+        hashed = self._hashed.get(r.number, r.fed)
+        issued = 0
+        windows = self._windows.setdefault(r.number, [])
+        while hashed < upto:
+            end = min(upto, hashed + self.max_step_tokens)
+            step = self.prefetcher.begin_step([r.number], [r.tokens[hashed:end]])
+            windows.append(_Window(hashed, end, step))
+            self._count(step)
+            issued += end - hashed
+            hashed = end
+        self._hashed[r.number] = hashed
+        return issued
+
+    def _lookahead(self, active: list[Request]) -> None:
+        """Issue upcoming prefill windows, at most ``lookahead_tokens`` ahead in all."""
+        budget = self.lookahead_tokens
+        for r in active:
+            if budget <= 0:
+                return
+            if not r.in_prefill:
+                continue
+            input_end = r.turns[r.turn][0]
+            hashed = self._hashed.get(r.number, r.fed)
+            budget -= hashed - r.fed
+            if budget > 0 and hashed < input_end:
+                budget -= self._issue(r, min(input_end, hashed + budget))
+
+    def _count(self, step: Step) -> None:
+        if self._run is not None:
+            self._run.rows_requested += step.dedup.requested
+            self._run.rows_unique += int(step.dedup.unique.size)
+
+    # ------------------------------------------------------------------ one step
+    def _forward(self, chosen: list[Request], pieces: list[np.ndarray]) -> float:
+        """One step through the model; returns the Engram stall seconds of the step."""
+        decoding = [(r, p) for r, p in zip(chosen, pieces) if not r.in_prefill]
+        prefill = [(r, p) for r, p in zip(chosen, pieces) if r.in_prefill]
+        decode_step = None
+        if decoding:
+            decode_step = self.prefetcher.begin_step([r.number for r, _ in decoding], [p for _, p in decoding])
+            self._count(decode_step)
+        for r, p in prefill:  # pieces not fetched ahead are fetched now
+            self._issue(r, r.fed + p.size)
+        self._lookahead([r for r, _ in prefill] + [r for r in self._waiting])
+        steps = ([decode_step] if decode_step else []) + [w.step for r, p in prefill for w in self._windows[r.number]
+                                                         if w.start < r.fed + p.size and w.end > r.fed]
+        stall_before = sum(s.stall_seconds for s in steps)
+        lengths = [p.size for p in pieces]
+
+        def rows_for(layer_id: int) -> torch.Tensor:
+            parts = []
+            if decode_step is not None:
+                parts.append(self.prefetcher.rows(layer_id, decode_step))  # [n_decode, C, d]
+            for r, p in prefill:
+                lo, hi = r.fed, r.fed + p.size
+                for w in self._windows[r.number]:
+                    if w.start < hi and w.end > lo:
+                        rows = self.prefetcher.rows(layer_id, w.step)  # [window, C, d]
+                        parts.append(rows[max(lo, w.start) - w.start: min(hi, w.end) - w.start])
+            return torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, C, d]
+
+        try:
+            if self.model is None:  # replay: wait for every layer's rows
+                for layer_id in self._layers:
+                    rows_for(layer_id)
+            else:
+                if all(n == 1 for n in lengths):  # decode only: a [B, 1] batch
+                    input_ids = torch.from_numpy(np.concatenate(pieces)).view(-1, 1)
+                    mask = None
+                else:  # packed: [1, T] with a causal mask per piece
+                    input_ids = torch.from_numpy(np.concatenate(pieces)).view(1, -1)
+                    mask = packed_causal_mask(lengths)
+                b, t = input_ids.shape
+                with torch.no_grad():
+                    self.model(input_ids, lambda layer_id: rows_for(layer_id).view(b, t, self._cols, self._dim), mask)
+        except BaseException:
+            self._cancel_all()
+            raise
+        if decode_step is not None:
+            self.prefetcher.end_step(decode_step)
+        for r, p in prefill:  # windows this step used up
+            keep = []
+            for w in self._windows[r.number]:
+                if w.end <= r.fed + p.size:
+                    self.prefetcher.end_step(w.step)
+                else:
+                    keep.append(w)
+            self._windows[r.number] = keep
+        return sum(s.stall_seconds for s in steps) - stall_before
+
+    def _cancel_all(self) -> None:
+        for windows in self._windows.values():
+            for w in windows:
+                self.prefetcher.cancel(w.step)
+        self._windows.clear()
+        self._hashed.clear()
+
+    def _forget(self, r: Request) -> None:
+        for w in self._windows.pop(r.number, []):
+            self.prefetcher.cancel(w.step)
+        self._hashed.pop(r.number, None)
+        self.prefetcher.release_sequence(r.number)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stream: RequestStream, seconds: float, *,
+            on_step: Callable[[float], Any] | None = None, max_steps: int | None = None) -> EngineRun:
+        """Serve requests from ``stream`` for ``seconds`` (or ``max_steps``); in-flight
+        requests at the end are counted with what they did, then their histories released."""
+        run = EngineRun()
+        self._run = run
+        active: list[Request] = []
+        done: list[Request] = []
+        start = time.perf_counter()
+        deadline = start + seconds
+        now = start
+        try:
+            while now < deadline and (max_steps is None or run.steps < max_steps):
+                while len(active) < self.concurrency:
+                    r = stream.next()
+                    r.turn_started = now
+                    active.append(r)
+                chosen, pieces = self._schedule(active)
+                scheduled = {r.number for r in chosen}
+                self._waiting = [r for r in active if r.number not in scheduled]
+                t0 = time.perf_counter()
+                stall = self._forward(chosen, pieces)
+                now = time.perf_counter()
+                run.step_seconds.append(now - t0)
+                run.stall_seconds.append(stall)
+                run.steps += 1
+                for r, piece in zip(chosen, pieces):
+                    if r.in_prefill:
+                        run.prefill_tokens += piece.size
+                    else:
+                        run.decode_tokens += piece.size
+                    r.advance(piece.size, now)
+                    if r.done:
+                        done.append(r)
+                        self._forget(r)
+                active = [r for r in active if not r.done]
+                if on_step is not None:
+                    on_step(now - start)
+        finally:
+            for r in active:
+                self._forget(r)
+            self._run = None
+        run.seconds = now - start
+        run.tokens = run.prefill_tokens + run.decode_tokens
+        run.finished = len(done)
+        run.requests = done + active
+        return run

@@ -1,0 +1,133 @@
+"""The benchmark's outputs: a markdown table, the JSON document and the frontier plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["comparisons", "frontier_plot", "markdown_table", "write_json"]
+
+COLUMNS = [
+    ("tier", "tier", "{}"),
+    ("cache_state", "cache", "{}"),
+    ("concurrency", "conc.", "{}"),
+    ("throughput_tok_s", "tok/s", "{:,.0f}"),
+    ("output_tok_s", "out tok/s", "{:,.0f}"),
+    ("interactivity_tok_s_per_user", "tok/s/user", "{:.1f}"),
+    ("p90_itl_ms", "P90 ITL ms", "{:.1f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:,.0f}"),
+    ("stall_fraction", "stall", "{:.1%}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("device_bytes_per_token", "disk B/tok", "{:,.0f}"),
+    ("budget_enforced", "budget", "{}"),
+]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    """One row per run, the columns a reader compares first."""
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    rule = "|" + "|".join("---:" if fmt != "{}" else "---" for _, _, fmt in COLUMNS) + "|"
+    rows = ["| " + " | ".join(_cell(r.get(key), fmt) for key, _, fmt in COLUMNS) + " |" for r in runs]
+    return "\n".join([head, rule, *rows])
+
+
+def comparisons(runs: list[dict[str, Any]], baseline: str = "memory") -> list[dict[str, Any]]:
+    """Each non-baseline run against the baseline tier (and ``direct`` against ``mmap``) at the
+    same cache state and concurrency: throughput and P90 ITL ratios."""
+    index = {(r["tier"], r["cache_state"], r["concurrency"]): r for r in runs}
+    out = []
+    for r in runs:
+        for ref in (baseline, "mmap"):
+            if r["tier"] == ref or (ref == "mmap" and r["tier"] != "direct"):
+                continue
+            base = index.get((ref, r["cache_state"], r["concurrency"]))
+            if base is None or not base["throughput_tok_s"]:
+                continue
+            itl_ratio = (r["p90_itl_ms"] / base["p90_itl_ms"]
+                         if r.get("p90_itl_ms") and base.get("p90_itl_ms") else None)
+            out.append({"tier": r["tier"], "vs": ref, "cache_state": r["cache_state"],
+                        "concurrency": r["concurrency"],
+                        "throughput_ratio": r["throughput_tok_s"] / base["throughput_tok_s"],
+                        "p90_itl_ratio": itl_ratio})
+    return out
+
+
+def comparisons_table(rows: list[dict[str, Any]]) -> str:
+    head = "| tier | vs | cache | conc. | throughput ratio | P90 ITL ratio |\n|---|---|---|---:|---:|---:|"
+    body = [f"| {c['tier']} | {c['vs']} | {c['cache_state']} | {c['concurrency']} | "
+            f"{c['throughput_ratio']:.2f}x | {_cell(c['p90_itl_ratio'], '{:.2f}x')} |" for c in rows]
+    return "\n".join([head, *body])
+
+
+def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], title: str = "") -> Path:
+    """Throughput (tok/s) against interactivity (tok/s/user): one line per tier and cache
+    state, a point per concurrency (labelled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    styles = {"cold": ":", "warm": "-", "mixed": "--"}
+    markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^"}
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("interactivity_tok_s_per_user") is None:
+            continue
+        lines.setdefault((r["tier"], r["cache_state"]), []).append(r)
+    for (tier, state), points in sorted(lines.items()):
+        points.sort(key=lambda r: r["concurrency"])
+        xs = [p["interactivity_tok_s_per_user"] for p in points]
+        ys = [p["throughput_tok_s"] for p in points]
+        ax.plot(xs, ys, linestyle=styles.get(state, "-"), marker=markers.get(tier, "o"), label=f"{tier}, {state}")
+        for p, x, y in zip(points, xs, ys):
+            ax.annotate(f"{p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("interactivity (output tok/s per user, median)")
+    ax.set_ylabel("throughput (tok/s, input + output)")
+    ax.set_title(title or "Throughput vs interactivity (labels: concurrency)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,291 @@
+"""The benchmark sweep: every (tier, cache state, concurrency) run side by side.
+
+A run opens the table on its tier with a fresh store, prepares the cache state, serves
+requests for a fixed time and returns one flat dict of figures (``runs`` in the JSON).
+
+Cache states:
+
+- ``cold``: empty row caches, and the table file dropped from the page cache
+  (``/proc/sys/vm/drop_caches`` when permitted, else ``posix_fadvise(DONTNEED)`` on the
+  file; ``cold_method`` says which);
+- ``warm``: a warm-up pass over other documents of the same corpus, then the measurement;
+- ``mixed``: a warm-up pass over another corpus (prose when measuring code), then the
+  measurement.
+
+A warm-up pass replays the warm-up requests' row accesses through the store for
+``warmup_seconds`` (hashing, prefetching, waiting; no backbone), which warms the row
+caches and the page cache as serving those requests would. The ``memory`` tier has
+nothing to warm and skips it.
+
+The measured requests are the same in every run, so tiers are compared on equal work.
+
+DRAM budget: the ``direct`` store holds its row caches (at most ``--cache-bytes``, itself
+at most the budget) and reads with O_DIRECT, which bypasses the page cache: enforced by
+construction. The ``mmap`` baseline lives in the page cache, so its runs go to a child
+process in a memory cgroup, where the machine allows one, whose limit is kept at the
+process's own memory (charged since it joined) plus the budget: the page cache it may
+hold is the budget. ``memory`` holds the whole
+table in DRAM: it is the unconstrained reference and never within a smaller budget.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_module
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..backbone import EngramBackbone
+from ..config import EngramConfig
+from ..hashing import NgramHasher
+from ..prefetch import Prefetcher
+from ..store import open_table
+from ..table.format import read_header
+from ..tiers.bench import drop_page_cache
+from .corpus import Corpus
+from .engine import ServingEngine
+from .memcap import MemoryCap
+from .metrics import summarize_run
+from .workload import RequestStream, WorkloadShape
+
+__all__ = ["BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "TIERS", "build_backbone",
+           "check_budget", "execute_capped_run", "execute_run", "run_sweep"]
+
+CACHE_STATES = ("cold", "warm", "mixed")
+TIERS = ("memory", "pinned", "direct", "mmap")
+RESIDENT_TIERS = ("memory", "pinned")  # the whole table in DRAM: nothing to warm
+CGROUP_ALLOWANCE = 256 << 20  # first limit above the budget, until the process's own memory is measured
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything a run needs besides its (tier, cache state, concurrency)."""
+
+    table: str
+    seconds: float = 3.0
+    warmup_seconds: float = 3.0
+    cache_bytes: int = 0  # the direct tier's DRAM row cache
+    fast_cache_bytes: int = 0
+    policy: str = "lfu"
+    dram_budget: int | None = None
+    shape: WorkloadShape = WorkloadShape()
+    max_step_tokens: int = 256
+    lookahead_tokens: int | None = None  # prefill tokens fetched ahead (default 2 steps' worth; 0: off)
+    layers: int | None = None  # backbone layers (default: last Engram layer + 2)
+    hidden: int = 256
+    heads: int = 4
+    threads: int = 1  # torch threads for the backbone; the rest of the cores fetch rows
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = asdict(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class Corpora:
+    """Token streams of a sweep: measured requests, and the two warm-up sources."""
+
+    measured: Corpus
+    warm: Corpus  # other documents of the measured corpus
+    mixed: Corpus  # another corpus
+
+    def warmup_for(self, state: str) -> Corpus | None:
+        return {"cold": None, "warm": self.warm, "mixed": self.mixed}[state]
+
+
+def build_backbone(config: EngramConfig, settings: BenchSettings, vocab_size: int) -> EngramBackbone:
+    """The seeded random-weight backbone of a run (the same weights in every run)."""
+    layers = settings.layers or max(config.layer_ids) + 2
+    torch.manual_seed(settings.seed)
+    bconfig = config.replace(hidden_size=settings.hidden, name=None)
+    return EngramBackbone(bconfig, num_layers=layers, vocab_size=vocab_size, heads=settings.heads).eval()
+
+
+def _tier_counters(store: Any) -> dict[str, Any]:
+    inner = getattr(store, "inner", None)
+    tier = inner.tier if inner is not None else store.tier
+    return tier.stats()
+
+
+def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
+                token_map: np.ndarray, *, budget_note: tuple[bool, str] | None = None,
+                on_step: Callable[[str, float], Any] | None = None,
+                before_open: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """One run in this process; returns its figures. ``before_open`` is called once the
+    backbone is built, just before the table is opened (the capped child joins its cgroup there)."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; choose from: {', '.join(TIERS)}")
+    if state not in CACHE_STATES:
+        raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
+    torch.set_num_threads(settings.threads)
+    cold_method = drop_page_cache(settings.table)
+    cached = tier == "direct" and (settings.cache_bytes or settings.fast_cache_bytes)
+    options: dict[str, Any] = {}
+    if cached:
+        options = dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes,
+                       policy=settings.policy)
+    if budget_note is None:
+        budget_note = _budget_note(tier, settings)
+    config = read_header(settings.table).config
+    model = build_backbone(config, settings, token_map.size)
+    hasher = NgramHasher(config, token_map)
+    if before_open is not None:
+        before_open()
+    t_open = time.perf_counter()
+    store = open_table(settings.table, tier, **options)
+    open_seconds = time.perf_counter() - t_open
+    try:
+        with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
+            engine = ServingEngine(model, prefetcher, concurrency=concurrency,
+                                   max_step_tokens=max(settings.max_step_tokens, concurrency),
+                                   lookahead_tokens=settings.lookahead_tokens)
+            warm = corpora.warmup_for(state)
+            warmup = None
+            if warm is not None and tier not in RESIDENT_TIERS:
+                # a replay of the warm-up requests' row accesses (no backbone): fills the caches
+                # as serving them would, in a fraction of the time
+                replay = ServingEngine(None, prefetcher, concurrency=concurrency,
+                                       max_step_tokens=max(settings.max_step_tokens, concurrency),
+                                       lookahead_tokens=settings.lookahead_tokens)
+                w = replay.run(RequestStream(warm, settings.shape, settings.seed + 1), settings.warmup_seconds,
+                               on_step=(lambda t: on_step("warm-up", t)) if on_step else None)
+                warmup = {"corpus": warm.name, "seconds": w.seconds, "tokens": w.tokens,
+                          "hit_rate": store.stats()["store"]["hit_rate"] if hasattr(store, "levels") else None}
+            if hasattr(store, "reset_stats"):
+                store.reset_stats()
+            before = _tier_counters(store)
+            stream = RequestStream(corpora.measured, settings.shape, settings.seed)
+            run = engine.run(stream, settings.seconds, on_step=(lambda t: on_step("measure", t)) if on_step else None)
+            after = _tier_counters(store)
+        stats = store.stats() if hasattr(store, "levels") else None
+    finally:
+        store.close()
+    figures = summarize_run(run)
+    device_bytes = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    device_reads = after.get("reads", 0) - before.get("reads", 0)
+    result: dict[str, Any] = {
+        "tier": tier,
+        "cache_state": state,
+        "concurrency": concurrency,
+        **figures,
+        "hit_rate": stats["store"]["hit_rate"] if stats else None,
+        "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in stats["levels"]} if stats else None,
+        "tier_rows_per_token": (after.get("rows", 0) - before.get("rows", 0)) / run.tokens if run.tokens else 0.0,
+        "device_bytes_per_token": device_bytes / run.tokens if run.tokens else 0.0,
+        "device_reads": device_reads,
+        "budget_enforced": budget_note[0],
+        "budget_method": budget_note[1],
+        "cold_method": ", ".join(cold_method) if state == "cold" else None,
+        "warmup": warmup,
+        "corpus_wrapped": stream.wrapped,
+        "open_seconds": open_seconds,
+        "cache_bytes": settings.cache_bytes if cached else 0,
+    }
+    return result
+
+
+def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:
+    if settings.dram_budget is None:
+        return False, "no budget given"
+    if tier in ("memory", "pinned"):
+        return False, "the whole table is in DRAM (the unconstrained reference)"
+    if tier == "direct":
+        held = settings.cache_bytes + settings.fast_cache_bytes
+        return held <= settings.dram_budget, f"row caches {held} B <= budget; O_DIRECT bypasses the page cache"
+    return False, "page cache not capped"
+
+
+def _child(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
+           token_map: np.ndarray, cap_path: str, cap_version: str, limit: int, note: str,
+           out: Any) -> None:
+    """Entry of the capped child: join the cgroup, run, send the figures (or the error) back."""
+    assert settings.dram_budget is not None
+    cap = MemoryCap(Path(cap_path), cap_version, limit)
+    stop = None
+
+    def join() -> None:
+        nonlocal stop
+        cap.join()
+        stop = cap.cap_page_cache(settings.dram_budget)
+
+    try:
+        result = execute_run(tier, state, concurrency, settings, corpora, token_map,
+                             budget_note=(True, note), before_open=join)
+        result["cgroup_peak_bytes"] = cap.peak_bytes()
+        result["cgroup_charged_bytes"] = cap.charged()
+        out.put(("ok", result))
+    except BaseException as exc:  # reported by the parent
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if stop is not None:
+            stop.set()
+
+
+def execute_capped_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
+                       token_map: np.ndarray, timeout: float) -> dict[str, Any]:
+    """An ``mmap`` run under the DRAM budget: in a child process inside a memory cgroup when
+    one can be made, else in this process with ``budget_enforced`` false and the reason."""
+    assert settings.dram_budget is not None
+    limit = settings.dram_budget + CGROUP_ALLOWANCE
+    cap, how = MemoryCap.create(limit)
+    if cap is None:
+        return execute_run(tier, state, concurrency, settings, corpora, token_map, budget_note=(False, how))
+    note = (f"{how}, then kept at the process's own memory + the budget ({settings.dram_budget} B) "
+            "every 50 ms: the page cache is what the budget bounds")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child, args=(tier, state, concurrency, settings, corpora, token_map,
+                                             str(cap.path), cap.version, limit, note, out))
+    try:
+        child.start()
+        try:
+            status, payload = out.get(timeout=timeout)
+        except queue_module.Empty:
+            raise RuntimeError(f"the capped {tier} run did not report within {timeout:.0f} s "
+                               f"(exit code {child.exitcode}; an out-of-memory kill shows as -9)") from None
+        child.join(timeout=60)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        cap.remove()
+    if status != "ok":
+        raise RuntimeError(f"the capped {tier} run failed: {payload}")
+    return payload
+
+
+def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], concurrency: list[int],
+              corpora: Corpora, token_map: np.ndarray,
+              progress: Callable[[str, int, int], Any] | None = None,
+              on_step: Callable[[str, float], Any] | None = None) -> list[dict[str, Any]]:
+    """Every (tier, state, concurrency), tiers side by side at each point; returns the runs."""
+    plan = [(c, s, t) for c in concurrency for s in states for t in tiers]
+    runs = []
+    for i, (c, s, t) in enumerate(plan):
+        if progress is not None:
+            progress(f"{t} {s} x{c}", i, len(plan))
+        if t == "mmap" and settings.dram_budget is not None:
+            timeout = 120 + 4 * (settings.seconds + settings.warmup_seconds)
+            runs.append(execute_capped_run(t, s, c, settings, corpora, token_map, timeout))
+        else:
+            runs.append(execute_run(t, s, c, settings, corpora, token_map, on_step=on_step))
+    if progress is not None:
+        progress("done", len(plan), len(plan))
+    return runs
+
+
+def check_budget(settings: BenchSettings) -> None:
+    """Raise ``ValueError`` when the row caches would not fit in the DRAM budget."""
+    held = settings.cache_bytes + settings.fast_cache_bytes
+    if settings.dram_budget is not None and held > settings.dram_budget:
+        raise ValueError(
+            f"the row caches ({held:,} B: --cache-bytes plus --fast-cache-bytes) exceed --dram-budget "
+            f"({settings.dram_budget:,} B): lower the cache or raise the budget"
+        )
