@@ -41,10 +41,15 @@ class Corpus:
     def tokens(self) -> int:
         return int(sum(d.size for d in self.documents))
 
-    def split(self, every: int = 2) -> tuple["Corpus", "Corpus"]:
-        """Two disjoint halves (every ``every``-th document, the rest): warm-up and measured."""
-        first = tuple(d for i, d in enumerate(self.documents) if i % every == 0)
-        rest = tuple(d for i, d in enumerate(self.documents) if i % every != 0)
+    def split(self) -> tuple["Corpus", "Corpus"]:
+        """Two disjoint halves, warm-up and measured: alternate documents, or the two halves
+        of each document when there is only one."""
+        if len(self.documents) < 2:
+            first = tuple(d[: d.size // 2] for d in self.documents)
+            rest = tuple(d[d.size // 2:] for d in self.documents)
+        else:
+            first = tuple(d for i, d in enumerate(self.documents) if i % 2 == 0)
+            rest = tuple(d for i, d in enumerate(self.documents) if i % 2 == 1)
         return Corpus(f"{self.name}[warm]", first, self.source), Corpus(f"{self.name}[measured]", rest, self.source)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = ["MemoryCap", "memory_cgroup_root"]
 
 CGROUP = Path("/sys/fs/cgroup")
+SLACK_BYTES = 32 << 20  # room for the capped process to grow between two limit updates
 
 
 def _own_v1_memory_group() -> str:
@@ -114,18 +115,22 @@ class MemoryCap:
         self.limit_bytes = int(limit_bytes)
         return True
 
-    def cap_page_cache(self, budget_bytes: int, interval: float = 0.05) -> threading.Event:
-        """Keep the limit at the group's own process memory plus ``budget_bytes``, so that the
+    def cap_page_cache(self, budget_bytes: int, slack_bytes: int = SLACK_BYTES,
+                       interval: float = 0.02) -> threading.Event:
+        """Keep the limit at the group's own process memory plus ``budget_bytes`` plus
+        ``slack_bytes`` (room for the process to grow between two checks; process memory
+        cannot be reclaimed, so without it a growing process would be killed), so that the
         page cache, not the process, is what the budget bounds. Returns an event: set it to stop."""
         stop = threading.Event()
 
         def follow() -> None:
             while not stop.wait(interval):
                 try:
-                    self.set_limit(self.charged()["anon"] + budget_bytes)
+                    self.set_limit(self.charged()["anon"] + budget_bytes + slack_bytes)
                 except OSError:
                     return
 
+        self.set_limit(self.charged()["anon"] + budget_bytes + slack_bytes)
         threading.Thread(target=follow, name="engram-memcap", daemon=True).start()
         return stop
 

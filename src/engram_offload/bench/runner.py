@@ -49,7 +49,7 @@ from ..table.format import read_header
 from ..tiers.bench import drop_page_cache
 from .corpus import Corpus
 from .engine import ServingEngine
-from .memcap import MemoryCap
+from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
 from .workload import RequestStream, WorkloadShape
 
@@ -237,19 +237,25 @@ def execute_capped_run(tier: str, state: str, concurrency: int, settings: BenchS
     cap, how = MemoryCap.create(limit)
     if cap is None:
         return execute_run(tier, state, concurrency, settings, corpora, token_map, budget_note=(False, how))
-    note = (f"{how}, then kept at the process's own memory + the budget ({settings.dram_budget} B) "
-            "every 50 ms: the page cache is what the budget bounds")
+    note = (f"{how}, then kept at the process's own memory + the budget ({settings.dram_budget} B) + "
+            f"{SLACK_BYTES} B of slack, every 20 ms: the page cache is what the budget bounds")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     child = ctx.Process(target=_child, args=(tier, state, concurrency, settings, corpora, token_map,
                                              str(cap.path), cap.version, limit, note, out))
     try:
         child.start()
-        try:
-            status, payload = out.get(timeout=timeout)
-        except queue_module.Empty:
-            raise RuntimeError(f"the capped {tier} run did not report within {timeout:.0f} s "
-                               f"(exit code {child.exitcode}; an out-of-memory kill shows as -9)") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status, payload = out.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                if not child.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the capped {tier} run ended without a result (exit code {child.exitcode}; -9 is "
+                        "a kill, e.g. out of memory in the cgroup)" if not child.is_alive() else
+                        f"the capped {tier} run did not report within {timeout:.0f} s") from None
         child.join(timeout=60)
     finally:
         if child.is_alive():

@@ -1,0 +1,66 @@
+"""``engram-offload bench`` end to end on a tiny table: every tier and cache state, JSON, plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engram_offload.cli import main
+
+KEYS = {"tier", "cache_state", "concurrency", "throughput_tok_s", "interactivity_tok_s_per_user", "p90_itl_ms",
+        "stall_fraction", "hit_rate", "budget_enforced"}
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.table"
+    assert main(["make-table", "--preset", "deepseek-v4.1-flash", "--scale", "0.0001", "--out", str(path),
+                 "--no-progress"]) == 0
+    return path
+
+
+def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "--table", str(tiny_table), "--tiers", "memory,direct,mmap",
+                 "--cache-states", "cold,warm,mixed", "--concurrency", "2", "--seconds", "0.4",
+                 "--warmup-seconds", "0.3", "--dram-budget", "20%", "--corpus", "stdlib",
+                 "--mixed-corpus", "zipf", "--corpus-tokens", "20000", "--hidden", "32", "--layers", "16",
+                 "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16", "--turns", "2",
+                 "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    runs = doc["runs"]
+    assert {(r["tier"], r["cache_state"]) for r in runs} == {(t, s) for t in ("memory", "direct", "mmap")
+                                                              for s in ("cold", "warm", "mixed")}
+    for r in runs:
+        assert KEYS <= set(r)
+        assert r["throughput_tok_s"] > 0 and r["tokens"] > 0 and 0 <= r["stall_fraction"] < 1
+    by = {(r["tier"], r["cache_state"]): r for r in runs}
+    assert by[("direct", "warm")]["budget_enforced"] is True
+    assert by[("memory", "cold")]["budget_enforced"] is False
+    assert by[("direct", "warm")]["warmup"]["tokens"] > 0 and by[("memory", "warm")]["warmup"] is None
+    assert 0 <= by[("direct", "mixed")]["hit_rate"] <= 1 and by[("mmap", "cold")]["hit_rate"] is None
+    assert by[("direct", "cold")]["cold_method"]
+    assert doc["table"]["bytes"] > 0 and doc["machine"] and doc["comparisons"]
+    png = (out / "frontier.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "| tier |" in printed and "throughput ratio" in printed
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tiers", "memory,tape"], "unknown tape"),
+    (["--cache-states", "lukewarm"], "unknown lukewarm"),
+    (["--concurrency", "0"], ">= 1"),
+    (["--dram-budget", "1M", "--cache-bytes", "2M"], "exceed --dram-budget"),
+    (["--dram-budget", "lots"], "not understood"),
+])
+def test_bad_options_are_explained(tiny_table, tmp_path, capsys, flags, message):
+    assert main(["bench", "--table", str(tiny_table), "--out", str(tmp_path), "--no-progress", *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_table_is_explained(tmp_path, capsys):
+    assert main(["bench", "--table", str(tmp_path / "none.table"), "--no-progress"]) == 1
+    assert "make-table" in capsys.readouterr().err

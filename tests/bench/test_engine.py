@@ -1,0 +1,121 @@
+"""The serving loop hands every Engram layer exactly the rows of the tokens it computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload import open_table, write_table
+from engram_offload.backbone import EngramBackbone
+from engram_offload.bench.corpus import Corpus
+from engram_offload.bench.engine import ServingEngine
+from engram_offload.bench.metrics import summarize_run
+from engram_offload.bench.workload import RequestStream, WorkloadShape
+from engram_offload.config import EngramConfig
+from engram_offload.errors import TierError
+from engram_offload.hashing import NgramHasher
+from engram_offload.prefetch import Prefetcher, PrefetchError
+
+VOCAB = 500
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    config = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(300, 500),
+                          row_format="fp8_e4m3_ue8m0", hidden_size=32, hc_mult=2)
+    path = write_table(tmp_path_factory.mktemp("engine") / "t.tbl", config, torch.randn(config.num_rows, 32))
+    hasher = NgramHasher(config, np.arange(VOCAB, dtype=np.int64) % 400)
+    return path, config, hasher
+
+
+def corpus(seed=0) -> Corpus:
+    rng = np.random.default_rng(seed)
+    return Corpus("random", tuple(rng.integers(0, VOCAB, size=n) for n in (300, 200, 500, 250)), "test")
+
+
+class RecordingEngine(ServingEngine):
+    """Records (request tokens, position, piece length) of every scheduled piece."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = []
+
+    def _schedule(self, active):
+        chosen, pieces = super()._schedule(active)
+        self.log.append([(r.tokens, r.fed, p.size) for r, p in zip(chosen, pieces)])
+        return chosen, pieces
+
+
+class RowsModel:
+    """Stands in for the backbone: asks for each Engram layer's rows and keeps them."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.seen = []
+
+    def __call__(self, input_ids, rows_for, mask):
+        self.seen.append({layer: rows_for(layer).clone() for layer in self.layers})
+
+
+def expected_rows(store, hasher, log_entry, layer_index):
+    parts = []
+    for tokens, fed, n in log_entry:
+        ids = hasher.table_ids(hasher.hash_all(torch.from_numpy(tokens).view(1, -1)))[0]  # [T, L, C]
+        parts.append(store.gather(ids[fed:fed + n, layer_index]))  # [n, C, d]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("lookahead", [None, 0, 7])
+@pytest.mark.parametrize("tier,cache", [("memory", 0), ("direct", 4096)])
+def test_every_step_gets_the_rows_of_its_tokens(table, lookahead, tier, cache):
+    path, config, hasher = table
+    shape = WorkloadShape("agent", prompt=40, answer=6, turns=2, tool=20)
+    with open_table(path, "mmap") as plain, open_table(path, tier, cache_bytes=cache) as store, \
+            Prefetcher(store, hasher) as pf:
+        model = RowsModel(config.layer_ids)
+        engine = RecordingEngine(model, pf, concurrency=3, max_step_tokens=16, lookahead_tokens=lookahead)
+        run = engine.run(RequestStream(corpus(), shape, seed=2), seconds=60, max_steps=40)
+        assert run.steps == 40 and len(model.seen) == 40
+        assert run.prefill_tokens > 0 and run.decode_tokens > 0 and run.finished >= 1
+        for entry, seen in zip(engine.log, model.seen):
+            assert sum(n for _, _, n in entry) <= 16
+            for li, layer in enumerate(config.layer_ids):
+                want = expected_rows(plain, hasher, entry, li)
+                assert torch.equal(seen[layer].reshape(want.shape), want)
+        if cache:
+            assert all(level.pinned() == 0 for level in store.levels)  # windows and steps released
+
+
+def test_a_real_backbone_runs_and_figures_add_up(table):
+    path, config, hasher = table
+    torch.manual_seed(0)
+    model = EngramBackbone(config, num_layers=4, vocab_size=VOCAB, heads=4).eval()
+    with open_table(path, "memory") as store, Prefetcher(store, hasher) as pf:
+        engine = ServingEngine(model, pf, concurrency=2, max_step_tokens=32)
+        run = engine.run(RequestStream(corpus(1), WorkloadShape("chat", prompt=30, answer=5)), seconds=60, max_steps=30)
+    f = summarize_run(run)
+    assert f["tokens"] == f["prefill_tokens"] + f["decode_tokens"] == run.tokens
+    assert f["requests_finished"] >= 2 and f["output_tokens"] >= 5 * f["requests_finished"]
+    assert f["throughput_tok_s"] > 0 and 0 <= f["stall_fraction"] < 1
+    assert f["interactivity_tok_s_per_user"] > 0 and f["p90_itl_ms"] >= f["p50_itl_ms"] > 0
+    assert f["rows_per_token"] == len(config.layer_ids) * config.cols_per_layer
+
+
+def test_a_failed_fetch_stops_the_run_with_its_cause(table):
+    path, config, hasher = table
+    with open_table(path, "mmap") as store, Prefetcher(store, hasher) as pf:
+        def broken(ids, out):
+            raise TierError("the disk went away")
+
+        store.tier.read_rows = broken
+        engine = ServingEngine(RowsModel(config.layer_ids), pf, concurrency=2, max_step_tokens=8)
+        with pytest.raises(PrefetchError, match="disk went away"):
+            engine.run(RequestStream(corpus(), WorkloadShape("chat", prompt=10, answer=4)), seconds=60, max_steps=5)
+
+
+def test_concurrency_must_fit_the_step_budget(table):
+    path, config, hasher = table
+    with open_table(path, "memory") as store, Prefetcher(store, hasher) as pf:
+        with pytest.raises(ValueError, match="max_step_tokens"):
+            ServingEngine(None, pf, concurrency=8, max_step_tokens=4)
