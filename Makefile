@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
-	$(BIN)/engram-offload hash --preset deepseek-v4.1-flash "Engram hashes the last few tokens of every position."
+	$(BIN)/engram-offload bench
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
