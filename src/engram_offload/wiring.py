@@ -4,6 +4,11 @@
 before the first Engram layer compute while the rows are fetched; each Engram layer then
 takes its rows from the prefetcher (waiting, and recording a stall, only if they are late).
 The step's cache pins are released when the forward pass ends, however it ends.
+
+Threads: the prefetch worker (ids, cache bookkeeping, io_uring submission, decoding) needs
+a core while the model runs; on a small machine torch's intra-op pool competes with it.
+benchmarks/results/cache.json (``stall``) has the step time at 1 and 2 intra-op threads on
+2 cores; measure both on the target machine and pick with ``torch.set_num_threads``.
 """
 
 from __future__ import annotations
