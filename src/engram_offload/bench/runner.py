@@ -30,6 +30,7 @@ table in DRAM: it is the unconstrained reference and never within a smaller budg
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue as queue_module
 import time
@@ -282,6 +283,7 @@ def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], conc
             runs.append(execute_capped_run(t, s, c, settings, corpora, token_map, timeout))
         else:
             runs.append(execute_run(t, s, c, settings, corpora, token_map, on_step=on_step))
+        gc.collect()  # the last run's table copy (memory tier) goes before the next one loads
     if progress is not None:
         progress("done", len(plan), len(plan))
     return runs
