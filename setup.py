@@ -32,4 +32,15 @@ ext_modules.append(
     )
 )
 
+# The row caches' hit path (lookup, pins, policy stamps in one call): optional as well
+# (the NumPy bookkeeping is the fallback).
+ext_modules.append(
+    Extension(
+        "engram_offload.cache._hitpath",
+        sources=["src/engram_offload/cache/_hitpath.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
+        optional=True,
+    )
+)
+
 setup(ext_modules=ext_modules)

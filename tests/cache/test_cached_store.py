@@ -118,19 +118,19 @@ def test_eviction_cannot_race_a_reader_between_lookup_and_copy(fake_tier):
     store = CachedStore(fake_tier, CONFIG, [cache])
     first = np.arange(4, dtype=np.int64)
     store.fetch(first, hold=False)  # cache now full with rows 0..3
-    looked_up = threading.Barrier(2)
-    evicted = threading.Barrier(2)
-    original_acquire = cache.acquire
+    looked_up = threading.Barrier(2, timeout=10)
+    evicted = threading.Barrier(2, timeout=10)
+    original_acquire = cache.acquire_counted
     result = {}
 
     def acquire_then_wait(ids):
-        slots = original_acquire(ids)
+        found = original_acquire(ids)
         if threading.current_thread().name == "reader":
             looked_up.wait()  # the reader holds its slots ...
             evicted.wait()  # ... while the evictor runs
-        return slots
+        return found
 
-    cache.acquire = acquire_then_wait
+    cache.acquire_counted = acquire_then_wait  # the store's lookup
 
     def reader():
         result["raw"] = store.fetch(first, hold=False).raw

@@ -11,10 +11,16 @@ cache's lock; bytes are copied outside it. Two rules make that safe:
   second filler of the same id sees it taken. ``publish`` marks them ready.
 
 A miss is never approximated: the cache only ever reports "here is the row" or "miss".
+
+The hit path (look up, check ready, pin, touch the policy; and unpin) runs in one call of
+the optional C helper ``cache._hitpath`` when it is built, for the built-in policies and
+indexes; otherwise in NumPy. Both leave the same slots, pins and policy state (the tests
+replay random interleavings through both). ``ENGRAM_OFFLOAD_NO_NATIVE=1`` forces NumPy.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -22,11 +28,22 @@ import numpy as np
 import torch
 
 from .admission import FrequencySketch
-from .index import make_index
-from .policy import EvictionPolicy, make_policy
+from .index import DirectIndex, RowIndex, make_index
+from .policy import EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .stats import LevelStats
 
-__all__ = ["RowCache", "wide_view"]
+__all__ = ["RowCache", "native_hitpath", "wide_view"]
+
+
+def native_hitpath():
+    """The compiled hit-path helper, or None (not built, or ENGRAM_OFFLOAD_NO_NATIVE=1)."""
+    if os.environ.get("ENGRAM_OFFLOAD_NO_NATIVE") == "1":
+        return None
+    try:
+        from . import _hitpath  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _hitpath
 
 
 def wide_view(rows: torch.Tensor) -> torch.Tensor:
@@ -90,10 +107,66 @@ class RowCache:
         self.stats = LevelStats(name)
         self.evictions = 0
         self.rejected = 0
+        # the C hit path over this cache's arrays (None: NumPy); rows of a CPU cache as a
+        # NumPy array for its row copies
+        module = native_hitpath()
+        self._native = self._bind_native(module)
+        self._lfu = isinstance(self.policy, LFUPolicy)
+        self._rows_np = self.data.numpy() if self.device.type == "cpu" and module is not None else None
+        self._gather_rows = module.gather_rows if self._rows_np is not None else None
+
+    def _bind_native(self, module: Any) -> Any:
+        """A ``HitPath`` over the index, pins, ready flags and policy arrays, or None when the
+        helper is missing or the policy or index is not one it mirrors exactly."""
+        if module is None:
+            return None
+        policy, index = self.policy, self.index
+        if type(policy) is LRUPolicy:
+            count = None
+        elif type(policy) is LFUPolicy:
+            count = policy.count
+        else:
+            return None
+        if type(index) is DirectIndex:
+            kind, keys, values, bits = 0, None, index.values, 0
+        elif type(index) is RowIndex:
+            kind, keys, values, bits = 1, index.keys, index.values, index._bits
+        else:
+            return None
+        max_count = getattr(policy, "max_count", 0)
+        return module.HitPath(kind, keys, values, bits, self._ready, self.pins, policy.stamp, count, max_count)
+
+    @property
+    def native(self) -> bool:
+        """Whether the hit path runs in the C helper."""
+        return self._native is not None
 
     # ------------------------------------------------------------------ lookups
     def acquire(self, ids: np.ndarray) -> np.ndarray:
         """Distinct ids ``[n]`` -> slots ``[n]`` (-1 for a miss); hit slots come back pinned."""
+        return self.acquire_counted(ids)[0]
+
+    def acquire_counted(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """``acquire``, plus the number of hits."""
+        native = self._native
+        if native is None:
+            slots = self._acquire_numpy(ids)
+            return slots, int(np.count_nonzero(slots >= 0))
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids, np.int64)
+        slots = np.empty(ids.shape, np.int64)
+        with self.lock:
+            policy = self.policy
+            hits = native.acquire(ids.reshape(-1), slots.reshape(-1), policy.clock + 1)
+            if hits:  # the policies advance the clock and age once per batch of hits
+                policy.clock += 1
+                if self._lfu:
+                    policy._age(hits)  # type: ignore[attr-defined]
+            if self.sketch is not None:
+                self.sketch.record(ids)
+        return slots, hits
+
+    def _acquire_numpy(self, ids: np.ndarray) -> np.ndarray:
         with self.lock:
             slots = self.index.lookup(ids)
             hit = self._ready[slots]  # False for -1 (absent) and for slots still being filled
@@ -113,12 +186,31 @@ class RowCache:
         """Copy pinned slots ``[k]`` into ``out [k, row_bytes]`` (any device)."""
         if slots.size == 0:
             return
+        if self._gather_rows is not None and out.device.type == "cpu" and out.is_contiguous():
+            self.read_into(slots, out.numpy())
+            return
         index = torch.from_numpy(slots).to(self.device)
         rows = wide_view(self.data).index_select(0, index).view(torch.uint8)
         out.copy_(rows, non_blocking=False)
 
+    def read_into(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Copy pinned slots ``[k]`` of a CPU cache into the NumPy array ``out uint8 [k, row_bytes]``."""
+        if self._gather_rows is None:
+            self.read(slots, torch.from_numpy(out))
+        else:
+            self._gather_rows(self._rows_np, np.ascontiguousarray(slots, np.int64), out)
+
     def release(self, slots: np.ndarray) -> None:
         """Unpin distinct slots from ``acquire`` or ``reserve`` (-1 entries ignored)."""
+        native = self._native
+        if native is not None:
+            if slots.dtype != np.int64 or not slots.flags.c_contiguous:
+                slots = np.ascontiguousarray(slots, np.int64)
+            with self.lock:
+                done = native.release(slots.reshape(-1))
+            if done < 0:
+                raise RuntimeError(f"{self.name} cache: a slot was released more often than pinned")
+            return
         slots = slots[slots >= 0]
         if slots.size == 0:
             return

@@ -131,8 +131,7 @@ class CachedStore:
     def read_raw(self, row_ids: Any) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
         d = dedup(row_ids)
-        with self._fetch(self._ends_in_range(d.unique), False, d.requested) as lease:
-            raw = lease.raw
+        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
         return wide_view(raw).index_select(0, torch.from_numpy(d.inverse).to(raw.device)).view(torch.uint8)
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -142,8 +141,7 @@ class CachedStore:
         order before decoding rather than the decoded ones after: fewer bytes move.
         """
         d = dedup(row_ids)
-        with self._fetch(self._ends_in_range(d.unique), False, d.requested) as lease:
-            raw = lease.raw
+        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
         if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
             raw = wide_view(raw).index_select(0, torch.from_numpy(d.inverse).to(raw.device)).view(torch.uint8)
             return self.decode(raw, dtype).reshape(*d.shape, self._config.head_dim)
@@ -167,31 +165,81 @@ class CachedStore:
         first). With ``hold`` the rows stay pinned in their caches until the lease is
         released; without it, only while they are copied.
         """
-        return self._fetch(as_row_ids(unique_ids, self.num_rows, sorted_distinct=True), hold, requested)
+        ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+        out, held = self._fetch(ids, hold, requested)
+        return Lease(ids, out, held)
 
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> Lease:
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list]:
+        """Raw rows ``[u, row_bytes]`` of distinct ids, and the pins held (none unless ``hold``)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
         t_start = time.perf_counter()
+        if not self.levels:
+            return self._fetch_levels(ids, hold, requested, t_start, None, 0)
+        first = self.levels[0]
+        slots, nhit = first.acquire_counted(ids)
+        if nhit < ids.size:
+            return self._fetch_levels(ids, hold, requested, t_start, slots, nhit)
+        # every row in the first cache (the common case in steady decoding): one copy, no
+        # masks, no fills
+        try:
+            out = self._copy_all(first, slots, ids.size)
+        except BaseException:
+            first.release(slots)
+            raise
+        if not hold:
+            first.release(slots)
+        t_end = time.perf_counter()
+        first.stats.record(nhit, nhit, nhit * self.row_bytes, t_end - t_start)
+        for level in self.levels[1:]:
+            level.stats.record(0, 0, 0, 0.0)
+        self._account(ids.size, requested, t_end - t_start)
+        return out, [(first, slots)] if hold else []
+
+    def _copy_all(self, level: RowCache, slots: np.ndarray, u: int) -> torch.Tensor:
+        """A new ``[u, row_bytes]`` tensor on this store's device holding ``level``'s pinned slots."""
+        if level._gather_rows is not None and self.device.type == "cpu":
+            buf = np.empty((u, self.row_bytes), np.uint8)
+            level.read_into(slots, buf)
+            return torch.from_numpy(buf)
+        out = torch.empty((u, self.row_bytes), dtype=torch.uint8, device=self.device)
+        if u:
+            self._copy_from(level, slots, None, out)
+        return out
+
+    def _account(self, u: int, requested: int | None, seconds: float) -> None:
+        with self._lock:
+            self._steps += 1
+            self._requested += u if requested is None else int(requested)
+            self._unique += u
+            self._fetch_samples.append(seconds)
+
+    def _fetch_levels(self, ids: np.ndarray, hold: bool, requested: int | None, t_start: float,
+                      first_slots: np.ndarray | None, first_hits: int) -> tuple[torch.Tensor, list]:
+        """The general path: level by level, then the tier, then fills. ``first_slots`` (with
+        ``first_hits`` hits) is the first level's ``acquire`` result when it was already made."""
         u, rb = ids.size, self.row_bytes
         out = torch.empty((u, rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
         held: list[tuple[RowCache, np.ndarray]] = []
         found: list[np.ndarray | None] = []  # per level: positions (in ids) it served; None: all
         remaining: np.ndarray | None = None if u else _EMPTY  # positions no level has served yet; None: all
         try:
-            for level in self.levels:
-                t0 = time.perf_counter()
+            for li, level in enumerate(self.levels):
+                t0 = t_start if li == 0 else time.perf_counter()
                 asked = ids if remaining is None else ids[remaining]
-                if asked.size == 0:
+                if li == 0 and first_slots is not None:
+                    slots, nhit = first_slots, first_hits
+                    first_slots = None
+                elif asked.size == 0:
                     found.append(remaining)
                     level.stats.record(0, 0, 0, time.perf_counter() - t0)
                     continue
-                slots = level.acquire(asked)
-                hit = slots >= 0
-                nhit = int(np.count_nonzero(hit))
+                else:
+                    slots, nhit = level.acquire_counted(asked)
                 if nhit == asked.size:  # every row here: no masks, and no positions when it is all of them
                     hit_slots, hit_pos, left = slots, remaining, _EMPTY
                 else:
+                    hit = slots >= 0
                     everywhere = np.arange(u) if remaining is None else remaining
                     hit_slots, hit_pos, left = slots[hit], everywhere[hit], everywhere[~hit]
                 held.append((level, hit_slots))
@@ -215,19 +263,17 @@ class CachedStore:
                 assert remaining is not None
                 self._fill(ids, out, remaining, found, held, hold)
         except BaseException:
+            if first_slots is not None:  # acquired, but the loop failed before taking it over
+                self.levels[0].release(first_slots)
             for level, slots in held:
                 level.release(slots)
             raise
-        lease = Lease(ids, out, held)
         if not hold:
-            lease.release()
-        seconds = time.perf_counter() - t_start
-        with self._lock:
-            self._steps += 1
-            self._requested += u if requested is None else int(requested)
-            self._unique += u
-            self._fetch_samples.append(seconds)
-        return lease
+            for level, slots in held:
+                level.release(slots)
+            held = []
+        self._account(u, requested, time.perf_counter() - t_start)
+        return out, held
 
     @staticmethod
     def _copy_from(level: RowCache, slots: np.ndarray, positions: np.ndarray | None, out: torch.Tensor) -> None:

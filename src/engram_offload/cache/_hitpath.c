@@ -1,0 +1,367 @@
+/*
+ * Native hit path of one row cache level: the bookkeeping of a lookup in one call.
+ *
+ * HitPath(kind, index_keys, index_values, bits, ready, pins, stamp, count, max_count)
+ *   binds the arrays of one RowCache once (they are only ever modified in place):
+ *   kind         0: DirectIndex (index_values int32 or int64 [num_keys], index_keys None)
+ *                1: RowIndex    (index_keys int64 [2**bits], index_values int64 [2**bits])
+ *   ready        bool  [capacity + 1]  (the last entry stays False)
+ *   pins         int32 [capacity]
+ *   stamp        int64 [capacity]      the policy's clock at each slot's last access
+ *   count        int64 [capacity] or None: LFU counts (None: LRU, stamps only)
+ *
+ * acquire(ids, slots, clock) -> hits
+ *   ids int64 [n] (distinct), slots int64 [n] (written: slot of each id, -1 for a miss).
+ *   Every hit slot is pinned (pins += 1) and touched like the NumPy policies do:
+ *   stamp = clock, and for LFU count = min(count + 1, max_count). The caller advances the
+ *   policy's clock and ages its counts (both once per call that hit, as the policies do).
+ *   An id outside a direct index raises IndexError and changes nothing.
+ * release(slots) -> released
+ *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
+ *   returned (the caller raises, naming its cache).
+ * gather_rows(src, slots, dst)
+ *   dst[i] = src[slots[i]] for rows of len(dst) / len(slots) bytes (module function).
+ *
+ * Not thread-safe: the owning cache holds its lock around every call. The GIL is released
+ * for large batches only; for a few thousand ids the call takes microseconds, less than
+ * handing the GIL to another thread and waiting to get it back.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define EMPTY_KEY (-1)
+#define AHEAD 8               /* rows looked ahead when prefetching row copies */
+#define NOGIL_MIN_IDS 16384   /* release the GIL from this many ids on */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer keys, values, ready, pins, stamp, count;
+    int kind, have_keys, have_count, values32, bits;
+    Py_ssize_t num_values, capacity;
+    uint64_t mask;
+    int64_t max_count;
+} HitPath;
+
+static int int_format(const Py_buffer *b, Py_ssize_t itemsize) {
+    if (b->itemsize != itemsize || b->format == NULL) return 0;
+    const char *f = b->format;
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[1] != '\0') return 0;
+    if (itemsize == 8) return *f == 'l' || *f == 'q';
+    if (itemsize == 4) return *f == 'i' || (sizeof(long) == 4 && *f == 'l');
+    if (itemsize == 1) return *f == '?' || *f == 'B' || *f == 'b';
+    return 0;
+}
+
+static int get_array(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) < 0) return -1;
+    if (b->ndim != 1 || !int_format(b, itemsize)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-d contiguous array of %zd-byte integers", name, itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static void hp_dealloc(HitPath *self) {
+    if (self->have_keys) PyBuffer_Release(&self->keys);
+    if (self->values.obj) PyBuffer_Release(&self->values);
+    if (self->ready.obj) PyBuffer_Release(&self->ready);
+    if (self->pins.obj) PyBuffer_Release(&self->pins);
+    if (self->stamp.obj) PyBuffer_Release(&self->stamp);
+    if (self->have_count) PyBuffer_Release(&self->count);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int hp_init(HitPath *self, PyObject *args, PyObject *kw) {
+    int kind, bits;
+    PyObject *keys, *values, *ready, *pins, *stamp, *count;
+    long long max_count;
+    if (self->values.obj) {
+        PyErr_SetString(PyExc_RuntimeError, "HitPath is already bound");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "iOOiOOOOL", &kind, &keys, &values, &bits, &ready, &pins, &stamp, &count,
+                          &max_count))
+        return -1;
+    if (kind != 0 && kind != 1) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 0 (direct) or 1 (hash)");
+        return -1;
+    }
+    self->kind = kind;
+    if (kind == 0) {
+        Py_buffer probe;
+        if (PyObject_GetBuffer(values, &probe, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        Py_ssize_t isz = probe.itemsize;
+        PyBuffer_Release(&probe);
+        if (get_array(values, &self->values, isz == 4 ? 4 : 8, 0, "index values") < 0) return -1;
+        self->values32 = isz == 4;
+    } else {
+        if (bits < 1 || bits > 62) {
+            PyErr_SetString(PyExc_ValueError, "bad hash table bits");
+            return -1;
+        }
+        if (get_array(keys, &self->keys, 8, 0, "index keys") < 0) return -1;
+        self->have_keys = 1;
+        if (get_array(values, &self->values, 8, 0, "index values") < 0) return -1;
+        if (self->keys.len != ((Py_ssize_t)8 << bits) || self->values.len != self->keys.len) {
+            PyErr_SetString(PyExc_ValueError, "hash index arrays do not match its bits");
+            return -1;
+        }
+        self->bits = bits;
+        self->mask = ((uint64_t)1 << bits) - 1;
+    }
+    self->num_values = self->values.len / self->values.itemsize;
+    if (get_array(pins, &self->pins, 4, 1, "pins") < 0) return -1;
+    self->capacity = self->pins.len / 4;
+    if (get_array(ready, &self->ready, 1, 0, "ready") < 0) return -1;
+    if (get_array(stamp, &self->stamp, 8, 1, "stamp") < 0) return -1;
+    if (self->ready.len != self->capacity + 1 || self->stamp.len != self->capacity * 8) {
+        PyErr_SetString(PyExc_ValueError, "ready must hold capacity + 1 entries and stamp capacity");
+        return -1;
+    }
+    if (count != Py_None) {
+        if (get_array(count, &self->count, 8, 1, "count") < 0) return -1;
+        self->have_count = 1;
+        if (self->count.len != self->capacity * 8) {
+            PyErr_SetString(PyExc_ValueError, "count must hold capacity entries");
+            return -1;
+        }
+    }
+    self->max_count = max_count;
+    return 0;
+}
+
+static inline int64_t hash_find(const HitPath *self, int64_t key) {
+    if (key < 0) return -1;  /* keys are never negative; -1 and -2 mark empty and removed cells */
+    const int64_t *k = (const int64_t *)self->keys.buf;
+    const int64_t *v = (const int64_t *)self->values.buf;
+    uint64_t pos = ((uint64_t)key * GOLDEN) >> (64 - self->bits);
+    for (;;) {
+        int64_t at = k[pos];
+        if (at == key) return v[pos];
+        if (at == EMPTY_KEY) return -1;
+        pos = (pos + 1) & self->mask;
+    }
+}
+
+static PyObject *hp_acquire(HitPath *self, PyObject *args) {
+    PyObject *ids_o, *slots_o;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "OOL", &ids_o, &slots_o, &clock)) return NULL;
+    if (!self->values.obj) {
+        PyErr_SetString(PyExc_RuntimeError, "HitPath is not bound");
+        return NULL;
+    }
+    Py_buffer ib, sb;
+    if (get_array(ids_o, &ib, 8, 0, "ids") < 0) return NULL;
+    if (get_array(slots_o, &sb, 8, 1, "slots") < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    Py_ssize_t n = ib.len / 8;
+    if (sb.len != ib.len) {
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&sb);
+        PyErr_SetString(PyExc_ValueError, "slots must have one entry per id");
+        return NULL;
+    }
+    const int64_t *ids = (const int64_t *)ib.buf;
+    int64_t *slots = (int64_t *)sb.buf;
+    const unsigned char *ready = (const unsigned char *)self->ready.buf;
+    int32_t *pins = (int32_t *)self->pins.buf;
+    int64_t *stamp = (int64_t *)self->stamp.buf;
+    int64_t *count = self->have_count ? (int64_t *)self->count.buf : NULL;
+    const int32_t *v32 = (const int32_t *)self->values.buf;
+    const int64_t *v64 = (const int64_t *)self->values.buf;
+    const Py_ssize_t nv = self->num_values, cap = self->capacity;
+    const int64_t maxc = self->max_count;
+    Py_ssize_t hits = 0, bad = -1;
+    PyThreadState *ts = n >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
+
+    /* pass 1: slot and readiness of every id; nothing is modified until all ids are valid */
+    if (self->kind == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t id = ids[i];
+            if (id < 0 || id >= nv) {
+                bad = i;
+                break;
+            }
+            int64_t s = self->values32 ? (int64_t)v32[id] : v64[id];
+            if (s >= 0 && s < cap && ready[s]) {
+                hits++;
+            } else {
+                s = -1;
+            }
+            slots[i] = s;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = hash_find(self, ids[i]);
+            if (s >= 0 && s < cap && ready[s]) {
+                hits++;
+            } else {
+                s = -1;
+            }
+            slots[i] = s;
+        }
+    }
+    /* pass 2: pin and touch the hits */
+    if (bad < 0 && hits) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = slots[i];
+            if (s < 0) continue;
+            pins[s] += 1;
+            stamp[s] = clock;
+            if (count) {
+                int64_t c = count[s] + 1;
+                count[s] = c < maxc ? c : maxc;
+            }
+        }
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    PyObject *result = NULL;
+    if (bad >= 0)
+        PyErr_Format(PyExc_IndexError, "row id %lld is outside the index (0..%zd)", (long long)ids[bad], nv - 1);
+    else
+        result = PyLong_FromSsize_t(hits);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+static PyObject *hp_release(HitPath *self, PyObject *arg) {
+    if (!self->values.obj) {
+        PyErr_SetString(PyExc_RuntimeError, "HitPath is not bound");
+        return NULL;
+    }
+    Py_buffer sb;
+    if (get_array(arg, &sb, 8, 0, "slots") < 0) return NULL;
+    const int64_t *slots = (const int64_t *)sb.buf;
+    Py_ssize_t n = sb.len / 8, done = 0, i;
+    int32_t *pins = (int32_t *)self->pins.buf;
+    const Py_ssize_t cap = self->capacity;
+    int out_of_range = 0, under = 0;
+    PyThreadState *ts = n >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
+    for (i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0) continue;
+        if (s >= cap) {
+            out_of_range = 1;
+            break;
+        }
+        if (pins[s] <= 0) {
+            under = 1;
+            break;
+        }
+        pins[s] -= 1;
+        done++;
+    }
+    if (out_of_range || under) { /* undo: the call changes nothing */
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (slots[j] >= 0) pins[slots[j]] += 1;
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    PyBuffer_Release(&sb);
+    if (out_of_range) {
+        PyErr_SetString(PyExc_IndexError, "slot outside the cache");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(under ? -1 : done);
+}
+
+static PyMethodDef hp_methods[] = {
+    {"acquire", (PyCFunction)hp_acquire, METH_VARARGS,
+     "acquire(ids, slots, clock) -> hits: look up, pin and touch distinct int64 ids."},
+    {"release", (PyCFunction)hp_release, METH_O,
+     "release(slots) -> released, or -1 (nothing changed) when a slot is not pinned."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HitPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "engram_offload.cache._hitpath.HitPath",
+    .tp_basicsize = sizeof(HitPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The hit-path bookkeeping of one row cache, over its arrays.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hp_init,
+    .tp_dealloc = (destructor)hp_dealloc,
+    .tp_methods = hp_methods,
+};
+
+static PyObject *gather_rows(PyObject *module, PyObject *args) {
+    PyObject *src_o, *slots_o, *dst_o;
+    if (!PyArg_ParseTuple(args, "OOO", &src_o, &slots_o, &dst_o)) return NULL;
+    Py_buffer src, sb, dst;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_array(slots_o, &sb, 8, 0, "slots") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t k = sb.len / 8;
+    const int64_t *slots = (const int64_t *)sb.buf;
+    Py_ssize_t rb = k ? dst.len / k : 0;
+    if (k && (rb == 0 || dst.len != rb * k || src.len % rb != 0)) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: dst must hold one row per slot, src whole rows");
+        goto done;
+    }
+    Py_ssize_t rows = k ? src.len / rb : 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (slots[i] < 0 || slots[i] >= rows) {
+            PyErr_Format(PyExc_IndexError, "gather_rows: slot %lld outside 0..%zd", (long long)slots[i], rows - 1);
+            goto done;
+        }
+    }
+    {
+        const char *s = (const char *)src.buf;
+        char *d = (char *)dst.buf;
+        PyThreadState *ts = k >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (i + AHEAD < k) {
+                const char *p = s + slots[i + AHEAD] * rb;
+                for (Py_ssize_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off);
+            }
+            memcpy(d + i * rb, s + slots[i] * rb, (size_t)rb);
+        }
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(src, slots, dst): dst[i] = src row slots[i]."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hitpath",
+                                    "Native hit path of the row caches.", -1, module_methods};
+
+PyMODINIT_FUNC PyInit__hitpath(void) {
+    if (PyType_Ready(&HitPathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&HitPathType);
+    if (PyModule_AddObject(m, "HitPath", (PyObject *)&HitPathType) < 0) {
+        Py_DECREF(&HitPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
