@@ -9,6 +9,8 @@
  *   pins         int32 [capacity]
  *   stamp        int64 [capacity]      the policy's clock at each slot's last access
  *   count        int64 [capacity] or None: LFU counts (None: LRU, stamps only)
+ *   pins, stamp and count may be strided (fields of one record per slot, as RowCache lays
+ *   them out, so that a hit dirties one cache line rather than three).
  *
  * acquire(ids, slots, clock) -> hits
  *   ids int64 [n] (distinct), slots int64 [n] (written: slot of each id, -1 for a miss).
@@ -19,6 +21,9 @@
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
+ * sorted_in_range(ids, limit) -> bool
+ *   Whether ids (a 1-d contiguous int64 array) are strictly increasing within [0, limit):
+ *   the check a fetch of sorted distinct ids needs. False for anything else (no error).
  * gather_rows(src, slots, dst)
  *   dst[i] = src[slots[i]] for rows of len(dst) / len(slots) bytes (module function).
  *
@@ -40,7 +45,7 @@ typedef struct {
     PyObject_HEAD
     Py_buffer keys, values, ready, pins, stamp, count;
     int kind, have_keys, have_count, values32, bits;
-    Py_ssize_t num_values, capacity;
+    Py_ssize_t num_values, capacity, pins_stride, stamp_stride, count_stride;
     uint64_t mask;
     int64_t max_count;
 } HitPath;
@@ -66,6 +71,21 @@ static int get_array(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, int writa
     }
     return 0;
 }
+
+/* A 1-d array of `itemsize`-byte integers with any stride (writable). */
+static int get_strided(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, const char *name) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_RECORDS) < 0) return -1;
+    if (b->ndim != 1 || !int_format(b, itemsize) || b->strides == NULL || b->strides[0] < itemsize ||
+        b->suboffsets != NULL) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-d array of %zd-byte integers with a positive stride",
+                     name, itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+#define AT(buf, stride, i, T) (*(T *)((char *)(buf) + (i) * (stride)))
 
 static void hp_dealloc(HitPath *self) {
     if (self->have_keys) PyBuffer_Release(&self->keys);
@@ -116,18 +136,21 @@ static int hp_init(HitPath *self, PyObject *args, PyObject *kw) {
         self->mask = ((uint64_t)1 << bits) - 1;
     }
     self->num_values = self->values.len / self->values.itemsize;
-    if (get_array(pins, &self->pins, 4, 1, "pins") < 0) return -1;
-    self->capacity = self->pins.len / 4;
+    if (get_strided(pins, &self->pins, 4, "pins") < 0) return -1;
+    self->capacity = self->pins.shape[0];
+    self->pins_stride = self->pins.strides[0];
     if (get_array(ready, &self->ready, 1, 0, "ready") < 0) return -1;
-    if (get_array(stamp, &self->stamp, 8, 1, "stamp") < 0) return -1;
-    if (self->ready.len != self->capacity + 1 || self->stamp.len != self->capacity * 8) {
+    if (get_strided(stamp, &self->stamp, 8, "stamp") < 0) return -1;
+    self->stamp_stride = self->stamp.strides[0];
+    if (self->ready.len != self->capacity + 1 || self->stamp.shape[0] != self->capacity) {
         PyErr_SetString(PyExc_ValueError, "ready must hold capacity + 1 entries and stamp capacity");
         return -1;
     }
     if (count != Py_None) {
-        if (get_array(count, &self->count, 8, 1, "count") < 0) return -1;
+        if (get_strided(count, &self->count, 8, "count") < 0) return -1;
         self->have_count = 1;
-        if (self->count.len != self->capacity * 8) {
+        self->count_stride = self->count.strides[0];
+        if (self->count.shape[0] != self->capacity) {
             PyErr_SetString(PyExc_ValueError, "count must hold capacity entries");
             return -1;
         }
@@ -173,9 +196,9 @@ static PyObject *hp_acquire(HitPath *self, PyObject *args) {
     const int64_t *ids = (const int64_t *)ib.buf;
     int64_t *slots = (int64_t *)sb.buf;
     const unsigned char *ready = (const unsigned char *)self->ready.buf;
-    int32_t *pins = (int32_t *)self->pins.buf;
-    int64_t *stamp = (int64_t *)self->stamp.buf;
-    int64_t *count = self->have_count ? (int64_t *)self->count.buf : NULL;
+    char *pins = (char *)self->pins.buf, *stamp = (char *)self->stamp.buf;
+    char *count = self->have_count ? (char *)self->count.buf : NULL;
+    const Py_ssize_t ps = self->pins_stride, ss = self->stamp_stride, cs = self->count_stride;
     const int32_t *v32 = (const int32_t *)self->values.buf;
     const int64_t *v64 = (const int64_t *)self->values.buf;
     const Py_ssize_t nv = self->num_values, cap = self->capacity;
@@ -215,11 +238,11 @@ static PyObject *hp_acquire(HitPath *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t s = slots[i];
             if (s < 0) continue;
-            pins[s] += 1;
-            stamp[s] = clock;
+            AT(pins, ps, s, int32_t) += 1;
+            AT(stamp, ss, s, int64_t) = clock;
             if (count) {
-                int64_t c = count[s] + 1;
-                count[s] = c < maxc ? c : maxc;
+                int64_t c = AT(count, cs, s, int64_t) + 1;
+                AT(count, cs, s, int64_t) = c < maxc ? c : maxc;
             }
         }
     }
@@ -243,8 +266,8 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
     if (get_array(arg, &sb, 8, 0, "slots") < 0) return NULL;
     const int64_t *slots = (const int64_t *)sb.buf;
     Py_ssize_t n = sb.len / 8, done = 0, i;
-    int32_t *pins = (int32_t *)self->pins.buf;
-    const Py_ssize_t cap = self->capacity;
+    char *pins = (char *)self->pins.buf;
+    const Py_ssize_t cap = self->capacity, ps = self->pins_stride;
     int out_of_range = 0, under = 0;
     PyThreadState *ts = n >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
     for (i = 0; i < n; i++) {
@@ -254,16 +277,16 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
             out_of_range = 1;
             break;
         }
-        if (pins[s] <= 0) {
+        if (AT(pins, ps, s, int32_t) <= 0) {
             under = 1;
             break;
         }
-        pins[s] -= 1;
+        AT(pins, ps, s, int32_t) -= 1;
         done++;
     }
     if (out_of_range || under) { /* undo: the call changes nothing */
         for (Py_ssize_t j = 0; j < i; j++)
-            if (slots[j] >= 0) pins[slots[j]] += 1;
+            if (slots[j] >= 0) AT(pins, ps, slots[j], int32_t) += 1;
     }
     if (ts) PyEval_RestoreThread(ts);
     PyBuffer_Release(&sb);
@@ -345,7 +368,30 @@ done:
     return result;
 }
 
+static PyObject *sorted_in_range(PyObject *module, PyObject *args) {
+    PyObject *ids_o;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OL", &ids_o, &limit)) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(ids_o, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int ok = b.ndim == 1 && int_format(&b, 8);
+    if (ok) {
+        const int64_t *ids = (const int64_t *)b.buf;
+        Py_ssize_t n = b.len / 8;
+        if (n && (ids[0] < 0 || ids[n - 1] >= limit)) ok = 0;
+        for (Py_ssize_t i = 1; ok && i < n; i++)
+            if (ids[i] <= ids[i - 1]) ok = 0;
+    }
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef module_methods[] = {
+    {"sorted_in_range", sorted_in_range, METH_VARARGS,
+     "sorted_in_range(ids, limit) -> bool: int64 ids strictly increasing within [0, limit)."},
     {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(src, slots, dst): dst[i] = src row slots[i]."},
     {NULL, NULL, 0, NULL},
 };

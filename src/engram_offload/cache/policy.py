@@ -6,6 +6,8 @@ may evict (occupied and not pinned). Every call takes a batch of slots, so a pol
 with vector operations rather than a Python loop per row.
 
 Policies are registered by name in ``POLICIES``; ``make_policy(name, capacity)`` builds one.
+A policy's per-slot arrays may be handed in (``stamp=``, ``count=``): a row cache passes
+fields of its own per-slot records, so that a hit touches one cache line, not one per array.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = ["EvictionPolicy", "POLICIES", "make_policy"]
+
+
+def _slot_array(given: np.ndarray | None, capacity: int, name: str) -> np.ndarray:
+    """int64 ``[capacity]`` of zeros: ``given`` (zeroed in place; it may be strided) or a new one."""
+    if given is None:
+        return np.zeros(capacity, np.int64)
+    if given.dtype != np.int64 or given.shape != (capacity,):
+        raise ValueError(f"policy {name} array must be int64 [{capacity}], got {given.dtype} {given.shape}")
+    given[:] = 0
+    return given
 
 
 class EvictionPolicy(ABC):
@@ -61,9 +73,9 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, stamp: np.ndarray | None = None) -> None:
         super().__init__(capacity)
-        self.stamp = np.zeros(capacity, np.int64)  # [capacity] clock at last access
+        self.stamp = _slot_array(stamp, capacity, "stamp")  # [capacity] clock at last access
 
     def touch(self, slots: np.ndarray) -> None:
         self.clock += 1
@@ -89,10 +101,11 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
     _STAMP_BITS = 40
 
-    def __init__(self, capacity: int, aging_period: int | None = None, max_count: int = 1 << 15) -> None:
+    def __init__(self, capacity: int, aging_period: int | None = None, max_count: int = 1 << 15, *,
+                 stamp: np.ndarray | None = None, count: np.ndarray | None = None) -> None:
         super().__init__(capacity)
-        self.count = np.zeros(capacity, np.int64)  # [capacity]
-        self.stamp = np.zeros(capacity, np.int64)  # [capacity]
+        self.count = _slot_array(count, capacity, "count")  # [capacity]
+        self.stamp = _slot_array(stamp, capacity, "stamp")  # [capacity]
         self.aging_period = int(aging_period or max(64, 4 * capacity))
         self.max_count = max_count
         self._since_aging = 0

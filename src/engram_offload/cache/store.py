@@ -24,7 +24,7 @@ from ..config import EngramConfig
 from ..dedup import dedup
 from ..rows import decode_rows
 from ..tiers.base import as_row_ids
-from .row_cache import RowCache, wide_view
+from .row_cache import RowCache, native_hitpath, wide_view
 from .stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 
 __all__ = ["CachedStore", "Lease", "RowSource"]
@@ -114,6 +114,8 @@ class CachedStore:
         self._stall_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.closed = False
+        native = native_hitpath()
+        self._sorted_in_range = native.sorted_in_range if native is not None else None
 
     # ------------------------------------------------------------------ store interface
     @property
@@ -165,7 +167,11 @@ class CachedStore:
         first). With ``hold`` the rows stay pinned in their caches until the lease is
         released; without it, only while they are copied.
         """
-        ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+        check = self._sorted_in_range
+        if check is not None and type(unique_ids) is np.ndarray and check(unique_ids, self.num_rows):
+            ids = unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range
+        else:
+            ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
         out, held = self._fetch(ids, hold, requested)
         return Lease(ids, out, held)
 

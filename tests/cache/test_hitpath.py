@@ -1,0 +1,165 @@
+"""The C hit path and the NumPy one leave identical slots, pins and policy state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_offload.cache import CachedStore, LFUPolicy, LRUPolicy, RowCache
+from engram_offload.cache.row_cache import native_hitpath
+
+from cache_fakes import FakeTier, small_config
+
+needs_native = pytest.mark.skipif(native_hitpath() is None, reason="cache._hitpath not built (or disabled)")
+
+RB = 8
+NUM_ROWS = 60
+CAPACITY = 12
+
+
+def make_pair(monkeypatch, policy: str, index: str, instance: bool) -> tuple[RowCache, RowCache]:
+    """The same cache twice: with the C hit path, and with NumPy only."""
+
+    def build() -> RowCache:
+        pol = policy
+        if instance:  # a policy object: separate (unstrided) arrays, short aging period
+            pol = LFUPolicy(CAPACITY, aging_period=7, max_count=5) if policy == "lfu" else LRUPolicy(CAPACITY)
+        return RowCache(CAPACITY * RB, RB, pol, evict_batch=2, num_rows=NUM_ROWS, index=index)
+
+    native = build()
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    fallback = build()
+    monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE")
+    assert native.native and not fallback.native
+    return native, fallback
+
+
+def state(cache: RowCache) -> dict:
+    policy = cache.policy
+    keys, slots = cache.index.items()
+    order = np.argsort(keys)
+    return {
+        "pins": cache.pins.copy(),
+        "ready": cache.ready.copy(),
+        "slot_id": cache.slot_id.copy(),
+        "index": (keys[order], slots[order]),
+        "stamp": policy.stamp.copy(),
+        "count": getattr(policy, "count", np.zeros(0)).copy(),
+        "clock": policy.clock,
+        "since_aging": getattr(policy, "_since_aging", 0),
+        "free": cache._free[: cache._nfree].copy(),
+        "evictions": cache.evictions,
+    }
+
+
+def assert_same(a: RowCache, b: RowCache) -> None:
+    sa, sb = state(a), state(b)
+    for key in sa:
+        if isinstance(sa[key], tuple):
+            for x, y in zip(sa[key], sb[key]):
+                np.testing.assert_array_equal(x, y, err_msg=key)
+        else:
+            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+ids_lists = st.lists(st.integers(0, NUM_ROWS - 1), min_size=0, max_size=14).map(
+    lambda v: np.unique(np.array(v, np.int64)))
+ops = st.lists(st.tuples(st.sampled_from(["acquire", "release", "fill", "reserve", "publish", "abandon"]),
+                         ids_lists, st.integers(0, 1000)), max_size=40)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(policy=st.sampled_from(["lru", "lfu"]), index=st.sampled_from(["direct", "hash"]),
+       instance=st.booleans(), steps=ops)
+def test_native_and_numpy_agree_over_random_interleavings(policy, index, instance, steps):
+    with pytest.MonkeyPatch.context() as mp:
+        caches = make_pair(mp, policy, index, instance)
+    held: list[list[np.ndarray]] = [[], []]  # per cache: acquired slot sets not yet released
+    pending: list[list[np.ndarray]] = [[], []]  # per cache: reserved slot sets not yet published
+    for op, ids, pick in steps:
+        results = []
+        for k, cache in enumerate(caches):
+            if op == "acquire":
+                slots, hits = cache.acquire_counted(ids)
+                assert hits == int(np.count_nonzero(slots >= 0))
+                held[k].append(slots)
+                results.append(slots)
+            elif op == "release" and held[k]:
+                cache.release(held[k].pop(pick % len(held[k])))
+            elif op == "fill":
+                results.append(cache.fill(ids, torch.from_numpy(np.repeat(ids[:, None], RB, 1).astype(np.uint8))))
+            elif op == "reserve":
+                slots = cache.reserve(ids)
+                pending[k].append(slots)
+                results.append(slots)
+            elif op == "publish" and pending[k]:
+                cache.publish(pending[k].pop(pick % len(pending[k])))
+            elif op == "abandon" and pending[k]:
+                cache.abandon(pending[k].pop(pick % len(pending[k])))
+        if results:
+            np.testing.assert_array_equal(results[0], results[1])
+        assert_same(*caches)
+    for k, cache in enumerate(caches):
+        for slots in held[k]:
+            cache.release(slots)
+        for slots in pending[k]:
+            cache.publish(slots)
+        cache.check()
+        assert cache.pinned() == 0
+    assert_same(*caches)
+
+
+@needs_native
+@pytest.mark.parametrize("index", ["direct", "hash"])
+def test_native_errors_change_nothing(monkeypatch, index):
+    caches = make_pair(monkeypatch, "lfu", index, False)
+    ids = np.array([1, 5, 9], np.int64)
+    for cache in caches:
+        cache.fill(ids, torch.zeros(3, RB, dtype=torch.uint8))
+        slots = cache.acquire(ids)
+        cache.release(slots)
+        with pytest.raises(RuntimeError, match="released more often"):
+            cache.release(slots)  # pins back to zero: a second release is a bug
+    assert_same(*caches)
+    if index == "direct":
+        for cache in caches:
+            with pytest.raises(IndexError):
+                cache.acquire(np.array([2, NUM_ROWS], np.int64))  # outside the direct index
+        assert_same(*caches)
+
+
+@needs_native
+def test_native_takes_any_integer_layout(monkeypatch):
+    caches = make_pair(monkeypatch, "lru", "direct", False)
+    ids = np.arange(0, 20, 2, dtype=np.int64)
+    for cache in caches:
+        cache.fill(ids, torch.zeros(ids.size, RB, dtype=torch.uint8))
+    strided = np.arange(0, 40, dtype=np.int32)[::4]  # int32, not contiguous: 0, 4, ..., 36
+    got = [cache.acquire(strided) for cache in caches]
+    np.testing.assert_array_equal(got[0], got[1])
+    for cache, slots in zip(caches, got):
+        cache.release(slots[::-1][::-1])  # a strided view of the slots
+    assert_same(*caches)
+
+
+def test_fetch_checks_ids_with_and_without_native(monkeypatch):
+    for disable in (False, True):
+        if disable:
+            monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+        config = small_config()
+        tier = FakeTier(config.num_rows, config.row_bytes)
+        store = CachedStore(tier, config, [RowCache(64 * config.row_bytes, config.row_bytes,
+                                                    num_rows=config.num_rows)])
+        with pytest.raises(ValueError, match="sorted distinct"):
+            store.fetch(np.array([3, 1], np.int64))
+        with pytest.raises(IndexError):
+            store.fetch(np.array([1, config.num_rows], np.int64))
+        ids = np.array([2, 7, 11], np.int32)
+        for _ in range(2):  # a miss, then a hit in the first level
+            with store.fetch(ids) as lease:
+                assert torch.equal(lease.raw, tier.rows[torch.from_numpy(ids.astype(np.int64))])
+        assert store.levels[0].pinned() == 0
