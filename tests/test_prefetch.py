@@ -205,3 +205,43 @@ def test_small_steps_are_fetched_in_one_piece(table, hasher):
         pf.rows(CONFIG.layer_ids[1])
         pf.end_step(step)
         assert store.stats()["store"]["requests"] == 1
+
+
+def test_urgent_steps_overtake_steps_fetched_ahead(table, hasher):
+    """A background (ahead-of-need) fetch yields to an urgent step between its parts."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, VOCAB, size=(2, 6))
+    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, \
+            Prefetcher(store, hasher, split_min_rows=1) as pf:
+        gate, entered = threading.Event(), threading.Event()
+        read = store.tier.read_rows
+        calls = []
+
+        def recording(ids, out):
+            calls.append(ids.copy())
+            if not entered.is_set():
+                entered.set()
+                assert gate.wait(10)
+            return read(ids, out)
+
+        store.tier.read_rows = recording
+        ahead = pf.begin_step([1], [tokens[0]], urgent=False)  # its first part blocks in the read
+        assert entered.wait(10)
+        later = pf.begin_step([1], [tokens[0, :3]], urgent=False)
+        now = pf.begin_step([2], [tokens[1]])
+        gate.set()
+        for pos, layer in enumerate(CONFIG.layer_ids):
+            want = expected_rows(plain, hasher, tokens[1:], pos)[0]
+            assert torch.equal(pf.rows(layer, now), want)
+        for step in (now, ahead, later):
+            pf.end_step(step)
+            assert step.error is None and len(step.parts) == 2
+
+        def owner(ids):
+            for name, step in (("ahead", ahead), ("later", later), ("now", now)):
+                for lo, hi, _ in step.parts:
+                    if np.array_equal(step.dedup.unique[lo:hi], ids):
+                        return name
+            return "?"
+
+        assert [owner(c) for c in calls] == ["ahead", "now", "now", "ahead", "later", "later"]

@@ -28,9 +28,9 @@ next step can never evict rows this step still reads.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -84,6 +84,8 @@ class Step:
         self._leases: list[Any] = []
         self._lock = threading.Lock()
         self._layer_rows: dict[int, torch.Tensor] = {}
+        self._next_part = 0  # the workers' position in ``parts``
+        self._parts_left = len(self.parts)
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +114,11 @@ class Step:
                 self.error = error
             if p == 0:
                 self.first_part_seconds = time.perf_counter() - self.started
+            self._parts_left -= 1
+            last = self._parts_left == 0
         self._part_done[p].set()
+        if last:
+            self._finish()
 
     def _finish(self) -> None:
         """Every part has been delivered, failed or skipped."""
@@ -140,8 +146,9 @@ class Prefetcher:
 
     ``store`` is a cached store (``fetch`` pins the step's rows) or any store with
     ``read_raw``. Rows are dequantized to ``dtype`` on ``device`` (default: the store's).
-    One worker thread serves steps in order, and each step's layers in order (steps of at
-    least ``split_min_rows`` distinct rows); use as a context manager or call ``close``.
+    Two worker threads serve steps in order, urgent ones first, and each step's layers in
+    order (steps of at least ``split_min_rows`` distinct rows); one of them serves only
+    urgent steps. Use as a context manager or call ``close``.
     """
 
     def __init__(
@@ -167,7 +174,10 @@ class Prefetcher:
         self.split_min_rows = int(split_min_rows)
         self._layer_bases = np.asarray(self.config.layer_row_bases, np.int64)  # [L] first row of each layer
         self.device = torch.device(device) if device is not None else getattr(store, "device", torch.device("cpu"))
-        self._queue: queue.SimpleQueue[Step | None] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._urgent: deque[Step] = deque()  # steps whose rows are needed now
+        self._background: deque[Step] = deque()  # steps fetched ahead of need
+        self._stopping = False
         self._step_count = 0
         self.current: Step | None = None
         self._open: list[Step] = []
@@ -176,20 +186,42 @@ class Prefetcher:
         self.failures = 0
         self.stall_seconds = 0.0
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="engram-prefetch", daemon=True)
-        self._worker.start()
+        # one worker serves every step; a second serves only urgent ones, so a step's own
+        # fetch never waits behind a long fetch ahead of need
+        self._workers = [threading.Thread(target=self._run, args=(urgent_only,), daemon=True,
+                                          name=f"engram-prefetch-{i}")
+                         for i, urgent_only in enumerate((False, True))]
+        for worker in self._workers:
+            worker.start()
 
     # ------------------------------------------------------------------ the worker
-    def _run(self) -> None:
+    def _next_part(self, urgent_only: bool) -> tuple[Step, int] | None:
+        """The next part to fetch: urgent steps first, then (unless ``urgent_only``) steps
+        fetched ahead, each in order; None once closed and drained. A step fetched ahead
+        yields to an urgent one between its parts."""
+        with self._cv:
+            while not self._urgent and (urgent_only or not self._background):
+                if self._stopping:
+                    return None
+                self._cv.wait()
+            waiting = self._urgent if self._urgent else self._background
+            step = waiting[0]
+            p = step._next_part
+            step._next_part += 1
+            if step._next_part >= len(step.parts):
+                waiting.popleft()
+            return step, p
+
+    def _run(self, urgent_only: bool) -> None:
         while True:
-            step = self._queue.get()
-            if step is None:
+            picked = self._next_part(urgent_only)
+            if picked is None:
                 return
-            failed: BaseException | None = None
-            for p, (lo, hi, _) in enumerate(step.parts):
-                if step.cancelled or failed is not None:
-                    step._finish_part(p, None, None, failed)  # skipped: a cancelled or failed step
-                    continue
+            step, p = picked
+            lo, hi, _ = step.parts[p]
+            if step.cancelled or step.error is not None:
+                step._finish_part(p, None, None, step.error)  # skipped: a cancelled or failed step
+            else:
                 lease = None
                 try:
                     lease, raw = self._fetch(step.dedup, lo, hi)
@@ -200,9 +232,7 @@ class Prefetcher:
                         lease.release()
                     with self._lock:
                         self.failures += 1
-                    failed = exc
                     step._finish_part(p, None, None, exc)
-            step._finish()
 
     def _fetch(self, d: Dedup, lo: int = 0, hi: int | None = None) -> tuple[Any, torch.Tensor]:
         ids = d.unique[lo:hi]
@@ -230,15 +260,19 @@ class Prefetcher:
         seq_ids: Sequence[int],
         pieces: Sequence[Any],
         dead: Sequence[Any] | None = None,
+        *,
+        urgent: bool = True,
     ) -> Step:
         """Hash the step's new tokens per sequence and start fetching every layer's rows.
 
         ``pieces[i]`` holds the new token ids of sequence ``seq_ids[i]`` (a prefill chunk or
         one decode token). Returns the ``Step``; it also becomes ``current``.
+        ``urgent=False`` marks a fetch ahead of need (e.g. a later prefill chunk): the worker
+        serves it after every urgent step, yielding to new urgent steps between its parts.
         """
         if self._closed:
             raise ValueError("this prefetcher is closed: create a new one")
-        if not self._worker.is_alive():  # never expected: the worker catches everything
+        if not all(w.is_alive() for w in self._workers):  # never expected: workers catch everything
             raise PrefetchError("the prefetch worker has stopped; create a new Prefetcher")
         seq_ids = tuple(int(s) for s in seq_ids)
         arrays = [np.asarray(p.detach().cpu() if isinstance(p, torch.Tensor) else p).reshape(-1) for p in pieces]
@@ -256,7 +290,9 @@ class Prefetcher:
                         self.config.layer_ids, self._parts(d.unique))
             self.current = step
             self._open.append(step)
-        self._queue.put(step)
+        with self._cv:
+            (self._urgent if urgent else self._background).append(step)
+            self._cv.notify_all()
         return step
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
@@ -352,8 +388,11 @@ class Prefetcher:
         self._closed = True
         for step in list(self._open):
             self.cancel(step)
-        self._queue.put(None)
-        self._worker.join(timeout=30)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for worker in self._workers:
+            worker.join(timeout=30)
 
     def __enter__(self) -> "Prefetcher":
         return self

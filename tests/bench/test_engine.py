@@ -74,9 +74,10 @@ def test_every_step_gets_the_rows_of_its_tokens(table, lookahead, tier, cache):
     with open_table(path, "mmap") as plain, open_table(path, tier, cache_bytes=cache) as store, \
             Prefetcher(store, hasher) as pf:
         model = RowsModel(config.layer_ids)
-        engine = RecordingEngine(model, pf, concurrency=3, max_step_tokens=16, lookahead_tokens=lookahead)
-        run = engine.run(RequestStream(corpus(), shape, seed=2), seconds=60, max_steps=40)
-        assert run.steps == 40 and len(model.seen) == 40
+        engine = RecordingEngine(model, pf, concurrency=3, max_step_tokens=16, lookahead_tokens=lookahead,
+                                 window_tokens=5)
+        run = engine.run(RequestStream(corpus(), shape, seed=2), seconds=60, max_steps=100)
+        assert run.steps == 100 and len(model.seen) == 100
         assert run.prefill_tokens > 0 and run.decode_tokens > 0 and run.finished >= 1
         for entry, seen in zip(engine.log, model.seen):
             assert sum(n for _, _, n in entry) <= 16
@@ -119,3 +120,34 @@ def test_concurrency_must_fit_the_step_budget(table):
     with open_table(path, "memory") as store, Prefetcher(store, hasher) as pf:
         with pytest.raises(ValueError, match="max_step_tokens"):
             ServingEngine(None, pf, concurrency=8, max_step_tokens=4)
+
+
+def test_a_turn_waits_for_its_rows_while_others_decode(table):
+    """A prefill whose rows are still being fetched is left out of the step while others
+    decode; once its window is in, it runs as far as the fetched rows go; alone, it runs at once."""
+    from engram_offload.bench.engine import _Window
+    from engram_offload.bench.workload import Request
+
+    class PendingStep:
+        def __init__(self):
+            self.ready = False
+
+        def done(self):
+            return self.ready
+
+    path, config, hasher = table
+    with open_table(path, "memory") as store, Prefetcher(store, hasher) as pf:
+        engine = ServingEngine(None, pf, concurrency=2, max_step_tokens=16, window_tokens=4)
+        decoding = Request(1, np.arange(40), [(10, 40)], fed=12)
+        waiting = Request(2, np.arange(40), [(20, 40)])
+        pending = PendingStep()
+        engine._windows[2] = [_Window(0, 4, pending)]
+        engine._hashed[2] = 4
+        chosen, pieces = engine._schedule([decoding, waiting])
+        assert [r.number for r in chosen] == [1] and pieces[0].tolist() == [12]
+        pending.ready = True
+        chosen, pieces = engine._schedule([decoding, waiting])
+        assert [r.number for r in chosen] == [1, 2] and pieces[1].tolist() == [0, 1, 2, 3]
+        pending.ready = False
+        chosen, pieces = engine._schedule([waiting])
+        assert [r.number for r in chosen] == [2] and pieces[0].size == 16

@@ -13,10 +13,14 @@ the compute per token (the dense layers) while leaving context length out of it.
 
 Prefill lookahead: a turn's input is known when the turn starts, so its rows need not
 wait for the step that computes it. The engine hashes and fetches upcoming prefill chunks
-("windows", at most ``lookahead_tokens`` tokens ahead in all) while earlier steps compute;
-only decode tokens, which exist once the previous step has sampled them, are fetched at
-their own step's beginning. ``lookahead_tokens=0`` turns this off: every piece is then
-fetched at the beginning of the step that computes it.
+("windows" of ``window_tokens``, at most ``lookahead_tokens`` tokens ahead in all) while
+earlier steps compute; only decode tokens, which exist once the previous step has sampled
+them, are fetched at their own step's beginning. Windows fetched ahead are background work
+for the prefetcher (a step's own fetches overtake them between their parts), except the
+first window of a turn that just started, which the next step needs. A prefill piece is
+scheduled only once its rows are in (``defer_unready``); until then the batch runs
+without it. ``lookahead_tokens=0`` turns all this off: every piece is then fetched at the
+beginning of the step that computes it.
 
 The arrival process is closed-loop: ``concurrency`` requests are always in flight, and a
 new one starts as soon as one finishes.
@@ -72,7 +76,8 @@ class ServingEngine:
     """
 
     def __init__(self, model: torch.nn.Module | None, prefetcher: Prefetcher, *, concurrency: int,
-                 max_step_tokens: int = 256, lookahead_tokens: int | None = None) -> None:
+                 max_step_tokens: int = 256, lookahead_tokens: int | None = None,
+                 window_tokens: int = 64, defer_unready: bool = True) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if max_step_tokens < concurrency:
@@ -85,6 +90,10 @@ class ServingEngine:
         self.concurrency = concurrency
         self.max_step_tokens = max_step_tokens
         self.lookahead_tokens = 2 * max_step_tokens if lookahead_tokens is None else int(lookahead_tokens)
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        self.window_tokens = int(window_tokens)
+        self.defer_unready = defer_unready
         cfg = prefetcher.config
         self._cols, self._dim = cfg.cols_per_layer, cfg.head_dim
         self._layers = list(cfg.layer_ids)
@@ -95,7 +104,13 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ scheduling
     def _schedule(self, active: list[Request]) -> tuple[list[Request], list[np.ndarray]]:
-        """This step's sequences and their pieces: every decode token, then prefill chunks."""
+        """This step's sequences and their pieces: every decode token, then prefill chunks.
+
+        With lookahead and ``defer_unready`` on, a prefill piece runs only as far as its rows
+        have been fetched: a turn whose input just arrived waits while its first rows are
+        fetched, instead of stalling the whole batch (as servers hold a request whose KV cache
+        is still loading). When nothing else could run, it runs at once.
+        """
         budget = self.max_step_tokens
         chosen, pieces = [], []
         for r in active:
@@ -103,24 +118,43 @@ class ServingEngine:
                 chosen.append(r)
                 pieces.append(r.next_piece(1))
                 budget -= 1
+        deferred = []
         for r in active:
             if r.in_prefill and budget > 0:
-                piece = r.next_piece(budget)
+                piece = r.next_piece(min(budget, self._ready_ahead(r)) if self.defer_unready else budget)
+                if self.defer_unready and self.lookahead_tokens and self._ready_ahead(r) == 0:
+                    deferred.append(r)
+                    continue
                 chosen.append(r)
                 pieces.append(piece)
                 budget -= piece.size
+        if not chosen and deferred:  # nothing else to do: run the first waiting prefill now
+            r = deferred[0]
+            chosen.append(r)
+            pieces.append(r.next_piece(budget))
         return chosen, pieces
 
-    def _issue(self, r: Request, upto: int) -> int:
+    def _ready_ahead(self, r: Request) -> int:
+        """Input tokens of r from its position on whose rows are already fetched (windows done;
+        unbounded without lookahead)."""
+        if not self.lookahead_tokens:
+            return self.max_step_tokens
+        end = r.fed
+        for w in self._windows.get(r.number, []):
+            if w.start > end or not w.step.done():
+                break
+            end = max(end, w.end)
+        return end - r.fed
+
+    def _issue(self, r: Request, upto: int, urgent: bool = True) -> int:
         """Hash and start fetching r's input up to position ``upto``; returns tokens issued."""
         hashed = self._hashed.get(r.number, r.fed)
         issued = 0
         windows = self._windows.setdefault(r.number, [])
         while hashed < upto:
-            end = min(upto, hashed + self.max_step_tokens)
-            step = self.prefetcher.begin_step([r.number], [r.tokens[hashed:end]])
+            end = min(upto, hashed + self.window_tokens)
+            step = self.prefetcher.begin_step([r.number], [r.tokens[hashed:end]], urgent=urgent)
             windows.append(_Window(hashed, end, step))
-            self._count(step)
             issued += end - hashed
             hashed = end
         self._hashed[r.number] = hashed
@@ -137,10 +171,16 @@ class ServingEngine:
             input_end = r.turns[r.turn][0]
             hashed = self._hashed.get(r.number, r.fed)
             budget -= hashed - r.fed
+            if budget > 0 and hashed == r.fed and hashed < input_end:
+                # nothing fetched ahead yet (a turn just started): its first window is needed
+                # by the next step, so it goes before the windows fetched further ahead
+                budget -= self._issue(r, min(input_end, hashed + self.window_tokens, hashed + budget), urgent=True)
+                hashed = self._hashed[r.number]
             if budget > 0 and hashed < input_end:
-                budget -= self._issue(r, min(input_end, hashed + budget))
+                budget -= self._issue(r, min(input_end, hashed + budget), urgent=False)
 
     def _count(self, step: Step) -> None:
+        """Rows of a consumed step (windows fetched but not computed by the end are not counted)."""
         if self._run is not None:
             self._run.rows_requested += step.dedup.requested
             self._run.rows_unique += int(step.dedup.unique.size)
@@ -153,7 +193,6 @@ class ServingEngine:
         decode_step = None
         if decoding:
             decode_step = self.prefetcher.begin_step([r.number for r, _ in decoding], [p for _, p in decoding])
-            self._count(decode_step)
         for r, p in prefill:  # pieces not fetched ahead are fetched now
             self._issue(r, r.fed + p.size)
         self._lookahead([r for r, _ in prefill] + [r for r in self._waiting])
@@ -193,11 +232,13 @@ class ServingEngine:
             raise
         if decode_step is not None:
             self.prefetcher.end_step(decode_step)
+            self._count(decode_step)
         for r, p in prefill:  # windows this step used up
             keep = []
             for w in self._windows[r.number]:
                 if w.end <= r.fed + p.size:
                     self.prefetcher.end_step(w.step)
+                    self._count(w.step)
                 else:
                     keep.append(w)
             self._windows[r.number] = keep
