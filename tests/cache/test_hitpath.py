@@ -67,7 +67,7 @@ def assert_same(a: RowCache, b: RowCache) -> None:
 
 ids_lists = st.lists(st.integers(0, NUM_ROWS - 1), min_size=0, max_size=14).map(
     lambda v: np.unique(np.array(v, np.int64)))
-ops = st.lists(st.tuples(st.sampled_from(["acquire", "release", "fill", "reserve", "publish", "abandon"]),
+ops = st.lists(st.tuples(st.sampled_from(["acquire", "into", "release", "fill", "reserve", "publish", "abandon"]),
                          ids_lists, st.integers(0, 1000)), max_size=40)
 
 
@@ -88,6 +88,12 @@ def test_native_and_numpy_agree_over_random_interleavings(policy, index, instanc
                 assert hits == int(np.count_nonzero(slots >= 0))
                 held[k].append(slots)
                 results.append(slots)
+            elif op == "into":  # look up and, when everything hits, copy (pinned or not)
+                out = np.zeros((ids.size, RB), np.uint8)
+                slots, hits = cache.acquire_into(ids, out, pin=bool(pick % 2))
+                if hits < ids.size or pick % 2:
+                    held[k].append(slots)
+                results.append(np.concatenate([slots, out.reshape(-1).astype(np.int64)]))
             elif op == "release" and held[k]:
                 cache.release(held[k].pop(pick % len(held[k])))
             elif op == "fill":

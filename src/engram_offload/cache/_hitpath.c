@@ -12,12 +12,16 @@
  *   pins, stamp and count may be strided (fields of one record per slot, as RowCache lays
  *   them out, so that a hit dirties one cache line rather than three).
  *
- * acquire(ids, slots, clock) -> hits
+ * acquire(ids, slots, clock[, rows, out, pin]) -> hits
  *   ids int64 [n] (distinct), slots int64 [n] (written: slot of each id, -1 for a miss).
  *   Every hit slot is pinned (pins += 1) and touched like the NumPy policies do:
  *   stamp = clock, and for LFU count = min(count + 1, max_count). The caller advances the
  *   policy's clock and ages its counts (both once per call that hit, as the policies do).
  *   An id outside a direct index raises IndexError and changes nothing.
+ *   With rows (the cache's bytes, [capacity, row_bytes]) and out ([n, row_bytes]): when
+ *   every id hits, their rows are copied into out while the caller's lock is still held, so
+ *   the slots need no pin for the copy; pin=0 then leaves them unpinned. When some id
+ *   misses, out is not written and the hits are pinned as usual.
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
@@ -172,26 +176,49 @@ static inline int64_t hash_find(const HitPath *self, int64_t key) {
     }
 }
 
+/* dst[i] = rows[slots[i]], rb bytes each; prefetching a few rows ahead */
+static void copy_rows(const char *rows, const int64_t *slots, Py_ssize_t k, Py_ssize_t rb, char *dst) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + AHEAD < k) {
+            const char *p = rows + slots[i + AHEAD] * rb;
+            for (Py_ssize_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off);
+        }
+        memcpy(dst + i * rb, rows + slots[i] * rb, (size_t)rb);
+    }
+}
+
 static PyObject *hp_acquire(HitPath *self, PyObject *args) {
-    PyObject *ids_o, *slots_o;
+    PyObject *ids_o, *slots_o, *rows_o = Py_None, *out_o = Py_None;
     long long clock;
-    if (!PyArg_ParseTuple(args, "OOL", &ids_o, &slots_o, &clock)) return NULL;
+    int pin = 1;
+    if (!PyArg_ParseTuple(args, "OOL|OOp", &ids_o, &slots_o, &clock, &rows_o, &out_o, &pin)) return NULL;
     if (!self->values.obj) {
         PyErr_SetString(PyExc_RuntimeError, "HitPath is not bound");
         return NULL;
     }
-    Py_buffer ib, sb;
+    Py_buffer ib, sb, rb_buf = {0}, ob = {0};
     if (get_array(ids_o, &ib, 8, 0, "ids") < 0) return NULL;
     if (get_array(slots_o, &sb, 8, 1, "slots") < 0) {
         PyBuffer_Release(&ib);
         return NULL;
     }
-    Py_ssize_t n = ib.len / 8;
+    Py_ssize_t n = ib.len / 8, row_bytes = 0;
     if (sb.len != ib.len) {
         PyBuffer_Release(&ib);
         PyBuffer_Release(&sb);
         PyErr_SetString(PyExc_ValueError, "slots must have one entry per id");
         return NULL;
+    }
+    if (rows_o != Py_None && out_o != Py_None) {
+        if (PyObject_GetBuffer(rows_o, &rb_buf, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        if (PyObject_GetBuffer(out_o, &ob, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail;
+        row_bytes = self->capacity ? rb_buf.len / self->capacity : 0;
+        if (row_bytes < 1 || rb_buf.len != row_bytes * self->capacity || ob.len != row_bytes * n) {
+            PyErr_SetString(PyExc_ValueError, "rows must be [capacity, row_bytes] and out [len(ids), row_bytes]");
+            goto fail;
+        }
+    } else {
+        pin = 1;
     }
     const int64_t *ids = (const int64_t *)ib.buf;
     int64_t *slots = (int64_t *)sb.buf;
@@ -233,12 +260,14 @@ static PyObject *hp_acquire(HitPath *self, PyObject *args) {
             slots[i] = s;
         }
     }
-    /* pass 2: pin and touch the hits */
+    /* pass 2: pin and touch the hits; pass 3: all hit and asked to, copy their rows */
+    int copy = bad < 0 && row_bytes && hits == n;
+    int add = (copy && !pin) ? 0 : 1;
     if (bad < 0 && hits) {
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t s = slots[i];
             if (s < 0) continue;
-            AT(pins, ps, s, int32_t) += 1;
+            AT(pins, ps, s, int32_t) += add;
             AT(stamp, ss, s, int64_t) = clock;
             if (count) {
                 int64_t c = AT(count, cs, s, int64_t) + 1;
@@ -246,15 +275,24 @@ static PyObject *hp_acquire(HitPath *self, PyObject *args) {
             }
         }
     }
+    if (copy) copy_rows((const char *)rb_buf.buf, slots, n, row_bytes, (char *)ob.buf);
     if (ts) PyEval_RestoreThread(ts);
     PyObject *result = NULL;
     if (bad >= 0)
         PyErr_Format(PyExc_IndexError, "row id %lld is outside the index (0..%zd)", (long long)ids[bad], nv - 1);
     else
         result = PyLong_FromSsize_t(hits);
+    if (rb_buf.obj) PyBuffer_Release(&rb_buf);
+    if (ob.obj) PyBuffer_Release(&ob);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&sb);
     return result;
+fail:
+    if (rb_buf.obj) PyBuffer_Release(&rb_buf);
+    if (ob.obj) PyBuffer_Release(&ob);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&sb);
+    return NULL;
 }
 
 static PyObject *hp_release(HitPath *self, PyObject *arg) {
@@ -299,7 +337,7 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
 
 static PyMethodDef hp_methods[] = {
     {"acquire", (PyCFunction)hp_acquire, METH_VARARGS,
-     "acquire(ids, slots, clock) -> hits: look up, pin and touch distinct int64 ids."},
+     "acquire(ids, slots, clock[, rows, out, pin]) -> hits: look up, pin and touch distinct int64 ids."},
     {"release", (PyCFunction)hp_release, METH_O,
      "release(slots) -> released, or -1 (nothing changed) when a slot is not pinned."},
     {NULL, NULL, 0, NULL},
@@ -350,13 +388,7 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
         const char *s = (const char *)src.buf;
         char *d = (char *)dst.buf;
         PyThreadState *ts = k >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            if (i + AHEAD < k) {
-                const char *p = s + slots[i + AHEAD] * rb;
-                for (Py_ssize_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off);
-            }
-            memcpy(d + i * rb, s + slots[i] * rb, (size_t)rb);
-        }
+        copy_rows(s, slots, k, rb, d);
         if (ts) PyEval_RestoreThread(ts);
     }
     result = Py_None;

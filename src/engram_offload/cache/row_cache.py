@@ -190,6 +190,37 @@ class RowCache:
                 self.sketch.record(ids)
         return slots, hits
 
+    def acquire_into(self, ids: np.ndarray, out: np.ndarray, pin: bool = True) -> tuple[np.ndarray, int]:
+        """``acquire_counted`` of 1-d ids for a CPU cache, copying the rows into ``out`` (uint8
+        ``[n, row_bytes]``) when every id hits; those slots stay pinned only if ``pin``.
+
+        When some id misses, ``out`` is left alone and the hits are pinned as ``acquire``
+        pins them. With the C helper the copy happens under the cache's lock, so the rows
+        need no pin while they are copied.
+        """
+        native = self._native
+        if native is None or self._rows_np is None:
+            slots, hits = self.acquire_counted(ids)
+            if hits == ids.size:
+                if hits:
+                    self.read(slots, torch.from_numpy(out))
+                if not pin:
+                    self.release(slots)
+            return slots, hits
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids, np.int64)
+        slots = np.empty(ids.shape, np.int64)
+        with self.lock:
+            policy = self.policy
+            hits = native.acquire(ids, slots, policy.clock + 1, self._rows_np, out, pin)
+            if hits:
+                policy.clock += 1
+                if self._lfu:
+                    policy._age(hits)  # type: ignore[attr-defined]
+            if self.sketch is not None:
+                self.sketch.record(ids)
+        return slots, hits
+
     def _acquire_numpy(self, ids: np.ndarray) -> np.ndarray:
         with self.lock:
             slots = self.index.lookup(ids)

@@ -116,6 +116,7 @@ class CachedStore:
         self.closed = False
         native = native_hitpath()
         self._sorted_in_range = native.sorted_in_range if native is not None else None
+        self._first_into = bool(self.levels) and self.levels[0].device.type == "cpu"
 
     # ------------------------------------------------------------------ store interface
     @property
@@ -183,18 +184,26 @@ class CachedStore:
         if not self.levels:
             return self._fetch_levels(ids, hold, requested, t_start, None, 0)
         first = self.levels[0]
-        slots, nhit = first.acquire_counted(ids)
-        if nhit < ids.size:
-            return self._fetch_levels(ids, hold, requested, t_start, slots, nhit)
-        # every row in the first cache (the common case in steady decoding): one copy, no
-        # masks, no fills
-        try:
-            out = self._copy_all(first, slots, ids.size)
-        except BaseException:
-            first.release(slots)
-            raise
-        if not hold:
-            first.release(slots)
+        u = ids.size
+        if self._first_into:  # a CPU cache: look up, and copy when everything hits, in one call
+            buf = np.empty((u, self.row_bytes), np.uint8)
+            slots, nhit = first.acquire_into(ids, buf, hold)
+            out = torch.from_numpy(buf)
+            if nhit < u:
+                return self._fetch_levels(ids, hold, requested, t_start, slots, nhit, out)
+        else:
+            slots, nhit = first.acquire_counted(ids)
+            if nhit < u:
+                return self._fetch_levels(ids, hold, requested, t_start, slots, nhit)
+            # every row in the first cache (the common case in steady decoding): one copy,
+            # no masks, no fills
+            try:
+                out = self._copy_all(first, slots, u)
+            except BaseException:
+                first.release(slots)
+                raise
+            if not hold:
+                first.release(slots)
         t_end = time.perf_counter()
         first.stats.record(nhit, nhit, nhit * self.row_bytes, t_end - t_start)
         for level in self.levels[1:]:
@@ -221,11 +230,14 @@ class CachedStore:
             self._fetch_samples.append(seconds)
 
     def _fetch_levels(self, ids: np.ndarray, hold: bool, requested: int | None, t_start: float,
-                      first_slots: np.ndarray | None, first_hits: int) -> tuple[torch.Tensor, list]:
+                      first_slots: np.ndarray | None, first_hits: int,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
         """The general path: level by level, then the tier, then fills. ``first_slots`` (with
-        ``first_hits`` hits) is the first level's ``acquire`` result when it was already made."""
+        ``first_hits`` hits) is the first level's ``acquire`` result when it was already made;
+        ``out`` the result tensor when it was already allocated."""
         u, rb = ids.size, self.row_bytes
-        out = torch.empty((u, rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
+        if out is None:
+            out = torch.empty((u, rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
         held: list[tuple[RowCache, np.ndarray]] = []
         found: list[np.ndarray | None] = []  # per level: positions (in ids) it served; None: all
         remaining: np.ndarray | None = None if u else _EMPTY  # positions no level has served yet; None: all
