@@ -27,7 +27,7 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
                  "--warmup-seconds", "0.3", "--dram-budget", "20%", "--corpus", "stdlib",
                  "--mixed-corpus", "zipf", "--corpus-tokens", "20000", "--hidden", "32", "--layers", "16",
                  "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16", "--turns", "2",
-                 "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+                 "--max-step-tokens", "32", "--repeats", "1", "--out", str(out), "--no-progress"])
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
     runs = doc["runs"]
@@ -43,6 +43,7 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
     assert 0 <= by[("direct", "mixed")]["hit_rate"] <= 1 and by[("mmap", "cold")]["hit_rate"] is None
     assert by[("direct", "cold")]["cold_method"]
     assert doc["table"]["bytes"] > 0 and doc["machine"] and doc["comparisons"]
+    assert doc["command"].startswith("engram-offload bench --table")
     png = (out / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out

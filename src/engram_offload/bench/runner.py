@@ -55,7 +55,7 @@ from .metrics import summarize_run
 from .workload import RequestStream, WorkloadShape
 
 __all__ = ["BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "TIERS", "build_backbone",
-           "check_budget", "execute_capped_run", "execute_run", "run_sweep"]
+           "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
 TIERS = ("memory", "pinned", "direct", "mmap")
@@ -269,24 +269,51 @@ def execute_capped_run(tier: str, state: str, concurrency: int, settings: BenchS
 
 
 def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], concurrency: list[int],
-              corpora: Corpora, token_map: np.ndarray,
+              corpora: Corpora, token_map: np.ndarray, repeats: int = 1,
               progress: Callable[[str, int, int], Any] | None = None,
               on_step: Callable[[str, float], Any] | None = None) -> list[dict[str, Any]]:
-    """Every (tier, state, concurrency), tiers side by side at each point; returns the runs."""
-    plan = [(c, s, t) for c in concurrency for s in states for t in tiers]
-    runs = []
-    for i, (c, s, t) in enumerate(plan):
+    """Every (tier, state, concurrency) ``repeats`` times, tiers side by side at each point
+    (repeats outermost, so slow drift of the machine hits every tier alike); returns one
+    entry per point with the median of each figure (``combine_repeats``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    plan = [(r, c, s, t) for r in range(repeats) for c in concurrency for s in states for t in tiers]
+    raw: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for i, (r, c, s, t) in enumerate(plan):
         if progress is not None:
-            progress(f"{t} {s} x{c}", i, len(plan))
+            progress(f"{t} {s} x{c}" + (f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""), i, len(plan))
         if t == "mmap" and settings.dram_budget is not None:
             timeout = 120 + 4 * (settings.seconds + settings.warmup_seconds)
-            runs.append(execute_capped_run(t, s, c, settings, corpora, token_map, timeout))
+            result = execute_capped_run(t, s, c, settings, corpora, token_map, timeout)
         else:
-            runs.append(execute_run(t, s, c, settings, corpora, token_map, on_step=on_step))
+            result = execute_run(t, s, c, settings, corpora, token_map, on_step=on_step)
+        raw.setdefault((t, s, c), []).append(result)
         gc.collect()  # the last run's table copy (memory tier) goes before the next one loads
     if progress is not None:
         progress("done", len(plan), len(plan))
-    return runs
+    return [combine_repeats(raw[(t, s, c)]) for c in concurrency for s in states for t in tiers]
+
+
+KEPT_PER_REPEAT = ("throughput_tok_s", "output_tok_s", "interactivity_tok_s_per_user", "p90_itl_ms",
+                   "stall_fraction", "hit_rate")
+
+
+def combine_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one point -> one entry: the median of every number (None when a repeat had
+    none), the first repeat's other fields, and the per-repeat values of the key figures."""
+    if len(results) == 1:
+        return {**results[0], "repeats": 1}
+    out: dict[str, Any] = dict(results[0])
+    for key, value in results[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r.get(key) for r in results]
+            if any(v is None for v in values):
+                out[key] = None
+            else:
+                out[key] = float(np.median(values))
+    out["repeats"] = len(results)
+    out["per_repeat"] = {key: [r.get(key) for r in results] for key in KEPT_PER_REPEAT}
+    return out
 
 
 def check_budget(settings: BenchSettings) -> None:

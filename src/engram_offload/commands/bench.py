@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=float, default=2.0, help="measured seconds per run (default 2)")
+    r.add_argument("--repeats", type=int, default=1, help="run every point this many times; medians reported (default 1)")
     r.add_argument("--warmup-seconds", type=float, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
     m = p.add_argument_group("memory")
     m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
@@ -190,16 +191,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"DRAM budget {format_bytes(budget) if budget is not None else 'none'}, direct row cache "
           f"{format_bytes(cache_bytes)} ({args.policy}); corpus {measured_all.name} "
           f"({measured.tokens:,} measured + {warm.tokens:,} warm-up tokens), mixed warm-up {mixed.name}; "
-          f"{len(tiers) * len(states) * len(concurrency)} runs of {args.seconds:g} s "
+          f"{len(tiers) * len(states) * len(concurrency) * args.repeats} runs of {args.seconds:g} s "
           f"(corpora ready in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
     with _Progress(show) as progress:
-        runs = run_sweep(settings, tiers, states, concurrency, corpora, token_map,
+        runs = run_sweep(settings, tiers, states, concurrency, corpora, token_map, repeats=args.repeats,
                          progress=progress.run, on_step=progress.step)
     ratios = comparisons(runs)
     document = {
         "kind": "engram-offload serving benchmark",
-        "command": "engram-offload bench " + " ".join(getattr(args, "argv", [])),
+        "command": "engram-offload " + " ".join(getattr(args, "argv", ["bench"])),
         "machine": machine_facts(table),
         "table": {"path": str(table), "bytes": table_bytes, "rows": header.layout.num_rows,
                   "row_bytes": header.layout.row_bytes, "layout": header.config.name,
