@@ -59,6 +59,8 @@ class Lease:
         return sum(int(s.size) for _, s in self._held)
 
     def release(self) -> None:
+        if not self._held:  # nothing pinned (or already released): no lock needed
+            return
         with self._lock:
             held, self._held = self._held, []
         for level, slots in held:
@@ -101,6 +103,7 @@ class CachedStore:
                 raise ValueError(f"cache {level.name!r} holds {level.row_bytes}-byte rows, the table has {source.row_bytes}")
         self.source = source
         self._config = config
+        self._rb = int(config.row_bytes)  # == the source's (checked above)
         self.levels = list(levels)
         self.inner = inner
         self.promote = promote
@@ -186,7 +189,7 @@ class CachedStore:
         first = self.levels[0]
         u = ids.size
         if self._first_into:  # a CPU cache: look up, and copy when everything hits, in one call
-            buf = np.empty((u, self.row_bytes), np.uint8)
+            buf = np.empty((u, self._rb), np.uint8)
             slots, nhit = first.acquire_into(ids, buf, hold)
             out = torch.from_numpy(buf)
             if nhit < u:
@@ -205,7 +208,7 @@ class CachedStore:
             if not hold:
                 first.release(slots)
         t_end = time.perf_counter()
-        first.stats.record(nhit, nhit, nhit * self.row_bytes, t_end - t_start)
+        first.stats.record(nhit, nhit, nhit * self._rb, t_end - t_start)
         for level in self.levels[1:]:
             level.stats.record(0, 0, 0, 0.0)
         self._account(ids.size, requested, t_end - t_start)
@@ -213,11 +216,7 @@ class CachedStore:
 
     def _copy_all(self, level: RowCache, slots: np.ndarray, u: int) -> torch.Tensor:
         """A new ``[u, row_bytes]`` tensor on this store's device holding ``level``'s pinned slots."""
-        if level._gather_rows is not None and self.device.type == "cpu":
-            buf = np.empty((u, self.row_bytes), np.uint8)
-            level.read_into(slots, buf)
-            return torch.from_numpy(buf)
-        out = torch.empty((u, self.row_bytes), dtype=torch.uint8, device=self.device)
+        out = torch.empty((u, self._rb), dtype=torch.uint8, device=self.device)
         if u:
             self._copy_from(level, slots, None, out)
         return out
