@@ -19,7 +19,8 @@ Reported:
    random disk reads); ``--repeats`` rounds, interleaved, medians;
 3. the cost of dedup plus a 100%-hit lookup in the DRAM cache, relative to a raw gather
    from the memory tier, for a decode step of ``--batch`` sequences, a 64-token prefill
-   chunk of one sequence, and a single-token step of one sequence;
+   chunk of one sequence, and a single-token step of one sequence (``cache_hit_path``:
+   whether the cache's C hit path ran; ``ENGRAM_OFFLOAD_NO_NATIVE=1`` measures NumPy's);
 4. stall per step with a small real transformer (Engram at the table's layer ids): the
    prefetch starts at forward entry, vs gathering synchronously at each Engram layer; for
    each ``--torch-threads`` setting (the prefetch worker shares the cores with the model).
@@ -220,17 +221,20 @@ def main() -> int:
         u = d.unique
         t_dedup = timed(lambda: dedup(ids), 50)
         t_lookup = timed(lambda: cached.fetch(u, hold=False), 50)
+        t_lookup_held = timed(lambda: cached.fetch(u, hold=True).release(), 50)  # as the prefetcher fetches
         t_raw = timed(lambda: mem.gather(ids, torch.bfloat16), 50)
         t_cached_gather = timed(lambda: cached.gather(ids, torch.bfloat16), 50)
         t_decode = timed(lambda: cached.decode(mem.read_raw(u), torch.bfloat16), 50)
         over[name] = {"ids": int(ids.size), "unique": int(u.size), "dedup_ms": t_dedup * 1e3,
                       "hit_lookup_ms": t_lookup * 1e3, "hit_lookup_us_per_row": t_lookup / u.size * 1e6,
+                      "hit_lookup_held_ms": t_lookup_held * 1e3,
                       "raw_gather_ms": t_raw * 1e3, "decode_unique_ms": t_decode * 1e3,
                       "cached_gather_ms": t_cached_gather * 1e3,
                       "overhead_vs_raw": (t_dedup + t_lookup) / t_raw,
                       "cached_gather_vs_raw": t_cached_gather / t_raw}
         print(f"{name}: {over[name]}")
     result["overhead"] = over
+    result["cache_hit_path"] = "native" if cached.levels[0].native else "numpy"
 
     # ---- 4. stall per step with a small transformer
     bconfig = config.replace(hidden_size=args.hidden, name=None)
