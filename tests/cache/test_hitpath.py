@@ -65,6 +65,10 @@ def assert_same(a: RowCache, b: RowCache) -> None:
             np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
 
 
+def rows_of(ids: np.ndarray) -> torch.Tensor:
+    """Row bytes derived from the ids (what a fill writes)."""
+    return torch.from_numpy(np.repeat(ids[:, None], RB, 1).astype(np.uint8))
+
 ids_lists = st.lists(st.integers(0, NUM_ROWS - 1), min_size=0, max_size=14).map(
     lambda v: np.unique(np.array(v, np.int64)))
 ops = st.lists(st.tuples(st.sampled_from(["acquire", "into", "release", "fill", "reserve", "publish", "abandon"]),
@@ -97,13 +101,16 @@ def test_native_and_numpy_agree_over_random_interleavings(policy, index, instanc
             elif op == "release" and held[k]:
                 cache.release(held[k].pop(pick % len(held[k])))
             elif op == "fill":
-                results.append(cache.fill(ids, torch.from_numpy(np.repeat(ids[:, None], RB, 1).astype(np.uint8))))
+                results.append(cache.fill(ids, rows_of(ids)))
             elif op == "reserve":
                 slots = cache.reserve(ids)
                 pending[k].append(slots)
                 results.append(slots)
             elif op == "publish" and pending[k]:
-                cache.publish(pending[k].pop(pick % len(pending[k])))
+                slots = pending[k].pop(pick % len(pending[k]))
+                kept = slots[slots >= 0]
+                cache.write(kept, rows_of(cache.slot_id[kept]))  # bytes first, then visible
+                cache.publish(slots)
             elif op == "abandon" and pending[k]:
                 cache.abandon(pending[k].pop(pick % len(pending[k])))
         if results:
@@ -113,7 +120,7 @@ def test_native_and_numpy_agree_over_random_interleavings(policy, index, instanc
         for slots in held[k]:
             cache.release(slots)
         for slots in pending[k]:
-            cache.publish(slots)
+            cache.abandon(slots)
         cache.check()
         assert cache.pinned() == 0
     assert_same(*caches)
@@ -169,3 +176,33 @@ def test_fetch_checks_ids_with_and_without_native(monkeypatch):
             with store.fetch(ids) as lease:
                 assert torch.equal(lease.raw, tier.rows[torch.from_numpy(ids.astype(np.int64))])
         assert store.levels[0].pinned() == 0
+
+
+@needs_native
+@pytest.mark.parametrize("index", ["direct", "hash"])
+def test_large_batches_agree(monkeypatch, index):
+    """Batches big enough for the helper to let go of the GIL, with copies, both policies."""
+    for policy in ("lru", "lfu"):
+        caches = []
+        for disable in (False, True):
+            if disable:
+                monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+            caches.append(RowCache(30_000 * RB, RB, policy, num_rows=100_000, index=index))
+            monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE", raising=False)
+        rng = np.random.default_rng(1)
+        ids = np.sort(rng.choice(100_000, 25_000, replace=False))
+        rows = torch.from_numpy(rng.integers(0, 256, (ids.size, RB), dtype=np.uint8))
+        ask = np.sort(rng.choice(100_000, 20_000, replace=False))
+        outs = []
+        for cache in caches:
+            cache.fill(ids, rows)
+            slots, hits = cache.acquire_counted(ask)  # some miss
+            cache.release(slots)
+            out = np.zeros((ids.size, RB), np.uint8)
+            slots, hits = cache.acquire_into(ids, out, pin=False)  # all hit: copied, not pinned
+            assert hits == ids.size
+            outs.append(out)
+            cache.check()
+        np.testing.assert_array_equal(outs[0], rows.numpy())
+        np.testing.assert_array_equal(outs[1], rows.numpy())
+        assert_same(*caches)
