@@ -156,11 +156,12 @@ def test_a_turn_waits_for_its_rows_while_others_decode(table):
 def test_repeats_combine_into_medians():
     from engram_offload.bench.runner import combine_repeats
 
-    runs = [{"tier": "direct", "throughput_tok_s": t, "hit_rate": h, "p90_itl_ms": 5.0, "budget_enforced": True,
+    runs = [{"tier": "direct", "concurrency": 8, "throughput_tok_s": t, "hit_rate": h, "p90_itl_ms": 5.0, "budget_enforced": True,
              "output_tok_s": 1, "interactivity_tok_s_per_user": None, "stall_fraction": 0.1}
             for t, h in ((10.0, 0.5), (30.0, 0.7), (20.0, 0.6))]
     one = combine_repeats(runs)
     assert one["throughput_tok_s"] == 20.0 and one["hit_rate"] == 0.6 and one["repeats"] == 3
+    assert one["concurrency"] == 8 and isinstance(one["concurrency"], int)
     assert one["budget_enforced"] is True and one["interactivity_tok_s_per_user"] is None
     assert one["per_repeat"]["throughput_tok_s"] == [10.0, 30.0, 20.0]
     assert combine_repeats(runs[:1])["repeats"] == 1

@@ -120,14 +120,18 @@ class ServingEngine:
                 budget -= 1
         deferred = []
         for r in active:
-            if r.in_prefill and budget > 0:
-                piece = r.next_piece(min(budget, self._ready_ahead(r)) if self.defer_unready else budget)
-                if self.defer_unready and self.lookahead_tokens and self._ready_ahead(r) == 0:
+            if not r.in_prefill or budget <= 0:
+                continue
+            allowed = budget
+            if self.defer_unready:
+                allowed = min(budget, self._ready_ahead(r))
+                if allowed == 0:
                     deferred.append(r)
                     continue
-                chosen.append(r)
-                pieces.append(piece)
-                budget -= piece.size
+            piece = r.next_piece(allowed)
+            chosen.append(r)
+            pieces.append(piece)
+            budget -= piece.size
         if not chosen and deferred:  # nothing else to do: run the first waiting prefill now
             r = deferred[0]
             chosen.append(r)

@@ -309,8 +309,8 @@ def combine_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
             values = [r.get(key) for r in results]
             if any(v is None for v in values):
                 out[key] = None
-            else:
-                out[key] = float(np.median(values))
+            elif any(v != value for v in values):
+                out[key] = float(np.median(values))  # else: the same in every repeat, kept as is
     out["repeats"] = len(results)
     out["per_repeat"] = {key: [r.get(key) for r in results] for key in KEPT_PER_REPEAT}
     return out
