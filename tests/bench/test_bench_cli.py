@@ -56,6 +56,7 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
     (["--concurrency", "0"], ">= 1"),
     (["--dram-budget", "1M", "--cache-bytes", "2M"], "exceed --dram-budget"),
     (["--dram-budget", "lots"], "not understood"),
+    (["--lookahead-tokens", "-1"], "lookahead"),
 ])
 def test_bad_options_are_explained(tiny_table, tmp_path, capsys, flags, message):
     assert main(["bench", "--table", str(tiny_table), "--out", str(tmp_path), "--no-progress", *flags]) == 1

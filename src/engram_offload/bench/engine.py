@@ -90,6 +90,8 @@ class ServingEngine:
         self.concurrency = concurrency
         self.max_step_tokens = max_step_tokens
         self.lookahead_tokens = 2 * max_step_tokens if lookahead_tokens is None else int(lookahead_tokens)
+        if self.lookahead_tokens < 0:
+            raise ValueError(f"lookahead_tokens must be >= 0 (0: off), got {lookahead_tokens}")
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         self.window_tokens = int(window_tokens)

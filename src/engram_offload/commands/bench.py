@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--tool-tokens", type=int, default=256, help="tool output appended per agent turn (default 256)")
     w.add_argument("--corpus-tokens", type=int, default=400_000, help="tokens read from each corpus (default 400000)")
     w.add_argument("--max-step-tokens", type=int, default=256, help="token budget of a step (default 256)")
+    w.add_argument("--lookahead-tokens", type=int, default=None,
+                   help="prefill tokens fetched ahead of their step (default: two steps' budget; 0: off)")
     b = p.add_argument_group("backbone")
     b.add_argument("--layers", type=int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
@@ -155,6 +157,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     concurrency = _concurrency(args.concurrency)
     if args.seconds <= 0:
         raise ValueError("--seconds must be > 0")
+    if args.lookahead_tokens is not None and args.lookahead_tokens < 0:
+        raise ValueError("--lookahead-tokens must be >= 0 (0 turns lookahead off)")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     show = not args.no_progress and sys.stderr.isatty()
     table = Path(args.table) if args.table else default_table(args.preset, args.scale, args.seed, show)
     if not table.exists():
@@ -171,6 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup_seconds=args.seconds if args.warmup_seconds is None else args.warmup_seconds,
         cache_bytes=cache_bytes, fast_cache_bytes=parse_size(args.fast_cache_bytes, table_bytes),
         policy=args.policy, dram_budget=budget, shape=shape, max_step_tokens=args.max_step_tokens,
+        lookahead_tokens=args.lookahead_tokens,
         layers=args.layers, hidden=args.hidden, heads=args.heads,
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
     )
