@@ -175,16 +175,20 @@ class RowCache:
 
     def acquire_counted(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """``acquire``, plus the number of hits."""
-        native = self._native
-        if native is None:
+        if self._native is None:
             slots = self._acquire_numpy(ids)
             return slots, int(np.count_nonzero(slots >= 0))
+        return self._native_acquire(ids)
+
+    def _native_acquire(self, ids: np.ndarray, *copy: Any) -> tuple[np.ndarray, int]:
+        """The C helper's lookup + pin + touch of ``ids`` under the lock (``copy``: the rows
+        array, ``out`` and ``pin`` for a lookup that also copies an all-hit batch)."""
         if ids.dtype != np.int64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(ids, np.int64)
         slots = np.empty(ids.shape, np.int64)
         with self.lock:
             policy = self.policy
-            hits = native.acquire(ids.reshape(-1), slots.reshape(-1), policy.clock + 1)
+            hits = self._native.acquire(ids.reshape(-1), slots.reshape(-1), policy.clock + 1, *copy)
             if hits:  # the policies advance the clock and age once per batch of hits
                 policy.clock += 1
                 if self._lfu:
@@ -210,19 +214,7 @@ class RowCache:
                 if not pin:
                     self.release(slots)
             return slots, hits
-        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
-            ids = np.ascontiguousarray(ids, np.int64)
-        slots = np.empty(ids.shape, np.int64)
-        with self.lock:
-            policy = self.policy
-            hits = native.acquire(ids, slots, policy.clock + 1, self._rows_np, out, pin)
-            if hits:
-                policy.clock += 1
-                if self._lfu:
-                    policy._age(hits)  # type: ignore[attr-defined]
-            if self.sketch is not None:
-                self.sketch.record(ids)
-        return slots, hits
+        return self._native_acquire(ids, self._rows_np, out, pin)
 
     def _acquire_numpy(self, ids: np.ndarray) -> np.ndarray:
         with self.lock:
