@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["comparisons", "frontier_plot", "markdown_table", "write_json"]
+__all__ = ["comparisons", "comparisons_table", "frontier_plot", "markdown_table", "write_json"]
 
 COLUMNS = [
     ("tier", "tier", "{}"),
@@ -73,19 +74,27 @@ def comparisons_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, *body])
 
 
-def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
-    """Write atomically (temporary file, then rename)."""
-    path = Path(path)
+@contextmanager
+def _atomic_target(path: Path, suffix: str = "") -> Iterator[str]:
+    """A temporary file beside ``path`` to write; renamed onto ``path`` when the block ends
+    well, removed when it fails, so a reader never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=2, default=str)
-            f.write("\n")
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write atomically (temporary file, then rename)."""
+    path = Path(path)
+    with _atomic_target(path) as tmp, open(tmp, "w") as f:
+        json.dump(document, f, indent=2, default=str)
+        f.write("\n")
     return path
 
 
@@ -98,7 +107,6 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     styles = {"cold": ":", "warm": "-", "mixed": "--"}
     markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^"}
@@ -120,14 +128,9 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with _atomic_target(path, suffix=".png") as tmp:
+            fig.savefig(tmp)
     finally:
         plt.close(fig)
     return path

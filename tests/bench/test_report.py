@@ -1,0 +1,44 @@
+"""Benchmark outputs: atomic JSON, the frontier plot, the comparison of tiers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engram_offload.bench.report import comparisons, frontier_plot, markdown_table, write_json
+
+
+def run(tier, state, c, tput, itl, inter):
+    return {"tier": tier, "cache_state": state, "concurrency": c, "throughput_tok_s": tput, "p90_itl_ms": itl,
+            "interactivity_tok_s_per_user": inter, "hit_rate": None, "budget_enforced": tier != "memory"}
+
+
+RUNS = [run("memory", "warm", 8, 100.0, 10.0, 50.0), run("direct", "warm", 8, 90.0, 12.0, 45.0),
+        run("mmap", "warm", 8, 45.0, 20.0, 30.0), run("memory", "warm", 32, 200.0, 20.0, 20.0)]
+
+
+def test_comparisons_pair_runs_at_equal_state_and_concurrency():
+    got = {(c["tier"], c["vs"]): c for c in comparisons(RUNS)}
+    assert got[("direct", "memory")]["throughput_ratio"] == pytest.approx(0.9)
+    assert got[("direct", "memory")]["p90_itl_ratio"] == pytest.approx(1.2)
+    assert got[("direct", "mmap")]["throughput_ratio"] == pytest.approx(2.0)
+    assert ("mmap", "mmap") not in got and len(got) == 3  # memory x32 has no partner
+    table = markdown_table(RUNS)
+    assert table.count("\n") == len(RUNS) + 1 and "| direct | warm | 8 |" in table
+
+
+def test_a_failed_json_write_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "out" / "results.json"
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError):
+        write_json(target, loop)
+    assert list((tmp_path / "out").iterdir()) == []
+    write_json(target, {"runs": RUNS})
+    assert json.loads(target.read_text())["runs"][0]["tier"] == "memory"
+
+
+def test_the_frontier_is_a_png(tmp_path):
+    path = frontier_plot(RUNS, tmp_path / "f.png")
+    assert path.read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.iterdir()] == ["f.png"]
