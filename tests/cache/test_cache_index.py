@@ -13,23 +13,7 @@ from engram_offload.cache import FrequencySketch, LFUPolicy, LRUPolicy, RowIndex
 @given(st.lists(st.tuples(st.sampled_from(["add", "remove"]),
                           st.lists(st.integers(0, 200), min_size=1, max_size=30)), max_size=30))
 def test_index_matches_a_dict(ops):
-    index, ref, next_value = RowIndex(64), {}, 0
-    for op, keys in ops:
-        keys = np.unique(np.array(keys, np.int64))
-        if op == "add":
-            new = np.array([k for k in keys if k not in ref], np.int64)[: 64 - len(ref)]
-            values = np.arange(next_value, next_value + new.size, dtype=np.int64)
-            next_value += new.size
-            index.insert(new, values)
-            ref.update(zip(new.tolist(), values.tolist()))
-        else:
-            index.remove(keys)
-            for k in keys.tolist():
-                ref.pop(k, None)
-        probe = np.arange(0, 201, dtype=np.int64)
-        expected = np.array([ref.get(k, -1) for k in probe.tolist()])
-        assert (index.lookup(probe) == expected).all()
-        assert len(index) == len(ref)
+    check_against_a_dict(RowIndex(64), ops)
 
 
 def test_index_survives_many_removals():
@@ -87,7 +71,22 @@ def test_sketch_counts_and_admits():
 def test_direct_index_matches_a_dict(ops):
     from engram_offload.cache.index import DirectIndex
 
-    index, ref, next_value = DirectIndex(201, 64), {}, 0
+    check_against_a_dict(DirectIndex(201, 64), ops)
+
+
+def test_make_index_picks_the_smaller_table():
+    from engram_offload.cache.index import DirectIndex, make_index
+
+    assert isinstance(make_index(100), RowIndex)  # key space unknown
+    assert isinstance(make_index(100, num_keys=10**7), RowIndex)  # array far larger than the hash table
+    assert isinstance(make_index(100_000, num_keys=1_000_000), DirectIndex)
+    assert isinstance(make_index(10, num_keys=10**6, kind="direct"), DirectIndex)
+
+
+def check_against_a_dict(index, ops) -> None:
+    """Apply add/remove batches of keys 0..200 (at most 64 live) to ``index`` and a dict;
+    after each batch every key must look up the same in both."""
+    ref, next_value = {}, 0
     for op, keys in ops:
         keys = np.unique(np.array(keys, np.int64))
         if op == "add":
@@ -101,16 +100,6 @@ def test_direct_index_matches_a_dict(ops):
             for k in keys.tolist():
                 ref.pop(k, None)
         probe = np.arange(0, 201, dtype=np.int64)
-        assert (index.lookup(probe) == np.array([ref.get(k, -1) for k in probe.tolist()])).all()
+        expected = np.array([ref.get(k, -1) for k in probe.tolist()])
+        assert (index.lookup(probe) == expected).all()
         assert len(index) == len(ref)
-        keys_now, values_now = index.items()
-        assert dict(zip(keys_now.tolist(), values_now.tolist())) == ref
-
-
-def test_make_index_picks_the_smaller_table():
-    from engram_offload.cache.index import DirectIndex, make_index
-
-    assert isinstance(make_index(100), RowIndex)  # key space unknown
-    assert isinstance(make_index(100, num_keys=10**7), RowIndex)  # array far larger than the hash table
-    assert isinstance(make_index(100_000, num_keys=1_000_000), DirectIndex)
-    assert isinstance(make_index(10, num_keys=10**6, kind="direct"), DirectIndex)
