@@ -11,8 +11,9 @@ import hashlib
 import os
 import tempfile
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -23,6 +24,7 @@ __all__ = [
     "default_tokenizer_path",
     "engram_normalizer",
     "engram_cache_dir",
+    "encode_documents",
 ]
 
 _SENTINEL = "\ue000"  # private-use character: keeps a lone-space token alive through Strip()
@@ -159,3 +161,27 @@ def cached_token_map(path: str | Path | None = None, cache_dir: str | Path | Non
     except OSError:
         pass  # a read-only cache only costs time
     return token_map
+
+
+def encode_documents(texts: Iterable[str], tokenizer: Any, max_tokens: int | None = None,
+                     min_tokens: int = 1, batch: int = 64) -> list[np.ndarray]:
+    """Token ids (int64) of each text, ``batch`` texts per tokenizer call, read lazily.
+
+    Texts of fewer than ``min_tokens`` tokens are skipped; with ``max_tokens`` the output
+    stops there (the last document cut), and no further text is read.
+    """
+    out: list[np.ndarray] = []
+    total = 0
+    texts = iter(texts)
+    while chunk := list(islice(texts, batch)):
+        for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
+            ids = np.asarray(enc.ids, np.int64)
+            if ids.size < min_tokens:
+                continue
+            if max_tokens is not None:
+                ids = ids[: max_tokens - total]
+            out.append(ids)
+            total += ids.size
+            if max_tokens is not None and total >= max_tokens:
+                return out
+    return out

@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import EngramConfig
 from .hashing import NgramHasher
+from .tokenizer import encode_documents, load_tokenizer
 
 __all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "flat_trace"]
 
@@ -36,24 +37,9 @@ def stdlib_token_sequences(max_tokens: int, tokenizer: Any = None, root: str | P
                            min_tokens: int = 16) -> list[np.ndarray]:
     """Token ids (int64) of standard-library files, one array per file, ``max_tokens`` in all."""
     if tokenizer is None:
-        from .tokenizer import load_tokenizer
-
         tokenizer = load_tokenizer()
-    out: list[np.ndarray] = []
-    total = 0
-    files = stdlib_files(root)
-    for start in range(0, len(files), 64):
-        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[start:start + 64]]
-        for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
-            ids = np.asarray(enc.ids, np.int64)
-            if ids.size < min_tokens:
-                continue
-            ids = ids[: max_tokens - total]
-            out.append(ids)
-            total += ids.size
-            if total >= max_tokens:
-                return out
-    return out
+    texts = (f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files(root))
+    return encode_documents(texts, tokenizer, max_tokens, min_tokens)
 
 
 def serving_steps(config: EngramConfig, token_map: np.ndarray, sequences: list[np.ndarray],

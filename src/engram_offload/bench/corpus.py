@@ -18,9 +18,11 @@ import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
+
+from ..tokenizer import encode_documents, load_tokenizer
 
 __all__ = ["Corpus", "DOCS_GLOBS", "MAX_FILE_BYTES", "docs_root", "load_corpus", "zipf_corpus"]
 
@@ -76,33 +78,14 @@ def _text_files(root: Path, suffixes: set[str] | None) -> list[Path]:
     return files
 
 
-def _read_texts(files: list[Path], seed: int) -> list[str]:
-    """Texts of the files in a seeded order, so a token budget samples the whole corpus."""
-    order = np.random.default_rng(seed).permutation(len(files))
-    texts = []
-    for f in (files[i] for i in order):
+def _read_texts(files: list[Path], seed: int) -> Iterator[str]:
+    """Texts of the files in a seeded order, so a token budget samples the whole corpus;
+    files that are not UTF-8 text are skipped."""
+    for i in np.random.default_rng(seed).permutation(len(files)):
         try:
-            texts.append(f.read_bytes().decode("utf-8"))
+            yield files[i].read_bytes().decode("utf-8")
         except (UnicodeDecodeError, OSError):
-            continue  # binary or unreadable: not text
-    return texts
-
-
-def _tokenize(texts: list[str], tokenizer: Any, max_tokens: int | None, min_tokens: int) -> list[np.ndarray]:
-    out: list[np.ndarray] = []
-    total = 0
-    for start in range(0, len(texts), 64):
-        for enc in tokenizer.encode_batch(texts[start:start + 64], add_special_tokens=False):
-            ids = np.asarray(enc.ids, np.int64)
-            if ids.size < min_tokens:
-                continue
-            if max_tokens is not None:
-                ids = ids[: max_tokens - total]
-            out.append(ids)
-            total += ids.size
-            if max_tokens is not None and total >= max_tokens:
-                return out
-    return out
+            continue
 
 
 def zipf_corpus(vocab_size: int, documents: int = 64, length: int = 4096, alpha: float = 1.1,
@@ -134,8 +117,6 @@ def load_corpus(spec: str, tokenizer: Any = None, *, max_tokens: int | None = No
     Raises ``FileNotFoundError`` naming what is missing and how to get it.
     """
     if tokenizer is None:
-        from ..tokenizer import load_tokenizer
-
         tokenizer = load_tokenizer()
     if spec == "zipf":
         per_doc = 4096
@@ -160,7 +141,7 @@ def load_corpus(spec: str, tokenizer: Any = None, *, max_tokens: int | None = No
             raise FileNotFoundError(f"corpus {spec!r} is neither a built-in (stdlib, docs, zipf) nor a directory")
         files = _text_files(root, TEXT_SUFFIXES)
         source = str(root)
-    documents = _tokenize(_read_texts(files, seed), tokenizer, max_tokens, min_tokens)
+    documents = encode_documents(_read_texts(files, seed), tokenizer, max_tokens, min_tokens)
     if not documents:
         raise FileNotFoundError(f"corpus {spec!r}: no text documents of >= {min_tokens} tokens under {source}")
     name = spec if spec in ("stdlib", "docs") else Path(spec).name or spec

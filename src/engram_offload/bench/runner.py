@@ -127,7 +127,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
     torch.set_num_threads(settings.threads)
     cold_method = drop_page_cache(settings.table)
-    cached = tier == "direct" and (settings.cache_bytes or settings.fast_cache_bytes)
+    cached = bool(tier == "direct" and (settings.cache_bytes or settings.fast_cache_bytes))  # a CachedStore
     options: dict[str, Any] = {}
     if cached:
         options = dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes,
@@ -144,28 +144,29 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     open_seconds = time.perf_counter() - t_open
     try:
         with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
-            engine = ServingEngine(model, prefetcher, concurrency=concurrency,
-                                   max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                   lookahead_tokens=settings.lookahead_tokens)
+            def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
+                return ServingEngine(backbone, prefetcher, concurrency=concurrency,
+                                     max_step_tokens=max(settings.max_step_tokens, concurrency),
+                                     lookahead_tokens=settings.lookahead_tokens)
+
             warm = corpora.warmup_for(state)
             warmup = None
             if warm is not None and tier not in RESIDENT_TIERS:
                 # a replay of the warm-up requests' row accesses (no backbone): fills the caches
                 # as serving them would, in a fraction of the time
-                replay = ServingEngine(None, prefetcher, concurrency=concurrency,
-                                       max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                       lookahead_tokens=settings.lookahead_tokens)
-                w = replay.run(RequestStream(warm, settings.shape, settings.seed + 1), settings.warmup_seconds,
-                               on_step=(lambda t: on_step("warm-up", t)) if on_step else None)
+                w = engine_for(None).run(RequestStream(warm, settings.shape, settings.seed + 1),
+                                         settings.warmup_seconds,
+                                         on_step=(lambda t: on_step("warm-up", t)) if on_step else None)
                 warmup = {"corpus": warm.name, "seconds": w.seconds, "tokens": w.tokens,
-                          "hit_rate": store.stats()["store"]["hit_rate"] if hasattr(store, "levels") else None}
-            if hasattr(store, "reset_stats"):
+                          "hit_rate": store.stats()["store"]["hit_rate"] if cached else None}
+            if cached:
                 store.reset_stats()
             before = _tier_counters(store)
             stream = RequestStream(corpora.measured, settings.shape, settings.seed)
-            run = engine.run(stream, settings.seconds, on_step=(lambda t: on_step("measure", t)) if on_step else None)
+            run = engine_for(model).run(stream, settings.seconds,
+                                        on_step=(lambda t: on_step("measure", t)) if on_step else None)
             after = _tier_counters(store)
-        stats = store.stats() if hasattr(store, "levels") else None
+        stats = store.stats() if cached else None
     finally:
         store.close()
     figures = summarize_run(run)
@@ -195,7 +196,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
 def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:
     if settings.dram_budget is None:
         return False, "no budget given"
-    if tier in ("memory", "pinned"):
+    if tier in RESIDENT_TIERS:
         return False, "the whole table is in DRAM (the unconstrained reference)"
     if tier == "direct":
         held = settings.cache_bytes + settings.fast_cache_bytes
