@@ -36,7 +36,7 @@ import errno
 import os
 import threading
 from types import ModuleType, TracebackType
-from typing import Optional, Union
+from typing import Optional, Self, Union
 
 import numpy as np
 
@@ -113,7 +113,25 @@ def _as_int64(name: str, a: Union[np.ndarray, int, list[int]], n: Optional[int] 
     return arr
 
 
-class UringReader:
+class _ClosingReader:
+    """``with reader:`` closes the reader when the block ends."""
+
+    def close(self) -> None:  # pragma: no cover - every reader defines it
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+class UringReader(_ClosingReader):
     """Issues batches of positional reads on one file descriptor.
 
     ``fd`` is borrowed, not owned: the caller keeps it open while the reader
@@ -204,23 +222,12 @@ class UringReader:
         with self._lock:
             self._ring.close()
 
-    def __enter__(self) -> "UringReader":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"queue_depth={self.queue_depth}"
         return f"UringReader(fd={self._fd}, {state})"
 
 
-class PreadReader:
+class PreadReader(_ClosingReader):
     """Pure-Python stand-in for :class:`UringReader` (same interface and
     failure semantics), used when the native helper is unavailable.
 
@@ -300,17 +307,6 @@ class PreadReader:
 
     def close(self) -> None:
         self._closed = True
-
-    def __enter__(self) -> "PreadReader":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.close()
 
 
 _PERMANENT_ERRNOS = frozenset(
