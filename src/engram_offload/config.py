@@ -64,6 +64,8 @@ class EngramConfig:
     ``prime_starts`` holds one prime-search start per n-gram order (``max_ngram_size - 1``
     values; the demo's ``engram_vocab_size`` list, or V4.1's single value repeated).
     ``pad_id`` is a raw token id; the hasher maps it through the token compression.
+    ``image_token_id`` (V4.1's image placeholder) is a dead token: hashing and the gate
+    treat it as SPEC section 3 says, unless a caller passes its own dead mask.
     """
 
     layer_ids: tuple[int, ...]
@@ -80,6 +82,7 @@ class EngramConfig:
     row_format: str = "fp32"
     rms_norm_eps: float = 1e-6
     compressed_vocab_size: int | None = None
+    image_token_id: int | None = None
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -120,9 +123,13 @@ class EngramConfig:
 
     @classmethod
     def from_hf_config(cls, source: str | Path | Mapping[str, Any]) -> "EngramConfig":
-        """Read the ``engram_*`` fields of a Hugging Face ``config.json`` (path or dict).
+        """Read a Hugging Face ``config.json`` (path, its folder, or dict) with ``engram_*`` fields.
 
-        Fields under ``text_config`` are found too. When ``engram_num_embeddings`` is given
+        Both layouts are read: the released DeepSeek-V4.1 one (``engram_*``, ``hidden_size``,
+        ``hc_mult`` and ``rms_norm_eps`` under ``text_config``; ``quantization_config`` and
+        ``image_token_id`` at the top level) and a flat one. An fp8 ``quantization_config``
+        (``quant_method`` "fp8" or ``fmt`` "e4m3") means ``fp8_e4m3_ue8m0`` rows, otherwise
+        bf16; ``engram_row_format`` overrides both. When ``engram_num_embeddings`` is given
         it must equal each layer's row count derived from the primes.
         """
         if isinstance(source, (str, Path)):
@@ -135,8 +142,9 @@ class EngramConfig:
                 raise FileNotFoundError(f"no Hugging Face config at {path}") from None
         else:
             data = dict(source)
-        if "engram_layer_ids" not in data and isinstance(data.get("text_config"), Mapping):
-            data = dict(data["text_config"])
+        text = data.get("text_config")
+        if "engram_layer_ids" not in data and isinstance(text, Mapping):
+            data = {**data, **text}  # the text model's fields win; top-level ones stay visible
         missing = [
             k
             for k in ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads",
@@ -150,6 +158,7 @@ class EngramConfig:
         starts = tuple(vocab) if isinstance(vocab, (list, tuple)) else (int(vocab),) * (n - 1)
         quant = data.get("quantization_config") or {}
         fp8 = quant.get("fmt") == "e4m3" or quant.get("quant_method") == "fp8"
+        image = data.get("image_token_id")
         config = cls(
             layer_ids=tuple(data["engram_layer_ids"]),
             max_ngram_size=n,
@@ -163,6 +172,7 @@ class EngramConfig:
             row_format=data.get("engram_row_format", "fp8_e4m3_ue8m0" if fp8 else "bf16"),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             compressed_vocab_size=data.get("engram_compressed_vocab_size") or None,
+            image_token_id=None if image is None else int(image),
         )
         declared = data.get("engram_num_embeddings")
         if declared is not None:
@@ -329,13 +339,15 @@ class EngramConfig:
 
 # Presets (SPEC section 6). Backbone widths not in SPEC are noted where assumed.
 PRESETS: dict[str, dict[str, Any]] = {
-    # DeepSeek-V4.1-Flash, as its config.json declares (engram_* fields); pad id 2 is the
-    # DeepSeek-V3/V4 tokenizer's "<｜▁pad▁｜>"; hidden size 4096 and hc_mult 4 follow the V4 family.
+    # DeepSeek-V4.1-Flash, as its released config.json declares (SPEC section 4): engram_*,
+    # hidden_size 5120, hc_mult 4 and rms_norm_eps 1e-20 under text_config, image_token_id
+    # 129,264 and the fp8 quantization_config at the top level. Pad id 2 is the DeepSeek-V3/V4
+    # tokenizer's "<｜▁pad▁｜>".
     "deepseek-v4.1-flash": dict(
         layer_ids=(1, 14), max_ngram_size=4, n_heads=8, head_dim=256,
-        prime_starts=(16_000_000,) * 3, pad_id=2, hidden_size=4096, hc_mult=4,
-        variant="v4.1", row_format="fp8_e4m3_ue8m0", rms_norm_eps=1e-6,
-        compressed_vocab_size=99_092,
+        prime_starts=(16_000_000,) * 3, pad_id=2, hidden_size=5120, hc_mult=4,
+        variant="v4.1", row_format="fp8_e4m3_ue8m0", rms_norm_eps=1e-20,
+        compressed_vocab_size=99_092, image_token_id=129_264,
     ),
     # Engram paper (arXiv 2601.07372), 27B: layers 2 and 15, 2- and 3-grams, 8 heads, 80-wide
     # bf16 rows, 5.7B table parameters. Backbone width 2560 is an assumption (not in SPEC).

@@ -1,7 +1,8 @@
 """``NgramHasher``: token ids -> Engram row ids (SPEC section 3), whole sequences or in pieces.
 
 For position ``p`` and lookback ``k`` let ``c_k`` be the compressed id of token ``p-k``
-(the compressed pad id before the sequence start, or from a "dead" token on). Per layer,
+(the compressed pad id before the sequence start, or from a "dead" token on: by default
+the config's ``image_token_id``, or a caller's own mask). Per layer,
 ``mix_n = XOR_{k<n} c_k * m_k`` for orders ``n = 2..N``, and head ``h`` of order ``n``
 reads row ``mix_n mod prime[n][h] + offset[n][h]`` of the layer (a "global" id in the
 layer; the table's flat id adds ``config.layer_row_base(layer)``).
@@ -69,6 +70,9 @@ class NgramHasher:
 
     ``token_map`` is the compression map (``compress_tokenizer``): int64 ``[V]`` raw id ->
     compressed id. Negative ids pass through uncompressed, as in DeepSeek's demo.
+
+    Dead tokens: wherever a caller passes no mask, tokens equal to ``config.image_token_id``
+    are dead (``dead_mask``); a mask the caller passes is used as given.
     """
 
     def __init__(self, config: EngramConfig, token_map: np.ndarray | torch.Tensor | Sequence[int]):
@@ -101,6 +105,15 @@ class NgramHasher:
         self._magic = np.array([(1 << 64) // int(p) for p in self.primes.reshape(-1)],
                                dtype=np.uint64).reshape(self.primes.shape)
         self._kernel = native_kernel()
+        self.image_token_id = config.image_token_id
+
+    def dead_mask(self, input_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray | None:
+        """The default dead mask of raw ids (same shape): tokens equal to the config's
+        ``image_token_id``; None when the config has none or no token is dead."""
+        if self.image_token_id is None:
+            return None
+        dead = _as_numpy_ids(input_ids) == self.image_token_id
+        return dead if dead.any() else None
 
     # ------------------------------------------------------------------ compression
     def compress(self, input_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
@@ -161,7 +174,10 @@ class NgramHasher:
         input_ids: np.ndarray | torch.Tensor,
         dead_mask: np.ndarray | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[B, T]`` raw ids -> int64 ``[B, T, L, C]`` row ids (global within each layer)."""
+        """``[B, T]`` raw ids -> int64 ``[B, T, L, C]`` row ids (global within each layer).
+
+        ``dead_mask`` ``[B, T]`` defaults to the image tokens (``dead_mask(input_ids)``).
+        """
         ids = _as_numpy_ids(input_ids)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {ids.shape}")
@@ -172,6 +188,8 @@ class NgramHasher:
         # windows[b, p, k] = comp[b, p + n - 1 - k]
         windows = np.stack([comp[:, n - 1 - k: n - 1 - k + t] for k in range(n)], axis=-1)
         dead_windows = None
+        if dead_mask is None:
+            dead_mask = self.dead_mask(ids)
         if dead_mask is not None:
             dead = _as_numpy_mask(dead_mask)
             if dead.shape != ids.shape:
@@ -215,7 +233,7 @@ class NgramHasher:
         tokens = _as_numpy_ids(token_ids).reshape(-1)
         if tokens.size != len(seq_ids):
             raise ValueError(f"{tokens.size} token ids for {len(seq_ids)} sequences")
-        if history.any_dead:
+        if history.any_dead or self.dead_mask(tokens) is not None:
             return self.hash_pieces(history, seq_ids, tokens.reshape(-1, 1))
         slots = history.slots_for(seq_ids)
         comp = self.compress(tokens)
@@ -238,6 +256,8 @@ class NgramHasher:
 
         Pieces are concatenated in ``seq_ids`` order. A sequence seen for the first time
         starts at its beginning; any split of a sequence gives the ids of hashing it whole.
+        A piece whose ``dead`` entry is None (or all of them, ``dead=None``) takes the
+        default mask, its image tokens.
         """
         if len(seq_ids) != len(pieces) or (dead is not None and len(dead) != len(pieces)):
             raise ValueError("seq_ids, pieces (and dead) must have one entry per sequence")
@@ -247,17 +267,21 @@ class NgramHasher:
         lengths = np.array([a.size for a in arrays], dtype=np.int64)
         slots = history.slots_for(seq_ids)
         h = self._max_n - 1
-        comp = self.compress(np.concatenate(arrays) if arrays else np.empty(0, np.int64))
-        has_dead = dead is not None and any(d is not None for d in dead)
-        if has_dead:
-            dead_new = np.concatenate([
-                np.zeros(n_, bool) if d is None else _as_numpy_mask(d).reshape(-1)
-                for d, n_ in zip(dead, lengths)
-            ])
-            if dead_new.size != comp.size:
-                raise ValueError("each dead mask must have its piece's length")
-        else:
-            dead_new = np.zeros(comp.size, bool)
+        raw = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
+        comp = self.compress(raw)
+        dead_new = self.dead_mask(raw)  # the default: image tokens
+        if dead is not None and any(d is not None for d in dead):
+            dead_new = np.zeros(raw.size, bool) if dead_new is None else dead_new
+            starts = np.cumsum(lengths) - lengths
+            for d, start, n_ in zip(dead, starts, lengths):
+                if d is not None:
+                    mask = _as_numpy_mask(d).reshape(-1)
+                    if mask.size != n_:
+                        raise ValueError(f"a dead mask of {mask.size} entries for a piece of {n_} tokens")
+                    dead_new[start:start + n_] = mask
+        has_dead = dead_new is not None
+        if not has_dead:
+            dead_new = np.zeros(raw.size, bool)
         # ext holds, per sequence, its h remembered tokens (oldest first) then its new piece.
         ext_len = lengths + h
         ext_start = np.concatenate([[0], np.cumsum(ext_len)[:-1]])

@@ -5,7 +5,8 @@ Every format has a fixed byte layout per row, so a table file is a flat array of
 
 - ``fp32``, ``bf16``, ``fp16``: ``head_dim`` little-endian values.
 - ``fp8_e4m3_ue8m0``: ``head_dim`` bytes of float8_e4m3fn, then ``head_dim / 32``
-  ue8m0 scale bytes (value = fp8 * 2**(byte - 127)).
+  ue8m0 scale bytes (value = fp8 * 2**(byte - 127); as in vLLM, byte 0 decodes to a
+  scale of 0.0 and byte 255 to inf).
 - ``int8``: ``head_dim`` int8 values, then one float32 scale (value = int8 * scale).
 
 ``encode`` turns float rows ``[n, d]`` into raw bytes ``[n, row_bytes]``; ``decode``
@@ -32,6 +33,8 @@ __all__ = [
     "decode_rows",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
+    "dequantize_fp8_blocks",
+    "ue8m0_scales",
 ]
 
 FP8_MAX = 448.0
@@ -106,12 +109,24 @@ def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax/448 = m * 2**e, m in [0.5, 1)
     # ceil(log2(amax/448)): e, except e-1 when the ratio is an exact power of two.
     exp = exponent - (mantissa == 0.5).to(exponent.dtype)
+    # byte 0 decodes to a scale of 0.0 (vLLM), so a non-zero block takes at least byte 1
+    exp = exp.clamp(1 - UE8M0_BIAS, UE8M0_BIAS)  # [n, d/32]
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -UE8M0_BIAS))
-    exp = exp.clamp(-UE8M0_BIAS, UE8M0_BIAS)  # [n, d/32]
     scaled = torch.ldexp(blocks, (-exp).unsqueeze(-1).to(torch.float32))
     values = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(n, d).to(torch.float8_e4m3fn)
     scales = (exp + UE8M0_BIAS).to(torch.uint8)
     return values, scales
+
+
+def ue8m0_scales(scales: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scale bytes (uint8 or float8_e8m0fnu) -> float32 scales ``2**(byte - 127)``.
+
+    Computed as vLLM does, by placing the byte in a float32's exponent field: byte 0 gives
+    0.0 and byte 255 gives inf (neither occurs in a quantized tensor).
+    """
+    if scales.dtype != torch.uint8:
+        scales = scales.view(torch.uint8)  # float8_e8m0fnu and uint8 share the bytes
+    return (scales.to(torch.int32) << 23).view(torch.float32)
 
 
 def dequantize_fp8_ue8m0(
@@ -119,10 +134,29 @@ def dequantize_fp8_ue8m0(
 ) -> torch.Tensor:
     """fp8 values ``[n, d]`` and ue8m0 scale bytes ``[n, d/32]`` -> float rows ``[n, d]``."""
     n, d = values.shape
-    exp = scales.to(torch.int32) - UE8M0_BIAS  # [n, d/32]
     blocks = values.to(torch.float32).reshape(n, d // FP8_BLOCK, FP8_BLOCK)
-    out = torch.ldexp(blocks, exp.unsqueeze(-1).to(torch.float32))
+    out = blocks * ue8m0_scales(scales).unsqueeze(-1)  # exact: a power-of-two scale
     return out.reshape(n, d).to(dtype)
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A block-quantized fp8 matrix ``[out, in]`` with ue8m0 scales
+    ``[ceil(out/bo), ceil(in/bi)]`` -> ``dtype`` ``[out, in]``:
+    element ``(o, i) = fp8 * 2**(scales[o // bo, i // bi] - 127)``.
+    """
+    rows, cols = weight.shape
+    bo, bi = block
+    want = (-(-rows // bo), -(-cols // bi))
+    if tuple(scales.shape) != want:
+        raise ValueError(
+            f"block scales for a [{rows}, {cols}] weight with {bo}x{bi} blocks must be "
+            f"{list(want)}, got {list(scales.shape)}"
+        )
+    full = ue8m0_scales(scales).repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+    return (weight.to(torch.float32) * full).to(dtype)
 
 
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}

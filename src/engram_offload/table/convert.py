@@ -1,24 +1,28 @@
 """Converting a checkpoint's Engram embeddings (safetensors shards) into one table file.
 
-Recognised tensor names (the layer id is the number after ``layers.``):
+Recognised tensors (``checkpoint.py`` has the names; the layer id follows ``layers.``):
 
-- V4.1: ``model.layers.{L}.engram.embed.weight`` float8_e4m3fn ``[rows, d]`` with
-  ``...engram.embed.weight_scale_inv`` ue8m0 ``[rows, d/32]`` (uint8 or float8_e8m0fnu
-  bytes, or float32 powers of two).
+- V4.1: ``layers.{L}.engram.embed.weight`` float8_e4m3fn ``[rows, d]`` with its ue8m0 scales
+  ``[rows, d/32]``, stored as ``embed.scale`` (the released shards), ``embed.weight_scale_inv``
+  or ``embed_tokens.weight_scale_inv`` (uint8 or float8_e8m0fnu bytes, or float powers of two).
 - demo: ``...layers.{L}...multi_head_embedding.embedding.weight`` float ``[rows, d]``.
 
-Shards are streamed: rows are read in chunks through ``safe_open(...).get_slice``.
+With ``model.safetensors.index.json`` only the shards holding these tensors are opened. Rows
+are streamed in chunks through ``safe_open(...).get_slice``; for an fp8 table the value and
+scale bytes are copied unchanged, so the table's raw rows equal the checkpoint's bytes.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..checkpoint import (
+    DEMO_EMBED_NAME, EMBED_SCALE_NAMES, EMBED_WEIGHT_NAMES, CheckpointIndex, missing_message, pick,
+)
 from ..config import EngramConfig
 from ..rows import UE8M0_BIAS, dequantize_fp8_ue8m0, encode_rows
 from .format import DEFAULT_BLOCK_SIZE
@@ -27,9 +31,6 @@ from .writer import TableWriter
 __all__ = ["convert_checkpoint", "find_engram_tensors", "EngramTensors"]
 
 CHUNK_ROWS = 1 << 16
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_V41 = re.compile(r"\.engram\.embed\.weight$")
-_DEMO = re.compile(r"multi_head_embedding\.embedding\.weight$")
 
 
 @dataclass
@@ -44,37 +45,24 @@ class EngramTensors:
 
 
 def find_engram_tensors(checkpoint: str | os.PathLike[str]) -> dict[int, EngramTensors]:
-    """Scan every ``*.safetensors`` shard's header for Engram embedding tensors, by layer."""
-    from safetensors import safe_open
-
-    root = Path(checkpoint)
-    shards = sorted(root.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no *.safetensors shards in {root}")
+    """Each Engram layer's embedding (and scale) tensors, from the index or the shard headers."""
+    index = CheckpointIndex.open(checkpoint)
     found: dict[int, EngramTensors] = {}
-    scales: dict[int, tuple[Path, str]] = {}
-    for shard in shards:
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                m = _LAYER.search(name)
-                if not m:
-                    continue
-                layer = int(m.group(1))
-                if name.endswith(".engram.embed.weight_scale_inv"):
-                    scales[layer] = (shard, name)
-                elif _V41.search(name) or _DEMO.search(name):
-                    if layer in found:
-                        raise ValueError(
-                            f"layer {layer} has two Engram embeddings: {found[layer].weight} and {name}"
-                        )
-                    found[layer] = EngramTensors(layer, shard, name)
-    for layer, (shard, name) in scales.items():
-        if layer not in found:
-            raise ValueError(f"{name} has no matching embed.weight in {root}")
-        found[layer].scale, found[layer].scale_shard = name, shard
+    for layer, tensors in sorted(index.engram_layers().items()):
+        v41, demo = pick(tensors, EMBED_WEIGHT_NAMES), tensors.get(DEMO_EMBED_NAME)
+        if v41 and demo:
+            raise ValueError(f"layer {layer} has two Engram embeddings: {v41} and {demo}")
+        weight = v41 or demo
+        scale = pick(tensors, EMBED_SCALE_NAMES)
+        if weight is None:
+            if scale is not None:
+                raise ValueError(f"{scale} has no matching embed.weight in {index.root}")
+            continue
+        found[layer] = EngramTensors(layer, index.shard_of[weight], weight, scale,
+                                     index.shard_of[scale] if scale else None)
     if not found:
         raise ValueError(
-            f"no Engram embedding tensors in {root} (looked for '...layers.L.engram.embed.weight' "
+            f"no Engram embedding tensors in {index.root} (looked for '...layers.L.engram.embed.weight' "
             "and '...layers.L...multi_head_embedding.embedding.weight')"
         )
     return found
@@ -89,9 +77,9 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     if scale.is_floating_point():
         exp = torch.log2(scale.to(torch.float32))
         if not torch.equal(exp, exp.round()):
-            raise ValueError("weight_scale_inv holds values that are not powers of two; not ue8m0")
+            raise ValueError("the embedding scales hold values that are not powers of two; not ue8m0")
         return (exp.round() + UE8M0_BIAS).clamp(0, 254).to(torch.uint8)
-    raise ValueError(f"unsupported weight_scale_inv dtype {scale.dtype}")
+    raise ValueError(f"unsupported embedding scale dtype {scale.dtype}")
 
 
 def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
@@ -119,7 +107,8 @@ def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
             w = weight[start:stop]  # [k, d]
             if w.dtype == torch.float8_e4m3fn:
                 if scale is None:
-                    raise ValueError(f"{t.weight} is float8_e4m3fn but has no weight_scale_inv tensor")
+                    raise ValueError(f"{t.weight} is float8_e4m3fn but "
+                                     + missing_message(EMBED_SCALE_NAMES, "ue8m0 scales", t.layer_id))
                 s = _scale_bytes(scale[start:stop])  # [k, d/32] uint8
                 if config.row_format == "fp8_e4m3_ue8m0":
                     yield torch.cat([w.view(torch.uint8), s], dim=1)

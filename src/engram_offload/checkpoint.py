@@ -1,0 +1,139 @@
+"""A safetensors checkpoint's Engram tensors: where they are, and reading only those.
+
+Names (SPEC section 4). The released DeepSeek-V4.1 shards name a layer's tensors
+``layers.{L}.engram.*`` (a ``model.`` prefix, as serving engines write them, is accepted):
+
+- ``embed.weight`` float8_e4m3fn ``[rows, d]`` and its ue8m0 scales ``[rows, d/32]``, stored as
+  ``embed.scale``; ``embed.weight_scale_inv`` and vLLM's ``embed_tokens.weight_scale_inv``
+  (with ``embed_tokens.weight``) are accepted too;
+- ``wkv.weight`` (float8_e4m3fn with ue8m0 block scales ``wkv.scale``, or plain floats),
+  ``q_weight``, ``k_weight``;
+- demo checkpoints: the demo module's state-dict names (``multi_head_embedding.embedding.weight``, ...).
+
+``model.safetensors.index.json``, when present, says which shard holds which tensor, so only
+the shards holding a layer's Engram tensors are opened; without it every shard's header
+(never its data) is read to find them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = [
+    "CheckpointIndex",
+    "EMBED_WEIGHT_NAMES",
+    "EMBED_SCALE_NAMES",
+    "WKV_SCALE_NAMES",
+    "DEMO_EMBED_NAME",
+    "INDEX_FILE",
+    "pick",
+    "missing_message",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+EMBED_WEIGHT_NAMES = ("embed.weight", "embed_tokens.weight")
+EMBED_SCALE_NAMES = ("embed.scale", "embed.weight_scale_inv", "embed_tokens.weight_scale_inv")
+WKV_SCALE_NAMES = ("wkv.scale", "wkv.weight_scale_inv")
+DEMO_EMBED_NAME = "multi_head_embedding.embedding.weight"
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+
+
+def engram_suffix(name: str) -> tuple[int, str] | None:
+    """``(layer_id, name within the layer's Engram module)`` of a checkpoint tensor, or None."""
+    m = _LAYER.search(name)
+    if m is None:
+        return None
+    rest = m.group(2)
+    if rest.startswith("engram."):
+        return int(m.group(1)), rest[len("engram."):]
+    if rest.endswith(DEMO_EMBED_NAME):  # a demo embedding under another module name
+        return int(m.group(1)), DEMO_EMBED_NAME
+    return None
+
+
+@dataclass
+class CheckpointIndex:
+    """Which shard holds each tensor of a checkpoint folder, and its Engram tensors by layer."""
+
+    root: Path
+    shard_of: dict[str, Path]
+
+    @classmethod
+    def open(cls, checkpoint: str | os.PathLike[str]) -> "CheckpointIndex":
+        """Read ``model.safetensors.index.json``, or else the header of every shard."""
+        root = Path(checkpoint)
+        index = root / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map: is it a safetensors index?")
+            return cls(root, {name: root / shard for name, shard in weight_map.items()})
+        shards = sorted(root.glob("*.safetensors"))
+        if not shards:
+            raise FileNotFoundError(f"no *.safetensors shards and no {INDEX_FILE} in {root}")
+        from safetensors import safe_open
+
+        shard_of: dict[str, Path] = {}
+        for shard in shards:
+            with safe_open(shard, framework="pt") as f:
+                shard_of.update((name, shard) for name in f.keys())
+        return cls(root, shard_of)
+
+    def engram_layers(self) -> dict[int, dict[str, str]]:
+        """layer_id -> {name within the Engram module: full tensor name}."""
+        out: dict[int, dict[str, str]] = defaultdict(dict)
+        for name in self.shard_of:
+            found = engram_suffix(name)
+            if found is not None:
+                layer, suffix = found
+                if suffix in out[layer]:
+                    raise ValueError(
+                        f"layer {layer} has two Engram tensors named {suffix}: "
+                        f"{out[layer][suffix]} and {name}"
+                    )
+                out[layer][suffix] = name
+        return dict(out)
+
+    def layer_tensors(self, layer_id: int) -> dict[str, str]:
+        """One layer's Engram tensors (name within the module -> full name); error if none."""
+        layers = self.engram_layers()
+        if layer_id not in layers:
+            raise KeyError(
+                f"{self.root} has no Engram tensors for layer {layer_id} (looked for "
+                f"'layers.{layer_id}.engram.*'); its Engram layers: {sorted(layers)}"
+            )
+        return layers[layer_id]
+
+    def read(self, names: Iterable[str]) -> dict:
+        """The named tensors, each shard holding one of them opened once; no other tensor read."""
+        from safetensors import safe_open
+
+        by_shard: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            by_shard[self.shard_of[name]].append(name)
+        out = {}
+        for shard, shard_names in by_shard.items():
+            with safe_open(shard, framework="pt") as f:
+                out.update((name, f.get_tensor(name)) for name in shard_names)
+        return out
+
+
+def pick(tensors: dict[str, str], candidates: tuple[str, ...]) -> str | None:
+    """The full name of the first of ``candidates`` present in a layer's ``tensors``, else None."""
+    for candidate in candidates:
+        if candidate in tensors:
+            return tensors[candidate]
+    return None
+
+
+def missing_message(candidates: tuple[str, ...], what: str, layer_id: int) -> str:
+    """An error naming a missing Engram tensor and every name that was tried."""
+    tried = ", ".join(f"layers.{layer_id}.engram.{c}" for c in candidates)
+    return f"layer {layer_id} has no {what}: tried {tried}"
