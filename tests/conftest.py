@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,8 @@ import torch
 from engram_offload.config import EngramConfig
 from tiny_tables import tiny_config as _tiny_config
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "demo_small.safetensors"
+DATA = Path(__file__).resolve().parent / "data"
+VECTORS = DATA / "demo_small.safetensors"  # DeepSeek's demo, run on seeded parameters (data/README.md)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,12 +26,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def demo_vectors() -> dict:
-    """Tensors and metadata of ``demo_small.safetensors`` (skips when shared/ is absent)."""
+    """Tensors and metadata of ``tests/data/demo_small.safetensors``; a missing file fails."""
     if not VECTORS.is_file():
-        message = f"reference vectors not found at {VECTORS}"
-        if os.environ.get("CI"):
-            pytest.fail(message + " (CI runs with shared/ beside the checkout)")
-        pytest.skip(message)
+        pytest.fail(f"the reference vectors {VECTORS} are missing: they ship with the repository")
     from safetensors import safe_open
 
     with safe_open(str(VECTORS), "pt") as f:
