@@ -1,4 +1,7 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +135,66 @@ def test_scaled_and_dict_round_trip():
     s = c.scaled(0.0625)
     assert s.table_bytes / 2**30 == pytest.approx(11.8, rel=0.01)
     assert EngramConfig(**s.to_dict()) == s
+
+
+RELEASED_CONFIG = Path(__file__).resolve().parent / "data" / "deepseek-v4.1-flash-config.json"
+
+
+def test_the_preset_is_the_released_config():
+    preset = EngramConfig.from_name("deepseek-v4.1-flash")
+    assert (preset.hidden_size, preset.hc_mult, preset.rms_norm_eps) == (5120, 4, 1e-20)
+    assert preset.image_token_id == 129_264
+    released = EngramConfig.from_hf_config(RELEASED_CONFIG)
+    assert released == preset  # every field (the name aside)
+    assert released.row_format == "fp8_e4m3_ue8m0" and released.table_bytes == 202_758_032_400
+
+
+def test_from_hf_config_reads_top_level_quantization_and_image_token_beside_text_config():
+    text = {k: v for k, v in _hf_dict().items() if k != "quantization_config"}
+    nested = {"image_token_id": 129_264, "quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0"},
+              "text_config": text}
+    c = EngramConfig.from_hf_config(nested)
+    assert c.row_format == "fp8_e4m3_ue8m0" and c.image_token_id == 129_264
+    assert EngramConfig.from_hf_config({"text_config": text}).row_format == "bf16"  # no quantization
+    assert EngramConfig.from_hf_config(_hf_dict()).image_token_id is None  # flat, no image token
+
+
+def test_info_on_the_released_config_reports_the_reference_figures():
+    script = Path(sys.executable).with_name("engram-offload")
+    assert script.is_file(), f"the engram-offload command is not installed next to {sys.executable}"
+    done = subprocess.run([str(script), "info", "--config", str(RELEASED_CONFIG), "--tp", "4"],
+                          capture_output=True, text=True, check=True)
+    assert "fp8_e4m3_ue8m0" in done.stdout
+    assert "202,758,032,400 bytes" in done.stdout
+    assert "3,168 bytes per GPU" in done.stdout
+
+
+def test_prime_search_starts_above_a_prime_boundary():
+    # the engines take the next prime above vocab_size - 1: with a start of 102 the boundary
+    # 101 is itself prime and must not be taken
+    c = EngramConfig(layer_ids=(1,), max_ngram_size=3, n_heads=2, head_dim=8, prime_starts=(102, 102))
+    assert c.primes == {1: ((103, 107), (109, 113))}
+    assert next_unused_prime(101, set()) == 103
+
+
+def test_tiny_config_primes_are_pinned(tiny_config):
+    # 499 = 500 - 1 is prime, so a search starting at the boundary would change these
+    c = tiny_config()
+    assert c.primes == {1: ((307, 311), (503, 509)), 3: ((313, 317), (521, 523))}
+    assert c.rows_per_layer == {1: 1630, 3: 1674}
+
+
+def test_importing_the_package_is_light_and_never_initialises_cuda():
+    code = (
+        "import sys\n"
+        "import engram_offload\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'eager heavy imports'\n"
+        "from engram_offload import (NgramHasher, EngramLayer, compress_tokenizer, cached_token_map,\n"
+        "                            Prefetcher, open_table)\n"
+        "import torch\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "assert EngramLayer.__module__ == 'engram_offload.layer' and callable(open_table)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

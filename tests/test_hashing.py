@@ -156,3 +156,44 @@ def test_native_kernel_extreme_mixes():
     fallback.multipliers[:] = native.multipliers
     ids = np.arange(1000).reshape(1, -1)
     assert torch.equal(native.hash_all(ids), fallback.hash_all(ids))
+
+
+IMAGE = 49
+WITH_IMAGES = SMALL.replace(image_token_id=IMAGE)
+
+
+def test_image_tokens_are_dead_by_default_in_batches():
+    hasher = NgramHasher(WITH_IMAGES, TOKEN_MAP)
+    ids = np.array([[3, 4, IMAGE, IMAGE, 7, 8, 9, 10], [IMAGE, 1, 2, 3, 4, 5, 6, IMAGE]])
+    got = hasher.hash_all(ids).numpy()
+    for b in range(2):
+        dead = (ids[b] == IMAGE).tolist()
+        assert np.array_equal(got[b], reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids[b].tolist(), dead))
+    # an explicit mask is used as given: here, nothing is dead
+    live = hasher.hash_all(ids, np.zeros(ids.shape, bool)).numpy()
+    assert np.array_equal(live[0], reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids[0].tolist()))
+    assert not np.array_equal(live, got)
+    # without an image token id in the config nothing is dead by default
+    assert np.array_equal(NgramHasher(SMALL, TOKEN_MAP).hash_all(ids).numpy(), live)
+
+
+def test_image_tokens_are_dead_by_default_in_pieces_and_decode_steps():
+    hasher = NgramHasher(WITH_IMAGES, TOKEN_MAP)
+    seqs = {0: [5, 6, IMAGE, IMAGE, 8, 9, IMAGE, 11, 12, 13], 1: [1, 2, 3, 4, 5, 6, 7, 8, IMAGE, 9]}
+    history = hasher.new_history()
+    got = {s: [hasher.hash_pieces(history, [s], [seqs[s][:4]])] for s in seqs}  # prefill, dead=None
+    for t in range(4, 10):  # then one token per sequence per step
+        out = hasher.hash_decode(history, [0, 1], [seqs[0][t], seqs[1][t]])
+        got[0].append(out[:1])
+        got[1].append(out[1:])
+    for s, ids in seqs.items():
+        expected = reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids, [t == IMAGE for t in ids])
+        assert np.array_equal(torch.cat(got[s]).numpy(), expected), s
+    # a piece with its own mask keeps it; a piece without one takes the default
+    history = hasher.new_history()
+    out = hasher.hash_pieces(history, [0, 1], [seqs[0], seqs[1]], dead=[np.zeros(10, bool), None])
+    assert np.array_equal(out[:10].numpy(), reference_row_ids(WITH_IMAGES, TOKEN_MAP, seqs[0]))
+    assert np.array_equal(out[10:].numpy(), reference_row_ids(WITH_IMAGES, TOKEN_MAP, seqs[1],
+                                                              [t == IMAGE for t in seqs[1]]))
+    with pytest.raises(ValueError, match="a dead mask of 3 entries for a piece of 10 tokens"):
+        hasher.hash_pieces(hasher.new_history(), [0], [seqs[0]], dead=[[True, False, True]])

@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -5,7 +6,7 @@ import pytest
 import torch
 
 from engram_offload.config import EngramConfig
-from engram_offload.layer import EngramLayer
+from engram_offload.layer import EngramLayer, signed_sqrt, ssqrt
 from engram_offload.rows import encode_rows
 
 
@@ -118,3 +119,107 @@ def test_forward_argument_errors(demo_vectors):
     no_map = EngramLayer(layer.config, 15)
     with pytest.raises(ValueError, match="no token map"):
         no_map(h, demo_vectors["input_ids"])
+
+
+def test_v41_gate_at_exactly_zero_is_the_engines_ssqrt():
+    layer, _ = _v41_layer()
+    with torch.no_grad():
+        layer.q_weight.zero_()  # every dot product is exactly 0
+    g = torch.Generator().manual_seed(2)
+    h, key = torch.randn(1, 3, 2, 16, generator=g), torch.randn(1, 3, 2, 16, generator=g)
+    gate = layer.gate(h, key)
+    # ssqrt(0) = +sqrt(1e-6) = 1e-3 (the demo's torch.sign would give sigmoid(0) = 0.5)
+    assert torch.equal(gate, torch.full_like(gate, torch.tensor(1e-3).sigmoid().item()))
+    assert torch.equal(ssqrt(torch.tensor([0.0, -0.0, -4.0, 1e-8])), torch.tensor([1e-3, 1e-3, -2.0, 1e-3]))
+    assert signed_sqrt(torch.tensor(0.0)) == 0  # the demo variant keeps torch.sign
+
+
+def test_v41_q_times_k_is_taken_in_float32_in_a_bf16_module():
+    layer, _ = _v41_layer()
+    layer = layer.bfloat16()
+    with torch.no_grad():
+        layer.q_weight.fill_(1 + 2**-7)  # exact in bf16; q*k = 1 + 2**-6 + 2**-14 is not
+        layer.k_weight.fill_(1 + 2**-7)
+    h = key = torch.ones(1, 1, 2, 16)
+    with torch.no_grad():
+        gate = layer.gate(h, key)
+    # dot = sqrt(D) * q*k / (1 + eps), in float64 with the exact product
+    dot = 4 * (1 + 2**-7) ** 2 / (1 + V41.rms_norm_eps)
+    expected = 1 / (1 + math.exp(-math.sqrt(dot)))
+    assert gate.dtype == torch.float32
+    assert abs(float(gate[0, 0, 0]) - expected) < 1e-6  # a bf16 product would be 6e-6 off
+
+
+def test_v41_state_dict_accepts_every_scale_spelling_and_names_the_missing_one():
+    layer, raw = _v41_layer()
+    state = {k: v for k, v in layer.state_dict().items()}
+    assert {"embed.weight", "embed.scale", "wkv.weight", "q_weight", "k_weight"} <= set(state)
+    for spelling in ("embed.scale", "embed.weight_scale_inv", "embed_tokens.weight_scale_inv"):
+        other = EngramLayer(V41, 3, np.arange(40) % 29)
+        renamed = {k: v for k, v in state.items() if k != "embed.scale"}
+        renamed[spelling] = state["embed.scale"].view(torch.float8_e8m0fnu)
+        if spelling.startswith("embed_tokens"):
+            renamed["embed_tokens.weight"] = renamed.pop("embed.weight")
+        other.load_state_dict(renamed, strict=True)
+        assert torch.equal(other.embed.scale, raw[:, 32:])
+    missing = {k: v for k, v in state.items() if k != "embed.scale"}
+    with pytest.raises(RuntimeError, match=r"layer 3 has no embedding scales: tried layers\.3\.engram\.embed\.scale, "
+                                           r"layers\.3\.engram\.embed\.weight_scale_inv, "
+                                           r"layers\.3\.engram\.embed_tokens\.weight_scale_inv"):
+        EngramLayer(V41, 3, np.arange(40) % 29).load_state_dict(missing, strict=True)
+
+
+def test_v41_fp8_wkv_with_block_scales_loads_exactly():
+    layer, _ = _v41_layer()
+    g = torch.Generator().manual_seed(9)
+    out_features, in_features = layer.wkv.weight.shape  # [48, 128]: 48 is not a multiple of 32
+    fp8 = (torch.randn(out_features, in_features, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.randint(110, 130, (2, 4), generator=g, dtype=torch.int32).to(torch.uint8)
+    state = layer.state_dict() | {"wkv.weight": fp8, "wkv.scale": scale.view(torch.float8_e8m0fnu)}
+    layer.load_state_dict(state, strict=True)
+    for o, i in [(0, 0), (31, 31), (32, 33), (47, 127), (40, 64)]:
+        expected = float(fp8[o, i].float()) * 2.0 ** (int(scale[o // 32, i // 32]) - 127)
+        assert float(layer.wkv.weight.detach()[o, i]) == expected
+    with pytest.raises(RuntimeError, match=r"float8_e4m3fn but layer 3 has no block scales: tried layers\.3\.engram\.wkv\.scale"):
+        layer.load_state_dict({k: v for k, v in state.items() if k != "wkv.scale"}, strict=True)
+
+
+def test_v41_image_tokens_are_dead_by_default_and_an_explicit_mask_wins():
+    config = V41.replace(image_token_id=39)
+    layer = EngramLayer(config, 3, np.arange(40) % 29)
+    layer.load_state_dict(_v41_layer()[0].state_dict(), strict=True)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 6, 2, 16, generator=g)
+    ids = torch.tensor([[4, 8, 39, 39, 15, 16]])
+    dead = ids == 39
+    with torch.no_grad():
+        default = layer(h, ids)
+        assert torch.equal(default, layer(h, ids, dead_mask=dead))
+        assert torch.equal(default[dead], h[dead])
+        live = layer(h, ids, dead_mask=torch.zeros_like(dead))  # the caller's mask is used as given
+    assert not torch.equal(live[dead], h[dead])
+    assert not torch.equal(live[0, 4:], default[0, 4:])  # lookbacks over the image tokens differ
+
+
+def test_from_checkpoint_builds_the_demo_variant_from_demo_names(demo_vectors, tmp_path):
+    from safetensors.torch import save_file
+
+    meta = demo_vectors["meta"]
+    demo = meta["config"]
+    hf = {"engram_layer_ids": demo["layer_ids"], "engram_max_ngram_size": demo["max_ngram_size"],
+          "engram_n_heads": demo["n_head_per_ngram"],
+          "engram_head_dim": demo["n_embed_per_ngram"] // demo["n_head_per_ngram"],
+          "engram_vocab_size": demo["engram_vocab_size"], "engram_pad_token_id": demo["pad_id"],
+          "hidden_size": demo["hidden_size"], "hc_mult": demo["hc_mult"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    layer_id = meta["engram_layer"]
+    state = {f"layers.{layer_id}.engram.{k[len('state.'):]}": v.contiguous()
+             for k, v in demo_vectors.items() if k.startswith("state.")}
+    save_file(state | {"layers.0.mlp.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    layer = EngramLayer.from_checkpoint(tmp_path, layer_id, token_map=demo_vectors["lookup_table"])
+    assert layer.config.variant == "demo"
+    with torch.no_grad():
+        out = layer(demo_vectors["hidden_states"], demo_vectors["input_ids"])
+    torch.testing.assert_close(out, demo_vectors["output"], atol=1e-5, rtol=0)
+    with pytest.raises(KeyError, match=r"no Engram tensors for layer 2 .* Engram layers: \[15\]"):
+        EngramLayer.from_checkpoint(tmp_path, 2)

@@ -1,9 +1,13 @@
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_offload.rows import ROW_FORMATS, decode_rows, dequantize_fp8_ue8m0, encode_rows, row_bytes
+from engram_offload.rows import (
+    ROW_FORMATS, decode_rows, dequantize_fp8_blocks, dequantize_fp8_ue8m0, encode_rows, row_bytes, ue8m0_scales,
+)
 
 
 @pytest.mark.parametrize("fmt", list(ROW_FORMATS))
@@ -91,3 +95,37 @@ def test_fp8_decode_of_a_strided_view_and_of_no_rows():
     assert torch.equal(decode_rows(view, "fp8_e4m3_ue8m0", 64), decode_rows(raw, "fp8_e4m3_ue8m0", 64))
     empty = decode_rows(raw[:0], "fp8_e4m3_ue8m0", 64, torch.bfloat16)
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
+
+
+def test_ue8m0_bytes_0_and_255_decode_like_vllm():
+    # vLLM builds the scale as a float32 whose exponent field is the byte: 0 -> 0.0, 255 -> inf
+    assert ue8m0_scales(torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)).tolist() == [
+        0.0, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127, math.inf]
+    values = torch.tensor([[0.0, 1.5] * 16, [0.0, -2.0] * 16])  # [2, 32]
+    rows = dequantize_fp8_ue8m0(values.to(torch.float8_e4m3fn), torch.tensor([[0], [255]], dtype=torch.uint8))
+    assert torch.equal(rows[0], torch.zeros(32))
+    assert rows[1, 0].isnan() and rows[1, 1] == -math.inf  # 0 * inf and -2 * inf
+    raw = torch.cat([values.to(torch.float8_e4m3fn).view(torch.uint8), torch.tensor([[0], [255]], dtype=torch.uint8)], 1)
+    decoded = decode_rows(raw, "fp8_e4m3_ue8m0", 32)
+    assert torch.equal(decoded[0], rows[0]) and decoded[1, 1] == -math.inf and decoded[1, 0].isnan()
+
+
+def test_a_tiny_nonzero_block_never_takes_scale_byte_0():
+    x = torch.zeros(2, 32)
+    x[0, 0] = 2.0**-130  # would want a scale below 2**-127
+    raw = encode_rows(x, "fp8_e4m3_ue8m0")
+    assert raw[:, 32].tolist() == [1, 0]  # the zero block keeps byte 0: it decodes to zeros either way
+    assert torch.equal(decode_rows(raw, "fp8_e4m3_ue8m0", 32), x)
+
+
+def test_block_dequantization_of_a_matrix_with_a_partial_block():
+    g = torch.Generator().manual_seed(0)
+    fp8 = (torch.randn(70, 40, generator=g) * 30).to(torch.float8_e4m3fn)
+    scales = torch.randint(100, 140, (3, 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    out = dequantize_fp8_blocks(fp8, scales.view(torch.float8_e8m0fnu))
+    assert out.shape == (70, 40) and out.dtype == torch.float32
+    for o in range(70):
+        for i in range(0, 40, 7):
+            assert float(out[o, i]) == float(fp8[o, i].float()) * 2.0 ** (int(scales[o // 32, i // 32]) - 127)
+    with pytest.raises(ValueError, match=r"must be \[3, 2\], got \[2, 2\]"):
+        dequantize_fp8_blocks(fp8, scales[:2])

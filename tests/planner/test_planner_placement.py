@@ -34,6 +34,9 @@ def test_v41_flash_weights_follow_the_fp4_fp8_checkpoint():
     assert m.total_params == pytest.approx(552e9)
     assert m.active_params_prefill == 8e9 and m.active_params_decode == 16e9
     assert {g.precision for g in m.weights if g.routed} == {"fp4"}
+    # hidden 5,120 as the released config.json: bf16 embedding and head 2 * 129,280 * 5,120
+    assert m.hidden_size == 5120 == m.engram.hidden_size
+    assert next(g for g in m.weights if g.name == "embedding and head").params == 1_323_827_200
     assert PRECISION_BYTES["fp4"] == 0.53125
     # 552B with 97.4% routed experts at 4.25 bits, the rest FP8 (embeddings bf16): ~301 GB
     assert 295e9 < m.weight_bytes < 305e9

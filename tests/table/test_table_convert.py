@@ -100,3 +100,53 @@ def test_convert_layer_mismatch_and_no_tensors(tmp_path):
     with pytest.raises(ValueError, match="no Engram embedding tensors"):
         convert_checkpoint(empty, tmp_path / "t.tbl", config)
     assert cli.main(["convert", str(empty), "--out", str(tmp_path / "x.tbl")]) == 1
+
+
+def test_convert_float32_power_of_two_scales_with_bias_127(tmp_path):
+    # scales stored as float32 powers of two 2**(byte - 127): a bias of 126 would move every byte by one
+    config = EngramConfig.from_hf_config(HF_CONFIG)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    expected = []
+    for layer in config.layer_ids:
+        raw = encode_rows(torch.randn(config.rows_per_layer[layer], 64) * 3, "fp8_e4m3_ue8m0")
+        expected.append(raw)
+        exponents = raw[:, 64:].to(torch.float32) - 127
+        save_file({
+            f"layers.{layer}.engram.embed.weight": raw[:, :64].contiguous().view(torch.float8_e4m3fn),
+            f"layers.{layer}.engram.embed.scale": torch.ldexp(torch.ones_like(exponents), exponents),
+        }, str(ckpt / f"layer{layer}.safetensors"))
+    out = convert_checkpoint(ckpt, tmp_path / "t.tbl", config)
+    with open_table(out, "memory") as store:
+        assert torch.equal(store.tier.rows, torch.cat(expected))
+
+
+@pytest.mark.parametrize("weight,scale", [("embed.weight", "embed.scale"),
+                                          ("embed_tokens.weight", "embed_tokens.weight_scale_inv")])
+def test_convert_reads_the_released_and_the_engine_names(tmp_path, weight, scale):
+    config = EngramConfig.from_hf_config(HF_CONFIG)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    expected = []
+    for layer in config.layer_ids:
+        raw = encode_rows(torch.randn(config.rows_per_layer[layer], 64), "fp8_e4m3_ue8m0")
+        expected.append(raw)
+        save_file({f"layers.{layer}.engram.{weight}": raw[:, :64].contiguous().view(torch.float8_e4m3fn),
+                   f"layers.{layer}.engram.{scale}": raw[:, 64:].contiguous().view(torch.float8_e8m0fnu)},
+                  str(ckpt / f"layer{layer}.safetensors"))
+    out = convert_checkpoint(ckpt, tmp_path / "t.tbl", config)
+    with open_table(out, "memory") as store:
+        assert torch.equal(store.tier.rows, torch.cat(expected))
+
+
+def test_convert_fp8_without_scales_names_the_names_tried(tmp_path):
+    config = EngramConfig.from_hf_config(HF_CONFIG)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({f"layers.{i}.engram.embed.weight": torch.zeros(config.rows_per_layer[i], 64).to(torch.float8_e4m3fn)
+               for i in config.layer_ids}, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layer 1 has no ue8m0 scales: tried layers\.1\.engram\.embed\.scale, "
+                                         r"layers\.1\.engram\.embed\.weight_scale_inv, "
+                                         r"layers\.1\.engram\.embed_tokens\.weight_scale_inv"):
+        convert_checkpoint(ckpt, tmp_path / "t.tbl", config)
+    assert not (tmp_path / "t.tbl").exists()

@@ -138,18 +138,21 @@ class ModelSpec:
 # Split between routed experts and the rest: ASSUMED at V4-Flash's ratio. V4-Flash
 #   (config.json: 43 layers, 256 routed experts, hidden 4096, moe_intermediate 2048) has
 #   43*256*3*4096*2048 = 277.0B routed of 284.4B, i.e. 2.6% non-routed; 2.6% of 552B = 14.4B,
-#   of which the bf16 embedding and head are 2 * 129,280 * 4096 = 1.06B.
-# Layers 43, hidden 4096, 256 experts top-6: ASSUMED equal to V4-Flash (config.json).
+#   of which the bf16 embedding and head are 2 * 129,280 * 5,120 = 1.32B (V4.1's hidden size).
+# Hidden size 5,120: the released V4.1-Flash config.json (text_config.hidden_size), as in
+#   the "deepseek-v4.1-flash" Engram preset.
+# Layers 43, 256 experts top-6: ASSUMED equal to V4-Flash (config.json).
 # KV bytes per token: V4-Pro holds 1M tokens in 9.62 GiB (bf16, 61 layers; DeepSeek-V4
 #   report) = 161.5 B/token/layer; at 43 layers 6,944 B/token; V4.1 "one quarter" -> 1,736.
 #   One latent KV head (num_key_value_heads = 1), so every TP rank keeps the whole cache.
 _V41_NONROUTED = 552e9 * (1 - 276.98 / 284.44)
-_V41_EMBED = 2 * 129_280 * 4096
+_V41_ENGRAM = EngramConfig.from_name("deepseek-v4.1-flash")
+_V41_EMBED = 2 * 129_280 * _V41_ENGRAM.hidden_size
 
 MODELS: dict[str, ModelSpec] = {
     "deepseek-v4.1-flash": ModelSpec(
         name="deepseek-v4.1-flash",
-        engram=EngramConfig.from_name("deepseek-v4.1-flash"),
+        engram=_V41_ENGRAM,
         weights=(
             WeightGroup("routed experts", 552e9 - _V41_NONROUTED, "fp4", routed=True),
             WeightGroup("attention, shared experts, router", _V41_NONROUTED - _V41_EMBED, "fp8"),
@@ -159,7 +162,7 @@ MODELS: dict[str, ModelSpec] = {
         active_params_decode=16e9,
         num_layers=43,
         kv_bytes_per_token=9.62 * 2**30 / 2**20 / 61 * 43 / 4,
-        hidden_size=4096,
+        hidden_size=_V41_ENGRAM.hidden_size,
         kv_replicated_across_tp=True,
         num_experts=256,
         experts_per_token=6,
