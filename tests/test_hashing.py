@@ -179,7 +179,8 @@ def test_image_tokens_are_dead_by_default_in_batches():
 
 def test_image_tokens_are_dead_by_default_in_pieces_and_decode_steps():
     hasher = NgramHasher(WITH_IMAGES, TOKEN_MAP)
-    seqs = {0: [5, 6, IMAGE, IMAGE, 8, 9, IMAGE, 11, 12, 13], 1: [1, 2, 3, 4, 5, 6, 7, 8, IMAGE, 9]}
+    # the first image token arrives in a decode step, the others in a prefill piece
+    seqs = {0: [5, 6, 7, 8, IMAGE, IMAGE, 9, 11, IMAGE, 13], 1: [1, 2, 3, 4, 5, 6, 7, 8, IMAGE, 9]}
     history = hasher.new_history()
     got = {s: [hasher.hash_pieces(history, [s], [seqs[s][:4]])] for s in seqs}  # prefill, dead=None
     for t in range(4, 10):  # then one token per sequence per step
@@ -190,6 +191,9 @@ def test_image_tokens_are_dead_by_default_in_pieces_and_decode_steps():
         expected = reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids, [t == IMAGE for t in ids])
         assert np.array_equal(torch.cat(got[s]).numpy(), expected), s
     # a piece with its own mask keeps it; a piece without one takes the default
+    prefill = hasher.hash_pieces(hasher.new_history(), [0], [seqs[0][2:]])
+    assert np.array_equal(prefill.numpy(), reference_row_ids(WITH_IMAGES, TOKEN_MAP, seqs[0][2:],
+                                                             [t == IMAGE for t in seqs[0][2:]]))
     history = hasher.new_history()
     out = hasher.hash_pieces(history, [0, 1], [seqs[0], seqs[1]], dead=[np.zeros(10, bool), None])
     assert np.array_equal(out[:10].numpy(), reference_row_ids(WITH_IMAGES, TOKEN_MAP, seqs[0]))
