@@ -33,8 +33,10 @@ def test_gather_decodes_rows(v41_table, tier):
         assert torch.equal(rows.reshape(4, 256), want)
         assert torch.equal(store.read_raw([3, 3]), raw[[3, 3]])
         stats = store.stats()
-        assert stats["requests"] == 2 and stats["rows"] == 6 and stats["tier"] == tier
-        assert stats["bytes_read"] >= 6 * 264
+        assert stats["store"]["fetches"] == 2 and stats["store"]["rows_requested"] == 6
+        assert stats["store"]["rows_unique"] == 5  # read_raw([3, 3]) reads row 3 once
+        assert stats["tier"]["tier"] == tier and stats["tier"]["rows"] == 5
+        assert stats["tier"]["bytes_read"] >= 5 * 264 and stats["table_bytes"] == path.stat().st_size
 
 
 def test_cache_bytes_wraps_the_tier_in_a_cached_store(v41_table):
