@@ -187,7 +187,8 @@ class TableStore:
         if u == 0:
             out, pins = torch.empty((0, self._rb), dtype=torch.uint8, device=self.device), []
         elif not self.levels:
-            out, pins = self._read_tier(ids, None, None), []
+            out, pins = torch.empty((u, self._rb), dtype=torch.uint8), []  # [u, row_bytes]
+            self._read_tier(ids, out)  # straight into the result
         else:
             out, pins = self._through_levels(ids, hold, t_start)
         self._account(u, requested, time.perf_counter() - t_start)
@@ -223,10 +224,9 @@ class TableStore:
         ``acquire_counted`` result (its hits pinned, not yet copied)."""
         served: list[_Served] = []
         try:
-            remaining = self._look_up(ids, out, first, served, t_start)
-            if remaining is None or remaining.size:
-                self._read_tier(ids, remaining, out)
-            missed = np.arange(ids.size) if remaining is None else remaining
+            missed = self._look_up(ids, out, first, served, t_start)
+            if missed.size:
+                self._read_misses(ids, missed, out)
             fills = self._fill(ids, out, missed, served, hold)
         except BaseException:
             if not served:  # the first level's pins were not taken over yet
@@ -239,10 +239,10 @@ class TableStore:
         return out, [(s.level, s.slots) for s in served if s.slots.size] + fills
 
     def _look_up(self, ids: np.ndarray, out: torch.Tensor, first: tuple[np.ndarray, int],
-                 served: list[_Served], t_start: float) -> np.ndarray | None:
+                 served: list[_Served], t_start: float) -> np.ndarray:
         """Copy what each level holds into ``out``, appending to ``served``; returns the
-        positions in ``ids`` that no level held (None: all of them)."""
-        remaining: np.ndarray | None = None
+        positions in ``ids`` that no level held."""
+        remaining: np.ndarray | None = None  # None: all positions (before the first level)
         for li, level in enumerate(self.levels):
             t0 = t_start if li == 0 else time.perf_counter()
             asked = ids if remaining is None else ids[remaining]
@@ -256,24 +256,20 @@ class TableStore:
             if nhit:
                 _copy_from(level, hits.slots, hits.positions, out)
             level.stats.record(asked.size, nhit, nhit * self._rb, time.perf_counter() - t0)
+        assert remaining is not None  # the first level always splits the positions
         return remaining
 
-    def _read_tier(self, ids: np.ndarray, positions: np.ndarray | None, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows ``ids[positions]`` (None: all) from the tier into ``out[positions]`` (a new
-        tensor when ``out`` is None); returns ``out``."""
+    def _read_tier(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        """Rows ``ids`` from the tier into ``out`` (uint8 ``[len(ids), row_bytes]``, on the CPU)."""
         t0 = time.perf_counter()
-        asked = ids if positions is None else ids[positions]
-        if positions is None and (out is None or out.device.type == "cpu"):
-            out = out if out is not None else torch.empty((asked.size, self._rb), dtype=torch.uint8)
-            self.tier.read_rows(asked, out)  # straight into the result
-        else:
-            assert out is not None
-            buf = torch.empty((asked.size, self._rb), dtype=torch.uint8)  # [misses, row_bytes]
-            self.tier.read_rows(asked, buf)
-            where = torch.arange(ids.size) if positions is None else torch.from_numpy(positions)
-            wide_view(out).index_copy_(0, where.to(out.device), wide_view(buf.to(out.device)))
-        self.tier_level.record(asked.size, 0, asked.size * self._rb, time.perf_counter() - t0)
-        return out
+        self.tier.read_rows(ids, out)
+        self.tier_level.record(ids.size, 0, ids.size * self._rb, time.perf_counter() - t0)
+
+    def _read_misses(self, ids: np.ndarray, positions: np.ndarray, out: torch.Tensor) -> None:
+        """Rows ``ids[positions]`` from the tier into ``out[positions]`` (``out`` on any device)."""
+        buf = torch.empty((positions.size, self._rb), dtype=torch.uint8)  # [misses, row_bytes]
+        self._read_tier(ids[positions], buf)
+        wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), wide_view(buf.to(out.device)))
 
     def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, served: list[_Served],
               hold: bool) -> list[tuple[RowCache, np.ndarray]]:

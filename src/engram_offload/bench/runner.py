@@ -130,7 +130,7 @@ def _cache_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
 
 
 @dataclass
-class _Served:
+class _Measured:
     """What a run's serving did: the warm-up pass, the measurement, the store's counters."""
 
     warmup: dict[str, Any] | None
@@ -142,7 +142,7 @@ class _Served:
 
 def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
            corpora: Corpora, model: EngramBackbone, hasher: NgramHasher,
-           on_step: Callable[[str, float], Any] | None) -> _Served:
+           on_step: Callable[[str, float], Any] | None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement."""
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
@@ -166,10 +166,10 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
         before = store.stats()
         stream = RequestStream(corpora.measured, settings.shape, settings.seed)
         run = engine_for(model).run(stream, settings.seconds, on_step=progress("measure"))
-        return _Served(warmup, run, stream, before, store.stats())
+        return _Measured(warmup, run, stream, before, store.stats())
 
 
-def _run_figures(served: _Served, cached: bool) -> dict[str, Any]:
+def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
     """Per-token device traffic and cache hit rates of a run, from the store's counters."""
     before, after, tokens = served.before["tier"], served.after["tier"], served.run.tokens
 
