@@ -270,3 +270,11 @@ def test_urgent_steps_overtake_steps_fetched_ahead(table, hasher):
             return "?"
 
         assert [owner(c) for c in calls] == ["ahead", "now", "now", "ahead", "later", "later"]
+
+
+def test_prefetch_errors_live_in_the_error_module():
+    from engram_offload import errors, prefetch
+
+    assert prefetch.PrefetchError is errors.PrefetchError and prefetch.StepCancelled is errors.StepCancelled
+    assert issubclass(errors.StepCancelled, errors.PrefetchError) and issubclass(errors.PrefetchError, errors.EngramError)
+    assert all(name in errors.__doc__ for name in errors.__all__)  # the tree lists every exception
