@@ -33,7 +33,8 @@ from engram_offload import cli
 from engram_offload.table import read_header
 from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.tiers import open_tier
-from engram_offload.tiers.bench import drop_page_cache, run_tier_bench
+from engram_offload.bench.cold import evict_file_pages
+from engram_offload.bench.tier_bench import run_tier_bench
 
 
 def machine_facts(table: Path) -> dict:
@@ -49,7 +50,7 @@ def _fio_version() -> str | None:
 def fio_randread(table: Path, seconds: float, queue_depth: int) -> dict | None:
     if not shutil.which("fio"):
         return None
-    drop_page_cache(table)
+    evict_file_pages(table)
     cmd = ["fio", "--name=randread", f"--filename={table}", "--ioengine=io_uring", "--direct=1",
            "--rw=randread", "--bs=4k", f"--iodepth={queue_depth}", f"--runtime={seconds:g}",
            "--time_based", "--readonly", "--output-format=json"]

@@ -10,6 +10,7 @@ from engram_offload import open_table, write_table
 from engram_offload.config import EngramConfig
 from engram_offload.errors import TableFormatError
 from engram_offload.rows import decode_rows, encode_rows
+from engram_offload.store import TableStore
 
 
 @pytest.fixture
@@ -33,8 +34,10 @@ def test_gather_decodes_rows(v41_table, tier):
         assert torch.equal(rows.reshape(4, 256), want)
         assert torch.equal(store.read_raw([3, 3]), raw[[3, 3]])
         stats = store.stats()
-        assert stats["requests"] == 2 and stats["rows"] == 6 and stats["tier"] == tier
-        assert stats["bytes_read"] >= 6 * 264
+        assert stats["store"]["fetches"] == 2 and stats["store"]["rows_requested"] == 6
+        assert stats["store"]["rows_unique"] == 5  # read_raw([3, 3]) reads row 3 once
+        assert stats["tier"]["tier"] == tier and stats["tier"]["rows"] == 5
+        assert stats["tier"]["bytes_read"] >= 5 * 264 and stats["table_bytes"] == path.stat().st_size
 
 
 def test_cache_bytes_wraps_the_tier_in_a_cached_store(v41_table):
@@ -63,3 +66,48 @@ def test_bad_ids(v41_table):
         with pytest.raises(TypeError, match="integers"):
             store.gather(np.array([1.5]))
         assert store.gather([]).shape == (0, 256)
+
+
+STORE_OPTIONS = [
+    pytest.param("memory", {}, id="memory"),
+    pytest.param("mmap", {}, id="mmap"),
+    pytest.param("direct", {}, id="direct"),
+    pytest.param("direct", {"cache_bytes": 64 * 264}, id="direct+dram"),
+    pytest.param("mmap", {"cache_bytes": 64 * 264, "fast_cache_bytes": 8 * 264, "policy": "lfu"}, id="mmap+fast+dram"),
+]
+
+
+@pytest.mark.parametrize("tier,options", STORE_OPTIONS)
+def test_every_store_gathers_empty_and_single_ids_alike(v41_table, tier, options):
+    path, config, raw = v41_table
+    with open_table(path, tier, **options) as store:
+        for _ in range(2):  # cold, then (with caches) warm
+            assert store.gather([]).shape == (0, 256)
+            assert store.gather(np.array([], np.int64)).shape == (0, 256)
+            assert store.read_raw([]).shape == (0, 264)
+            one = store.gather(5)
+            assert one.shape == (1, 256)
+            assert torch.equal(one, decode_rows(raw[[5]], config.row_format, 256))
+            assert store.gather(np.int64(5)).shape == (1, 256)
+            assert store.gather(torch.tensor(5)).shape == (1, 256)
+
+
+def test_caches_are_capped_at_the_table_size(v41_table):
+    path, config, _ = v41_table
+    table_bytes = config.num_rows * config.row_bytes
+    with open_table(path, "mmap", cache_bytes=10 << 30, fast_cache_bytes=10 << 30) as store:
+        assert [lv.capacity for lv in store.levels] == [config.num_rows, config.num_rows]
+        assert all(lv.data.numel() == table_bytes for lv in store.levels)
+
+
+def test_one_store_type_whatever_the_options(v41_table):
+    path, _, _ = v41_table
+    with open_table(path, "memory") as plain, open_table(path, "memory", cache_bytes=1 << 20) as cached:
+        assert type(plain) is type(cached) is TableStore
+        assert plain.levels == [] and [lv.name for lv in cached.levels] == ["dram"]
+        plain.read_raw([1, 2, 1])
+        cached.read_raw([1, 2, 1])
+        for s in (plain.stats(), cached.stats()):
+            assert s["store"]["rows_requested"] == 3 and s["store"]["rows_unique"] == 2
+            assert s["levels"][-1]["level"] == "tier" and s["levels"][-1]["rows"] == 2
+            assert s["tier"]["rows"] == 2  # the tier's own count: each row read once, counted once

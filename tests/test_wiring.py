@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -37,9 +40,39 @@ def test_prefetched_forward_equals_synchronous_forward(setup):
         want = forward_with_store(model, plain, hasher, tokens)
         got = forward_with_prefetch(model, pf, [0, 1], [tokens[0], tokens[1]])
         assert torch.allclose(got.output, want, atol=1e-5)
-        assert got.stall_seconds >= 0 and got.step.done()
+        assert got.step.done() and got.step.error is None
         assert all(level.pinned() == 0 for level in store.levels)
-        assert store.stats()["store"]["stall_events"] == 2  # one wait per Engram layer
+        assert store.stats()["store"]["rows_requested"] == got.step.dedup.requested
+
+
+def test_the_stall_is_the_wait_for_late_rows_and_nothing_else(setup):
+    path, model, hasher = setup
+    with open_table(path, "mmap") as store, Prefetcher(store, hasher) as pf, torch.no_grad():
+        read, asked = store.tier.read_rows, threading.Event()
+
+        def late(ids, out):  # the rows come 0.2 s after the first Engram layer asks for them
+            asked.wait(10)
+            time.sleep(0.2)
+            return read(ids, out)
+
+        def asking_model(input_ids, rows_for):
+            def rows(layer_id):
+                asked.set()
+                return rows_for(layer_id)
+            return model(input_ids, rows)
+
+        store.tier.read_rows = late
+        got = forward_with_prefetch(asking_model, pf, [0], [[1, 2, 3]])
+        # a small step is one part: the first Engram layer waits for all of it, the second not at all
+        assert got.step.stalls == 1
+        assert 0.2 <= got.stall_seconds <= got.step.fetch_seconds
+        ready = pf.begin_step([1], [[4, 5, 6]])
+        assert ready.wait_done(5)
+        for layer in hasher.config.layer_ids:
+            pf.rows(layer, ready)
+        assert ready.stall_seconds == 0.0 and ready.stalls == 0  # rows already there: no stall
+        pf.end_step(ready)
+        assert pf.stats()["stall_seconds"] == got.stall_seconds
 
 
 def test_a_failed_fetch_fails_the_forward_pass(setup):
@@ -48,7 +81,7 @@ def test_a_failed_fetch_fails_the_forward_pass(setup):
         def broken(ids, out):
             raise TierError("no such device")
 
-        store.source.read_rows = broken
+        store.tier.read_rows = broken
         with pytest.raises(PrefetchError, match="no such device"):
             forward_with_prefetch(model, pf, [0], [[1, 2, 3]])
         assert pf.stats()["open_steps"] == 0

@@ -1,9 +1,11 @@
-"""Exceptions raised by engram-offload.
+"""Exceptions raised by engram-offload: every one of them is defined here.
 
     EngramError                 base of every error this package raises on purpose
     ├── TableFormatError        a table file is not a table, is truncated, or is of another version
     ├── ChecksumError           a block's checksum does not match its bytes
-    └── TierError               a storage tier failed to read (after its retries)
+    ├── TierError               a storage tier failed to read (after its retries)
+    └── PrefetchError           the background fetch of a step failed (cause attached)
+        └── StepCancelled       rows were asked of a cancelled step
 
 Bad arguments raise ``ValueError`` (and ``IndexError`` for row ids out of range),
 as Python code expects.
@@ -11,7 +13,7 @@ as Python code expects.
 
 from __future__ import annotations
 
-__all__ = ["EngramError", "TableFormatError", "ChecksumError", "TierError"]
+__all__ = ["EngramError", "TableFormatError", "ChecksumError", "TierError", "PrefetchError", "StepCancelled"]
 
 
 class EngramError(Exception):
@@ -28,3 +30,11 @@ class ChecksumError(EngramError):
 
 class TierError(EngramError):
     """A storage tier could not read rows, after retrying."""
+
+
+class PrefetchError(EngramError):
+    """The background fetch of a step failed; ``__cause__`` holds the original error."""
+
+
+class StepCancelled(PrefetchError):
+    """Rows were asked of a step that was cancelled."""

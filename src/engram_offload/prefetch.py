@@ -2,28 +2,29 @@
 
 Row ids depend only on token ids, so at forward entry a server knows every row the step
 will need. ``begin_step`` hashes the step's tokens (advancing each sequence's hasher
-history), deduplicates the ids of every token and every Engram layer at once, and hands
-the fetch to a background worker. ``rows(layer_id)`` returns that layer's rows, waiting
-only if they are not there yet; the wait is recorded as stall.
+history), deduplicates the ids of every token and every Engram layer at once, and queues
+the ``Step`` for a background worker. ``rows(layer_id)`` returns that layer's rows, waiting
+only if they are not there yet; the wait is the step's stall.
 
 Layers arrive in order. Every layer's rows sit in its own range of the table's flat row
 space (layer 1's below layer 14's in V4.1-Flash), so the step's sorted distinct ids split
-at the layer boundaries: the worker fetches and decodes the first Engram layer's rows,
-makes them available, then the next layer's. Only the backbone's layers before the first
-Engram layer overlap the first fetch, so ``rows(first_layer)`` need not wait for the rest.
-Steps under ``split_min_rows`` distinct rows are fetched in one piece (a second fetch call
-costs more than it saves there).
+at the layer boundaries into parts: the worker fetches and decodes the first Engram
+layer's part, makes it available, then the next layer's. Only the backbone's layers before
+the first Engram layer overlap the first fetch, so ``rows(first_layer)`` need not wait for
+the rest. Steps under ``split_min_rows`` distinct rows are fetched in one part (a second
+fetch call costs more than it saves there).
+
+Who does what: a ``Step`` owns its life cycle (it hands out its parts, takes their rows or
+their error, waits for a layer and records that wait as its stall, lets go of its pins);
+the ``Prefetcher`` only hashes, queues steps and runs the workers. The store fetches and
+decodes.
 
 Failures: an error in the worker is kept with its step and raised by ``rows()`` as a
 ``PrefetchError`` whose ``__cause__`` is the original error; the worker goes on serving
-later steps (a failed layer fails itself and every layer after it; layers already
-delivered stay usable). A cancelled step raises ``StepCancelled``. Rows of a step stay pinned in the
+later steps (a failed part fails every part after it; layers already delivered stay
+usable). A cancelled step raises ``StepCancelled``. Rows of a step stay pinned in the
 store's caches until ``end_step`` (or until the step is cancelled), so a prefetch for the
 next step can never evict rows this step still reads.
-
-    EngramError
-    └── PrefetchError         the background fetch of a step failed (cause attached)
-        └── StepCancelled     rows were asked of a cancelled step
 """
 
 from __future__ import annotations
@@ -36,33 +37,29 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .cache.lease import Lease
 from .dedup import Dedup, dedup
-from .errors import EngramError
+from .errors import PrefetchError, StepCancelled
 from .hashing import NgramHasher, SequenceHistory
-from .rows import decode_rows
+from .store import RowStore
 
 __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 
-
-class PrefetchError(EngramError):
-    """The background fetch of a step failed; ``__cause__`` holds the original error."""
-
-
-class StepCancelled(PrefetchError):
-    """Rows were asked of a step that was cancelled."""
+Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
 class Step:
-    """One serving step: its row ids, their dedup, and (once fetched) the staged rows.
+    """Tokens whose rows are fetched together (a serving step, or a prefill window fetched
+    ahead): their row ids, the dedup, and, part by part, the decoded rows.
 
-    The distinct ids are fetched in ``parts``: ``(lo, hi, layer positions)``, a slice of
-    ``dedup.unique`` holding every id of those layers; each part is staged and signalled
-    on its own.
+    The distinct ids are fetched in ``parts`` (``(lo, hi, layer positions)``, a slice of
+    ``dedup.unique`` holding every id of those layers); each part is delivered and
+    signalled on its own.
     """
 
     def __init__(self, number: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...],
                  table_ids: torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
-                 parts: list[tuple[int, int, tuple[int, ...]]] | None = None) -> None:
+                 parts: list[Part] | None = None) -> None:
         self.number = number
         self.seq_ids = seq_ids
         self.lengths = lengths  # tokens per sequence, in seq_ids order
@@ -70,21 +67,22 @@ class Step:
         self.dedup = d
         self.layer_ids = layer_ids
         self.parts = parts or [(0, int(d.unique.size), tuple(range(len(layer_ids))))]
-        self._part_of = {li: p for p, (_, _, lis) in enumerate(self.parts) for li in lis}
-        self._part_rows: list[torch.Tensor | None] = [None] * len(self.parts)  # [hi - lo, head_dim] each
-        self._part_error: list[BaseException | None] = [None] * len(self.parts)
-        self._part_done = [threading.Event() for _ in self.parts]
         self.error: BaseException | None = None  # the first failure
         self.cancelled = False
-        self.stall_seconds = 0.0
-        self.fetch_seconds = 0.0
-        self.first_part_seconds = 0.0  # until the first layer's rows were ready
+        self.stall_seconds = 0.0  # time spent in rows() waiting for parts not yet delivered
+        self.stalls = 0  # how many of those waits there were
+        self.fetch_seconds = 0.0  # from creation until every part was delivered, failed or skipped
+        self.first_part_seconds = 0.0  # until the first part was
         self.started = time.perf_counter()
+        self._part_of = {li: p for p, (_, _, lis) in enumerate(self.parts) for li in lis}
+        self._rows: list[torch.Tensor | None] = [None] * len(self.parts)  # [hi - lo, head_dim] each
+        self._errors: list[BaseException | None] = [None] * len(self.parts)
+        self._delivered = [threading.Event() for _ in self.parts]
         self._done = threading.Event()
-        self._leases: list[Any] = []
-        self._lock = threading.Lock()
+        self._leases: list[Lease] = []
         self._layer_rows: dict[int, torch.Tensor] = {}
-        self._next_part = 0  # the workers' position in ``parts``
+        self._lock = threading.Lock()
+        self._handed_out = 0
         self._parts_left = len(self.parts)
 
     @property
@@ -94,7 +92,7 @@ class Step:
     @property
     def staged(self) -> torch.Tensor | None:
         """Rows of every id of ``dedup.unique`` ``[u, head_dim]`` once all parts are in (else None)."""
-        rows = self._part_rows
+        rows = self._rows
         if any(r is None for r in rows):
             return None
         return rows[0] if len(rows) == 1 else torch.cat(rows)  # type: ignore[arg-type]
@@ -102,34 +100,117 @@ class Step:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _finish_part(self, p: int, rows: torch.Tensor | None, lease: Any, error: BaseException | None) -> None:
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until every part is delivered, failed or skipped; False on timeout."""
+        return self._done.wait(timeout)
+
+    # ------------------------------------------------------------------ the worker's side
+    def take_part(self) -> tuple[int, bool]:
+        """The next part to fetch, and whether it is the last one to hand out."""
         with self._lock:
-            if self.cancelled and lease is not None:
+            p = self._handed_out
+            self._handed_out += 1
+            return p, self._handed_out >= len(self.parts)
+
+    def part_ids(self, p: int) -> tuple[np.ndarray, int]:
+        """Distinct ids of part ``p`` and how many ids of the step they stand for."""
+        lo, hi, lis = self.parts[p]
+        cols = int(self.table_ids.shape[-1])  # table_ids: [T, L, C]
+        return self.dedup.unique[lo:hi], self.num_tokens * cols * len(lis)
+
+    @property
+    def skipping(self) -> bool:
+        """Whether parts not fetched yet should be skipped (cancelled, or an earlier part failed)."""
+        return self.cancelled or self.error is not None
+
+    def deliver(self, p: int, rows: torch.Tensor, lease: Lease) -> None:
+        """Part ``p``'s decoded rows ``[hi - lo, head_dim]``, pinned by ``lease``."""
+        with self._lock:
+            if self.cancelled:
                 lease.release()
-                lease = None
-            if lease is not None:
+            else:
                 self._leases.append(lease)
-            self._part_rows[p], self._part_error[p] = rows, error
-            if error is not None and self.error is None:
+            self._rows[p] = rows
+        self._finish_part(p)
+
+    def fail(self, p: int, error: BaseException) -> None:
+        """Part ``p`` failed (or was skipped after an earlier failure) with ``error``."""
+        with self._lock:
+            self._errors[p] = error
+            if self.error is None:
                 self.error = error
+        self._finish_part(p)
+
+    def skip(self, p: int) -> None:
+        """Part ``p`` is not fetched: the step was cancelled or an earlier part failed."""
+        if self.error is not None:
+            self.fail(p, self.error)
+        else:
+            self._finish_part(p)
+
+    def _finish_part(self, p: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
             if p == 0:
-                self.first_part_seconds = time.perf_counter() - self.started
+                self.first_part_seconds = now - self.started
             self._parts_left -= 1
             last = self._parts_left == 0
-        self._part_done[p].set()
+            if last:
+                self.fetch_seconds = now - self.started
+        self._delivered[p].set()
         if last:
-            self._finish()
+            self._done.set()
 
-    def _finish(self) -> None:
-        """Every part has been delivered, failed or skipped."""
+    # ------------------------------------------------------------------ the consumer's side
+    def rows(self, layer_id: int, timeout: float | None = None) -> torch.Tensor:
+        """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]``, waiting for its part if
+        needed (the wait is recorded as stall). Raises ``PrefetchError`` (cause attached),
+        ``StepCancelled``, or ``TimeoutError`` after ``timeout`` seconds."""
+        if layer_id not in self.layer_ids:
+            raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(self.layer_ids)}")
+        cached = self._layer_rows.get(layer_id)
+        if cached is not None:
+            return cached
+        li = self.layer_ids.index(layer_id)
+        p = self._part_of[li]
+        self._wait_part(p, layer_id, timeout)
+        if self.cancelled:
+            raise StepCancelled(f"step {self.number} was cancelled; begin a new step")
+        error = self._errors[p]
+        if error is not None:
+            raise PrefetchError(
+                f"fetching the rows of step {self.number} ({self.dedup.unique.size} rows) failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        staged = self._rows[p]
+        assert staged is not None
+        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), -1)
+        index = inverse[:, li].reshape(-1) - self.parts[p][0]  # [T*C] positions in this part
+        rows = staged.index_select(0, index.to(staged.device)).view(self.num_tokens, -1, staged.shape[1])
+        self._layer_rows[layer_id] = rows  # [T, C, d]
+        return rows
+
+    def _wait_part(self, p: int, layer_id: int, timeout: float | None) -> None:
+        """Wait for part ``p``; the time waited for a part not yet there is the stall."""
+        delivered = self._delivered[p]
+        if delivered.is_set():
+            return
+        t0 = time.perf_counter()
+        if not delivered.wait(timeout):
+            raise TimeoutError(f"rows of layer {layer_id} of step {self.number} not ready after {timeout} s")
+        waited = time.perf_counter() - t0
         with self._lock:
-            self.fetch_seconds = time.perf_counter() - self.started
-        for event in self._part_done:
-            event.set()
-        self._done.set()
+            self.stall_seconds += waited
+            self.stalls += 1
+
+    def cancel(self) -> None:
+        """Skip the parts not fetched yet and let go of the pins (rows already delivered stay)."""
+        with self._lock:
+            self.cancelled = True
+        self.release()
 
     def release(self) -> None:
-        """Let go of the step's cache pins (its staged rows stay usable)."""
+        """Let go of the step's cache pins (its delivered rows stay usable)."""
         with self._lock:
             leases, self._leases = self._leases, []
         for lease in leases:
@@ -144,16 +225,14 @@ class Step:
 class Prefetcher:
     """Background fetch of each step's rows from ``store`` for the layers of ``hasher.config``.
 
-    ``store`` is a cached store (``fetch`` pins the step's rows) or any store with
-    ``read_raw``. Rows are dequantized to ``dtype`` on ``device`` (default: the store's).
-    Two worker threads serve steps in order, urgent ones first, and each step's layers in
-    order (steps of at least ``split_min_rows`` distinct rows); one of them serves only
-    urgent steps. Use as a context manager or call ``close``.
+    Rows are decoded by the store to ``dtype`` on ``device`` (default: the store's). Two
+    worker threads serve steps in order, urgent ones first, and each step's parts in order;
+    one of them serves only urgent steps. Use as a context manager or call ``close``.
     """
 
     def __init__(
         self,
-        store: Any,
+        store: RowStore,
         hasher: NgramHasher,
         *,
         history: SequenceHistory | None = None,
@@ -173,7 +252,7 @@ class Prefetcher:
         self.dtype = dtype
         self.split_min_rows = int(split_min_rows)
         self._layer_bases = np.asarray(self.config.layer_row_bases, np.int64)  # [L] first row of each layer
-        self.device = torch.device(device) if device is not None else getattr(store, "device", torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else store.device
         self._cv = threading.Condition()
         self._urgent: deque[Step] = deque()  # steps whose rows are needed now
         self._background: deque[Step] = deque()  # steps fetched ahead of need
@@ -184,7 +263,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self.steps = 0
         self.failures = 0
-        self.stall_seconds = 0.0
+        self.stall_seconds = 0.0  # the stalls of the steps ended or cancelled
         self._closed = False
         # one worker serves every step; a second serves only urgent ones, so a step's own
         # fetch never waits behind a long fetch ahead of need
@@ -194,7 +273,7 @@ class Prefetcher:
         for worker in self._workers:
             worker.start()
 
-    # ------------------------------------------------------------------ the worker
+    # ------------------------------------------------------------------ the workers
     def _next_part(self, urgent_only: bool) -> tuple[Step, int] | None:
         """The next part to fetch: urgent steps first, then (unless ``urgent_only``) steps
         fetched ahead, each in order; None once closed and drained. A step fetched ahead
@@ -206,9 +285,8 @@ class Prefetcher:
                 self._cv.wait()
             waiting = self._urgent if self._urgent else self._background
             step = waiting[0]
-            p = step._next_part
-            step._next_part += 1
-            if step._next_part >= len(step.parts):
+            p, last = step.take_part()
+            if last:
                 waiting.popleft()
             return step, p
 
@@ -218,34 +296,22 @@ class Prefetcher:
             if picked is None:
                 return
             step, p = picked
-            lo, hi, _ = step.parts[p]
-            if step.cancelled or step.error is not None:
-                step._finish_part(p, None, None, step.error)  # skipped: a cancelled or failed step
-            else:
-                lease = None
-                try:
-                    lease, raw = self._fetch(step.dedup, lo, hi)
-                    rows = decode_rows(raw.to(self.device), self.config.row_format, self.config.head_dim, self.dtype)
-                    step._finish_part(p, rows, lease, None)
-                except BaseException as exc:  # kept for the caller; the worker carries on
-                    if lease is not None:
-                        lease.release()
-                    with self._lock:
-                        self.failures += 1
-                    step._finish_part(p, None, None, exc)
+            if step.skipping:
+                step.skip(p)
+                continue
+            lease = None
+            try:
+                ids, requested = step.part_ids(p)
+                lease = self.store.fetch(ids, hold=True, requested=requested)
+                step.deliver(p, self.store.decode(lease.raw.to(self.device), self.dtype), lease)
+            except BaseException as exc:  # kept for the caller; the worker carries on
+                if lease is not None:
+                    lease.release()
+                with self._lock:
+                    self.failures += 1
+                step.fail(p, exc)
 
-    def _fetch(self, d: Dedup, lo: int = 0, hi: int | None = None) -> tuple[Any, torch.Tensor]:
-        ids = d.unique[lo:hi]
-        whole = ids.size == d.unique.size
-        fetch = getattr(self.store, "fetch", None)
-        if fetch is not None:
-            # the step's requested count goes with its first part, so store totals stay per step
-            requested = d.requested if whole else (d.requested if lo == 0 else 0)
-            lease = fetch(ids, hold=True, requested=requested)
-            return lease, lease.raw
-        return None, self.store.read_raw(ids)
-
-    def _parts(self, unique: np.ndarray) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    def _parts(self, unique: np.ndarray) -> list[Part] | None:
         """One part per Engram layer, in layer order (None: fetch the step in one piece)."""
         nl = len(self.config.layer_ids)
         if nl < 2 or unique.size < max(1, self.split_min_rows):
@@ -267,8 +333,8 @@ class Prefetcher:
 
         ``pieces[i]`` holds the new token ids of sequence ``seq_ids[i]`` (a prefill chunk or
         one decode token). Returns the ``Step``; it also becomes ``current``.
-        ``urgent=False`` marks a fetch ahead of need (e.g. a later prefill chunk): the worker
-        serves it after every urgent step, yielding to new urgent steps between its parts.
+        ``urgent=False`` marks a fetch ahead of need (e.g. a later prefill window): the
+        workers serve it after every urgent step, yielding to new urgent steps between its parts.
         """
         if self._closed:
             raise ValueError("this prefetcher is closed: create a new one")
@@ -296,79 +362,36 @@ class Prefetcher:
         return step
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
-        """Rows of Engram layer ``layer_id`` for the step: ``[T, C, head_dim]`` of ``dtype``.
-
-        Waits if the fetch is still running (the wait is recorded as stall). Raises the
-        worker's failure as ``PrefetchError`` (cause attached), ``StepCancelled`` for a
-        cancelled step, and ``TimeoutError`` after ``timeout`` seconds.
-        """
+        """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
+        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``."""
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
-        if layer_id not in step.layer_ids:
-            raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(step.layer_ids)}")
-        cached = step._layer_rows.get(layer_id)
-        if cached is not None:
-            return cached
-        li = step.layer_ids.index(layer_id)
-        p = step._part_of[li]
-        t0 = time.perf_counter()
-        if not step._part_done[p].wait(timeout):
-            raise TimeoutError(f"rows of layer {layer_id} of step {step.number} not ready after {timeout} s")
-        waited = time.perf_counter() - t0
-        with step._lock:
-            step.stall_seconds += waited
-        with self._lock:
-            self.stall_seconds += waited
-        record = getattr(self.store, "record_stall", None)
-        if record is not None:
-            record(waited)
-        if step.cancelled:
-            raise StepCancelled(f"step {step.number} was cancelled; begin a new step")
-        error = step._part_error[p]
-        if error is not None:
-            raise PrefetchError(
-                f"fetching the rows of step {step.number} ({step.dedup.unique.size} rows) failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        staged = step._part_rows[p]
-        assert staged is not None
-        lo = step.parts[p][0]
-        inverse = torch.from_numpy(step.dedup.inverse).view(step.num_tokens, len(step.layer_ids), -1)
-        index = inverse[:, li].reshape(-1)  # [T*C] positions in dedup.unique
-        if lo:
-            index = index - lo  # positions in this part
-        rows = staged.index_select(0, index.to(staged.device)).view(step.num_tokens, -1, self.config.head_dim)
-        step._layer_rows[layer_id] = rows  # [T, C, d]
-        return rows
+        return step.rows(layer_id, timeout)
 
     def end_step(self, step: Step | None = None) -> None:
         """Finish a step: release its cache pins (waits for its fetch to end first)."""
         step = step or self.current
         if step is None:
             return
-        step._done.wait()
+        step.wait_done()
         step.release()
-        with self._lock:
-            if step in self._open:
-                self._open.remove(step)
-                self.steps += 1
-            if self.current is step:
-                self.current = None
+        self._close_step(step, ended=True)
 
     def cancel(self, step: Step | None = None) -> None:
         """Cancel a step: its fetch is skipped if not started, and its pins are let go."""
         step = step or self.current
         if step is None:
             return
-        with step._lock:
-            step.cancelled = True
-            leases, step._leases = step._leases, []
-        for lease in leases:
-            lease.release()
+        step.cancel()
+        self._close_step(step, ended=False)
+
+    def _close_step(self, step: Step, ended: bool) -> None:
         with self._lock:
             if step in self._open:
                 self._open.remove(step)
+                self.steps += ended
+                self.stall_seconds += step.stall_seconds
             if self.current is step:
                 self.current = None
 
@@ -382,7 +405,7 @@ class Prefetcher:
                     "open_steps": len(self._open)}
 
     def close(self) -> None:
-        """End open steps and stop the worker."""
+        """Cancel open steps and stop the workers."""
         if self._closed:
             return
         self._closed = True

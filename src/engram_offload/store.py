@@ -1,7 +1,15 @@
-"""``open_table``: an opened table on one tier, returning raw or dequantized rows.
+"""``open_table`` and ``TableStore``: rows of one table through optional row caches in front of a tier.
 
-The store checks row ids, reads raw rows from its tier and decodes them with the
-table's row format; row caches in front of the tier are a later addition.
+Every store is a ``TableStore``; an uncached one simply has no cache levels. A fetch walks
+the levels fastest first: a fast cache (GPU memory when there is one, else a tensor in
+RAM), then a DRAM cache, then the tier behind them all. Each level pins what it holds; only
+what no level holds is read from the tier, and those rows fill the last (DRAM) cache. Rows
+found in a lower cache are promoted to the ones above it: a row asked for again is a hot row.
+
+``fetch(unique_ids, hold=True)`` returns a ``Lease`` whose pins last until it is released,
+which is how a prefetcher keeps a step's rows resident while the step runs. ``gather`` and
+``read_raw`` deduplicate their ids, fetch, and put the rows back in the caller's order; rows
+are decoded in ``decode`` only.
 """
 
 from __future__ import annotations
@@ -9,70 +17,324 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from .cache.lease import Lease
+from .cache.levels import build_levels
+from .cache.row_cache import RowCache, native_hitpath, wide_view
+from .cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from .config import EngramConfig
+from .dedup import dedup
 from .rows import decode_rows
 from .table.format import TableHeader, read_header
-from .tiers import Tier, as_row_ids, open_tier
+from .tiers import as_row_ids, open_tier
 
-__all__ = ["TableStore", "open_table"]
+__all__ = ["Lease", "RowSource", "RowStore", "TableStore", "open_table"]
+
+_EMPTY = np.empty(0, np.int64)
+EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode
+
+
+class RowSource(Protocol):
+    """What a store reads misses from: a tier (``tiers.base.Tier``) or a test's fake."""
+
+    num_rows: int
+    row_bytes: int
+
+    def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class RowStore(Protocol):
+    """What a consumer (the prefetcher, the benchmarks, the wiring) needs of a store."""
+
+    device: torch.device  # where fetched raw rows are
+
+    @property
+    def config(self) -> EngramConfig: ...
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease: ...
+
+    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def read_raw(self, row_ids: Any) -> torch.Tensor: ...
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Served:
+    """Rows one cache level served in a fetch: its pinned slots and where they go in the result."""
+
+    level: RowCache
+    slots: np.ndarray  # pinned slots of the rows it held
+    positions: np.ndarray | None  # positions in the fetch's ids (None: all of them, in order)
 
 
 class TableStore:
-    """Rows of one table file served from one tier. Thread-safe; use as a context manager."""
+    """Rows of one table through ``levels`` (row caches, fastest first; may be empty) in front
+    of ``tier``. Thread-safe; use as a context manager."""
 
-    def __init__(self, header: TableHeader, tier: Tier) -> None:
-        self.header = header
+    def __init__(self, tier: RowSource, config: EngramConfig, levels: Sequence[RowCache] = (), *,
+                 promote: bool = True, header: TableHeader | None = None) -> None:
+        if tier.row_bytes != config.row_bytes:
+            raise ValueError(f"the tier's rows are {tier.row_bytes} bytes, the config's {config.row_bytes}")
+        for level in levels:
+            if level.row_bytes != tier.row_bytes:
+                raise ValueError(f"cache {level.name!r} holds {level.row_bytes}-byte rows, the table has {tier.row_bytes}")
         self.tier = tier
+        self.header = header
+        self._config = config
+        self._rb = int(config.row_bytes)
+        self.levels = list(levels)
+        self.promote = promote
+        self.device = self.levels[0].device if self.levels else torch.device("cpu")
+        self.tier_level = LevelStats("tier")  # what this store asked of the tier
         self._lock = threading.Lock()
-        self._requests = 0
-        self._rows = 0
-        self._seconds = 0.0
+        self._fetches = 0
+        self._requested = 0
+        self._unique = 0
+        self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.closed = False
+        native = native_hitpath()
+        self._sorted_in_range = native.sorted_in_range if native is not None else None
+        self._first_into = bool(self.levels) and self.levels[0].device.type == "cpu"
 
+    # ------------------------------------------------------------------ the table
     @property
     def config(self) -> EngramConfig:
         """The table's EngramConfig (as written into its header)."""
-        return self.header.config
+        return self._config
 
     @property
     def num_rows(self) -> int:
-        return self.header.layout.num_rows
+        return int(self.tier.num_rows)
 
     @property
     def row_bytes(self) -> int:
-        return self.header.layout.row_bytes
+        return self._rb
 
+    # ------------------------------------------------------------------ reading rows
     def read_raw(self, row_ids: Any) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
-        ids = as_row_ids(row_ids, self.num_rows)
-        out = torch.empty((len(ids), self.row_bytes), dtype=torch.uint8)
-        t0 = time.perf_counter()
-        self.tier.read_rows(ids, out)
-        with self._lock:
-            self._requests += 1
-            self._rows += len(ids)
-            self._seconds += time.perf_counter() - t0
-        return out
+        d = dedup(row_ids)
+        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
+        return _in_order(raw, d.inverse)
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``."""
-        shape = tuple(row_ids.shape) if hasattr(row_ids, "shape") else (len(np.asarray(row_ids).reshape(-1)),)
-        raw = self.read_raw(row_ids)  # [n, row_bytes]
-        rows = decode_rows(raw, self.config.row_format, self.config.head_dim, dtype)  # [n, head_dim]
-        return rows.reshape(*shape, self.config.head_dim)
+        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype`` (a single
+        id: ``[1, head_dim]``).
+
+        When a step has few repeats, the raw rows (``row_bytes`` each) are put in the step's
+        order before decoding rather than the decoded ones after: fewer bytes move.
+        """
+        d = dedup(row_ids)
+        shape = d.shape or (1,)
+        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
+        if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
+            return self.decode(_in_order(raw, d.inverse), dtype).reshape(*shape, self._config.head_dim)
+        rows = self.decode(raw, dtype)  # [u, head_dim]
+        return rows.index_select(0, torch.from_numpy(d.inverse).to(rows.device)).reshape(*shape, -1)
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device)."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype)
+
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
+        """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).
+
+        Every row comes from a cache or the tier; a tier failure raises (pins are let go
+        first). With ``hold`` the rows stay pinned in their caches until the lease is
+        released; without it, only while they are copied. ``requested``: how many ids these
+        distinct ids stand for before deduplication (default ``u``), for ``unique_ratio``.
+        """
+        check = self._sorted_in_range
+        if check is not None and type(unique_ids) is np.ndarray and check(unique_ids, self.num_rows):
+            ids = unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range
+        else:
+            ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+        out, pins = self._fetch(ids, hold, requested)
+        return Lease(ids, out, pins)
+
+    def _ends_in_range(self, ids: np.ndarray) -> np.ndarray:
+        """Sorted distinct ids (from ``dedup``): only the ends need a range check."""
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows):
+            as_row_ids(ids, self.num_rows)  # raises, naming the bad id
+        return ids
+
+    # ------------------------------------------------------------------ the fetch path
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list]:
+        """Raw rows ``[u, row_bytes]`` of distinct ids, and the pins held (none unless ``hold``)."""
+        if self.closed:
+            raise ValueError("this store is closed: open the table again")
+        t_start = time.perf_counter()
+        u = ids.size
+        if u == 0:
+            out, pins = torch.empty((0, self._rb), dtype=torch.uint8, device=self.device), []
+        elif not self.levels:
+            out, pins = torch.empty((u, self._rb), dtype=torch.uint8), []  # [u, row_bytes]
+            self._read_tier(ids, out)  # straight into the result
+        else:
+            out, pins = self._through_levels(ids, hold, t_start)
+        self._account(u, requested, time.perf_counter() - t_start)
+        return out, pins
+
+    def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float) -> tuple[torch.Tensor, list]:
+        """The first level's lookup; when it holds every row (the common case in steady
+        decoding) one copy and done, else the walk through every level."""
+        u, first = ids.size, self.levels[0]
+        if self._first_into:  # a CPU cache: look up, and copy when everything hits, in one call
+            buf = np.empty((u, self._rb), np.uint8)
+            slots, nhit = first.acquire_into(ids, buf, hold)
+            out = torch.from_numpy(buf)  # [u, row_bytes]
+        else:
+            slots, nhit = first.acquire_counted(ids)
+            out = torch.empty((u, self._rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
+            if nhit == u:
+                try:
+                    _copy_from(first, slots, None, out)
+                finally:
+                    if not hold:
+                        first.release(slots)
+        if nhit < u:
+            return self._walk(ids, out, (slots, nhit), hold, t_start)
+        first.stats.record(u, u, u * self._rb, time.perf_counter() - t_start)
+        for level in self.levels[1:]:
+            level.stats.record(0, 0, 0, 0.0)
+        return out, [(first, slots)] if hold else []
+
+    def _walk(self, ids: np.ndarray, out: torch.Tensor, first: tuple[np.ndarray, int], hold: bool,
+              t_start: float) -> tuple[torch.Tensor, list]:
+        """Level by level, then the tier, then the fills. ``first``: the first level's
+        ``acquire_counted`` result (its hits pinned, not yet copied)."""
+        served: list[_Served] = []
+        try:
+            missed = self._look_up(ids, out, first, served, t_start)
+            if missed.size:
+                self._read_misses(ids, missed, out)
+            fills = self._fill(ids, out, missed, served, hold)
+        except BaseException:
+            if not served:  # the first level's pins were not taken over yet
+                self.levels[0].release(first[0][first[0] >= 0])
+            _release(served)
+            raise
+        if not hold:
+            _release(served)
+            return out, []
+        return out, [(s.level, s.slots) for s in served if s.slots.size] + fills
+
+    def _look_up(self, ids: np.ndarray, out: torch.Tensor, first: tuple[np.ndarray, int],
+                 served: list[_Served], t_start: float) -> np.ndarray:
+        """Copy what each level holds into ``out``, appending to ``served``; returns the
+        positions in ``ids`` that no level held."""
+        remaining: np.ndarray | None = None  # None: all positions (before the first level)
+        for li, level in enumerate(self.levels):
+            t0 = t_start if li == 0 else time.perf_counter()
+            asked = ids if remaining is None else ids[remaining]
+            if asked.size == 0:
+                served.append(_Served(level, _EMPTY, _EMPTY))
+                level.stats.record(0, 0, 0, time.perf_counter() - t0)
+                continue
+            slots, nhit = first if li == 0 else level.acquire_counted(asked)
+            hits, remaining = _split_hits(level, slots, nhit, remaining, ids.size)
+            served.append(hits)
+            if nhit:
+                _copy_from(level, hits.slots, hits.positions, out)
+            level.stats.record(asked.size, nhit, nhit * self._rb, time.perf_counter() - t0)
+        assert remaining is not None  # the first level always splits the positions
+        return remaining
+
+    def _read_tier(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        """Rows ``ids`` from the tier into ``out`` (uint8 ``[len(ids), row_bytes]``, on the CPU)."""
+        t0 = time.perf_counter()
+        self.tier.read_rows(ids, out)
+        self.tier_level.record(ids.size, 0, ids.size * self._rb, time.perf_counter() - t0)
+
+    def _read_misses(self, ids: np.ndarray, positions: np.ndarray, out: torch.Tensor) -> None:
+        """Rows ``ids[positions]`` from the tier into ``out[positions]`` (``out`` on any device)."""
+        buf = torch.empty((positions.size, self._rb), dtype=torch.uint8)  # [misses, row_bytes]
+        self._read_tier(ids[positions], buf)
+        wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), wide_view(buf.to(out.device)))
+
+    def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, served: list[_Served],
+              hold: bool) -> list[tuple[RowCache, np.ndarray]]:
+        """Tier rows go into the last cache; rows found in a lower cache rise into the ones
+        above. Returns the pins of the filled slots (none unless ``hold``)."""
+        plans: list[tuple[RowCache, np.ndarray]] = [(self.levels[-1], missed)]
+        if self.promote:
+            for j, below in enumerate(served[1:], start=1):
+                positions = _EMPTY if below.positions is None else below.positions
+                plans.extend((self.levels[above], positions) for above in range(j))
+        pins = []
+        for level, positions in plans:
+            slots = _fill_level(level, ids, out, positions, hold)
+            if hold and slots.size:
+                pins.append((level, slots))
+        return pins
+
+    def _account(self, u: int, requested: int | None, seconds: float) -> None:
+        with self._lock:
+            self._fetches += 1
+            self._requested += u if requested is None else int(requested)
+            self._unique += u
+            self._fetch_samples.append(seconds)
+
+    # ------------------------------------------------------------------ statistics
+    def reset_stats(self) -> None:
+        """Zero the store's and the levels' counters (the tier's own counters run on)."""
+        for level in self.levels:
+            level.stats.reset()
+        self.tier_level.reset()
+        with self._lock:
+            self._fetches = self._requested = self._unique = 0
+            self._fetch_samples.clear()
 
     def stats(self) -> dict[str, Any]:
-        """Store and tier counters: requests, rows, reads issued, bytes read, read seconds, ..."""
-        with self._lock:
-            mine = {"requests": self._requests, "rows": self._rows, "read_seconds": self._seconds}
-        return {**self.tier.stats(), **mine, "table": str(self.header.path),
-                "table_bytes": self.header.layout.file_bytes}
+        """``{"store", "levels", "tier", "table", "table_bytes"}``, as plain values.
 
+        store: fetches (calls of fetch, gather and read_raw), rows requested, unique rows,
+        unique_ratio, hit_rate (rows served by any cache), bytes_read from the tier, fetch
+        latency p50/p90/p99. levels: per cache, then the tier as the store used it: requests,
+        rows, hits, misses, hit_rate, bytes_read, latency, plus capacity, policy and evictions
+        for caches. tier: the tier's own counters since opening (reads issued, device bytes,
+        retries, engine). The store's counters restart at ``reset_stats``.
+        """
+        levels = [{**lv.stats.as_dict(), **lv.describe()} for lv in self.levels]
+        tier_level = self.tier_level.as_dict()
+        with self._lock:
+            unique, requested = self._unique, self._requested
+            store = {
+                "fetches": self._fetches,
+                "rows_requested": requested,
+                "rows_unique": unique,
+                "unique_ratio": unique / requested if requested else 1.0,
+                "hit_rate": 1.0 - tier_level["rows"] / unique if unique else 0.0,
+                "bytes_read": tier_level["bytes_read"],
+                **{f"fetch_{k}": v for k, v in percentiles_ms(self._fetch_samples).items()},
+            }
+        table = self.header
+        return {"store": store, "levels": levels + [tier_level], "tier": self.tier.stats(),
+                "table": str(table.path) if table is not None else None,
+                "table_bytes": table.layout.file_bytes if table is not None else None}
+
+    # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
+        self.closed = True
         self.tier.close()
 
     def __enter__(self) -> "TableStore":
@@ -82,7 +344,67 @@ class TableStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TableStore({str(self.header.path)!r}, tier={self.tier.name!r}, rows={self.num_rows:,})"
+        names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in self.levels) or "no cache"
+        where = f"{str(self.header.path)!r}, " if self.header is not None else ""
+        return f"TableStore({where}[{names}] over {type(self.tier).__name__}, rows={self.num_rows:,})"
+
+
+# ---------------------------------------------------------------------- fetch helpers
+def _in_order(raw: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
+    """Raw rows of distinct ids ``[u, row_bytes]`` -> the caller's order ``[n, row_bytes]``."""
+    index = torch.from_numpy(inverse).to(raw.device)
+    return wide_view(raw).index_select(0, index).view(torch.uint8)
+
+
+def _release(served: list[_Served]) -> None:
+    for s in served:
+        if s.slots.size:
+            s.level.release(s.slots)
+
+
+def _split_hits(level: RowCache, slots: np.ndarray, nhit: int, remaining: np.ndarray | None,
+                u: int) -> tuple[_Served, np.ndarray]:
+    """A level's ``acquire`` result over the positions ``remaining`` (None: all ``u``) ->
+    what it served, and the positions still to find."""
+    if nhit == slots.size:  # every row here: no masks
+        return _Served(level, slots, remaining), _EMPTY
+    hit = slots >= 0
+    everywhere = np.arange(u) if remaining is None else remaining
+    return _Served(level, slots[hit], everywhere[hit]), everywhere[~hit]
+
+
+def _copy_from(level: RowCache, slots: np.ndarray, positions: np.ndarray | None, out: torch.Tensor) -> None:
+    """Rows in ``level``'s pinned ``slots`` -> ``out[positions]`` (None: all of ``out``, in order)."""
+    index = torch.from_numpy(slots).to(level.device)
+    if positions is None and level.device == out.device:
+        torch.index_select(wide_view(level.data), 0, index, out=wide_view(out))  # one copy, no scatter
+        return
+    rows = wide_view(level.data).index_select(0, index).to(out.device)
+    if positions is None:
+        wide_view(out).copy_(rows)
+    else:
+        wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), rows)
+
+
+def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: np.ndarray,
+                hold: bool) -> np.ndarray:
+    """Put rows ``out[positions]`` (ids ``ids[positions]``) into ``level`` where it takes them;
+    returns the slots filled (pinned when ``hold``)."""
+    if positions.size == 0:
+        return _EMPTY
+    slots = level.reserve(ids[positions])
+    kept = slots >= 0
+    if not kept.any():
+        return _EMPTY
+    slots = slots[kept]
+    try:
+        index = torch.from_numpy(positions[kept]).to(out.device)
+        level.write(slots, wide_view(out).index_select(0, index).view(torch.uint8))
+    except BaseException:
+        level.abandon(slots)
+        raise
+    level.publish(slots, keep_pinned=hold)
+    return slots
 
 
 def open_table(
@@ -94,7 +416,7 @@ def open_table(
     fast_cache_bytes: int = 0,
     admission: bool | None = None,
     **options: Any,
-) -> Any:
+) -> TableStore:
     """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``).
 
     ``options`` go to the tier (e.g. ``engine``, ``queue_depth``, ``verify_reads`` for
@@ -102,20 +424,15 @@ def open_table(
 
     ``cache_bytes`` puts a DRAM row cache of that size in front of the tier (and
     ``fast_cache_bytes`` a fast cache above it, on the GPU when there is one), evicting by
-    ``policy`` (``lru`` or ``lfu``); the result is then a ``cache.CachedStore``, with the
-    same methods plus ``fetch`` and per-level statistics.
+    ``policy`` (``lru`` or ``lfu``); each is capped at the table's size.
     """
     header = read_header(path)
-    store = TableStore(header, open_tier(tier, header, **options))
-    if not cache_bytes and not fast_cache_bytes:
-        return store
-    from .cache import CachedStore, build_levels
-
+    opened = open_tier(tier, header, **options)
     try:
         levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
                               fast_cache_bytes=int(fast_cache_bytes), admission=admission,
                               num_rows=header.layout.num_rows)
     except BaseException:
-        store.close()
+        opened.close()
         raise
-    return CachedStore(store.tier, store.config, levels, inner=store)
+    return TableStore(opened, header.config, levels, header=header)

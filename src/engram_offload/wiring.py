@@ -19,7 +19,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .hashing import NgramHasher
 from .prefetch import Prefetcher, Step
+from .store import RowStore
 
 __all__ = ["ForwardResult", "forward_with_prefetch", "forward_with_store"]
 
@@ -27,7 +29,7 @@ __all__ = ["ForwardResult", "forward_with_prefetch", "forward_with_store"]
 @dataclass
 class ForwardResult:
     output: torch.Tensor  # the backbone's output, e.g. [B, T, D]
-    step: Step  # the prefetched step (ids, dedup, stall_seconds, fetch_seconds)
+    step: Step  # the prefetched step (ids, dedup, stall_seconds, stalls, fetch_seconds)
 
     @property
     def stall_seconds(self) -> float:
@@ -67,7 +69,7 @@ def forward_with_prefetch(model: Any, prefetcher: Prefetcher, seq_ids: Sequence[
     return ForwardResult(output, step)
 
 
-def forward_with_store(model: Any, store: Any, hasher: Any, input_ids: torch.Tensor,
+def forward_with_store(model: Any, store: RowStore, hasher: NgramHasher, input_ids: torch.Tensor,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The same forward pass with rows gathered synchronously at each Engram layer (the
     no-prefetch baseline, and the oracle for tests). Hashes whole sequences from their start."""

@@ -56,7 +56,6 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
     (["--concurrency", "0"], ">= 1"),
     (["--dram-budget", "1M", "--cache-bytes", "2M"], "exceed --dram-budget"),
     (["--dram-budget", "lots"], "not understood"),
-    (["--lookahead-tokens", "-1"], "lookahead"),
 ])
 def test_bad_options_are_explained(tiny_table, tmp_path, capsys, flags, message):
     assert main(["bench", "--table", str(tiny_table), "--out", str(tmp_path), "--no-progress", *flags]) == 1
@@ -66,3 +65,22 @@ def test_bad_options_are_explained(tiny_table, tmp_path, capsys, flags, message)
 def test_a_missing_table_is_explained(tmp_path, capsys):
     assert main(["bench", "--table", str(tmp_path / "none.table"), "--no-progress"]) == 1
     assert "make-table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seconds", "nan"], "argument --seconds: 'nan': give a number of seconds > 0"),
+    (["--seconds", "0"], "argument --seconds: '0': give a number of seconds > 0"),
+    (["--seconds", "-5"], "argument --seconds: '-5': give a number of seconds > 0"),
+    (["--seconds", "soon"], "argument --seconds: 'soon' is not a number of seconds"),
+    (["--warmup-seconds", "inf"], "argument --warmup-seconds: 'inf': give a number of seconds >= 0"),
+    (["--repeats", "0"], "argument --repeats: '0': give an integer >= 1"),
+    (["--lookahead-tokens", "-1"], "argument --lookahead-tokens: '-1': give an integer >= 0"),
+    (["--scale", "2"], "argument --scale: '2': give a fraction > 0 and <= 1"),
+])
+def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--table", str(tmp_path / "t.table"), "--no-progress", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"engram-offload bench: error: {message}"
+    assert "Traceback" not in err

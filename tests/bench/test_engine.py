@@ -125,7 +125,7 @@ def test_concurrency_must_fit_the_step_budget(table):
 def test_a_turn_waits_for_its_rows_while_others_decode(table):
     """A prefill whose rows are still being fetched is left out of the step while others
     decode; once its window is in, it runs as far as the fetched rows go; alone, it runs at once."""
-    from engram_offload.bench.engine import _Window
+    from engram_offload.bench.engine import Window
     from engram_offload.bench.workload import Request
 
     class PendingStep:
@@ -141,7 +141,7 @@ def test_a_turn_waits_for_its_rows_while_others_decode(table):
         decoding = Request(1, np.arange(40), [(10, 40)], fed=12)
         waiting = Request(2, np.arange(40), [(20, 40)])
         pending = PendingStep()
-        engine._windows[2] = [_Window(0, 4, pending)]
+        engine._windows[2] = [Window(0, 4, pending)]
         engine._hashed[2] = 4
         chosen, pieces = engine._schedule([decoding, waiting])
         assert [r.number for r in chosen] == [1] and pieces[0].tolist() == [12]

@@ -1,19 +1,43 @@
-"""Fake media for the cache tests: a tier over rows in memory that counts and can fail."""
+"""Helpers of the cache tests: a fake tier over rows in memory that counts and can fail, the
+tiny config, and a thread hammer."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from engram_offload.config import EngramConfig
 from engram_offload.errors import TierError
+from tiny_tables import tiny_config
 
 
 def small_config() -> EngramConfig:
-    return EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32,
-                        prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")
+    """The cache tests' table layout: ``tiny_config`` at head_dim 32."""
+    return tiny_config(head_dim=32)
+
+
+def hammer(worker: Callable[[int], Any], threads: int) -> None:
+    """Run ``worker(seed)`` in ``threads`` threads released together; re-raise the first failure."""
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            start.wait()
+            worker(seed)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=run, args=(s,)) for s in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 class FakeTier:
@@ -42,6 +66,10 @@ class FakeTier:
             raise TierError(f"injected read failure for {len(ids)} rows")
         out.copy_(self.rows[torch.from_numpy(np.asarray(ids, np.int64))])
         return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"tier": "fake", "requests": self.reads, "rows": self.rows_read}
 
     def close(self) -> None:
         pass

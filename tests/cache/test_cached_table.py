@@ -32,4 +32,4 @@ def test_cached_gathers_equal_uncached(table, tier, policy):
         s = cached.stats()
         assert s["store"]["hit_rate"] > 0.2
         assert [lv["level"] for lv in s["levels"]] == ["fast", "dram", "tier"]
-        assert s["backing"]["tier"] == tier
+        assert s["tier"]["tier"] == tier

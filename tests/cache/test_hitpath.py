@@ -8,8 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_offload.cache import CachedStore, LFUPolicy, LRUPolicy, RowCache
+from engram_offload.cache import LFUPolicy, LRUPolicy, RowCache
 from engram_offload.cache.row_cache import native_hitpath
+
+from engram_offload.store import TableStore
 
 from cache_fakes import FakeTier, small_config
 
@@ -165,7 +167,7 @@ def test_fetch_checks_ids_with_and_without_native(monkeypatch):
             monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
         config = small_config()
         tier = FakeTier(config.num_rows, config.row_bytes)
-        store = CachedStore(tier, config, [RowCache(64 * config.row_bytes, config.row_bytes,
+        store = TableStore(tier, config, [RowCache(64 * config.row_bytes, config.row_bytes,
                                                     num_rows=config.num_rows)])
         with pytest.raises(ValueError, match="sorted distinct"):
             store.fetch(np.array([3, 1], np.int64))

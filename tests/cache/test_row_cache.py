@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engram_offload.cache import RowCache
+from engram_offload.cache.row_cache import native_hitpath
 
 RB = 8
 
@@ -132,3 +133,78 @@ def test_a_slot_being_filled_is_a_miss_until_published():
     assert got[0] == slots[0]
     cache.release(got)
     assert cache.pinned() == 0
+
+
+@pytest.fixture(params=["native", "numpy"])
+def hit_path(request, monkeypatch):
+    """Run a test through the C hit path (skipped when it is not built) and through NumPy."""
+    if request.param == "numpy":
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    elif native_hitpath() is None:
+        pytest.skip("cache._hitpath not built (or disabled)")
+    return request.param
+
+
+def slots_of(cache: RowCache, ids) -> np.ndarray:
+    return cache.index.lookup(np.asarray(ids, np.int64))
+
+
+def test_hits_are_pinned_until_released(hit_path):
+    cache = RowCache(8 * RB, RB)
+    assert cache.native is (hit_path == "native")
+    ids = np.array([4, 5, 6], np.int64)
+    cache.fill(ids, rows_for(ids))
+    slots = cache.acquire(np.array([5, 6, 99], np.int64))
+    assert slots[2] == -1 and (slots[:2] == slots_of(cache, [5, 6])).all()
+    assert cache.pins[slots_of(cache, [4, 5, 6])].tolist() == [0, 1, 1]
+    again = cache.acquire(np.array([6], np.int64))
+    assert cache.pins[again].tolist() == [2]
+    cache.release(slots)
+    cache.release(again)
+    assert cache.pinned() == 0
+    cache.check()
+
+
+def test_lru_hits_make_rows_recent(hit_path):
+    cache = RowCache(3 * RB, RB, "lru", evict_batch=1)
+    ids = np.array([1, 2, 3], np.int64)
+    cache.fill(ids, rows_for(ids))
+    before = cache.policy.stamp[slots_of(cache, [1])][0]
+    cache.release(cache.acquire(np.array([1], np.int64)))  # 1 is now the most recent; 2 the least
+    assert cache.policy.stamp[slots_of(cache, [1])][0] > before
+    assert cache.policy.stamp[slots_of(cache, [1])][0] > cache.policy.stamp[slots_of(cache, [3])][0]
+    cache.fill(np.array([4], np.int64), rows_for(np.array([4], np.int64)))
+    assert 2 not in cache and all(i in cache for i in (1, 3, 4))
+
+
+def test_lfu_hits_count(hit_path):
+    cache = RowCache(3 * RB, RB, "lfu", evict_batch=1)
+    ids = np.array([1, 2, 3], np.int64)
+    cache.fill(ids, rows_for(ids))
+    for _ in range(3):
+        cache.release(cache.acquire(np.array([1, 3], np.int64)))
+    cache.release(cache.acquire(np.array([2, 3], np.int64)))
+    assert cache.policy.count[slots_of(cache, [1, 2, 3])].tolist() == [4, 2, 5]
+    cache.fill(np.array([4], np.int64), rows_for(np.array([4], np.int64)))
+    assert 2 not in cache and all(i in cache for i in (1, 3, 4))
+
+
+def test_lfu_starts_an_admitted_row_at_its_sketched_frequency(hit_path):
+    """A row asked for often before it could be cached does not go first for being new."""
+    cache = RowCache(3 * RB, RB, "lfu", admission=True, evict_batch=1)
+    hot = np.array([50], np.int64)
+    for _ in range(6):
+        assert cache.acquire(hot)[0] == -1  # misses: the sketch counts them
+    old = np.array([1, 2, 3], np.int64)
+    cache.fill(old, rows_for(old))
+    for _ in range(2):
+        cache.release(cache.acquire(old))  # each old row: count 1 + 2 hits = 3
+    estimate = int(cache.sketch.estimate(hot)[0])
+    assert estimate >= 6
+    cache.fill(hot, rows_for(hot))  # evicts an old row
+    assert cache.policy.count[slots_of(cache, hot)].tolist() == [estimate]
+    newer = np.array([60], np.int64)
+    for _ in range(3):
+        cache.acquire(newer)
+    cache.fill(newer, rows_for(newer))  # evicts the least frequent: an old row, not the hot one
+    assert 50 in cache and 60 in cache

@@ -1,10 +1,16 @@
-"""``bench-tier --cache-bytes --policy``: a row cache in front of the tier, with its stats table."""
+"""``bench-tier``: a row cache in front of the tier with its stats table, cold starts, bad numbers."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
+import pytest
+
 from engram_offload import cli
+from engram_offload.bench import cold
+from engram_offload.bench.tier_bench import run_tier_bench
+from engram_offload.commands.bench import add_bench_tier_arguments
 
 SCALE = "2e-5"  # deepseek-v4.1-flash at 2e-5: about 17 k rows of 264 bytes
 
@@ -36,3 +42,53 @@ def test_bench_tier_refuses_a_bad_size_or_policy(tmp_path, capsys):
     assert cli.main(["bench-tier", "--table", path, "--tier", "mmap", "--seconds", "0.1",
                      "--cache-bytes", "1M", "--policy", "random"]) != 0
     assert "unknown cache policy" in capsys.readouterr().err
+
+
+def bench_tier(argv: list[str]) -> int:
+    """``bench-tier`` through its own argument parser (``commands.bench.add_bench_tier_arguments``)."""
+    parser = argparse.ArgumentParser(prog="engram-offload bench-tier")
+    add_bench_tier_arguments(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_a_cold_run_evicts_the_table_only_unless_asked(tmp_path, capsys, monkeypatch):
+    drop = tmp_path / "drop_caches"
+    monkeypatch.setattr(cold, "DROP_CACHES", str(drop))  # leave the host's caches alone
+    path = str(tmp_path / "t.tbl")
+    assert cli.main(["make-table", "--scale", SCALE, "--out", path, "--no-progress"]) == 0
+    for tier in ("memory", "mmap", "direct"):
+        capsys.readouterr()
+        assert bench_tier(["--table", path, "--tier", tier, "--seconds", "0.1", "--batch", "256",
+                           "--queue-depth", "4", "--cold", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["tier"] == tier and result["rows"] > 0 and result["rows_per_s"] > 0
+        assert result["cold_method"] == ["posix_fadvise(DONTNEED)"]
+        assert not drop.exists()  # the machine's page cache is left alone
+    assert bench_tier(["--table", path, "--tier", "memory", "--seconds", "0.1", "--cold", "--drop-all-caches",
+                       "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cold_method"] == ["posix_fadvise(DONTNEED)", f"{drop}=1"] and drop.read_text() == "1\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seconds", "0"], "argument --seconds: '0': give a number of seconds > 0"),
+    (["--seconds", "-5"], "argument --seconds: '-5': give a number of seconds > 0"),
+    (["--seconds", "nan"], "argument --seconds: 'nan': give a number of seconds > 0"),
+    (["--callers", "0"], "argument --callers: '0': give an integer >= 1"),
+    (["--batch", "0"], "argument --batch: '0': give an integer >= 1"),
+    (["--queue-depth", "x"], "argument --queue-depth: 'x' is not an integer"),
+])
+def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as info:
+        bench_tier(["--table", str(tmp_path / "t.tbl"), "--tier", "mmap", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"engram-offload bench-tier: error: {message}" and "Traceback" not in err
+
+
+def test_the_benchmark_refuses_bad_numbers_too(tmp_path):
+    for kwargs, message in (({"seconds": float("nan")}, "seconds"), ({"seconds": 0.0}, "seconds"),
+                            ({"callers": 0}, "callers")):
+        with pytest.raises(ValueError, match=message):
+            run_tier_bench(tmp_path / "t.tbl", "mmap", **kwargs)

@@ -39,7 +39,7 @@ from ..backbone import packed_causal_mask
 from ..prefetch import Prefetcher, Step
 from .workload import Request, RequestStream
 
-__all__ = ["EngineRun", "ServingEngine"]
+__all__ = ["EngineRun", "ServingEngine", "Window"]
 
 
 @dataclass
@@ -60,12 +60,13 @@ class EngineRun:
 
 
 @dataclass
-class _Window:
-    """Prefetched rows of a request's input tokens [start, end)."""
+class Window:
+    """The lookahead unit: a request's input tokens [start, end) whose rows are fetched ahead
+    of the serving step that computes them (``fetch``: the prefetcher's ``Step`` for them)."""
 
     start: int
     end: int
-    step: Step
+    fetch: Step
 
 
 class ServingEngine:
@@ -99,7 +100,7 @@ class ServingEngine:
         cfg = prefetcher.config
         self._cols, self._dim = cfg.cols_per_layer, cfg.head_dim
         self._layers = list(cfg.layer_ids)
-        self._windows: dict[int, list[_Window]] = {}  # request number -> its input windows, in order
+        self._windows: dict[int, list[Window]] = {}  # request number -> its input windows, in order
         self._hashed: dict[int, int] = {}  # request number -> input tokens hashed so far
         self._run: EngineRun | None = None
         self._waiting: list[Request] = []  # active requests not in this step
@@ -147,7 +148,7 @@ class ServingEngine:
             return self.max_step_tokens
         end = r.fed
         for w in self._windows.get(r.number, []):
-            if w.start > end or not w.step.done():
+            if w.start > end or not w.fetch.done():
                 break
             end = max(end, w.end)
         return end - r.fed
@@ -159,8 +160,8 @@ class ServingEngine:
         windows = self._windows.setdefault(r.number, [])
         while hashed < upto:
             end = min(upto, hashed + self.window_tokens)
-            step = self.prefetcher.begin_step([r.number], [r.tokens[hashed:end]], urgent=urgent)
-            windows.append(_Window(hashed, end, step))
+            fetch = self.prefetcher.begin_step([r.number], [r.tokens[hashed:end]], urgent=urgent)
+            windows.append(Window(hashed, end, fetch))
             issued += end - hashed
             hashed = end
         self._hashed[r.number] = hashed
@@ -202,9 +203,9 @@ class ServingEngine:
         for r, p in prefill:  # pieces not fetched ahead are fetched now
             self._issue(r, r.fed + p.size)
         self._lookahead([r for r, _ in prefill] + [r for r in self._waiting])
-        steps = ([decode_step] if decode_step else []) + [w.step for r, p in prefill for w in self._windows[r.number]
-                                                         if w.start < r.fed + p.size and w.end > r.fed]
-        stall_before = sum(s.stall_seconds for s in steps)
+        fetches = ([decode_step] if decode_step else []) + [w.fetch for r, p in prefill for w in self._windows[r.number]
+                                                           if w.start < r.fed + p.size and w.end > r.fed]
+        stall_before = sum(f.stall_seconds for f in fetches)  # a window's fetch may have stalled an earlier step
         lengths = [p.size for p in pieces]
 
         def rows_for(layer_id: int) -> torch.Tensor:
@@ -215,7 +216,7 @@ class ServingEngine:
                 lo, hi = r.fed, r.fed + p.size
                 for w in self._windows[r.number]:
                     if w.start < hi and w.end > lo:
-                        rows = self.prefetcher.rows(layer_id, w.step)  # [window, C, d]
+                        rows = self.prefetcher.rows(layer_id, w.fetch)  # [window, C, d]
                         parts.append(rows[max(lo, w.start) - w.start: min(hi, w.end) - w.start])
             return torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, C, d]
 
@@ -243,23 +244,23 @@ class ServingEngine:
             keep = []
             for w in self._windows[r.number]:
                 if w.end <= r.fed + p.size:
-                    self.prefetcher.end_step(w.step)
-                    self._count(w.step)
+                    self.prefetcher.end_step(w.fetch)
+                    self._count(w.fetch)
                 else:
                     keep.append(w)
             self._windows[r.number] = keep
-        return sum(s.stall_seconds for s in steps) - stall_before
+        return sum(f.stall_seconds for f in fetches) - stall_before
 
     def _cancel_all(self) -> None:
         for windows in self._windows.values():
             for w in windows:
-                self.prefetcher.cancel(w.step)
+                self.prefetcher.cancel(w.fetch)
         self._windows.clear()
         self._hashed.clear()
 
     def _forget(self, r: Request) -> None:
         for w in self._windows.pop(r.number, []):
-            self.prefetcher.cancel(w.step)
+            self.prefetcher.cancel(w.fetch)
         self._hashed.pop(r.number, None)
         self.prefetcher.release_sequence(r.number)
 

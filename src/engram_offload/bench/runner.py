@@ -5,9 +5,10 @@ requests for a fixed time and returns one flat dict of figures (``runs`` in the 
 
 Cache states:
 
-- ``cold``: empty row caches, and the table file dropped from the page cache
-  (``/proc/sys/vm/drop_caches`` when permitted, else ``posix_fadvise(DONTNEED)`` on the
-  file; ``cold_method`` says which);
+- ``cold``: empty row caches, and the table file's pages evicted from the page cache
+  (``posix_fadvise(DONTNEED)`` after an fsync; with ``drop_all_caches`` also the whole
+  machine's page cache through ``/proc/sys/vm/drop_caches``, where permitted;
+  ``cold_method`` says which);
 - ``warm``: a warm-up pass over other documents of the same corpus, then the measurement;
 - ``mixed``: a warm-up pass over another corpus (prose when measuring code), then the
   measurement.
@@ -45,21 +46,20 @@ from ..backbone import EngramBackbone
 from ..config import EngramConfig
 from ..hashing import NgramHasher
 from ..prefetch import Prefetcher
-from ..store import open_table
+from ..store import TableStore, open_table
 from ..table.format import read_header
-from ..tiers.bench import drop_page_cache
+from ..tiers import TIERS
+from .cold import make_cold
 from .corpus import Corpus
-from .engine import ServingEngine
+from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
 from .workload import RequestStream, WorkloadShape
 
-__all__ = ["BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "TIERS", "build_backbone",
-           "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "run_sweep"]
+__all__ = ["BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
+           "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "is_resident", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
-TIERS = ("memory", "pinned", "direct", "mmap")
-RESIDENT_TIERS = ("memory", "pinned")  # the whole table in DRAM: nothing to warm
 CGROUP_ALLOWANCE = 256 << 20  # first limit above the budget, until the process's own memory is measured
 
 
@@ -82,6 +82,7 @@ class BenchSettings:
     heads: int = 4
     threads: int = 1  # torch threads for the backbone; the rest of the cores fetch rows
     seed: int = 0
+    drop_all_caches: bool = False  # cold runs also empty the whole machine's page cache
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -109,10 +110,79 @@ def build_backbone(config: EngramConfig, settings: BenchSettings, vocab_size: in
     return EngramBackbone(bconfig, num_layers=layers, vocab_size=vocab_size, heads=settings.heads).eval()
 
 
-def _tier_counters(store: Any) -> dict[str, Any]:
-    inner = getattr(store, "inner", None)
-    tier = inner.tier if inner is not None else store.tier
-    return tier.stats()
+def is_resident(tier: str) -> bool:
+    """Whether ``tier`` holds the whole table in DRAM (nothing to warm, never within a budget)."""
+    return tier in ("memory", "pinned")
+
+
+def _check_run(tier: str, state: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; choose from: {', '.join(TIERS)}")
+    if state not in CACHE_STATES:
+        raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
+
+
+def _cache_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
+    """The row caches of a run: only the direct tier has them (the others are the baselines)."""
+    if tier != "direct" or not (settings.cache_bytes or settings.fast_cache_bytes):
+        return {}
+    return dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes, policy=settings.policy)
+
+
+@dataclass
+class _Measured:
+    """What a run's serving did: the warm-up pass, the measurement, the store's counters."""
+
+    warmup: dict[str, Any] | None
+    run: EngineRun
+    stream: RequestStream
+    before: dict[str, Any]  # the store's stats() before the measurement
+    after: dict[str, Any]  # and after
+
+
+def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
+           corpora: Corpora, model: EngramBackbone, hasher: NgramHasher,
+           on_step: Callable[[str, float], Any] | None) -> _Measured:
+    """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement."""
+    with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
+        def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
+            return ServingEngine(backbone, prefetcher, concurrency=concurrency,
+                                 max_step_tokens=max(settings.max_step_tokens, concurrency),
+                                 lookahead_tokens=settings.lookahead_tokens)
+
+        def progress(phase: str) -> Callable[[float], Any] | None:
+            return (lambda t: on_step(phase, t)) if on_step else None
+
+        warm = corpora.warmup_for(state)
+        warmup = None
+        if warm is not None and not is_resident(tier):
+            # a replay of the warm-up requests' row accesses (no backbone): fills the caches
+            # as serving them would, in a fraction of the time
+            w = engine_for(None).run(RequestStream(warm, settings.shape, settings.seed + 1),
+                                     settings.warmup_seconds, on_step=progress("warm-up"))
+            warmup = {"corpus": warm.name, "seconds": w.seconds, "tokens": w.tokens,
+                      "hit_rate": store.stats()["store"]["hit_rate"] if store.levels else None}
+        store.reset_stats()
+        before = store.stats()
+        stream = RequestStream(corpora.measured, settings.shape, settings.seed)
+        run = engine_for(model).run(stream, settings.seconds, on_step=progress("measure"))
+        return _Measured(warmup, run, stream, before, store.stats())
+
+
+def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
+    """Per-token device traffic and cache hit rates of a run, from the store's counters."""
+    before, after, tokens = served.before["tier"], served.after["tier"], served.run.tokens
+
+    def per_token(key: str) -> float:
+        return (after.get(key, 0) - before.get(key, 0)) / tokens if tokens else 0.0
+
+    return {
+        "hit_rate": served.after["store"]["hit_rate"] if cached else None,
+        "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in served.after["levels"]} if cached else None,
+        "tier_rows_per_token": per_token("rows"),
+        "device_bytes_per_token": per_token("bytes_read"),
+        "device_reads": after.get("reads", 0) - before.get("reads", 0),
+    }
 
 
 def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
@@ -121,82 +191,41 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
                 before_open: Callable[[], Any] | None = None) -> dict[str, Any]:
     """One run in this process; returns its figures. ``before_open`` is called once the
     backbone is built, just before the table is opened (the capped child joins its cgroup there)."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; choose from: {', '.join(TIERS)}")
-    if state not in CACHE_STATES:
-        raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
+    _check_run(tier, state)
     torch.set_num_threads(settings.threads)
-    cold_method = drop_page_cache(settings.table)
-    cached = bool(tier == "direct" and (settings.cache_bytes or settings.fast_cache_bytes))  # a CachedStore
-    options: dict[str, Any] = {}
-    if cached:
-        options = dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes,
-                       policy=settings.policy)
-    if budget_note is None:
-        budget_note = _budget_note(tier, settings)
+    cold_method = make_cold(settings.table, drop_all=settings.drop_all_caches)
+    options = _cache_options(tier, settings)
     config = read_header(settings.table).config
     model = build_backbone(config, settings, token_map.size)
     hasher = NgramHasher(config, token_map)
     if before_open is not None:
         before_open()
     t_open = time.perf_counter()
-    store = open_table(settings.table, tier, **options)
-    open_seconds = time.perf_counter() - t_open
-    try:
-        with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
-            def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
-                return ServingEngine(backbone, prefetcher, concurrency=concurrency,
-                                     max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                     lookahead_tokens=settings.lookahead_tokens)
-
-            warm = corpora.warmup_for(state)
-            warmup = None
-            if warm is not None and tier not in RESIDENT_TIERS:
-                # a replay of the warm-up requests' row accesses (no backbone): fills the caches
-                # as serving them would, in a fraction of the time
-                w = engine_for(None).run(RequestStream(warm, settings.shape, settings.seed + 1),
-                                         settings.warmup_seconds,
-                                         on_step=(lambda t: on_step("warm-up", t)) if on_step else None)
-                warmup = {"corpus": warm.name, "seconds": w.seconds, "tokens": w.tokens,
-                          "hit_rate": store.stats()["store"]["hit_rate"] if cached else None}
-            if cached:
-                store.reset_stats()
-            before = _tier_counters(store)
-            stream = RequestStream(corpora.measured, settings.shape, settings.seed)
-            run = engine_for(model).run(stream, settings.seconds,
-                                        on_step=(lambda t: on_step("measure", t)) if on_step else None)
-            after = _tier_counters(store)
-        stats = store.stats() if cached else None
-    finally:
-        store.close()
-    figures = summarize_run(run)
-    device_bytes = after.get("bytes_read", 0) - before.get("bytes_read", 0)
-    device_reads = after.get("reads", 0) - before.get("reads", 0)
-    result: dict[str, Any] = {
+    with open_table(settings.table, tier, **options) as store:
+        open_seconds = time.perf_counter() - t_open
+        served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step)
+    if budget_note is None:
+        budget_note = _budget_note(tier, settings)
+    return {
         "tier": tier,
         "cache_state": state,
         "concurrency": concurrency,
-        **figures,
-        "hit_rate": stats["store"]["hit_rate"] if stats else None,
-        "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in stats["levels"]} if stats else None,
-        "tier_rows_per_token": (after.get("rows", 0) - before.get("rows", 0)) / run.tokens if run.tokens else 0.0,
-        "device_bytes_per_token": device_bytes / run.tokens if run.tokens else 0.0,
-        "device_reads": device_reads,
+        **summarize_run(served.run),
+        **_run_figures(served, bool(options)),
         "budget_enforced": budget_note[0],
         "budget_method": budget_note[1],
         "cold_method": ", ".join(cold_method) if state == "cold" else None,
-        "warmup": warmup,
-        "corpus_wrapped": stream.wrapped,
+        "warmup": served.warmup,
+        "corpus_wrapped": served.stream.wrapped,
         "open_seconds": open_seconds,
-        "cache_bytes": settings.cache_bytes if cached else 0,
+        "cache_bytes": settings.cache_bytes if options else 0,
     }
-    return result
 
 
 def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:
     if settings.dram_budget is None:
         return False, "no budget given"
-    if tier in RESIDENT_TIERS:
+    if is_resident(tier):
         return False, "the whole table is in DRAM (the unconstrained reference)"
     if tier == "direct":
         held = settings.cache_bytes + settings.fast_cache_bytes

@@ -1,15 +1,18 @@
-"""Row caches in front of a tier: policies, admission, the cache itself, the cached store."""
+"""Row caches in front of a tier: policies, admission, the cache itself, leases, building the levels.
+
+The store (``engram_offload.store.TableStore``) walks these levels; nothing here imports it.
+"""
 
 from __future__ import annotations
 
 from .admission import FrequencySketch
 from .index import RowIndex
+from .lease import Lease
+from .levels import build_levels
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .row_cache import RowCache
-from .store import CachedStore, Lease, RowSource, build_levels
 
 __all__ = [
-    "CachedStore",
     "EvictionPolicy",
     "FrequencySketch",
     "LFUPolicy",
@@ -18,7 +21,6 @@ __all__ = [
     "POLICIES",
     "RowCache",
     "RowIndex",
-    "RowSource",
     "build_levels",
     "make_policy",
 ]

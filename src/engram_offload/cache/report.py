@@ -1,4 +1,4 @@
-"""``format_stats_table``: a cached store's ``stats()`` as a table for the terminal (rich)."""
+"""``format_stats_table``: a store's ``stats()`` as a table for the terminal (rich)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _bytes(n: float) -> str:
 
 
 def format_stats_table(stats: dict[str, Any], title: str = "row store", width: int = 120) -> str:
-    """Render ``CachedStore.stats()`` (one row per level, then the store's totals) as text."""
+    """Render ``TableStore.stats()`` (one row per level, then the store's totals) as text."""
     from rich.console import Console
     from rich.table import Table
 
@@ -31,12 +31,10 @@ def format_stats_table(stats: dict[str, Any], title: str = "row store", width: i
                       _bytes(lv["bytes_read"]), f"{lv['p50_ms']:.3f}", f"{lv['p90_ms']:.3f}", f"{lv['p99_ms']:.3f}")
     s = stats.get("store")
     if s:
-        table.add_row("store", f"{s['requests']:,}", f"{s['rows_requested']:,}",
+        table.add_row("store", f"{s['fetches']:,}", f"{s['rows_requested']:,}",
                       f"unique {s['rows_unique']:,}", f"({s['unique_ratio']:.1%})", f"{s['hit_rate']:.1%}",
                       _bytes(s["bytes_read"]), f"{s['fetch_p50_ms']:.3f}", f"{s['fetch_p90_ms']:.3f}",
                       f"{s['fetch_p99_ms']:.3f}", end_section=True)
-        table.caption = (f"stall {s['stall_seconds'] * 1e3:,.1f} ms over {s['stall_events']:,} waits "
-                         f"(p50 {s['stall_p50_ms']:.3f} ms, p99 {s['stall_p99_ms']:.3f} ms)")
     console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(table)
     return console.export_text()

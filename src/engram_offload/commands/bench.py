@@ -1,18 +1,55 @@
-"""``bench``: the serving benchmark, every tier and cache state on the throughput-interactivity plane."""
+"""``bench`` (the serving benchmark: every tier and cache state on the throughput-interactivity
+plane) and the ``bench-tier`` command's arguments and body (random-row reads from one tier).
+
+Numbers are checked as they are parsed (finite, in range): a bad one is a usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..units import format_bytes, parse_size
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
+DEFAULT_TIER_QUEUE_DEPTH = 64  # bench-tier's reads in flight (direct) or reader threads (mmap)
+DROP_ALL_HELP = ("with a cold start, also empty the whole machine's page cache (/proc/sys/vm/drop_caches, "
+                 "as root): every process's cached files, not only the table's")
+
+
+def _number(kind: type, low: float, *, low_open: bool = False, high: float | None = None,
+            what: str = "") -> Callable[[str], Any]:
+    """An argparse ``type``: a finite ``kind`` >= ``low`` (> with ``low_open``; <= ``high``)."""
+    bound = f"> {low:g}" if low_open else f">= {low:g}"
+    if high is not None:
+        bound += f" and <= {high:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what or 'a number'}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (
+                high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what or 'a number'} {bound}")
+        return value
+
+    return parse
+
+
+positive_seconds = _number(float, 0, low_open=True, what="a number of seconds")
+seconds_or_zero = _number(float, 0, what="a number of seconds")
+positive_int = _number(int, 1, what="an integer")
+int_or_zero = _number(int, 0, what="an integer")
+fraction = _number(float, 0, low_open=True, high=1, what="a fraction")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,16 +65,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("table")
     t.add_argument("--table", help="an existing table file (default: make one in the cache folder)")
     t.add_argument("--preset", default=DEFAULT_PRESET, help=f"layout of the table to make (default {DEFAULT_PRESET})")
-    t.add_argument("--scale", type=float, default=DEFAULT_SCALE,
+    t.add_argument("--scale", type=fraction, default=DEFAULT_SCALE,
                    help=f"fraction of the preset's table size to make (default {DEFAULT_SCALE})")
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
     r.add_argument("--tiers", default="memory,direct,mmap", help="comma list of memory, pinned, direct, mmap (default memory,direct,mmap)")
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
-    r.add_argument("--seconds", type=float, default=2.0, help="measured seconds per run (default 2)")
-    r.add_argument("--repeats", type=int, default=1, help="run every point this many times; medians reported (default 1)")
-    r.add_argument("--warmup-seconds", type=float, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
+    r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
+    r.add_argument("--repeats", type=positive_int, default=1, help="run every point this many times; medians reported (default 1)")
+    r.add_argument("--warmup-seconds", type=seconds_or_zero, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
+    r.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
     m = p.add_argument_group("memory")
     m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
     m.add_argument("--cache-bytes", default=None, help="the direct tier's DRAM row cache (default: the whole budget)")
@@ -48,19 +86,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="measured corpus: stdlib, docs, zipf or a folder of text files; repeatable (default stdlib)")
     w.add_argument("--mixed-corpus", default=None, help="warm-up corpus of the mixed state (default: docs when installed, else zipf)")
     w.add_argument("--workload", default="agent", choices=["agent", "chat"], help="agentic coding sessions or single chat turns (default agent)")
-    w.add_argument("--prompt-tokens", type=int, default=512, help="first context of a request (default 512)")
-    w.add_argument("--answer-tokens", type=int, default=64, help="tokens decoded per turn (default 64)")
-    w.add_argument("--turns", type=int, default=3, help="agent turns after the first context (default 3)")
-    w.add_argument("--tool-tokens", type=int, default=256, help="tool output appended per agent turn (default 256)")
-    w.add_argument("--corpus-tokens", type=int, default=400_000, help="tokens read from each corpus (default 400000)")
-    w.add_argument("--max-step-tokens", type=int, default=256, help="token budget of a step (default 256)")
-    w.add_argument("--lookahead-tokens", type=int, default=None,
+    w.add_argument("--prompt-tokens", type=positive_int, default=512, help="first context of a request (default 512)")
+    w.add_argument("--answer-tokens", type=positive_int, default=64, help="tokens decoded per turn (default 64)")
+    w.add_argument("--turns", type=int_or_zero, default=3, help="agent turns after the first context (default 3)")
+    w.add_argument("--tool-tokens", type=int_or_zero, default=256, help="tool output appended per agent turn (default 256)")
+    w.add_argument("--corpus-tokens", type=positive_int, default=400_000, help="tokens read from each corpus (default 400000)")
+    w.add_argument("--max-step-tokens", type=positive_int, default=256, help="token budget of a step (default 256)")
+    w.add_argument("--lookahead-tokens", type=int_or_zero, default=None,
                    help="prefill tokens fetched ahead of their step (default: two steps' budget; 0: off)")
     b = p.add_argument_group("backbone")
-    b.add_argument("--layers", type=int, default=None, help="transformer layers (default: last Engram layer + 2)")
-    b.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    b.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    b.add_argument("--threads", type=int, default=None, help="torch threads for the backbone (default: cores - 1)")
+    b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
+    b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
+    b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    b.add_argument("--threads", type=positive_int, default=None, help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")
     o.add_argument("--json", default=None, metavar="PATH", help="JSON path (default OUT/results.json)")
@@ -143,25 +181,33 @@ class _Progress:
             self.bar.__exit__(*exc)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.corpus import Corpus, docs_root, load_corpus
-    from ..bench.report import comparisons, comparisons_table, frontier_plot, markdown_table, write_json
-    from ..bench.runner import CACHE_STATES, TIERS, BenchSettings, Corpora, check_budget, run_sweep
-    from ..bench.workload import WorkloadShape
-    from ..machine import machine_facts
-    from ..table.format import read_header
-    from ..tokenizer import cached_token_map, load_tokenizer
+@dataclass
+class _Plan:
+    """What ``bench`` will run: the table, the sweep's points, the settings of every run."""
 
-    tiers = _list(args.tiers, TIERS, "tiers")
+    table: Path
+    header: Any  # the table's TableHeader
+    budget: int | None
+    tiers: list[str]
+    states: list[str]
+    concurrency: list[int]
+    settings: Any  # bench.runner.BenchSettings
+
+    @property
+    def table_bytes(self) -> int:
+        return self.header.layout.num_rows * self.header.layout.row_bytes
+
+
+def _plan(args: argparse.Namespace, show: bool) -> _Plan:
+    """Check the options and find (or make) the table: everything ``bench`` needs to run."""
+    from ..bench.runner import CACHE_STATES, BenchSettings, check_budget
+    from ..bench.workload import WorkloadShape
+    from ..table.format import read_header
+    from ..tiers import TIERS
+
+    tiers = _list(args.tiers, tuple(TIERS), "tiers")
     states = _list(args.cache_states, CACHE_STATES, "cache-states")
     concurrency = _concurrency(args.concurrency)
-    if args.seconds <= 0:
-        raise ValueError("--seconds must be > 0")
-    if args.lookahead_tokens is not None and args.lookahead_tokens < 0:
-        raise ValueError("--lookahead-tokens must be >= 0 (0 turns lookahead off)")
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
-    show = not args.no_progress and sys.stderr.isatty()
     table = Path(args.table) if args.table else default_table(args.preset, args.scale, args.seed, show)
     if not table.exists():
         raise FileNotFoundError(f"no table at {table}: make one with engram-offload make-table")
@@ -171,21 +217,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cache_bytes = parse_size(args.cache_bytes, table_bytes) if args.cache_bytes else (budget or 0)
     if "direct" in tiers and cache_bytes == 0 and budget is None:
         print("note: direct runs without a row cache (no --dram-budget and no --cache-bytes)", file=sys.stderr)
-    shape = WorkloadShape(args.workload, args.prompt_tokens, args.answer_tokens, args.turns, args.tool_tokens)
     settings = BenchSettings(
         table=str(table), seconds=args.seconds,
         warmup_seconds=args.seconds if args.warmup_seconds is None else args.warmup_seconds,
         cache_bytes=cache_bytes, fast_cache_bytes=parse_size(args.fast_cache_bytes, table_bytes),
-        policy=args.policy, dram_budget=budget, shape=shape, max_step_tokens=args.max_step_tokens,
-        lookahead_tokens=args.lookahead_tokens,
+        policy=args.policy, dram_budget=budget,
+        shape=WorkloadShape(args.workload, args.prompt_tokens, args.answer_tokens, args.turns, args.tool_tokens),
+        max_step_tokens=args.max_step_tokens, lookahead_tokens=args.lookahead_tokens,
         layers=args.layers, hidden=args.hidden, heads=args.heads,
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
+        drop_all_caches=args.drop_all_caches,
     )
     check_budget(settings)
+    return _Plan(table, header, budget, tiers, states, concurrency, settings)
 
-    t0 = time.perf_counter()
+
+def _corpora(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The measured corpus (all of it) and the sweep's ``Corpora`` (measured, warm, mixed)."""
+    from ..bench.corpus import Corpus, docs_root, load_corpus
+    from ..bench.runner import Corpora
+    from ..tokenizer import load_tokenizer
+
     tokenizer = load_tokenizer()
-    token_map = cached_token_map()
     specs = args.corpus or ["stdlib"]
     parts = [load_corpus(s, tokenizer, max_tokens=args.corpus_tokens, seed=args.seed) for s in specs]
     measured_all = Corpus("+".join(c.name for c in parts), tuple(d for c in parts for d in c.documents),
@@ -193,41 +246,123 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warm, measured = measured_all.split()
     mixed_spec = args.mixed_corpus or ("docs" if docs_root() is not None and "docs" not in specs else "zipf")
     mixed = load_corpus(mixed_spec, tokenizer, max_tokens=args.corpus_tokens, seed=args.seed)
-    corpora = Corpora(measured=measured, warm=warm, mixed=mixed)
-    print(f"table {table} ({format_bytes(table_bytes)}, layout {header.config.name}); "
-          f"DRAM budget {format_bytes(budget) if budget is not None else 'none'}, direct row cache "
-          f"{format_bytes(cache_bytes)} ({args.policy}); corpus {measured_all.name} "
-          f"({measured.tokens:,} measured + {warm.tokens:,} warm-up tokens), mixed warm-up {mixed.name}; "
-          f"{len(tiers) * len(states) * len(concurrency) * args.repeats} runs of {args.seconds:g} s "
-          f"(corpora ready in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return measured_all, Corpora(measured=measured, warm=warm, mixed=mixed)
 
-    with _Progress(show) as progress:
-        runs = run_sweep(settings, tiers, states, concurrency, corpora, token_map, repeats=args.repeats,
-                         progress=progress.run, on_step=progress.step)
-    ratios = comparisons(runs)
-    document = {
+
+def _describe(plan: _Plan, args: argparse.Namespace, measured_all: Any, corpora: Any, seconds: float) -> str:
+    """One line saying what is about to run."""
+    budget = format_bytes(plan.budget) if plan.budget is not None else "none"
+    runs = len(plan.tiers) * len(plan.states) * len(plan.concurrency) * args.repeats
+    return (f"table {plan.table} ({format_bytes(plan.table_bytes)}, layout {plan.header.config.name}); "
+            f"DRAM budget {budget}, direct row cache {format_bytes(plan.settings.cache_bytes)} ({args.policy}); "
+            f"corpus {measured_all.name} ({corpora.measured.tokens:,} measured + {corpora.warm.tokens:,} "
+            f"warm-up tokens), mixed warm-up {corpora.mixed.name}; {runs} runs of {args.seconds:g} s "
+            f"(corpora ready in {seconds:.1f} s)")
+
+
+def _document(plan: _Plan, args: argparse.Namespace, corpora: Any, runs: list[dict[str, Any]],
+              ratios: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """The results JSON."""
+    from ..machine import machine_facts
+
+    header, measured, mixed = plan.header, corpora.measured, corpora.mixed
+    return {
         "kind": "engram-offload serving benchmark",
         "command": "engram-offload " + " ".join(getattr(args, "argv", ["bench"])),
-        "machine": machine_facts(table),
-        "table": {"path": str(table), "bytes": table_bytes, "rows": header.layout.num_rows,
+        "machine": machine_facts(plan.table),
+        "table": {"path": str(plan.table), "bytes": plan.table_bytes, "rows": header.layout.num_rows,
                   "row_bytes": header.layout.row_bytes, "layout": header.config.name,
                   "layer_ids": list(header.config.layer_ids)},
-        "settings": settings.to_dict(),
+        "settings": plan.settings.to_dict(),
         "corpora": {"measured": measured.name, "measured_source": measured.source,
-                    "measured_tokens": measured.tokens, "warm_tokens": warm.tokens,
+                    "measured_tokens": measured.tokens, "warm_tokens": corpora.warm.tokens,
                     "mixed": mixed.name, "mixed_source": mixed.source},
         "runs": runs,
         "comparisons": ratios,
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": wall,
     }
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.report import comparisons, comparisons_table, frontier_plot, markdown_table, write_json
+    from ..bench.runner import run_sweep
+    from ..tokenizer import cached_token_map
+
+    show = not args.no_progress and sys.stderr.isatty()
+    plan = _plan(args, show)
+    t0 = time.perf_counter()
+    measured_all, corpora = _corpora(args)
+    token_map = cached_token_map()
+    print(_describe(plan, args, measured_all, corpora, time.perf_counter() - t0), file=sys.stderr)
+    with _Progress(show) as progress:
+        runs = run_sweep(plan.settings, plan.tiers, plan.states, plan.concurrency, corpora, token_map,
+                         repeats=args.repeats, progress=progress.run, on_step=progress.step)
+    ratios = comparisons(runs)
     out = Path(args.out)
-    json_path = write_json(args.json or out / "results.json", document)
+    json_path = write_json(args.json or out / "results.json",
+                           _document(plan, args, corpora, runs, ratios, time.perf_counter() - t0))
+    budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
-                              title=f"{header.config.name}, {format_bytes(table_bytes)} table, "
-                                    f"budget {format_bytes(budget) if budget is not None else 'none'}")
+                              title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
+                                    f"budget {budget}")
     print(markdown_table(runs))
     if ratios:
         print()
         print(comparisons_table(ratios))
     print(f"\nwrote {json_path} and {plot_path}")
     return 0
+
+
+# ---------------------------------------------------------------------- bench-tier
+def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench-tier`` command's arguments (its parser's ``func`` is ``cmd_bench_tier``)."""
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--tier", required=True, help="memory, pinned, mmap or direct")
+    parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads")
+    parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
+    parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
+    parser.add_argument("--seconds", type=positive_seconds, default=10.0, help="seconds to measure (default 10)")
+    parser.add_argument("--queue-depth", type=positive_int, default=DEFAULT_TIER_QUEUE_DEPTH,
+                        help=f"reads in flight (direct) or concurrent reader threads (mmap) (default {DEFAULT_TIER_QUEUE_DEPTH})")
+    parser.add_argument("--batch", type=positive_int, default=1024, help="rows per gather call (default 1024)")
+    parser.add_argument("--callers", type=positive_int, help="caller threads (default: 1; mmap: the queue depth)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-bytes", default="0",
+                        help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
+                        "table (10%%); default none")
+    parser.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(func=cmd_bench_tier)
+
+
+def cmd_bench_tier(args: argparse.Namespace) -> int:
+    from ..bench.tier_bench import run_tier_bench
+    from ..cache.policy import POLICIES
+    from ..table.format import read_header
+
+    layout = read_header(args.table).layout
+    cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
+    if cache_bytes and args.policy not in POLICIES:
+        raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
+    result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
+                            queue_depth=args.queue_depth, cold=args.cold, drop_all_caches=args.drop_all_caches,
+                            engine=args.engine, seed=args.seed, callers=args.callers, cache_bytes=cache_bytes,
+                            policy=args.policy)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_tier_result(result, args, cache_bytes)
+    return 0
+
+
+def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_bytes: int) -> None:
+    cold = f"cold ({', '.join(result['cold_method'])})" if args.cold else "warm"
+    print(f"{result['tier']} [{result['engine']}] {cold}, batch {args.batch}, queue depth {args.queue_depth}")
+    print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
+          f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
+    print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
+          f"p99 {result['batch_ms_p99']:.2f} ms")
+    if result["cache"] is not None:
+        from ..cache.report import format_stats_table
+
+        print(format_stats_table(result["cache"], title=f"{args.tier} + {cache_bytes:,} B {args.policy} cache"))

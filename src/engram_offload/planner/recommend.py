@@ -85,33 +85,55 @@ def recommend(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], wo
 
 def _reasons(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], w: Workload,
              rec: Recommendation) -> list[str]:
-    out: list[str] = []
+    """Why this choice, in sentences: where the table fits, the choice's memory, its data
+    movement, its figures, and how it compares with the alternatives."""
     c = rec.choice
-    table = model.engram.table_bytes
     if c is None:
-        out.append(f"Nothing fits on {w.gpus} x {gpu.name} at {w.context:,} tokens of context.")
-        worst = [r for r in results if r.name == "dram" and r.tp == max(x.tp for x in results)]
-        if worst:
-            out.extend(f"dram at TP={worst[0].tp}: {why}" for why in worst[0].why_not)
-        out.append("Try more GPUs (--gpus), a shorter --context, or a GPU with more HBM.")
-        return out
+        return _nothing_fits(gpu, results, w)
+    return [
+        _where_the_table_fits(model, w, rec),
+        _memory(c, w),
+        *_data_movement(model, c, w),
+        _figures(c, gpu, w),
+        *_alternatives(c, w, rec),
+    ]
+
+
+def _nothing_fits(gpu: GpuSpec, results: list[PlacementResult], w: Workload) -> list[str]:
+    out = [f"Nothing fits on {w.gpus} x {gpu.name} at {w.context:,} tokens of context."]
+    worst = [r for r in results if r.name == "dram" and r.tp == max(x.tp for x in results)]
+    if worst:
+        out.extend(f"dram at TP={worst[0].tp}: {why}" for why in worst[0].why_not)
+    out.append("Try more GPUs (--gpus), a shorter --context, or a GPU with more HBM.")
+    return out
+
+
+def _where_the_table_fits(model: ModelSpec, w: Workload, rec: Recommendation) -> str:
+    table = model.engram.table_bytes
     s_hbm, s_dram = rec.smallest_tp["hbm"], rec.smallest_tp["dram"]
     if s_hbm is None:
-        out.append(f"The {table / GiB:.1f} GiB table does not fit in HBM at any TP up to {w.gpus}.")
-    elif s_dram is not None and s_dram < s_hbm:
-        out.append(
+        return f"The {table / GiB:.1f} GiB table does not fit in HBM at any TP up to {w.gpus}."
+    if s_dram is not None and s_dram < s_hbm:
+        return (
             f"With the {table / GiB:.1f} GiB table in HBM the smallest workable TP is {s_hbm}; "
             f"in host DRAM it is {s_dram}: moving the table frees "
             f"{table / s_dram / GiB:.1f} GiB of HBM per GPU at TP={s_dram}."
         )
-    else:
-        out.append(f"Smallest workable TP: {s_hbm} with the table in HBM, {s_dram} in DRAM.")
-    out.append(
+    return f"Smallest workable TP: {s_hbm} with the table in HBM, {s_dram} in DRAM."
+
+
+def _memory(c: PlacementResult, w: Workload) -> str:
+    return (
         f"{c.name} at TP={c.tp}: weights {_fmt_bytes(c.weight_bytes_per_gpu)}"
         + (f" + table {_fmt_bytes(c.table_hbm_bytes_per_gpu)}" if c.name == "hbm" else "")
         + f" per GPU leave {_fmt_bytes(c.hbm_free_bytes)} for KV cache, "
         f"{c.max_concurrent_seqs:,} sequences of {w.context:,} tokens per replica."
     )
+
+
+def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[str]:
+    """An offloaded table's transfer per step, the prefill wait, and the NVMe cache and IOPS."""
+    out: list[str] = []
     if c.name != "hbm":
         verdict = ("no stall" if c.predicted_stall_us == 0
                    else f"a {c.predicted_stall_us:.0f} us stall per step")
@@ -132,13 +154,21 @@ def _reasons(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], w: 
             f"{(c.cache_hit_rate or 0):.0%} hit rate ({w.curve_label}); misses need "
             f"{c.nvme_iops_needed / 1e3:,.0f}k IOPS per server of {c.nvme_iops_available / 1e6:.1f}M."
         )
+    return out
+
+
+def _figures(c: PlacementResult, gpu: GpuSpec, w: Workload) -> str:
     meets = "meets" if c.meets_interactivity else "misses"
-    out.append(
+    return (
         f"At batch {c.batch}: {c.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
         f"{c.interactivity:.0f} tokens/s per user ({meets} the {w.min_interactivity:g} floor), "
         f"{c.tokens_per_dollar / 1e6:.1f}M tokens per dollar at ${gpu.price_per_hour:.2f}/GPU-hour."
     )
-    # compare with the best option on the other side of the HBM / offload line
+
+
+def _alternatives(c: PlacementResult, w: Workload, rec: Recommendation) -> list[str]:
+    """The best option across the HBM / offload line, the fewest GPUs, and a missed floor."""
+    out: list[str] = []
     other = next((r for r in rec.ranking if r.meets_interactivity
                   and (r.name == "hbm") != (c.name == "hbm")), None)
     if other is not None and c.meets_interactivity and _score(other, rec.objective) > 0:

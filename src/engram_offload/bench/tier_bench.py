@@ -1,0 +1,154 @@
+"""Measuring a tier: random-row throughput, reads per second, CPU per read; cold starts.
+
+``run_tier_bench`` is shared by the ``bench-tier`` command and ``benchmarks/bench_tier.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..store import TableStore, open_table
+from .cold import make_cold
+
+__all__ = ["run_tier_bench"]
+
+
+@dataclass
+class _Callers:
+    """Caller threads gathering random batches until a deadline; their batch latencies."""
+
+    store: TableStore
+    batch: int
+    seed: int
+    latencies: list[float] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, callers: int, seconds: float) -> tuple[float, float]:
+        """Run ``callers`` threads for ``seconds``; returns (wall, CPU) seconds of the process."""
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        threads = [threading.Thread(target=self._caller, args=(i, t0 + seconds)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+        return time.perf_counter() - t0, time.process_time() - cpu0
+
+    def _caller(self, index: int, stop_at: float) -> None:
+        rng = np.random.default_rng([self.seed, index])
+        mine = []
+        try:
+            while time.perf_counter() < stop_at:
+                ids = rng.integers(0, self.store.num_rows, self.batch)
+                t0 = time.perf_counter()
+                self.store.read_raw(ids)
+                mine.append(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 - raised by run()
+            self.errors.append(exc)
+        with self._lock:
+            self.latencies.extend(mine)
+
+
+def _check(seconds: float, batch: int, queue_depth: int, callers: int | None) -> None:
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be a finite number > 0, got {seconds}")
+    for name, value in (("batch", batch), ("queue_depth", queue_depth), ("callers", callers)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _tier_options(tier: str, engine: str, queue_depth: int, cache_bytes: int, policy: str,
+                  options: dict[str, Any]) -> dict[str, Any]:
+    """``open_table`` options of a run: the direct tier's engine and depth, the row cache."""
+    options = dict(options)
+    if tier == "direct":
+        options.update(engine=engine, queue_depth=queue_depth)
+    if cache_bytes:
+        options.update(cache_bytes=cache_bytes, policy=policy)
+    return options
+
+
+def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wall: float, cpu: float,
+             latencies: list[float]) -> dict[str, Any]:
+    """Rates and per-read costs from the tier's counters before and after, and the batch latencies."""
+    tier_rows = after["rows"] - before["rows"]
+    reads = after.get("reads", 0) - before.get("reads", 0)
+    lat = np.array(latencies) * 1e3 if latencies else np.zeros(1)
+    return {
+        "rows": served_rows,
+        "reads": reads,
+        "bytes_read": after.get("bytes_read", 0) - before.get("bytes_read", 0),
+        "rows_per_s": served_rows / wall,
+        "reads_per_s": reads / wall,
+        "cpu_seconds": cpu,
+        "cpu_us_per_read": cpu / max(reads or served_rows, 1) * 1e6,
+        "cpu_us_per_row": cpu / max(served_rows, 1) * 1e6,
+        "batch_ms_p50": float(np.percentile(lat, 50)),
+        "batch_ms_p99": float(np.percentile(lat, 99)),
+        "tier_rows": tier_rows,
+    }
+
+
+def run_tier_bench(
+    table: str | os.PathLike[str],
+    tier: str,
+    *,
+    seconds: float = 10.0,
+    batch: int = 1024,
+    queue_depth: int = 64,
+    cold: bool = False,
+    drop_all_caches: bool = False,
+    engine: str = "auto",
+    seed: int = 0,
+    callers: int | None = None,
+    cache_bytes: int = 0,
+    policy: str = "lru",
+    **options: Any,
+) -> dict[str, Any]:
+    """Gather uniformly random rows for ``seconds``; return the figures as a dict.
+
+    ``direct``: one caller, ``queue_depth`` reads in flight in the tier. ``mmap``: page
+    faults are synchronous, so ``queue_depth`` caller threads fault concurrently.
+    ``memory``/``pinned``: one caller. ``callers`` overrides the number of caller threads
+    (e.g. 2 for ``direct``, so one caller's copying overlaps the other's I/O). CPU time is
+    process time (all threads) over the run. ``cold`` evicts the table file's pages first
+    (and ``drop_all_caches`` the whole machine's page cache, where permitted).
+    ``cache_bytes`` puts a DRAM row cache evicting by ``policy`` in front of the tier; the
+    store's ``stats()`` (hit rate per level) are then returned as ``cache``.
+    """
+    _check(seconds, batch, queue_depth, callers)
+    cold_method = make_cold(table, drop_all=drop_all_caches) if cold else []
+    if callers is None:
+        callers = queue_depth if tier == "mmap" else 1
+    with open_table(table, tier, **_tier_options(tier, engine, queue_depth, cache_bytes, policy, options)) as store:
+        before = store.stats()
+        run = _Callers(store, batch, seed)
+        wall, cpu = run.run(callers, seconds)
+        after = store.stats()
+    return {
+        "tier": tier,
+        "engine": after["tier"].get("engine", tier),
+        "table": str(Path(table)),
+        "table_bytes": after["table_bytes"],
+        "cold": cold,
+        "cold_method": cold_method,
+        "seconds": wall,
+        "batch": batch,
+        "queue_depth": queue_depth,
+        "caller_threads": callers,
+        "requests": after["store"]["fetches"] - before["store"]["fetches"],
+        **_figures(before["tier"], after["tier"], len(run.latencies) * batch, wall, cpu, run.latencies),
+        "cache_bytes": cache_bytes,
+        "policy": policy if cache_bytes else None,
+        "cache": after if cache_bytes else None,
+    }
