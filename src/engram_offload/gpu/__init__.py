@@ -8,8 +8,13 @@ Install the kernels with ``pip install 'engram-offload[gpu]'``.
 
 from __future__ import annotations
 
+from .hbm_cache import HbmRowCache
+from .hostmem import HostRegistration, page_span, register_host, uva_coherent, uva_view
 from .kernels import dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton, tiered_gather
 from .reference import dequant_rows_ref, gather_raw_ref, gather_rows_ref, tiered_gather_ref
+from .source import RowHandle, RowSource, tp_columns
+from .staging import StagingRing
+from .sync import CudaSync, DeviceSync, ImmediateSync, OrderingError, TracingSync, make_sync
 
 __all__ = [
     "gather_raw",
@@ -22,4 +27,20 @@ __all__ = [
     "gather_rows_ref",
     "dequant_rows_ref",
     "tiered_gather_ref",
+    "register_host",
+    "HostRegistration",
+    "page_span",
+    "uva_view",
+    "uva_coherent",
+    "HbmRowCache",
+    "StagingRing",
+    "RowSource",
+    "RowHandle",
+    "tp_columns",
+    "DeviceSync",
+    "CudaSync",
+    "ImmediateSync",
+    "TracingSync",
+    "OrderingError",
+    "make_sync",
 ]
