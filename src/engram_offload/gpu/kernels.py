@@ -92,7 +92,11 @@ def head_dim_of(fmt: str, row_bytes: int) -> int:
         head_dim = row_bytes * rows.FP8_BLOCK // (rows.FP8_BLOCK + 1)
     else:
         head_dim = row_bytes - 4
-    if head_dim < 1 or rows.row_bytes(fmt, head_dim) != row_bytes:
+    try:
+        fits = head_dim >= 1 and rows.row_bytes(fmt, head_dim) == row_bytes
+    except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(f"{row_bytes}-byte rows are not rows of format {fmt} at any head_dim")
     return head_dim
 
