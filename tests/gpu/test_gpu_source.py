@@ -144,3 +144,13 @@ def test_row_source_on_side_stream_and_cuda_graph():
         torch.cuda.synchronize()
         want = expected(config, table, new.cpu(), 1, 0, config.cols_per_layer).cuda() @ weight
         assert torch.equal(result, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA behaviour")
+def test_smoke_benchmark_says_no_cuda_device_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_smoke.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "no CUDA device\n" and not result.stderr
