@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     num_rows = int(args.table_gib * 2**30) // row_bytes
     table = torch.empty((num_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
     chunk = 1 << 20
-    for start in range(0, num_rows, chunk):  # a cheap pattern of valid fp8 rows
+    block = torch.randint(0, 0x7F, (chunk, row_bytes), dtype=torch.uint8)  # finite fp8 values
+    for i, start in enumerate(range(0, num_rows, chunk)):  # one random block, scales differ by chunk
         n = min(chunk, num_rows - start)
-        block = torch.randint(0, 0x7F, (n, row_bytes), dtype=torch.uint8)
-        block[:, head_dim:] = 120 + (torch.arange(n, dtype=torch.int64)[:, None] % 8).to(torch.uint8)
-        table[start:start + n] = block
+        block[:, head_dim:] = 112 + i % 24
+        table[start:start + n] = block[:n]
     report["table_bytes"] = num_rows * row_bytes
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, num_rows, (args.rows,), device="cuda", generator=gen)
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if seed % 25 == 0:
             flat = new[:, 1].reshape(-1) + config.layer_row_base(15)
             want = gather_rows_ref(layer_table, flat.cpu(), fmt, head_dim, torch.bfloat16).cuda()
-            replay_ok &= torch.equal(result, want.view(tokens, -1, head_dim) @ weight)
+            replay_ok &= torch.allclose(result.float(), (want.view(tokens, -1, head_dim) @ weight).float(),
+                                        rtol=1e-2, atol=1e-2)
     report["graph_replays_correct"] = bool(replay_ok) and bool(ok)
     print(f"graph replayed 100 times with new ids, correct: {replay_ok}; targets met: {report['targets_met']}")
     if args.json:

@@ -65,7 +65,10 @@ def _sm_count(device_index: int) -> int:
 
 def _grid(device: torch.device, rows_to_do: int, background: bool) -> int:
     """Persistent grid: one program per SM (half of them in the background), never more than tiles."""
-    programs = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
+    if device.type == "cuda":
+        programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        programs = INTERPRETER_PROGRAMS
     if background:
         programs = max(1, programs // 2)
     return max(1, min(programs, -(-rows_to_do // BLOCK_R)))
