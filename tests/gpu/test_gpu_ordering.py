@@ -56,14 +56,24 @@ def test_hbm_cache_returns_the_table_rows_and_fills_after_every_reader(policy):
         ids = torch.from_numpy(rng.choice(np.r_[np.arange(6), rng.integers(0, 64, 6)], size=10))
         out = torch.empty(10, 66, dtype=torch.uint8)
         stream = "main" if step % 2 else "side"  # steps on two streams: the fill must wait for both
-        cache.gather(ids, out, stream=stream)
-        sync.wait("main", sync.record(stream))
-        sync.run("main", lambda: None, reads={"out": None})
+        cache.gather(ids, out, stream=stream)  # the two streams never wait for each other
         assert torch.equal(out, gather_raw_ref(table, ids)), f"step {step}"
     stats = cache.stats.as_dict()
     assert stats["hits"] > 0 and stats["misses"] > 0 and cache.resident == 8
     resident = np.flatnonzero(cache._slot_host >= 0)
     assert torch.equal(cache.slots[cache.slot_of_row[resident].long()], table[resident])
+
+
+def test_hbm_fill_waits_for_every_step_since_the_last_fill_on_every_stream():
+    table = fp8_table()
+    sync = TracingSync()
+    cache = HbmRowCache(table, capacity=2, device="cpu", sync=sync)
+    cache.gather(torch.tensor([1, 2]), torch.empty(2, 66, dtype=torch.uint8))  # fills slots 0, 1
+    for stream in ("side", "main"):  # all hits: no fill, two streams that never meet
+        cache.gather(torch.tensor([1, 2]), torch.empty(2, 66, dtype=torch.uint8), stream=stream)
+    out = torch.empty(2, 66, dtype=torch.uint8)
+    cache.gather(torch.tensor([1, 3]), out, stream="main")  # 3 evicts 2, which "side" read
+    assert torch.equal(out, table[[1, 3]]) and cache._slot_host[3] >= 0 > cache._slot_host[2]
 
 
 def test_hbm_cache_without_waiting_for_the_fill_would_race():
