@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
           f"equal to the reference: {ok}", flush=True)
     rows_15 = source.start(local).rows(15)
     weight = torch.randn(head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
+    warm = torch.cuda.Stream()  # cuBLAS sets up outside the capture
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        rows_15 @ weight
+    torch.cuda.current_stream().wait_stream(warm)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):

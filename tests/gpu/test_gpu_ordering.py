@@ -125,3 +125,28 @@ def test_staging_ring_rejects_oversized_reads():
     ring = StagingRing(1, 8, device="cpu")
     with pytest.raises(ValueError, match="returned 9 bytes"):
         ring.stage(lambda b: 9, torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_hbm_cache_and_staging_on_cuda_streams():
+    from engram_offload.gpu import CudaSync
+    sync = CudaSync()
+    table = fp8_table(num_rows=256).pin_memory()
+    cache = HbmRowCache(table, capacity=32, device="cuda", sync=sync)
+    rng = np.random.default_rng(1)
+    for step in range(20):
+        ids = torch.from_numpy(rng.integers(0, 64, 48))
+        out = torch.empty(48, 66, dtype=torch.uint8, device="cuda")
+        cache.gather(ids, out, stream="side" if step % 2 else "main")
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), table[ids])
+    assert cache.stats.hits > 0
+    ring = StagingRing(2, 1 << 20, device="cuda", sync=sync)
+    dsts = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(6)]
+    for i, dst in enumerate(dsts):
+        def read_into(buffer, i=i):
+            buffer.fill_(i + 1)
+            return buffer.numel()
+        sync.wait("main", ring.stage(read_into, dst))
+    torch.cuda.synchronize()
+    assert all(dst.eq(i + 1).all() for i, dst in enumerate(dsts))

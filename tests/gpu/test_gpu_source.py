@@ -135,6 +135,12 @@ def test_row_source_on_side_stream_and_cuda_graph():
     handle = source.start(ids)
     rows_1 = handle.rows(1)
     graph, weight = torch.cuda.CUDAGraph(), torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    warm = torch.cuda.Stream()  # cuBLAS sets up outside the capture
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        rows_1 @ weight
+    torch.cuda.current_stream().wait_stream(warm)
+    torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         result = rows_1 @ weight
     for seed in range(3):
