@@ -203,3 +203,11 @@ def test_importing_the_package_needs_neither_triton_nor_cuda():
             "assert 'triton' not in sys.modules; assert not torch.cuda.is_initialized(); print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_persistent_grid_follows_the_programs_not_the_batch():
+    from engram_offload.gpu.kernels import BLOCK_R, INTERPRETER_PROGRAMS, _grid
+    cpu = torch.device("cpu")
+    assert _grid(cpu, 10**6, background=False) == INTERPRETER_PROGRAMS
+    assert _grid(cpu, 10**6, background=True) == INTERPRETER_PROGRAMS // 2
+    assert _grid(cpu, BLOCK_R, background=False) == 1  # never more programs than tiles
