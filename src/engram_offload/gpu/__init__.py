@@ -1,0 +1,46 @@
+"""Rows on the GPU: gathers from pinned host memory and HBM, an HBM hot-row cache, NVMe
+staging, and the adapter a serving engine calls.
+
+Importing this package needs neither Triton nor CUDA: the kernels are imported when they
+first run, and every kernel has a pure-torch reference that CPU tensors fall back to.
+Install the kernels with ``pip install 'engram-offload[gpu]'``.
+"""
+
+from __future__ import annotations
+
+from .hbm_cache import HbmRowCache
+from .hostmem import HostRegistration, page_span, register_host, uva_coherent, uva_view
+from .kernels import dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton, tiered_gather
+from .reference import dequant_rows_ref, gather_raw_ref, gather_rows_ref, tiered_gather_ref
+from .source import RowHandle, RowSource, tp_columns
+from .staging import StagingRing
+from .sync import CudaSync, DeviceSync, ImmediateSync, OrderingError, TracingSync, make_sync
+
+__all__ = [
+    "gather_raw",
+    "gather_rows",
+    "dequant_rows",
+    "tiered_gather",
+    "head_dim_of",
+    "runs_triton",
+    "gather_raw_ref",
+    "gather_rows_ref",
+    "dequant_rows_ref",
+    "tiered_gather_ref",
+    "register_host",
+    "HostRegistration",
+    "page_span",
+    "uva_view",
+    "uva_coherent",
+    "HbmRowCache",
+    "StagingRing",
+    "RowSource",
+    "RowHandle",
+    "tp_columns",
+    "DeviceSync",
+    "CudaSync",
+    "ImmediateSync",
+    "TracingSync",
+    "OrderingError",
+    "make_sync",
+]
