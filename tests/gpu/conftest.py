@@ -20,13 +20,3 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def device() -> torch.device:
     return DEVICE
 
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """The top-level conftest skips items whose keywords include "gpu", and a directory's name is
-    one of its items' keywords; keep that skip only on tests that carry the ``gpu`` marker."""
-    here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.path).startswith(here) and item.get_closest_marker("gpu") is None:
-            item.own_markers = [m for m in item.own_markers
-                                if not (m.name == "skip" and m.kwargs.get("reason") == "needs CUDA")]
