@@ -33,6 +33,7 @@ _OS_HINTS = {
     errno.EMFILE: "raise the open-file limit (ulimit -n)",
     errno.ENOMEM: "free memory or choose something smaller",
     errno.EROFS: "write to a writable file system",
+    errno.EFBIG: "the file size limit (ulimit -f) is too small; raise it or write less",
 }
 
 
