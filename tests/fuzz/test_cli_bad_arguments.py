@@ -34,7 +34,7 @@ CASES = [
     (["info", "--config", "{missing}"], 1, "no Hugging Face config.json at"),
     (["hash", "--preset", "deepseek-demo", "caf\udce9"], 1, "not valid UTF-8"),
     (["hash", "--tokenizer", "{bad_tokenizer}", "hello"], 1, "cannot load the tokenizer"),
-    (["verify", "{empty_dir}"], 1, "is a directory"),
+    (["verify", "{empty_dir}"], 2, "is a directory: give a table file, or --clean"),
     (["verify", "{missing}"], 1, "no table file at"),
     (["verify", "{not_json}"], 1, "not an engram-offload table"),
     (["verify", "--clean", "{table}"], 2, "--clean takes a directory"),

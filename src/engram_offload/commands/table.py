@@ -185,6 +185,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.clean:
         return clean_directory(args.path)
+    if Path(args.path).is_dir():
+        raise UsageError(f"{args.path} is a directory: give a table file, or --clean to remove the "
+                         "temporary files dead writers left in it")
     try:
         header = verify_table(args.path, progress=False if args.no_progress else None)
     except ChecksumError as exc:
