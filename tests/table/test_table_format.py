@@ -320,10 +320,12 @@ def test_next_write_removes_dead_writers_leftovers(tmp_path, config):
         "live": f".t.tbl.{boot_id()}.{me}.0123abcd.tmp",
         "other_table": f".u.tbl.{boot_id()}.{dead}.0123abcd.tmp",
         "unknown": ".t.tbl.0123456789ab.tmp",
+        "no_such_pid": f".t.tbl.{boot_id()}.{2**70}.0123abcd.tmp",
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"partial table")
-    assert {p.name for p in dead_temp_files(tmp_path)} == {names["dead"], names["other_boot"], names["other_table"]}
+    assert {p.name for p in dead_temp_files(tmp_path)} == \
+        {names["dead"], names["other_boot"], names["other_table"], names["no_such_pid"]}
     write_table(tmp_path / "t.tbl", config, raw_rows_of(config))
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {"t.tbl", names["live"], names["other_table"], names["unknown"]}

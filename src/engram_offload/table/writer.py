@@ -72,11 +72,11 @@ def temp_path(path: Path) -> Path:
 
 
 def _writer_alive(boot: str, pid: int) -> bool:
-    if boot != boot_id():
+    if boot != boot_id() or pid < 1:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # someone else's live process
         return True
@@ -160,7 +160,10 @@ class TableWriter:
             raise FileNotFoundError(f"directory {self.path.parent} does not exist")
         if self.path.is_dir():
             raise IsADirectoryError(f"{self.path} is a directory: give a file name to write the table to")
-        clean_temp_files(self.path.parent, self.path.name)
+        try:
+            clean_temp_files(self.path.parent, self.path.name)
+        except OSError:  # best effort: a leftover that cannot be removed must not stop the write
+            pass
         self._tmp = temp_path(self.path)
         self._f = open(self._tmp, "wb", buffering=0)
         try:
