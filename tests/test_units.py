@@ -8,7 +8,8 @@ import pytest
 
 from engram_offload.units import (MAX_SIZE, finite_float, format_bytes, fraction, int_in_range,
                                   non_negative_float, non_negative_int, parse_size, positive_float,
-                                  positive_int, size_arg, unit_interval)
+                                  positive_int, size_arg, size_or_percent_arg,
+                                  unit_interval)
 
 
 @pytest.mark.parametrize("text,whole,expected", [
@@ -46,6 +47,7 @@ def test_format_bytes():
     (non_negative_int, {"0": 0}, ["-1", "2.0"]),
     (int_in_range(1, 10), {"10": 10}, ["0", "11"]),
     (size_arg, {"2G": 2 << 30}, ["inf", "-1", "10%", "1e30"]),
+    (size_or_percent_arg, {"2G": "2G", "20%": "20%"}, ["inf%", "nan%", "-5%", "x", "2000000T"]),
 ])
 def test_validators(parse, good, bad):
     for text, value in good.items():

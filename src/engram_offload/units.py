@@ -17,6 +17,7 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "size_arg",
+    "size_or_percent_arg",
     "finite_float",
     "positive_float",
     "non_negative_float",
@@ -81,6 +82,16 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_or_percent_arg(text: str) -> str:
+    """argparse type: a byte size or a percentage (``20%``) of a whole known later; returns
+    the text, checked, for ``parse_size(text, whole)`` once the whole is known."""
+    try:
+        parse_size(text, whole=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _float_arg(test: Callable[[float], bool], what: str) -> Callable[[str], float]:
