@@ -30,7 +30,7 @@ def test_info_text_and_config_file(tmp_path, capsys):
 def test_info_errors_are_reported(capsys):
     assert main(["info", "--preset", "bogus"]) == 1
     assert "unknown preset 'bogus'" in capsys.readouterr().err
-    assert main(["info", "--preset", "deepseek-demo", "--tp", "0"]) == 1
+    assert main(["info", "--preset", "deepseek-demo", "--tp", "0"]) == 2  # a usage error
 
 
 def test_hash_text_and_json(capsys):
@@ -48,3 +48,26 @@ def test_hash_text_and_json(capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_error_lines_name_the_problem_and_the_fix():
+    import errno
+
+    from engram_offload.cli import _message, describe
+
+    assert describe(OSError(errno.ENOSPC, "No space left on device", "t.tbl")) == \
+        "No space left on device: t.tbl; free space or write elsewhere"
+    assert describe(PermissionError(errno.EACCES, "Permission denied", "/x")).endswith("check the path's permissions")
+    assert describe(KeyError("layer 3 is not an Engram layer")) == "layer 3 is not an Engram layer"
+    assert describe(ValueError("two\nlines")) == "two lines"
+    assert "free memory" in describe(MemoryError())
+    unexpected = _message(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+    assert unexpected.startswith("unexpected RuntimeError: DefaultCPUAllocator") and "--debug" in unexpected
+
+
+def test_info_config_directory_is_read(tmp_path, capsys):
+    cfg = {"engram_layer_ids": [2], "engram_max_ngram_size": 3, "engram_n_heads": 2,
+           "engram_head_dim": 32, "engram_vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": cfg}))
+    assert main(["info", "--config", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_rows"] > 0

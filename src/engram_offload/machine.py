@@ -1,4 +1,5 @@
-"""Facts about the machine a benchmark ran on, stored beside every result."""
+"""Facts about the machine: those stored beside every benchmark result, and checks of free
+memory and disk made before committing to a large allocation or write."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from .errors import EngramError
+from .units import format_bytes
+
+
+class NotEnoughResources(EngramError):
+    """The machine lacks the free memory or disk an operation needs (and it was not forced)."""
 
 
 def _cpu_model() -> str:
@@ -20,14 +28,60 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _memory_bytes() -> int | None:
+def _meminfo(key: str) -> int | None:
+    """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), or None."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _memory_bytes() -> int | None:
+    return _meminfo("MemTotal")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give a new allocation without swapping (``MemAvailable``), or
+    None where the system does not say."""
+    return _meminfo("MemAvailable")
+
+
+def free_disk_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still write on the file system holding ``path`` (a
+    file or directory; a path not yet created is looked up by its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_memory(need: int, what: str, *, force: bool = False, flag: str = "--force") -> int | None:
+    """Raise ``NotEnoughResources`` when ``need`` bytes exceed ``MemAvailable``; return what is
+    available (None where unknown: nothing is checked). ``force`` only skips the refusal."""
+    available = available_memory_bytes()
+    if available is not None and need > available and not force:
+        raise NotEnoughResources(
+            f"{what} needs {format_bytes(need)} of memory, only {format_bytes(available)} is "
+            f"available: free memory, choose something smaller, or pass {flag} to try anyway"
+        )
+    return available
+
+
+def check_free_disk(path: str | os.PathLike[str], need: int, what: str, *, force: bool = False,
+                    flag: str = "--force") -> int:
+    """Raise ``NotEnoughResources`` when ``need`` bytes exceed the free space where ``path``
+    lives; return the free bytes. ``force`` only skips the refusal."""
+    free = free_disk_bytes(path)
+    if need > free and not force:
+        raise NotEnoughResources(
+            f"{what} needs {format_bytes(need)} of disk, only {format_bytes(free)} is free on the "
+            f"file system of {path}: free space, write elsewhere, or pass {flag} to try anyway"
+        )
+    return free
 
 
 def _block_device(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from engram_offload.rows import decode_rows, encode_rows
 from engram_offload.table import (TableLayout, TableWriter, make_random_table, random_rows,
                                   read_header, verify_table, write_table)
 from engram_offload.table.format import PAGE_BYTES, SECTOR_BYTES
+from engram_offload.table.writer import boot_id, clean_temp_files, dead_temp_files
+from fuzz.table_damage import deadline, header_meta, rewrite_header
 
 
 def raw_rows_of(config, seed=0) -> np.ndarray:
@@ -78,7 +82,7 @@ def test_float_rows_are_encoded(tmp_path, tiny_config):
     assert torch.equal(decode_rows(got, "bf16", 80), x.to(torch.bfloat16).float())
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(1, 900), min_size=1, max_size=12))
 def test_chunked_writes_match_one_write(tmp_path_factory, sizes, tiny_config):
     config = tiny_config()
@@ -208,3 +212,130 @@ def test_header_is_json_with_the_layout(table):
     assert meta["data_offset"] % 4096 == 0 and meta["checksum"] == "xxh3_64"
     assert meta["config"]["row_format"] == "fp8_e4m3_ue8m0"
     assert set(meta) >= {"layer_ids", "head_sizes", "row_bytes", "stride", "block_size", "trailer_offset"}
+
+
+# ---------------------------------------------------------------- headers with a valid checksum
+@pytest.mark.parametrize("key,value", [
+    ("block_size", 0), ("block_size", -8192), ("block_size", 2**70), ("block_size", "8192"),
+    ("block_size", 8192.0), ("block_size", True), ("block_size", 8193), ("block_size", 16384),
+    ("block_size", None), ("data_offset", 8192), ("data_offset", 0), ("num_rows", 5),
+    ("num_blocks", 0), ("head_sizes", {}), ("checksum", "md5"), ("version", 2), ("magic", "x"),
+    ("config.n_heads", 10_000_000), ("config.n_heads", 0), ("config.n_heads", 2.0),
+    ("config.head_dim", 0), ("config.head_dim", -64), ("config.layer_ids", []),
+    ("config.layer_ids", "13"), ("config.layer_ids", [1, 1]), ("config.prime_starts", [-5, 3]),
+    ("config.prime_starts", [2**80, 500]), ("config.prime_starts", [300]),
+    ("config.max_ngram_size", 10**9), ("config.row_format", "fp64"), ("config.row_format", 7),
+    ("config.rms_norm_eps", float("nan")), ("config.seed", -1), ("config.variant", None),
+    ("config", None), ("config", [1, 2]), ("config.unknown_field", 1), ("config.layer_ids", None),
+])
+def test_nonsense_header_fields_are_refused(table, tmp_path, key, value):
+    """A header whose checksum is valid but whose fields are nonsense is refused at open,
+    quickly (no division by zero, no endless prime search)."""
+    meta = header_meta(table)
+    if key.startswith("config."):
+        meta["config"][key[len("config."):]] = value
+    else:
+        meta[key] = value
+    rewrite_header(table, tmp_path / "bad.tbl", meta)
+    with deadline(20), pytest.raises(TableFormatError):
+        read_header(tmp_path / "bad.tbl")
+
+
+def test_header_that_is_not_an_object_is_refused(table, tmp_path):
+    rewrite_header(table, tmp_path / "bad.tbl", [1, 2, 3])
+    with pytest.raises(TableFormatError, match="JSON list"):
+        read_header(tmp_path / "bad.tbl")
+
+
+def test_rewritten_header_with_the_same_fields_still_opens(table, tmp_path):
+    """The damage helper itself: an unchanged header rewritten opens and verifies."""
+    rewrite_header(table, tmp_path / "same.tbl", header_meta(table))
+    assert verify_table(tmp_path / "same.tbl").layout == read_header(table).layout
+
+
+def test_directory_is_not_a_table(tmp_path):
+    with pytest.raises(TableFormatError, match="is a directory"):
+        read_header(tmp_path)
+
+
+def test_block_size_is_bounded_when_writing(tmp_path, config):
+    with pytest.raises(ValueError, match="block_size must be in"):
+        TableLayout.for_config(config, 0)
+    with pytest.raises(ValueError, match="block_size must be in"):
+        TableLayout.for_config(config, 2**31)
+
+
+# ---------------------------------------------------------------- atomic writes
+def test_table_is_complete_and_synced_when_renamed(tmp_path, config, monkeypatch):
+    """The temporary file is fsynced after its last byte (trailer included) and before the
+    rename; the directory is fsynced after the rename."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        real_fsync(fd)
+        events.append(("fsync", target, os.fstat(fd).st_size))
+
+    def replace(src, dst):
+        src = os.path.realpath(src)
+        synced = [e for e in events if e[0] == "fsync" and e[1] == src]
+        assert synced and synced[-1][2] == os.path.getsize(src), "renamed before an fsync of its last bytes"
+        verify_table(src)  # header, data and trailer complete under the temporary name
+        real_replace(src, dst)
+        events.append(("replace", src, str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = make_random_table(tmp_path / "t.tbl", config, seed=1, block_size=8192)
+    kinds = [e[0] for e in events]
+    assert kinds.count("replace") == 1
+    after = events[kinds.index("replace") + 1:]
+    assert ("fsync", str(tmp_path.resolve())) in [(e[0], e[1]) for e in after], "directory not synced after rename"
+    verify_table(path)
+
+
+# ---------------------------------------------------------------- temporary files
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporary_file_names_its_writer(tmp_path, config):
+    with TableWriter(tmp_path / "t.tbl", config) as w:
+        (tmp,) = tmp_path.iterdir()
+        assert tmp.name.startswith(".t.tbl.") and tmp.name.endswith(".tmp")
+        assert f".{boot_id()}.{os.getpid()}." in tmp.name
+        assert boot_id() == open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")
+        w.write(raw_rows_of(config))
+    assert [p.name for p in tmp_path.iterdir()] == ["t.tbl"]
+
+
+def test_next_write_removes_dead_writers_leftovers(tmp_path, config):
+    me, dead = os.getpid(), _dead_pid()
+    names = {
+        "dead": f".t.tbl.{boot_id()}.{dead}.0123abcd.tmp",
+        "other_boot": f".t.tbl.{'f' * 32}.{me}.0123abcd.tmp",
+        "live": f".t.tbl.{boot_id()}.{me}.0123abcd.tmp",
+        "other_table": f".u.tbl.{boot_id()}.{dead}.0123abcd.tmp",
+        "unknown": ".t.tbl.0123456789ab.tmp",
+        "no_such_pid": f".t.tbl.{boot_id()}.{2**70}.0123abcd.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial table")
+    assert {p.name for p in dead_temp_files(tmp_path)} == \
+        {names["dead"], names["other_boot"], names["other_table"], names["no_such_pid"]}
+    write_table(tmp_path / "t.tbl", config, raw_rows_of(config))
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"t.tbl", names["live"], names["other_table"], names["unknown"]}
+    assert clean_temp_files(tmp_path) == [tmp_path / names["other_table"]]
+
+
+def test_directory_or_empty_output_is_refused_before_writing(tmp_path, config):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        TableWriter(tmp_path / "d", config)
+    with pytest.raises(ValueError, match="empty"):
+        TableWriter("", config)
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 from ..config import EngramConfig
 from ..rows import get_row_format
+from ..table.format import check_config_fields
+from ..units import positive_int
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -18,8 +22,50 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) 
 
 def config_from_args(args: argparse.Namespace) -> EngramConfig:
     if getattr(args, "config", None):
-        return EngramConfig.from_hf_config(args.config)
+        return load_hf_config(args.config)
     return EngramConfig.from_name(args.preset or "deepseek-v4.1-flash")
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``; ``ValueError`` saying what is wrong with the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: give the {what} file itself")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {what} at {path}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text: give a {what}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}): give a {what}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: give a {what}")
+    return data
+
+
+def load_hf_config(source: str | Path) -> EngramConfig:
+    """``EngramConfig.from_hf_config`` of a ``config.json`` (or its directory), with every
+    problem of the file (not JSON, a list, null or out-of-range fields) a ``ValueError``
+    naming the file and the field, before anything derives the layout."""
+    path = Path(source)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    data = read_json_object(path, "Hugging Face config.json")
+    engram = data if "engram_layer_ids" in data or not isinstance(data.get("text_config"), dict) \
+        else data["text_config"]
+    nulls = [k for k, v in engram.items() if k.startswith("engram_") and v is None]
+    if nulls:
+        raise ValueError(f"{path}: fields {nulls} are null: give them values or remove them")
+    try:
+        config = EngramConfig.from_hf_config(data)
+        check_config_fields(config.to_dict())
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ValueError(f"{path}: not a usable Engram config ({message}); fix the engram_* fields") from None
+    return config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Show the table geometry of an Engram layout.",
     )
     add_model_arguments(info)
-    info.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks sharing the heads (default 1)")
+    info.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks sharing the heads (default 1)")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=cmd_info)
     register_hash(sub)
@@ -99,9 +145,19 @@ def cmd_hash(args: argparse.Namespace) -> int:
     from ..hashing import NgramHasher
     from ..tokenizer import cached_token_map, load_tokenizer
 
+    try:
+        args.text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid UTF-8: pass UTF-8 text (check the shell's locale)") from None
     config = config_from_args(args)
-    tokenizer = load_tokenizer(args.tokenizer)
-    token_map = cached_token_map(args.tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        token_map = cached_token_map(args.tokenizer)
+    except OSError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        raise ValueError(f"cannot load the tokenizer {args.tokenizer or '(default)'} "
+                         f"({' '.join(str(exc).split())}): give a Hugging Face tokenizer.json or its directory") from None
     hasher = NgramHasher(config, token_map)
     encoding = tokenizer.encode(args.text, add_special_tokens=False)
     ids = list(encoding.ids)

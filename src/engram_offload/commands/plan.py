@@ -12,6 +12,8 @@ from ..planner.models import MODELS
 from ..planner.mrc import load_trace
 from ..planner.placement import Workload
 from ..planner.plan import Plan, curve_for
+from ..units import fraction, non_negative_float, positive_float, positive_int, unit_interval
+from .core import load_hf_config
 
 GiB = 2**30
 
@@ -27,30 +29,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--model", help=f"a preset: {', '.join(MODELS)}")
     m.add_argument("--config", help="a Hugging Face config.json with engram_* fields (custom model)")
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs available; TP degrees tried are powers of two up to it (default 8)")
-    p.add_argument("--context", type=int, default=32768, help="tokens of context per sequence (default 32768)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per replica (default: the best under the interactivity floor)")
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs available; TP degrees tried are powers of two up to it (default 8)")
+    p.add_argument("--context", type=positive_int, default=32768, help="tokens of context per sequence (default 32768)")
+    p.add_argument("--batch", type=positive_int, default=None, help="sequences per replica (default: the best under the interactivity floor)")
     p.add_argument("--trace", help="row ids to size the NVMe DRAM cache: .npy int64 or a text file of integers")
-    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of row popularity when no trace (default 1.0)")
-    p.add_argument("--target-hit-rate", type=float, default=0.9, help="DRAM cache hit rate for the nvme placement (default 0.9)")
-    p.add_argument("--min-interactivity", type=float, default=50.0, help="decode tokens/s per user to meet (default 50)")
+    p.add_argument("--zipf", type=positive_float, default=None, help="Zipf exponent of row popularity when no trace (default 1.0)")
+    p.add_argument("--target-hit-rate", type=fraction, default=0.9, help="DRAM cache hit rate for the nvme placement (default 0.9)")
+    p.add_argument("--min-interactivity", type=positive_float, default=50.0, help="decode tokens/s per user to meet (default 50)")
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
-    p.add_argument("--price", type=float, default=None, help="dollars per GPU-hour (overrides the preset)")
+    p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (overrides the preset)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     c = p.add_argument_group("custom model (with --config)")
-    c.add_argument("--total-params", type=float, help="backbone parameters, without the Engram table (e.g. 552e9)")
-    c.add_argument("--active-params", type=float, help="active parameters per token in decode")
-    c.add_argument("--active-params-prefill", type=float, help="active parameters per token in prefill (default: --active-params)")
+    c.add_argument("--total-params", type=positive_float, help="backbone parameters, without the Engram table (e.g. 552e9)")
+    c.add_argument("--active-params", type=positive_float, help="active parameters per token in decode")
+    c.add_argument("--active-params-prefill", type=positive_float, help="active parameters per token in prefill (default: --active-params)")
     c.add_argument("--precision", default="fp8", help="weight precision: fp32, bf16, fp16, fp8, fp4, int8 (default fp8)")
     c.add_argument("--expert-precision", help="routed-expert precision if different (e.g. fp4)")
-    c.add_argument("--routed-fraction", type=float, help="share of parameters in routed experts (default 0.95 for MoE)")
-    c.add_argument("--kv-bytes-per-token", type=float, help="KV-cache bytes per token, all layers")
-    c.add_argument("--layers", type=int, help="layer count (default: num_hidden_layers of config.json)")
+    c.add_argument("--routed-fraction", type=unit_interval, help="share of parameters in routed experts (default 0.95 for MoE)")
+    c.add_argument("--kv-bytes-per-token", type=positive_float, help="KV-cache bytes per token, all layers")
+    c.add_argument("--layers", type=positive_int, help="layer count (default: num_hidden_layers of config.json)")
     p.set_defaults(func=cmd_plan)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     if args.config:
+        load_hf_config(args.config)  # a damaged or absurd config.json fails here, in one line
         model = custom_model(
             args.config, total_params=args.total_params, active_params_decode=args.active_params,
             active_params_prefill=args.active_params_prefill, precision=args.precision,

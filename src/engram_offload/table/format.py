@@ -41,6 +41,7 @@ __all__ = [
     "TableHeader",
     "read_header",
     "encode_header",
+    "check_config_fields",
 ]
 
 MAGIC = b"ENGRAMTB"
@@ -51,6 +52,23 @@ PAGE_BYTES = 4096
 SECTOR_BYTES = 512
 DEFAULT_BLOCK_SIZE = 1 << 20
 MAX_HEADER_BYTES = 1 << 24
+MAX_BLOCK_SIZE = 1 << 30  # verify reads a block into one buffer
+# Bounds of a layout's fields. DeepSeek-V4.1 has 2 layers x 3 orders x 8 heads = 48 primes;
+# the head count bounds the prime search (a few seconds at most), the others typos.
+MAX_TOTAL_HEADS = 4096
+CONFIG_INT_RANGES = {
+    "max_ngram_size": (2, 16),
+    "n_heads": (1, 1024),
+    "head_dim": (1, 1 << 16),
+    "seed": (0, 2**63 - 1),
+    "pad_id": (-(2**31), 2**31 - 1),
+    "hidden_size": (1, 1 << 20),
+    "hc_mult": (1, 1024),
+    "kernel_size": (1, 1024),
+}
+LAYER_ID_RANGE = (0, 1 << 16)
+PRIME_START_RANGE = (1, 1 << 48)
+COMPRESSED_VOCAB_RANGE = (1, 1 << 40)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -68,8 +86,8 @@ class TableLayout:
     @classmethod
     def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "TableLayout":
         """The layout of ``config``'s table; ``block_size`` is rounded up to whole pages."""
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE:,} bytes, got {block_size}")
         page = _page_bytes(config.row_bytes)
         layout = cls(config, round_up(block_size, page), PAGE_BYTES)
         # The header size depends on data_offset only through its digits: settle it.
@@ -167,6 +185,53 @@ class TableLayout:
         return json.dumps(self.header_dict(), sort_keys=True).encode()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def check_config_fields(fields: Any) -> None:
+    """Check the types and ranges of an ``EngramConfig``'s fields (``to_dict()`` form) before
+    anything derives a layout from them; raise ``ValueError`` naming the first bad field.
+
+    The bounds (``CONFIG_INT_RANGES``, ``MAX_TOTAL_HEADS``, ...) are far above any real
+    model and keep the prime search short.
+    """
+    if not isinstance(fields, dict):
+        raise ValueError(f"the config must be a JSON object, got {type(fields).__name__}")
+    for name, (lo, hi) in CONFIG_INT_RANGES.items():
+        if name in fields:
+            _check_int(name, fields[name], lo, hi)
+    layer_ids = fields.get("layer_ids")
+    if not isinstance(layer_ids, list) or not 1 <= len(layer_ids) <= 256:
+        raise ValueError(f"layer_ids must be a list of 1 to 256 layer ids, got {layer_ids!r}")
+    for i in layer_ids:
+        _check_int("a layer id", i, *LAYER_ID_RANGE)
+    starts = fields.get("prime_starts")
+    for start in starts if isinstance(starts, list) else [starts]:
+        _check_int("a prime-search start", start, *PRIME_START_RANGE)
+    heads = len(layer_ids) * (fields.get("max_ngram_size", 2) - 1) * fields.get("n_heads", 1)
+    if heads > MAX_TOTAL_HEADS:
+        raise ValueError(
+            f"{len(layer_ids)} layers x {fields['max_ngram_size'] - 1} orders x {fields['n_heads']} "
+            f"heads = {heads:,} hashed heads, more than the {MAX_TOTAL_HEADS:,} supported"
+        )
+    eps = fields.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
+    if fields.get("compressed_vocab_size") is not None:
+        _check_int("compressed_vocab_size", fields["compressed_vocab_size"], *COMPRESSED_VOCAB_RANGE)
+    for name in ("variant", "row_format"):
+        if name in fields and not isinstance(fields[name], str):
+            raise ValueError(f"{name} must be a string, got {fields[name]!r}")
+    if fields.get("name") is not None and not isinstance(fields["name"], str):
+        raise ValueError(f"name must be a string or null, got {fields['name']!r}")
+
+
 def _page_bytes(row_bytes: int) -> int:
     return PAGE_BYTES if row_bytes <= PAGE_BYTES else round_up(row_bytes, PAGE_BYTES)
 
@@ -197,6 +262,8 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
     Raises ``TableFormatError`` saying what is wrong (foreign file, truncation, ...).
     """
     path = Path(path)
+    if path.is_dir():
+        raise TableFormatError(f"{path} is a directory, not a table file: give the table's file")
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -225,20 +292,8 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             raise TableFormatError(f"{path} is truncated inside its header ({size} bytes)")
         if xxhash.xxh3_64_intdigest(body) != digest:
             raise TableFormatError(f"{path}: the header does not match its checksum; the file is damaged")
-        try:
-            meta = json.loads(body)
-            config = EngramConfig(**meta["config"])
-            layout = TableLayout(config, int(meta["block_size"]), int(meta["data_offset"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TableFormatError(f"{path}: unreadable table header ({exc})") from None
-        expected = layout.header_dict()
-        for key in ("magic", "num_rows", "row_bytes", "stride", "data_bytes", "num_blocks",
-                    "trailer_offset", "file_bytes"):
-            if meta.get(key) != expected[key]:
-                raise TableFormatError(
-                    f"{path}: header field {key}={meta.get(key)!r} disagrees with the layout "
-                    f"derived from its config ({expected[key]!r}); the file is damaged"
-                )
+        data_offset = round_up(PREFIX.size + length, PAGE_BYTES)
+        layout = _layout_from_header(path, body, data_offset)
         if size != layout.file_bytes:
             what = "truncated" if size < layout.file_bytes else "longer than its header says"
             raise TableFormatError(
@@ -252,3 +307,29 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
     if xxhash.xxh3_64_intdigest(trailer[:-8]) != check:
         raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
     return TableHeader(path, layout, digests)
+
+
+def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayout:
+    """The layout a header's JSON describes, every field checked (type, range, agreement with
+    the layout derived from its config) before it is used."""
+    try:
+        meta = json.loads(body)
+        if not isinstance(meta, dict):
+            raise ValueError(f"the header is a JSON {type(meta).__name__}, not an object")
+        check_config_fields(meta.get("config"))
+        config = EngramConfig(**meta["config"])
+        block_size = meta["block_size"]
+        _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+        if block_size % _page_bytes(config.row_bytes):
+            raise ValueError(f"block_size {block_size} is not a whole number of pages")
+        layout = TableLayout(config, block_size, data_offset)
+        expected = layout.header_dict()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TableFormatError(f"{path}: unreadable table header ({exc}); the file is damaged") from None
+    for key, value in expected.items():
+        if key != "config" and meta.get(key) != value:
+            raise TableFormatError(
+                f"{path}: header field {key}={meta.get(key)!r} disagrees with the layout "
+                f"derived from its config ({value!r}); the file is damaged"
+            )
+    return layout

@@ -3,11 +3,17 @@
 Writes are atomic: the table is written under a temporary name in the target directory,
 fsynced, renamed over the target and the directory fsynced, so a reader sees either the
 old file or the whole new one.
+
+A temporary file is named ``.NAME.<boot id>.<pid>.<random>.tmp``: a later write can tell
+whether the writer that left it is still alive (same boot, pid running). A new write to
+``NAME`` removes dead writers' leftovers for ``NAME``; ``clean_temp_files`` (``verify --clean``)
+removes them for a whole directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import struct
 import uuid
 from pathlib import Path
@@ -22,7 +28,7 @@ from ..rows import encode_rows
 from .format import DEFAULT_BLOCK_SIZE, TableLayout, encode_header
 from .progress import byte_progress
 
-__all__ = ["TableWriter", "write_table", "as_raw_rows"]
+__all__ = ["TableWriter", "write_table", "as_raw_rows", "temp_path", "dead_temp_files", "clean_temp_files"]
 
 ENCODE_CHUNK_ROWS = 1 << 16
 RowSource = torch.Tensor | np.ndarray | Iterable[torch.Tensor | np.ndarray]
@@ -46,6 +52,59 @@ def as_raw_rows(rows: torch.Tensor | np.ndarray, config: EngramConfig) -> np.nda
     if t.shape[1] != config.head_dim:
         raise ValueError(f"float rows must be [n, {config.head_dim}], got {tuple(t.shape)}")
     return encode_rows(t.detach().cpu(), config.row_format).contiguous().numpy()
+
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<boot>[0-9a-f]{32})\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp$")
+
+
+def boot_id() -> str:
+    """This boot's id (32 hex digits), or zeros where the system has none."""
+    try:
+        return open(BOOT_ID_FILE).read().strip().replace("-", "")[:32].ljust(32, "0")
+    except OSError:
+        return "0" * 32
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temporary name beside ``path``, naming this process and boot."""
+    return path.parent / f".{path.name}.{boot_id()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _writer_alive(boot: str, pid: int) -> bool:
+    if boot != boot_id() or pid < 1:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def dead_temp_files(directory: str | os.PathLike[str], target: str | None = None) -> list[Path]:
+    """Temporary table files in ``directory`` (for ``target`` only, when given) whose writer
+    is gone: it ran in an earlier boot, or its pid is no longer running."""
+    dead = []
+    for entry in sorted(Path(directory).iterdir()):
+        m = _TEMP_NAME.match(entry.name)
+        if m and (target is None or m["target"] == target) and entry.is_file() \
+                and not _writer_alive(m["boot"], int(m["pid"])):
+            dead.append(entry)
+    return dead
+
+
+def clean_temp_files(directory: str | os.PathLike[str], target: str | None = None) -> list[Path]:
+    """Remove the temporary files ``dead_temp_files`` finds; return the paths removed."""
+    removed = []
+    for path in dead_temp_files(directory, target):
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another cleaner got there first
+            continue
+        removed.append(path)
+    return removed
 
 
 class _BlockSink:
@@ -92,14 +151,27 @@ class TableWriter:
         block_size: int = DEFAULT_BLOCK_SIZE,
         progress: bool | None = None,
     ) -> None:
+        if not str(path):
+            raise ValueError("the output path is empty: give a file name to write the table to")
         self.path = Path(path)
         self.config = config
         self.layout = TableLayout.for_config(config, block_size)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"directory {self.path.parent} does not exist")
-        self._tmp = self.path.parent / f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp"
+        if self.path.is_dir():
+            raise IsADirectoryError(f"{self.path} is a directory: give a file name to write the table to")
+        try:
+            clean_temp_files(self.path.parent, self.path.name)
+        except OSError:  # best effort: a leftover that cannot be removed must not stop the write
+            pass
+        self._tmp = temp_path(self.path)
         self._f = open(self._tmp, "wb", buffering=0)
-        self._f.write(encode_header(self.layout))
+        try:
+            self._f.write(encode_header(self.layout))
+        except BaseException:
+            self._f.close()
+            self._tmp.unlink(missing_ok=True)
+            raise
         self._sink = _BlockSink(self._f, self.layout.block_size)
         self._pending = np.empty((0, config.row_bytes), np.uint8)
         self.rows_written = 0
