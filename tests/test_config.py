@@ -198,3 +198,18 @@ def test_importing_the_package_is_light_and_never_initialises_cuda():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("fields", [
+    {"n_heads": 10_000_000},                       # the prime search would run for hours
+    {"n_heads": 0},
+    {"max_ngram_size": 17},
+    {"head_dim": 1 << 20},
+    {"layer_ids": (1, 1 << 20)},
+    {"prime_starts": (1 << 60, 10)},
+    {"layer_ids": tuple(range(64)), "n_heads": 64},  # 64 x 2 x 64 hashed heads, over the bound
+])
+def test_config_refuses_out_of_range_fields_at_construction(fields):
+    base = dict(layer_ids=(1,), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(100, 200))
+    with pytest.raises(ValueError):
+        EngramConfig(**{**base, **fields})

@@ -21,9 +21,10 @@ import json
 import os
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 __all__ = [
     "CheckpointIndex",
@@ -34,6 +35,7 @@ __all__ = [
     "INDEX_FILE",
     "pick",
     "missing_message",
+    "open_shard",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -78,11 +80,9 @@ class CheckpointIndex:
         shards = sorted(root.glob("*.safetensors"))
         if not shards:
             raise FileNotFoundError(f"no *.safetensors shards and no {INDEX_FILE} in {root}")
-        from safetensors import safe_open
-
         shard_of: dict[str, Path] = {}
         for shard in shards:
-            with safe_open(shard, framework="pt") as f:
+            with open_shard(shard) as f:
                 shard_of.update((name, shard) for name in f.keys())
         return cls(root, shard_of)
 
@@ -113,16 +113,30 @@ class CheckpointIndex:
 
     def read(self, names: Iterable[str]) -> dict:
         """The named tensors, each shard holding one of them opened once; no other tensor read."""
-        from safetensors import safe_open
-
         by_shard: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             by_shard[self.shard_of[name]].append(name)
         out = {}
         for shard, shard_names in by_shard.items():
-            with safe_open(shard, framework="pt") as f:
+            with open_shard(shard) as f:
                 out.update((name, f.get_tensor(name)) for name in shard_names)
         return out
+
+
+@contextmanager
+def open_shard(shard: Path) -> Iterator[Any]:
+    """``safe_open`` of one shard; a damaged or foreign file raises ``ValueError`` naming it."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(shard, framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError subclasses)
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"{shard} is not a readable safetensors file ({' '.join(str(exc).split())}): "
+                         "re-download or remove the shard") from None
+    with handle as f:
+        yield f
 
 
 def pick(tensors: dict[str, str], candidates: tuple[str, ...]) -> str | None:

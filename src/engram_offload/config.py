@@ -19,7 +19,7 @@ import numpy as np
 
 from .rows import get_row_format
 
-__all__ = ["EngramConfig", "PRESETS", "is_prime", "next_unused_prime"]
+__all__ = ["EngramConfig", "PRESETS", "check_config_fields", "is_prime", "next_unused_prime"]
 
 VARIANTS = ("demo", "v4.1")
 LAYER_SEED_PRIME = 10007
@@ -55,6 +55,70 @@ def next_unused_prime(start: int, seen: set[int]) -> int:
     while candidate in seen or not is_prime(candidate):
         candidate += 1
     return candidate
+
+
+# Bounds of the config fields: far above any real model, and they keep the prime search short.
+MAX_TOTAL_HEADS = 4096
+CONFIG_INT_RANGES = {
+    "max_ngram_size": (2, 16),
+    "n_heads": (1, 1024),
+    "head_dim": (1, 1 << 16),
+    "seed": (0, 2**63 - 1),
+    "pad_id": (-(2**31), 2**31 - 1),
+    "hidden_size": (1, 1 << 20),
+    "hc_mult": (1, 1024),
+    "kernel_size": (1, 1024),
+}
+LAYER_ID_RANGE = (0, 1 << 16)
+PRIME_START_RANGE = (1, 1 << 48)
+COMPRESSED_VOCAB_RANGE = (1, 1 << 40)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def check_config_fields(fields: Any) -> None:
+    """Check the types and ranges of an ``EngramConfig``'s fields (``to_dict()`` form) before
+    anything derives a layout from them; raise ``ValueError`` naming the first bad field.
+
+    The bounds (``CONFIG_INT_RANGES``, ``MAX_TOTAL_HEADS``, ...) are far above any real
+    model and keep the prime search short.
+    """
+    if not isinstance(fields, dict):
+        raise ValueError(f"the config must be a JSON object, got {type(fields).__name__}")
+    for name, (lo, hi) in CONFIG_INT_RANGES.items():
+        if name in fields:
+            check_int(name, fields[name], lo, hi)
+    layer_ids = fields.get("layer_ids")
+    if not isinstance(layer_ids, list) or not 1 <= len(layer_ids) <= 256:
+        raise ValueError(f"layer_ids must be a list of 1 to 256 layer ids, got {layer_ids!r}")
+    for i in layer_ids:
+        check_int("a layer id", i, *LAYER_ID_RANGE)
+    starts = fields.get("prime_starts")
+    for start in starts if isinstance(starts, list) else [starts]:
+        check_int("a prime-search start", start, *PRIME_START_RANGE)
+    heads = len(layer_ids) * (fields.get("max_ngram_size", 2) - 1) * fields.get("n_heads", 1)
+    if heads > MAX_TOTAL_HEADS:
+        raise ValueError(
+            f"{len(layer_ids)} layers x {fields['max_ngram_size'] - 1} orders x {fields['n_heads']} "
+            f"heads = {heads:,} hashed heads, more than the {MAX_TOTAL_HEADS:,} supported"
+        )
+    eps = fields.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
+    if fields.get("compressed_vocab_size") is not None:
+        check_int("compressed_vocab_size", fields["compressed_vocab_size"], *COMPRESSED_VOCAB_RANGE)
+    for name in ("variant", "row_format"):
+        if name in fields and not isinstance(fields[name], str):
+            raise ValueError(f"{name} must be a string, got {fields[name]!r}")
+    if fields.get("name") is not None and not isinstance(fields["name"], str):
+        raise ValueError(f"name must be a string or null, got {fields['name']!r}")
 
 
 @dataclass(frozen=True)
@@ -109,6 +173,7 @@ class EngramConfig:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         get_row_format(self.row_format).row_bytes(self.head_dim)  # validates the pair
+        check_config_fields(self.to_dict())
 
     # ---------------------------------------------------------------- constructors
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import EngramConfig
 from ..rows import get_row_format
-from ..table.format import check_config_fields
+from ..config import check_config_fields
 from ..units import positive_int
 
 

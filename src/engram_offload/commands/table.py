@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from ..config import EngramConfig
+from ..config import EngramConfig, check_config_fields
 from ..errors import ChecksumError
-from ..table.format import MAX_BLOCK_SIZE, TableLayout, check_config_fields
+from ..table.format import MAX_BLOCK_SIZE, TableLayout
 from ..units import fraction, int_in_range, non_negative_int, positive_int
 from . import UsageError
+from .bench import add_bench_tier_arguments
 from .core import load_hf_config
-
-DEFAULT_QUEUE_DEPTH = 64
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,22 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Gather uniformly random rows from a table on one tier and report rows/s, "
         "reads/s and CPU time per read.",
     )
-    bench.add_argument("--table", required=True)
-    bench.add_argument("--tier", required=True, help="memory, pinned, mmap or direct")
-    bench.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads")
-    bench.add_argument("--cold", action="store_true", help="drop the file's page cache first")
-    bench.add_argument("--seconds", type=float, default=10.0)
-    bench.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
-                       help="reads in flight (direct) or concurrent reader threads (mmap)")
-    bench.add_argument("--batch", type=int, default=1024, help="rows per gather call")
-    bench.add_argument("--callers", type=int, help="caller threads (default: 1; mmap: the queue depth)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--cache-bytes", default="0",
-                       help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
-                       "table (10%%); default none")
-    bench.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
-    bench.add_argument("--json", action="store_true", help="print JSON")
-    bench.set_defaults(func=cmd_bench_tier)
+    add_bench_tier_arguments(bench)
 
 
 def output_file(text: str) -> str:
@@ -158,26 +141,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {args.checkpoint}: give the directory of *.safetensors shards")
     config = _convert_config(args)
-    _check_shards(Path(args.checkpoint))
     check_disk_for(config, args.out, "convert", args.force)
     path = convert_checkpoint(args.checkpoint, args.out, config,
                               progress=False if args.no_progress else None)
     print(f"wrote {path}: {config.num_rows:,} rows ({config.row_format}, {config.row_bytes} bytes a row), "
           f"layers {list(config.layer_ids)}")
     return 0
-
-
-def _check_shards(checkpoint: Path) -> None:
-    """Open every shard's header, so a damaged shard is named before the conversion starts."""
-    from safetensors import safe_open
-
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        try:
-            with safe_open(shard, framework="pt"):
-                pass
-        except Exception as exc:  # safetensors raises its own SafetensorError
-            raise ValueError(f"{shard} is not a readable safetensors file ({' '.join(str(exc).split())}): "
-                             "re-download or remove the shard") from None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -208,34 +177,4 @@ def clean_directory(directory: str) -> int:
     for path in removed:
         print(f"removed {path}")
     print(f"{directory}: {len(removed)} temporary file(s) of dead writers removed")
-    return 0
-
-
-def cmd_bench_tier(args: argparse.Namespace) -> int:
-    from ..tiers.bench import run_tier_bench
-
-    from ..cache.policy import POLICIES
-    from ..table.format import read_header
-    from ..units import parse_size
-
-    layout = read_header(args.table).layout
-    cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
-    if cache_bytes and args.policy not in POLICIES:
-        raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
-    result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
-                            queue_depth=args.queue_depth, cold=args.cold, engine=args.engine,
-                            seed=args.seed, callers=args.callers, cache_bytes=cache_bytes, policy=args.policy)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    cold = f"cold ({', '.join(result['cold_method'])})" if args.cold else "warm"
-    print(f"{result['tier']} [{result['engine']}] {cold}, batch {args.batch}, queue depth {args.queue_depth}")
-    print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
-          f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
-    print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
-          f"p99 {result['batch_ms_p99']:.2f} ms")
-    if result["cache"] is not None:
-        from ..cache.report import format_stats_table
-
-        print(format_stats_table(result["cache"], title=f"{args.tier} + {cache_bytes:,} B {args.policy} cache"))
     return 0

@@ -15,13 +15,20 @@ scale bytes are copied unchanged, so the table's raw rows equal the checkpoint's
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import (
-    DEMO_EMBED_NAME, EMBED_SCALE_NAMES, EMBED_WEIGHT_NAMES, CheckpointIndex, missing_message, pick,
+    DEMO_EMBED_NAME,
+    EMBED_SCALE_NAMES,
+    EMBED_WEIGHT_NAMES,
+    CheckpointIndex,
+    missing_message,
+    open_shard,
+    pick,
 )
 from ..config import EngramConfig
 from ..rows import UE8M0_BIAS, dequantize_fp8_ue8m0, encode_rows
@@ -84,10 +91,8 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
     """Yield a layer's rows, ``CHUNK_ROWS`` at a time, as raw bytes in ``config.row_format``."""
-    from safetensors import safe_open
-
     d = config.head_dim
-    with safe_open(t.shard, framework="pt") as f:
+    with open_shard(t.shard) as f, ExitStack() as scales:
         weight = f.get_slice(t.weight)
         shape = list(weight.get_shape())
         if len(shape) != 2 or shape[1] != d:
@@ -98,7 +103,7 @@ def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
                 f"{t.layer_id} from its primes: check the config (engram_vocab_size, n_heads, "
                 "max_ngram_size) matches the checkpoint"
             )
-        scale_file = safe_open(t.scale_shard, framework="pt") if t.scale else None
+        scale_file = scales.enter_context(open_shard(t.scale_shard)) if t.scale else None
         scale = scale_file.get_slice(t.scale) if scale_file is not None else None
         if scale is not None and list(scale.get_shape()) != [rows, d // 32]:
             raise ValueError(f"{t.scale} has shape {list(scale.get_shape())}; expected [{rows}, {d // 32}]")
