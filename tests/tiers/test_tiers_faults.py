@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from tier_cases import skip_unavailable, uring_available
+from tier_cases import read, skip_unavailable, uring_available
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers import direct as direct_module
-
-
-def read(t, ids) -> np.ndarray:
-    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
-    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
 
 
 @pytest.fixture

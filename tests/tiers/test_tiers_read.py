@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tier_cases import FORMATS, TIER_CASES, skip_unavailable
+from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
 from engram_offload.table import read_header
 from engram_offload.tiers import TIERS, get_tier_class, open_tier
 from engram_offload.tiers.direct import plan_spans
@@ -24,11 +24,6 @@ def opened(tier, options, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # pinned without CUDA
         return open_tier(tier, read_header(path), **options)
-
-
-def read(t, ids) -> np.ndarray:
-    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
-    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
 
 
 @pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
