@@ -15,6 +15,7 @@ from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers import direct as direct_module
+from engram_offload.tiers import memory as memory_module
 
 
 @pytest.fixture
@@ -178,3 +179,44 @@ def test_engine_choice(tables):
         assert t.stats()["engine"] == "threads"
     with open_tier("direct", read_header(path)) as t:
         assert t.stats()["engine"] == ("uring" if uring_available() else "threads")
+
+
+@pytest.mark.parametrize("chunk_bytes", [32 << 20, 12288, 4096])
+def test_memory_tier_finds_the_bad_block_whatever_the_load_chunk(tables, damaged, chunk_bytes, monkeypatch):
+    """Blocks of 16 KiB loaded in chunks of 32 MiB, 12 KiB (blocks straddle chunks) or 4 KiB."""
+    monkeypatch.setattr(memory_module, "LOAD_CHUNK_BYTES", chunk_bytes)
+    with pytest.raises(ChecksumError, match="block 2 "):
+        open_tier("memory", read_header(damaged[0]), verify_reads=True)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    with open_tier("memory", read_header(path), verify_reads=True) as t:
+        np.testing.assert_array_equal(t.rows.numpy(), expected)
+
+
+def engines_for(fd):
+    engines = [direct_module.ThreadEngine(fd, threads=2)]
+    if uring_available():
+        engines.append(direct_module.UringEngine(fd, queue_depth=4))
+    return engines
+
+
+def test_engines_fail_alike(tables):
+    """One policy, one sentence: end of file and refused (misaligned) O_DIRECT reads."""
+    path, _ = tables[("fp32", 64)]
+    skip_unavailable("direct", {}, path.parent)
+    size = os.path.getsize(path)
+    past_end = (size // 4096 + 1) * 4096
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = direct_module.aligned_empty(8192)
+    cases = [(past_end, errno.EIO, f"read of 4096 bytes at file offset {past_end} failed after 0 bytes and 0 "
+                                   "retries: end of file"),
+             (512 + 1, errno.EINVAL, "read of 4096 bytes at file offset 513 failed after 0 bytes and 0 retries: "
+                                     "Invalid argument")]
+    try:
+        for engine in engines_for(fd):
+            for offset, err, message in cases:
+                with pytest.raises(OSError) as info:
+                    engine.read(np.array([offset], np.int64), np.array([4096], np.int64), buf, np.zeros(1, np.int64))
+                assert (info.value.errno, info.value.strerror) == (err, message), engine.name
+            engine.close()
+    finally:
+        os.close(fd)

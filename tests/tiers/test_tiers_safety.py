@@ -144,3 +144,38 @@ def test_resident_tiers_verify_blocks_larger_than_a_load_chunk(tmp_path, tier):
         warnings.simplefilter("ignore", RuntimeWarning)  # pinned without CUDA
         with open_tier(tier, header, verify_reads=True) as t:
             np.testing.assert_array_equal(t.rows.numpy(), np.concatenate(list(random_rows(config, 3))))
+
+
+def sparse_table(path: Path, config) -> Path:
+    """A valid table file whose data region is a hole: a huge table costing no disk."""
+    import struct
+
+    import xxhash
+
+    from engram_offload.table.format import TableLayout, encode_header
+
+    layout = TableLayout.for_config(config, block_size=1 << 30)
+    digests = bytes(8 * layout.num_blocks)
+    with open(path, "wb") as f:
+        f.write(encode_header(layout))
+        f.seek(layout.trailer_offset)
+        f.write(digests + struct.pack("<Q", xxhash.xxh3_64_intdigest(digests)))
+    return path
+
+
+@pytest.mark.parametrize("tier", ["memory", "pinned"])
+def test_resident_tiers_refuse_a_table_larger_than_free_memory(tmp_path, tier):
+    from engram_offload.errors import TierError
+    from engram_offload.tiers.memory import mem_available
+    from tiny_tables import tiny_config
+
+    available = mem_available()
+    if available is None:
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    start = max(10**6, available // 100)  # ~16 rows of ~100 bytes per start: about 16x MemAvailable
+    header = read_header(sparse_table(tmp_path / "huge.tbl", tiny_config(starts=(start, start + 7))))
+    need = header.layout.num_rows * header.layout.row_bytes
+    assert need > available
+    with pytest.raises(TierError, match=rf"needs {need / 2**30:,.2f} GiB and [\d,.]+ GiB is available "
+                                        r"\(MemAvailable\).*check_memory=False"):
+        open_tier(tier, header)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engram_offload._native import native_disabled
 from engram_offload.tiers import uring
 
 needs_native = pytest.mark.skipif(
@@ -66,6 +67,18 @@ def direct_fd(data_file: tuple[str, bytes]):
 def test_available_is_cached_and_consistent() -> None:
     assert uring.available() == uring.available()
     assert (uring.unavailable_reason() is None) == uring.available()
+
+
+@pytest.mark.parametrize("value,disabled", [(None, False), ("", False), ("0", False), ("1", True),
+                                            ("yes", True), ("false", True)])
+def test_one_reading_of_the_no_native_switch(monkeypatch: pytest.MonkeyPatch, value, disabled) -> None:
+    if value is None:
+        monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", value)
+    assert native_disabled() is disabled
+    if disabled:
+        assert uring.available() is False
 
 
 def test_env_var_disables(monkeypatch: pytest.MonkeyPatch) -> None:
