@@ -76,12 +76,15 @@ class Engine(Protocol):
     @property
     def retried(self) -> int:
         """Reads reissued so far (short reads, transient errors)."""
+        ...
 
     def read(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dest_offsets: np.ndarray) -> None:
         """Read ``lengths[i]`` bytes at ``offsets[i]`` into ``dest[dest_offsets[i]:]`` for every i."""
+        ...
 
     def close(self) -> None:
         """Free the engine's threads or rings (not the descriptor); no read is running."""
+        ...
 
 
 class ThreadEngine:
@@ -132,7 +135,7 @@ class ThreadEngine:
                 got = pread(fd, [view[d: d + length]], off)
             except OSError as exc:
                 if not is_transient(exc.errno):
-                    raise OSError(exc.errno, failure_message(length, off, 0, 0, exc.strerror)) from exc
+                    raise _failed(exc, length, off, 0, 0) from exc
                 failures = 1
             else:
                 if got == length:
@@ -150,8 +153,8 @@ class ThreadEngine:
             try:
                 got = self.pread(self.fd, [view[done:]], off + done)
             except OSError as exc:
-                if not is_transient(exc.errno) or failures > self.retries - 1:
-                    raise OSError(exc.errno, failure_message(length, off, done, failures, exc.strerror)) from exc
+                if not is_transient(exc.errno) or failures >= self.retries:
+                    raise _failed(exc, length, off, done, failures) from exc
                 failures += 1
                 continue
             if got == 0:
@@ -159,7 +162,7 @@ class ThreadEngine:
             # Resume a short read at its last whole sector (O_DIRECT needs aligned offsets).
             advanced = got - (got % SECTOR_BYTES if done + got < length else 0)
             if not advanced:  # short of even one sector: no progress, a failure
-                if failures > self.retries - 1:
+                if failures >= self.retries:
                     raise OSError(errno.EIO, failure_message(length, off, done, failures, "short reads"))
                 failures += 1
             done += advanced
@@ -170,6 +173,11 @@ class ThreadEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _failed(exc: OSError, length: int, off: int, done: int, retries: int) -> OSError:
+    """``exc`` restated in the policy's sentence (what, where, after how many retries)."""
+    return OSError(exc.errno, failure_message(length, off, done, retries, exc.strerror or str(exc)))
 
 
 class UringEngine:
