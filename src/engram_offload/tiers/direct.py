@@ -234,6 +234,7 @@ class UringEngine:
     def close(self) -> None:
         with self._pool:
             for reader in self._made:
+                self._retired += reader.retried
                 reader.close()
             self._idle.clear()
             self._made.clear()

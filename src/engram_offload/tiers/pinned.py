@@ -43,6 +43,9 @@ class PinnedTier(MemoryTier):
             )
         self._staging = threading.local()
 
+    def _load_copies(self) -> int:
+        return 2 if torch.cuda.is_available() else 1  # pin_memory() copies the loaded rows
+
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         if not out.is_cuda:
             super()._read(ids, out)
