@@ -173,3 +173,17 @@ def test_resident_tiers_refuse_a_table_larger_than_free_memory(tmp_path, tier):
     with pytest.raises(TierError, match=rf"needs {copies * need / 2**30:,.2f} GiB.* and [\d,.]+ GiB is available "
                                         r"\(MemAvailable\).*check_memory=False"):
         open_tier(tier, header)
+
+
+def test_a_table_rewritten_in_place_under_an_mmap_store_gives_an_error(tables, tmp_path):
+    src, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    path = tmp_path / "copy.tbl"
+    shutil.copy(src, path)
+    os.utime(path, ns=(10**18, 10**18))  # an old mtime: the rewrite below surely changes it
+    with open_tier("mmap", read_header(path)) as t:
+        np.testing.assert_array_equal(read(t, [0, 7]), expected[[0, 7]])
+        with open(path, "r+b") as f:
+            f.seek(t.layout.row_offsets(np.array([7]))[0])
+            f.write(bytes(x ^ 0xFF for x in expected[7]))
+        with pytest.raises(TierError, match=r"was modified \(its mtime changed\) while open"):
+            read(t, [0, 7])

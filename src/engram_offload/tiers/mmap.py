@@ -6,10 +6,11 @@ checked against its checksum the first time a read touches it.
 
 Two hazards of a mapping are kept away from readers: ``close`` waits for reads in flight
 before unmapping (``Tier.close``), and each read first checks (``fstat``, about a
-microsecond) that the file still has its full size, so a table truncated under an open
-store gives a ``TierError`` instead of a SIGBUS. A truncation racing a read that already
-passed the check is not covered: replace table files by renaming a new file over them
-(as ``make-table`` and ``convert`` do), never by rewriting them in place.
+microsecond) that the file still has its full size and its modification time, so a table
+truncated under an open store gives a ``TierError`` instead of a SIGBUS, and one rewritten
+in place gives a ``TierError`` instead of a mix of old and new rows. A change racing a read
+that already passed the check is not covered: replace table files by renaming a new file
+over them (as ``make-table`` and ``convert`` do), never by rewriting them in place.
 """
 
 from __future__ import annotations
@@ -41,25 +42,30 @@ class MmapTier(Tier):
         except BaseException:
             os.close(self._fd)
             raise
+        self._mtime_ns = os.fstat(self._fd).st_mtime_ns
         self.random_advice = madvise_quietly(self._mm, "MADV_RANDOM")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # [file_bytes]
         self._verifier = BlockVerifier(header, self._block) if verify_reads else None
 
-    def _check_size(self) -> None:
-        size = os.fstat(self._fd).st_size
-        if size < self.layout.file_bytes:
-            raise TierError(
-                f"{self.header.path} shrank to {size:,} bytes while open (the table has "
-                f"{self.layout.file_bytes:,}): it was truncated or rewritten in place; "
-                "close the store and reopen the table once it is whole"
-            )
+    def _check_unchanged(self) -> None:
+        st = os.fstat(self._fd)
+        if st.st_size < self.layout.file_bytes:
+            what = f"shrank to {st.st_size:,} bytes (the table has {self.layout.file_bytes:,})"
+        elif st.st_mtime_ns != self._mtime_ns:
+            what = "was modified (its mtime changed)"
+        else:
+            return
+        raise TierError(
+            f"{self.header.path} {what} while open: it was truncated or rewritten in place; "
+            "close the store and reopen the table once it is whole (verify it first)"
+        )
 
     def _block(self, block: int) -> bytes:
         start, end = self.layout.block_range(block)
         return self._mm[start:end]
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        self._check_size()
+        self._check_unchanged()
         offsets = self.layout.row_offsets(ids)
         if self._verifier is not None:
             self._verifier.ensure(offsets)
