@@ -5,12 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram_offload.config import EngramConfig
 from engram_offload.table import make_random_table, random_rows
 from tiny_tables import tiny_config as _tiny_config
 from tier_cases import FORMATS
-
-
 
 
 @pytest.fixture(scope="session")

@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tier_cases import skip_unavailable, uring_available
+from tier_cases import read, skip_unavailable, uring_available
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers import direct as direct_module
-
-
-def read(t, ids) -> np.ndarray:
-    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
-    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
+from engram_offload.tiers import memory as memory_module
 
 
 @pytest.fixture
@@ -57,7 +53,7 @@ def test_read_verification_names_the_bad_block(damaged, tier, options):
             read(t, [bad_row])
         assert t.stats()["blocks_verified"] == 1
     with open_tier(tier, read_header(path), **options) as t:  # without verification: served as stored
-        read(t, [bad_row])
+        np.testing.assert_array_equal(read(t, [bad_row, good_row]), expected[[bad_row, good_row]])
 
 
 def test_memory_tier_verifies_while_loading(damaged):
@@ -98,7 +94,7 @@ def open_flaky(tables, pread, **options):
     return open_tier("direct", read_header(path), engine="threads", pread=pread, **options), expected
 
 
-@pytest.mark.parametrize("mode,failures", [("eio", 2), ("short", 50), ("ragged", 3), ("eof", 1)])
+@pytest.mark.parametrize("mode,failures", [("eio", 2), ("short", 50), ("ragged", 3)])
 def test_transient_failures_are_retried(tables, mode, failures):
     pread = FlakyPread("none", 0)
     t, expected = open_flaky(tables, pread, queue_depth=2, retries=3)
@@ -109,14 +105,27 @@ def test_transient_failures_are_retried(tables, mode, failures):
         assert t.stats()["retries"] >= 1
 
 
-@pytest.mark.parametrize("mode,message", [("eio", "EIO"), ("eof", "end of file")])
-def test_persistent_failures_raise_tier_error(tables, mode, message):
+def test_persistent_failures_raise_tier_error(tables):
     pread = FlakyPread("none", 0)
     t, _ = open_flaky(tables, pread, queue_depth=3, retries=2)
     with t:
-        pread.mode, pread.failures = mode, 10**9
-        with pytest.raises(TierError, match=rf"offset [\d,]+ failed after 2 retries \({message}"):
-            read(t, [0, 1000, 2000])
+        pread.mode, pread.failures = "eio", 10**9
+        calls = pread.calls
+        with pytest.raises(TierError, match=r"offset \d+ failed after 0 bytes and 2 retries: Input/output error"):
+            read(t, [0])
+        assert pread.calls - calls == 3  # 1 + retries attempts
+
+
+@pytest.mark.parametrize("failures", [1, 10**9])
+def test_end_of_file_is_not_retried(tables, failures):
+    pread = FlakyPread("none", 0)
+    t, _ = open_flaky(tables, pread, queue_depth=1, retries=3)
+    with t:
+        pread.mode, pread.failures = "eof", failures
+        calls = pread.calls
+        with pytest.raises(TierError, match=r"failed after 0 bytes and 0 retries: end of file"):
+            read(t, [0])
+        assert pread.calls - calls == 1
 
 
 def test_hard_errors_are_not_retried(tables):
@@ -133,7 +142,7 @@ def test_hard_errors_are_not_retried(tables):
     with t:
         with pytest.raises(TierError, match="Bad file descriptor"):
             read(t, [5])
-        assert len(calls) == 3  # probe, fast path, one careful attempt
+        assert len(calls) == 2  # probe, then the failing read: not retried
 
 
 def test_refused_o_direct_is_a_clear_error(tables, monkeypatch):
@@ -170,3 +179,44 @@ def test_engine_choice(tables):
         assert t.stats()["engine"] == "threads"
     with open_tier("direct", read_header(path)) as t:
         assert t.stats()["engine"] == ("uring" if uring_available() else "threads")
+
+
+@pytest.mark.parametrize("chunk_bytes", [32 << 20, 12288, 4096])
+def test_memory_tier_finds_the_bad_block_whatever_the_load_chunk(tables, damaged, chunk_bytes, monkeypatch):
+    """Blocks of 16 KiB loaded in chunks of 32 MiB, 12 KiB (blocks straddle chunks) or 4 KiB."""
+    monkeypatch.setattr(memory_module, "LOAD_CHUNK_BYTES", chunk_bytes)
+    with pytest.raises(ChecksumError, match="block 2 "):
+        open_tier("memory", read_header(damaged[0]), verify_reads=True)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    with open_tier("memory", read_header(path), verify_reads=True) as t:
+        np.testing.assert_array_equal(t.rows.numpy(), expected)
+
+
+def engines_for(fd):
+    engines = [direct_module.ThreadEngine(fd, threads=2)]
+    if uring_available():
+        engines.append(direct_module.UringEngine(fd, queue_depth=4))
+    return engines
+
+
+def test_engines_fail_alike(tables):
+    """One policy, one sentence: end of file and refused (misaligned) O_DIRECT reads."""
+    path, _ = tables[("fp32", 64)]
+    skip_unavailable("direct", {}, path.parent)
+    size = os.path.getsize(path)
+    past_end = (size // 4096 + 1) * 4096
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = direct_module.aligned_empty(8192)
+    cases = [(past_end, errno.EIO, f"read of 4096 bytes at file offset {past_end} failed after 0 bytes and 0 "
+                                   "retries: end of file"),
+             (512 + 1, errno.EINVAL, "read of 4096 bytes at file offset 513 failed after 0 bytes and 0 retries: "
+                                     "Invalid argument")]
+    try:
+        for engine in engines_for(fd):
+            for offset, err, message in cases:
+                with pytest.raises(OSError) as info:
+                    engine.read(np.array([offset], np.int64), np.array([4096], np.int64), buf, np.zeros(1, np.int64))
+                assert (info.value.errno, info.value.strerror) == (err, message), engine.name
+            engine.close()
+    finally:
+        os.close(fd)

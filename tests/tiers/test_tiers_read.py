@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tier_cases import FORMATS, TIER_CASES, skip_unavailable
+from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
 from engram_offload.table import read_header
-from engram_offload.tiers import TIERS, get_tier_class, open_tier
+from engram_offload.tiers import TIERS, as_row_ids, get_tier_class, is_resident, open_tier, tier_names
 from engram_offload.tiers.direct import plan_spans
 
 CASE_IDS = [f"{t}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for t, o in TIER_CASES]
@@ -24,11 +24,6 @@ def opened(tier, options, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # pinned without CUDA
         return open_tier(tier, read_header(path), **options)
-
-
-def read(t, ids) -> np.ndarray:
-    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
-    return t.read_rows(np.asarray(ids, np.int64), out).numpy()
 
 
 @pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
@@ -42,17 +37,25 @@ def test_every_row_of_every_format(tables, tier, options, fmt):
         assert len(read(t, [])) == 0
 
 
-@pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_random_ids_with_duplicates_match_memory(tables, tier, options, data):
+@pytest.fixture
+def fp8_tier(request, tables):
+    """The fp8 table opened on the tier case ``request.param``, and its rows; one per test."""
+    tier, options = request.param
     path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    with opened(tier, options, path) as t:
+        yield t, expected
+
+
+@pytest.mark.parametrize("fp8_tier", TIER_CASES, ids=CASE_IDS, indirect=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_ids_with_duplicates_match_memory(fp8_tier, data):
+    t, expected = fp8_tier  # one open tier serves every example, as a store would
     n = len(expected)
     ids = data.draw(st.lists(st.one_of(st.integers(0, n - 1), st.sampled_from([0, 1, n - 2, n - 1])),
                              min_size=1, max_size=300))
     ids += data.draw(st.lists(st.sampled_from(ids), max_size=50))  # duplicates
-    with opened(tier, options, path) as t:
-        np.testing.assert_array_equal(read(t, ids), expected[ids])
+    np.testing.assert_array_equal(read(t, ids), expected[ids])
 
 
 @pytest.mark.parametrize("tier,options", TIER_CASES, ids=CASE_IDS)
@@ -110,10 +113,48 @@ def test_direct_reads_only_the_needed_sectors(tables):
 
 
 def test_registry_is_lazy_and_complete():
-    assert set(TIERS) == {"memory", "pinned", "mmap", "direct"}
-    assert get_tier_class("mmap").name == "mmap"
+    assert tier_names() == tuple(TIERS) == ("memory", "pinned", "mmap", "direct")
+    assert [name for name in tier_names() if is_resident(name)] == ["memory", "pinned"]
+    for name in tier_names():
+        assert get_tier_class(name).name == name
     with pytest.raises(ValueError, match="unknown tier 'nvme'.*memory"):
         get_tier_class("nvme")
+    with pytest.raises(ValueError, match="unknown tier 'nvme'"):
+        is_resident("nvme")
+
+
+@pytest.mark.parametrize("sorted_distinct", [True, False])
+def test_row_ids_one_past_the_end_are_refused(sorted_distinct):
+    n = 100
+    for ids in ([3, 50, n], [n], [0, n - 1, n]):
+        with pytest.raises(IndexError, match=rf"row id {n} \(at position {len(ids) - 1}\)"):
+            as_row_ids(ids, n, sorted_distinct=sorted_distinct)
+    with pytest.raises(IndexError, match=rf"row id {n} \(at position 0\)"):  # unsorted: the full check
+        as_row_ids([n, 3], n)
+    with pytest.raises(IndexError, match=r"row id -1"):
+        as_row_ids([-1, 5], n, sorted_distinct=sorted_distinct)
+    assert as_row_ids([0, n - 1], n, sorted_distinct=sorted_distinct).tolist() == [0, n - 1]
+
+
+def mapping_flags(path) -> list[list[str]]:
+    """``VmFlags`` of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    flags, current = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                current = len(fields) >= 6 and fields[5] == str(path)
+            elif current and line.startswith("VmFlags:"):
+                flags.append(fields[1:])
+    return flags
+
+
+def test_mmap_advises_random_access(tables):
+    path, _ = tables[("fp32", 64)]
+    with open_tier("mmap", read_header(path)) as t:
+        assert t.stats()["madv_random"] is True
+        flags = mapping_flags(path)
+        assert flags and all("rr" in f for f in flags)  # the kernel's mark of MADV_RANDOM
 
 
 def test_pinned_without_cuda_says_so(tables):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engram_offload._native import native_disabled
 from engram_offload.tiers import uring
 
 needs_native = pytest.mark.skipif(
@@ -22,13 +23,6 @@ def native(f):
     """Marks a test as needing the compiled helper; skipped cleanly without it."""
     return pytest.mark.native(needs_native(f))
 
-
-# Semantics shared by the native reader and the pure-Python fallback.
-READERS = [
-    pytest.param(uring.UringReader, id="uring", marks=[pytest.mark.native, needs_native]),
-    pytest.param(uring.PreadReader, id="pread"),
-]
-both_readers = pytest.mark.parametrize("reader_cls", READERS)
 
 FILE_SIZE = 4 * 1024 * 1024 + 1000  # deliberately not a multiple of 4096
 ALIGN = 4096
@@ -75,26 +69,29 @@ def test_available_is_cached_and_consistent() -> None:
     assert (uring.unavailable_reason() is None) == uring.available()
 
 
+@pytest.mark.parametrize("value,disabled", [(None, False), ("", False), ("0", False), ("1", True),
+                                            ("yes", True), ("false", True)])
+def test_one_reading_of_the_no_native_switch(monkeypatch: pytest.MonkeyPatch, value, disabled) -> None:
+    if value is None:
+        monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", value)
+    assert native_disabled() is disabled
+    if disabled:
+        assert uring.available() is False
+
+
 def test_env_var_disables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
     assert uring.available() is False
     assert "ENGRAM_OFFLOAD_NO_NATIVE" in (uring.unavailable_reason() or "")
     with pytest.raises(RuntimeError):
         uring.UringReader(0)
-    fd = os.open(os.devnull, os.O_RDONLY)
-    try:
-        assert isinstance(uring.open_reader(fd), uring.PreadReader)
-    finally:
-        os.close(fd)
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "0")  # "0" means: not disabled
+    assert uring.available() == (uring.unavailable_reason() is None)
 
 
 @native
-def test_open_reader_prefers_uring(buffered_fd: int) -> None:
-    with uring.open_reader(buffered_fd) as reader:
-        assert isinstance(reader, uring.UringReader)
-
-
-@both_readers
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reads=st.lists(
@@ -104,7 +101,7 @@ def test_open_reader_prefers_uring(buffered_fd: int) -> None:
     scalar_length=st.booleans(),
 )
 def test_buffered_random_reads_match_pread(
-    reader_cls, data_file: tuple[str, bytes], buffered_fd: int, reads, queue_depth: int, scalar_length: bool
+    data_file: tuple[str, bytes], buffered_fd: int, reads, queue_depth: int, scalar_length: bool
 ) -> None:
     payload = data_file[1]
     offsets = np.array([o for o, _ in reads], dtype=np.int64)
@@ -116,7 +113,7 @@ def test_buffered_random_reads_match_pread(
         lengths = np.full(len(offsets), length, dtype=np.int64)
     dest_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(reads) else np.zeros(0, np.int64)
     dest = np.full(int(lengths.sum()) + 7, 0xAB, dtype=np.uint8)
-    with reader_cls(buffered_fd, queue_depth=queue_depth) as reader:
+    with uring.UringReader(buffered_fd, queue_depth=queue_depth) as reader:
         reader.read(offsets, 513 if scalar_length else lengths, dest, dest_offsets)
     for o, n, d in zip(offsets, lengths, dest_offsets):
         assert dest[d : d + n].tobytes() == os.pread(buffered_fd, int(n), int(o))
@@ -145,13 +142,13 @@ def test_direct_aligned_reads_match_pread(
         assert dest[i * ALIGN : i * ALIGN + length].tobytes() == payload[o : o + length]
 
 
-@both_readers
-def test_duplicates_and_overlapping_destinations(reader_cls, data_file: tuple[str, bytes], buffered_fd: int) -> None:
+@native
+def test_duplicates_and_overlapping_destinations(data_file: tuple[str, bytes], buffered_fd: int) -> None:
     payload = data_file[1]
     offsets = np.array([100, 100, 100, 5000, 100], dtype=np.int64)
     dest = np.zeros(5 * 264, dtype=np.uint8)
     dest_offsets = np.arange(5, dtype=np.int64) * 264
-    with reader_cls(buffered_fd) as reader:
+    with uring.UringReader(buffered_fd) as reader:
         reader.read(offsets, 264, dest, dest_offsets)
         for i, o in enumerate(offsets):
             assert dest[i * 264 : (i + 1) * 264].tobytes() == payload[o : o + 264]
@@ -176,16 +173,16 @@ def test_large_batch_more_than_queue_depth(data_file: tuple[str, bytes], direct_
     assert np.array_equal(dest, expected)
 
 
-@both_readers
-def test_empty_batch_and_zero_length(reader_cls, buffered_fd: int) -> None:
+@native
+def test_empty_batch_and_zero_length(buffered_fd: int) -> None:
     dest = np.zeros(10, dtype=np.uint8)
-    with reader_cls(buffered_fd) as reader:
+    with uring.UringReader(buffered_fd) as reader:
         reader.read(np.zeros(0, np.int64), 0, dest, np.zeros(0, np.int64))
         reader.read(np.array([5], np.int64), np.array([0], np.int64), dest, np.array([10], np.int64))
     assert (dest == 0).all()
 
 
-@both_readers
+@native
 @pytest.mark.parametrize(
     "offsets, lengths, dest_offsets",
     [
@@ -197,19 +194,19 @@ def test_empty_batch_and_zero_length(reader_cls, buffered_fd: int) -> None:
         ([0, 0], [1, 1], [0, 2**62]),  # huge dest offset (overflow guard)
     ],
 )
-def test_bounds_errors_raise_value_error(reader_cls, buffered_fd: int, offsets, lengths, dest_offsets) -> None:
+def test_bounds_errors_raise_value_error(buffered_fd: int, offsets, lengths, dest_offsets) -> None:
     dest = np.full(10, 0x5A, dtype=np.uint8)
-    with reader_cls(buffered_fd) as reader:
+    with uring.UringReader(buffered_fd) as reader:
         with pytest.raises(ValueError):
             reader.read(np.array(offsets, np.int64), np.array(lengths, np.int64), dest,
                         np.array(dest_offsets, np.int64))
     assert (dest == 0x5A).all()  # nothing was read
 
 
-@both_readers
-def test_shape_and_type_errors(reader_cls, buffered_fd: int) -> None:
+@native
+def test_shape_and_type_errors(buffered_fd: int) -> None:
     dest = np.zeros(100, dtype=np.uint8)
-    with reader_cls(buffered_fd) as reader:
+    with uring.UringReader(buffered_fd) as reader:
         with pytest.raises(ValueError):
             reader.read(np.zeros(3, np.int64), 1, dest, np.zeros(2, np.int64))
         with pytest.raises(ValueError):
@@ -218,10 +215,10 @@ def test_shape_and_type_errors(reader_cls, buffered_fd: int) -> None:
             reader.read(np.zeros(1, np.int64), 1, b"readonly", np.zeros(1, np.int64))
 
 
-@both_readers
-def test_read_past_eof_raises(reader_cls, data_file: tuple[str, bytes], buffered_fd: int) -> None:
+@native
+def test_read_past_eof_raises(data_file: tuple[str, bytes], buffered_fd: int) -> None:
     dest = np.zeros(4096, dtype=np.uint8)
-    with reader_cls(buffered_fd) as reader:
+    with uring.UringReader(buffered_fd) as reader:
         # Starts inside the file, ends past EOF: short read, then 0 bytes.
         with pytest.raises(OSError) as info:
             reader.read(np.array([FILE_SIZE - 100], np.int64), 200, dest, np.zeros(1, np.int64))
@@ -255,14 +252,14 @@ def test_direct_misaligned_raises_einval(direct_fd: int) -> None:
         assert "offset 1 " in str(info.value)
 
 
-@both_readers
-def test_bad_fd_raises_ebadf(reader_cls, data_file: tuple[str, bytes]) -> None:
+@native
+def test_bad_fd_raises_ebadf(data_file: tuple[str, bytes]) -> None:
     with pytest.raises(OSError) as info:
-        reader_cls(987654)
+        uring.UringReader(987654)
     assert info.value.errno == errno.EBADF
     # A descriptor closed after the reader was created fails at read time.
     fd = os.open(data_file[0], os.O_RDONLY)
-    reader = reader_cls(fd)
+    reader = uring.UringReader(fd)
     os.close(fd)
     dest = np.zeros(64, dtype=np.uint8)
     with pytest.raises(OSError) as info:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import os
 
+import numpy as np
 import pytest
+import torch
 
 
 TIER_CASES = [
@@ -51,3 +53,7 @@ def skip_unavailable(tier: str, options: dict, directory) -> None:
         pytest.skip("native io_uring helper not available")
 
 
+def read(t, ids) -> np.ndarray:
+    """Rows ``ids`` read from tier ``t``, as a NumPy ``uint8 [n, row_bytes]``."""
+    out = torch.empty((len(ids), t.row_bytes), dtype=torch.uint8)
+    return t.read_rows(np.asarray(ids, np.int64), out).numpy()

@@ -12,9 +12,11 @@
  *       Creates and destroys a one-entry ring.  Raises OSError when io_uring
  *       is unusable (old kernel, seccomp filter, kernel.io_uring_disabled).
  *
- *   Ring(queue_depth=128, setup_flags=-1)
+ *   Ring(queue_depth=64, setup_flags=-1, transient=())
  *       One submission/completion ring.  setup_flags=-1 picks the best flag
- *       set the kernel accepts (see ring_setup()).
+ *       set the kernel accepts (see ring_setup()).  transient: the errnos a
+ *       failed read is retried for (the caller's retry policy; others fail
+ *       at once).
  *
  *   Ring.read(fd, offsets, lengths, dest, dest_offsets, retries=3) -> None
  *       offsets, dest_offsets: contiguous int64 buffers of n items.
@@ -30,14 +32,14 @@
  *         - a short read is resubmitted for the remainder;
  *         - a read that returns 0 bytes before its length is complete hit
  *           end of file: OSError(EIO, "... end of file ...");
- *         - a transient error (EIO, EAGAIN, EINTR, ...) is retried up to
+ *         - an error in the ring's `transient` set is retried up to
  *           `retries` times, then raised as OSError(errno, ...) naming the
- *           file offset; deterministic errors (EBADF, EINVAL, EFAULT, ...)
- *           are raised at once;
+ *           file offset; any other error is raised at once;
  *         - on any failure, reads already in flight are drained before the
  *           call returns, so the kernel never writes into dest afterwards.
  *
- *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features
+ *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
+ *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -78,6 +80,8 @@
  * one read at MAX_RW_COUNT (INT_MAX & PAGE_MASK) anyway. */
 #define MAX_READ_LEN ((int64_t)1 << 30)
 #define MAX_QUEUE_DEPTH 4096
+/* errnos below this bound can be marked transient */
+#define MAX_ERRNO 512
 
 /* ------------------------------------------------------------------------ */
 /* Raw syscalls                                                              */
@@ -139,6 +143,7 @@ typedef struct {
     unsigned *free_slots;
     unsigned n_free;
     int broken; /* io_uring_enter failed mid-batch; the ring is unusable */
+    uint64_t transient[MAX_ERRNO / 64]; /* bit e: retry a read failing with errno e */
 } ring_t;
 
 static void ring_destroy(ring_t *r)
@@ -280,8 +285,10 @@ typedef struct {
     int eof;            /* the failure was a read returning 0 (end of file) */
     int64_t err_index;  /* which read failed */
     int64_t err_done;   /* bytes it had transferred */
+    int err_tries;      /* retries it had spent */
     int enter_failed;   /* the failure came from io_uring_enter itself */
     int64_t n_enter;    /* statistics: io_uring_enter calls */
+    int64_t n_retries;  /* statistics: reads reissued (short reads, retried errors) */
 } batch_t;
 
 static inline int64_t batch_len(const batch_t *b, int64_t i)
@@ -289,17 +296,10 @@ static inline int64_t batch_len(const batch_t *b, int64_t i)
     return b->lengths ? b->lengths[i] : b->length;
 }
 
-/* Errors that retrying cannot fix. */
-static int is_permanent(int e)
+/* Whether the caller's policy retries a read failing with errno e. */
+static int is_transient(const ring_t *r, int e)
 {
-    switch (e) {
-    case EBADF: case EINVAL: case EFAULT: case ENOSYS: case EOPNOTSUPP:
-    case EISDIR: case ENXIO: case ESPIPE: case EOVERFLOW: case EPERM:
-    case EACCES: case ENODEV:
-        return 1;
-    default:
-        return 0;
-    }
+    return e > 0 && e < MAX_ERRNO && ((r->transient[e / 64] >> (e % 64)) & 1);
 }
 
 /* Writes an SQE for the (remaining part of the) read held by `slot`. */
@@ -341,6 +341,7 @@ static void batch_fail(batch_t *b, const slot_t *s, int err, int eof)
     b->eof = eof;
     b->err_index = s->index;
     b->err_done = s->done;
+    b->err_tries = s->tries > b->retries ? b->retries : s->tries;
 }
 
 static void batch_run(ring_t *r, batch_t *b)
@@ -371,12 +372,13 @@ static void batch_run(ring_t *r, batch_t *b)
                 batch_fail(b, s, EIO, 1);
             } else {
                 int e = -res;
-                if (is_permanent(e) || ++s->tries > b->retries)
+                if (!is_transient(r, e) || ++s->tries > b->retries)
                     batch_fail(b, s, e, 0);
                 else
                     resubmit = 1;
             }
             if (resubmit && !b->err) {
+                b->n_retries++;
                 prep_read(r, b, slot);
                 inflight++;
                 unsubmitted++;
@@ -462,6 +464,7 @@ typedef struct {
     int open;
     int busy; /* a read() is running (with the GIL released) */
     int64_t n_enter; /* statistics: syscalls made by read() so far */
+    int64_t n_retries; /* statistics: reads reissued by read() so far */
 } RingObject;
 
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
@@ -484,13 +487,34 @@ static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
 
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"queue_depth", "setup_flags", NULL};
-    int queue_depth = 128;
+    static char *kwlist[] = {"queue_depth", "setup_flags", "transient", NULL};
+    int queue_depth = 64;
     long long flags = -1;
+    PyObject *transient = NULL;
+    uint64_t mask[MAX_ERRNO / 64] = {0};
     int err;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|iL", kwlist, &queue_depth, &flags))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|iLO", kwlist, &queue_depth, &flags, &transient))
         return -1;
+    if (transient != NULL) {
+        PyObject *seq = PySequence_Fast(transient, "transient must be a sequence of errnos");
+        if (!seq)
+            return -1;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+            long e = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (e == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            if (e <= 0 || e >= MAX_ERRNO) {
+                Py_DECREF(seq);
+                PyErr_Format(PyExc_ValueError, "transient errno %ld out of range [1, %d)", e, MAX_ERRNO);
+                return -1;
+            }
+            mask[e / 64] |= (uint64_t)1 << (e % 64);
+        }
+        Py_DECREF(seq);
+    }
     if (queue_depth < 1 || queue_depth > MAX_QUEUE_DEPTH) {
         PyErr_Format(PyExc_ValueError, "queue_depth must be in [1, %d]", MAX_QUEUE_DEPTH);
         return -1;
@@ -505,6 +529,7 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    memcpy(self->ring.transient, mask, sizeof(mask));
     self->open = 1;
     return 0;
 }
@@ -635,6 +660,7 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
     Py_END_ALLOW_THREADS
     self->busy = 0;
     self->n_enter += b.n_enter;
+    self->n_retries += b.n_retries;
 
     if (b.err) {
         PyObject *exc_args;
@@ -644,10 +670,12 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
         if (b.enter_failed) {
             exc_args = Py_BuildValue("(is)", b.err, what);
         } else {
+            /* The sentence of tiers.policy.failure_message. */
             PyObject *msg = PyUnicode_FromFormat(
-                "read of %lld bytes at file offset %lld failed after %lld bytes: %s",
+                "read of %lld bytes at file offset %lld failed after %lld bytes "
+                "and %d retries: %s",
                 (long long)batch_len(&b, i), (long long)b.offsets[i],
-                (long long)b.err_done, what);
+                (long long)b.err_done, b.err_tries, what);
             exc_args = msg ? Py_BuildValue("(iN)", b.err, msg) : NULL;
         }
         if (exc_args) {
@@ -692,6 +720,16 @@ static PyObject *Ring_get_n_enter(RingObject *self, void *closure)
     return PyLong_FromLongLong(self->n_enter);
 }
 
+static PyObject *Ring_get_n_retries(RingObject *self, void *closure)
+{
+    return PyLong_FromLongLong(self->n_retries);
+}
+
+static PyObject *Ring_get_broken(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(self->open && self->ring.broken);
+}
+
 static PyMethodDef Ring_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Ring_read, METH_VARARGS | METH_KEYWORDS,
      "read(fd, offsets, lengths, dest, dest_offsets, retries=3, wait_batch=-1)\n"
@@ -706,6 +744,8 @@ static PyGetSetDef Ring_getset[] = {
     {"features", (getter)Ring_get_features, NULL, "IORING_FEAT_* reported by the kernel", NULL},
     {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
     {"n_enter", (getter)Ring_get_n_enter, NULL, "io_uring_enter calls made by read()", NULL},
+    {"n_retries", (getter)Ring_get_n_retries, NULL, "reads reissued by read()", NULL},
+    {"broken", (getter)Ring_get_broken, NULL, "io_uring_enter failed: make a new Ring", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -714,7 +754,7 @@ static PyTypeObject RingType = {
     .tp_name = "engram_offload.tiers._uring.Ring",
     .tp_basicsize = sizeof(RingObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Ring(queue_depth=128, setup_flags=-1): an io_uring for batched reads.",
+    .tp_doc = "Ring(queue_depth=64, setup_flags=-1, transient=()): an io_uring for batched reads.",
     .tp_new = Ring_new,
     .tp_init = (initproc)Ring_init,
     .tp_dealloc = (destructor)Ring_dealloc,

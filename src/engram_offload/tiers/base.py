@@ -3,12 +3,18 @@
 A tier moves bytes and counts what it did; it knows nothing of caches or row formats.
 Every tier is safe to call from several threads at once, and never returns made-up
 data: a read either fills ``out`` with the table's bytes or raises.
+
+Closing waits for the reads in flight, then releases the medium (descriptor, mapping,
+rings); reads that start after ``close`` began raise ``ValueError``. So no descriptor is
+closed and no mapping unmapped under a reader.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import numpy as np
@@ -50,7 +56,8 @@ def as_row_ids(row_ids: Any, num_rows: int, *, sorted_distinct: bool = False) ->
 class Tier(ABC):
     """A medium holding one table's rows.
 
-    Subclasses implement ``_read(ids, out)``; ``read_rows`` checks arguments and counts.
+    Subclasses implement ``_read(ids, out)`` and ``_release()``; ``read_rows`` checks
+    arguments and counts, ``close`` waits for the reads in flight before ``_release``.
     """
 
     name: ClassVar[str] = "tier"
@@ -60,6 +67,8 @@ class Tier(ABC):
         self.layout = header.layout
         self._stats_lock = threading.Lock()
         self._counts = {"requests": 0, "rows": 0, "reads": 0, "bytes_read": 0, "retries": 0}
+        self._users = threading.Condition(threading.Lock())
+        self._in_flight = 0  # read_rows calls between their check of `closed` and their return
         self.closed = False
 
     @property
@@ -72,17 +81,31 @@ class Tier(ABC):
 
     def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor:
         """Copy rows ``ids`` (int64 ``[n]``) into ``out`` (uint8 ``[n, row_bytes]``); return ``out``."""
-        if self.closed:
-            raise ValueError(f"the {self.name} tier of {self.header.path} is closed")
         ids = as_row_ids(ids, self.num_rows)
         if out.dtype != torch.uint8 or tuple(out.shape) != (len(ids), self.row_bytes):
             raise ValueError(
                 f"out must be uint8 [{len(ids)}, {self.row_bytes}], got {out.dtype} {tuple(out.shape)}"
             )
-        if len(ids):
-            self._read(ids, out)
+        with self._in_use():
+            if len(ids):
+                self._read(ids, out)
         self._count(requests=1, rows=len(ids))
         return out
+
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Holds off ``close`` (and the release of the medium) while the block runs."""
+        with self._users:
+            if self.closed:
+                raise ValueError(f"the {self.name} tier of {self.header.path} is closed")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._users:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._users.notify_all()
 
     @abstractmethod
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
@@ -99,7 +122,16 @@ class Tier(ABC):
             return {"tier": self.name, **self._counts}
 
     def close(self) -> None:
-        self.closed = True
+        """Refuse new reads, wait for those in flight, release the medium. Idempotent."""
+        with self._users:
+            if self.closed:
+                return
+            self.closed = True
+            self._users.wait_for(lambda: not self._in_flight)
+        self._release()
+
+    def _release(self) -> None:
+        """Free what the tier holds (descriptor, mapping, memory); no read is running."""
 
     def __enter__(self) -> "Tier":
         return self

@@ -6,10 +6,12 @@ sector or a page cost one read, and a lone 264-byte row costs at most 1 KiB). Sp
 read into a page-aligned buffer, then rows are copied out.
 
 Engines: ``uring`` (the native io_uring helper, ``engram_offload.tiers.uring``, many
-reads in flight per system call) and ``threads`` (a pool of threads each issuing
-``os.preadv``, GIL released); ``auto`` takes uring when it is available. Failed reads are
-retried (EIO, EINTR, EAGAIN, short reads) and then raised as ``TierError``; bytes that
-were not read are never returned.
+reads in flight per system call, a small pool of rings shared by all caller threads) and
+``threads`` (a pool of threads each issuing ``os.preadv``, GIL released); ``auto`` takes
+uring when it is available. Both follow ``tiers.policy`` (short reads resume, transient
+errors are retried, end of file and other errors fail at once) and raise ``OSError``; the
+tier turns that into one ``TierError`` naming the file. Bytes that were not read are never
+returned.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -28,12 +30,13 @@ from ..table.format import PAGE_BYTES, SECTOR_BYTES, TableHeader
 from ..table.verify import BlockVerifier
 from ._buffers import aligned_empty, gather_at
 from .base import Tier
+from .policy import DEFAULT_QUEUE_DEPTH, DEFAULT_RETRIES, failure_message, is_transient
 
-__all__ = ["DirectTier", "ENGINES", "ThreadEngine", "plan_spans"]
+__all__ = ["DEFAULT_RINGS", "DirectTier", "ENGINES", "ThreadEngine", "UringEngine", "plan_spans"]
 
 ENGINES = ("auto", "uring", "threads")
-DEFAULT_QUEUE_DEPTH = 64
-TRANSIENT = {errno.EIO, errno.EINTR, errno.EAGAIN, errno.EBUSY}
+DEFAULT_RINGS = 4
+"""io_uring rings a direct store keeps at most, shared by all its caller threads."""
 
 Pread = Callable[[int, list, int], int]  # os.preadv's signature
 
@@ -65,14 +68,42 @@ def plan_spans(offsets: np.ndarray, row_bytes: int, page_bytes: int, data_offset
     return span_start, span_len, dest, int(dest[-1] + slots[-1]), position
 
 
+class Engine(Protocol):
+    """Reads byte spans of one descriptor into a buffer; raises ``OSError`` on failure."""
+
+    name: str
+
+    @property
+    def retried(self) -> int:
+        """Reads reissued so far (short reads, transient errors)."""
+        ...
+
+    def read(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dest_offsets: np.ndarray) -> None:
+        """Read ``lengths[i]`` bytes at ``offsets[i]`` into ``dest[dest_offsets[i]:]`` for every i."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's threads or rings (not the descriptor); no read is running."""
+        ...
+
+
 class ThreadEngine:
-    """Reads spans with ``pread`` on a pool of threads, retrying transient failures."""
+    """Reads spans with ``pread`` on a pool of threads, following ``tiers.policy``.
+
+    ``fd`` is borrowed: the tier keeps it open until after ``close``.
+    """
 
     name = "threads"
 
-    def __init__(self, tier: "DirectTier", threads: int, pread: Pread, retries: int) -> None:
-        self.tier, self.threads, self.pread, self.retries = tier, threads, pread, retries
+    def __init__(self, fd: int, threads: int, pread: Pread = os.preadv, retries: int = DEFAULT_RETRIES) -> None:
+        self.fd, self.threads, self.pread, self.retries = fd, threads, pread, retries
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-direct")
+        self._retried_lock = threading.Lock()
+        self._retried = 0
+
+    @property
+    def retried(self) -> int:
+        return self._retried
 
     def read(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dest_offsets: np.ndarray) -> None:
         n = len(offsets)
@@ -97,87 +128,126 @@ class ThreadEngine:
             raise error
 
     def _run(self, offsets: list[int], lengths: list[int], dests: list[int], view: memoryview) -> None:
-        fd, pread = self.tier._fd, self.pread
+        fd, pread = self.fd, self.pread
         for off, length, d in zip(offsets, lengths, dests):
+            failures = 0
             try:
-                if pread(fd, [view[d: d + length]], off) == length:
-                    continue
-            except OSError:
-                pass
-            self._read_carefully(off, length, view[d: d + length])
-
-    def _read_carefully(self, off: int, length: int, view: memoryview) -> None:
-        """One span after a failed first attempt: short reads resume, transient errors retry,
-        then TierError (``1 + retries`` attempts in all)."""
-        done, failures, last = 0, 1, "short read"
-        self.tier._count(retries=1)
-        while done < length:
-            try:
-                got = self.pread(self.tier._fd, [view[done:]], off + done)
+                got = pread(fd, [view[d: d + length]], off)
             except OSError as exc:
-                if exc.errno not in TRANSIENT:
-                    raise self.tier._error(off, length, exc) from exc
-                got, last = -1, f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
-            advanced = 0
-            if got > 0:  # resume a short read at the last whole sector
-                advanced = got - (got % SECTOR_BYTES if done + got < length else 0)
-                done += advanced
-            if done < length:
-                self.tier._count(retries=1)
-                if advanced:
-                    continue  # progress: not a failure
+                if not is_transient(exc.errno):
+                    raise _failed(exc, length, off, 0, 0) from exc
+                failures = 1
+            else:
+                if got == length:
+                    continue
                 if got == 0:
-                    last = "end of file (truncated?)"
+                    raise OSError(errno.EIO, failure_message(length, off, 0, 0, "end of file"))
+            self._read_carefully(off, length, view[d: d + length], failures)
+
+    def _read_carefully(self, off: int, length: int, view: memoryview, failures: int) -> None:
+        """One span after a first attempt that failed transiently (``failures`` 1) or came
+        back short (0): ``1 + retries`` failed attempts in all before ``OSError``."""
+        done = 0
+        while done < length:
+            self._count_retry()
+            try:
+                got = self.pread(self.fd, [view[done:]], off + done)
+            except OSError as exc:
+                if not is_transient(exc.errno) or failures >= self.retries:
+                    raise _failed(exc, length, off, done, failures) from exc
                 failures += 1
-                if failures > self.retries:
-                    raise TierError(
-                        f"{self.tier.header.path}: reading {length} bytes at offset {off:,} failed "
-                        f"after {self.retries} retries ({last})"
-                    )
+                continue
+            if got == 0:
+                raise OSError(errno.EIO, failure_message(length, off, done, failures, "end of file"))
+            # Resume a short read at its last whole sector (O_DIRECT needs aligned offsets).
+            advanced = got - (got % SECTOR_BYTES if done + got < length else 0)
+            if not advanced:  # short of even one sector: no progress, a failure
+                if failures >= self.retries:
+                    raise OSError(errno.EIO, failure_message(length, off, done, failures, "short reads"))
+                failures += 1
+            done += advanced
+
+    def _count_retry(self) -> None:
+        with self._retried_lock:
+            self._retried += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
+def _failed(exc: OSError, length: int, off: int, done: int, retries: int) -> OSError:
+    """``exc`` restated in the policy's sentence (what, where, after how many retries)."""
+    return OSError(exc.errno, failure_message(length, off, done, retries, exc.strerror or str(exc)))
+
+
 class UringEngine:
-    """Reads spans through the native io_uring helper; one ring per calling thread."""
+    """Reads spans through the native io_uring helper, on a pool of at most ``rings`` rings.
+
+    A caller takes an idle ring (making one while fewer than ``rings`` exist, else waiting
+    for one), so descriptors stay bounded however many threads come and go.
+    """
 
     name = "uring"
 
-    def __init__(self, tier: "DirectTier", queue_depth: int, retries: int) -> None:
+    def __init__(self, fd: int, queue_depth: int, retries: int = DEFAULT_RETRIES, rings: int = DEFAULT_RINGS) -> None:
         from . import uring
 
-        self._uring, self.tier, self.queue_depth, self.retries = uring, tier, queue_depth, retries
-        self._local = threading.local()
-        self._readers: list = []
-        self._lock = threading.Lock()
+        if rings < 1:
+            raise ValueError(f"rings must be >= 1, got {rings}")
+        self._uring, self.fd, self.queue_depth, self.retries, self.rings = uring, fd, queue_depth, retries, rings
+        self._pool = threading.Condition(threading.Lock())
+        self._idle: list = []
+        self._made: list = []  # every ring made and not yet discarded
+        self._retired = 0  # reissued reads of discarded rings
+
+    @property
+    def retried(self) -> int:
+        with self._pool:
+            return self._retired + sum(reader.retried for reader in self._made)
 
     def read(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dest_offsets: np.ndarray) -> None:
-        reader = getattr(self._local, "reader", None)
-        if reader is None:
-            reader = self._uring.UringReader(self.tier._fd, self.queue_depth, retries=self.retries)
-            self._local.reader = reader
-            with self._lock:
-                self._readers.append(reader)
+        reader = self._take()
         try:
             reader.read(offsets, lengths, dest, dest_offsets)
-        except OSError as exc:
-            raise self.tier._error(int(offsets[0]), int(lengths[0]), exc, batch=len(offsets)) from exc
+        finally:
+            self._give_back(reader)
+
+    def _take(self):
+        with self._pool:
+            self._pool.wait_for(lambda: self._idle or len(self._made) < self.rings)
+            if self._idle:
+                return self._idle.pop()
+            reader = self._uring.UringReader(self.fd, self.queue_depth, retries=self.retries)
+            self._made.append(reader)
+            return reader
+
+    def _give_back(self, reader) -> None:
+        with self._pool:
+            if reader.broken:  # io_uring_enter itself failed: make a fresh ring next time
+                self._made.remove(reader)
+                self._retired += reader.retried
+                reader.close()
+            else:
+                self._idle.append(reader)
+            self._pool.notify()
 
     def close(self) -> None:
-        with self._lock:
-            for reader in self._readers:
+        with self._pool:
+            for reader in self._made:
+                self._retired += reader.retried
                 reader.close()
-            self._readers.clear()
+            self._idle.clear()
+            self._made.clear()
 
 
 class DirectTier(Tier):
     """Rows read with O_DIRECT from the table file, bypassing the page cache.
 
     Options: ``engine`` (``auto`` | ``uring`` | ``threads``), ``queue_depth`` (reads in
-    flight: io_uring queue depth, or thread count for ``threads``), ``retries`` (per read),
-    ``verify_reads`` (check each block's checksum the first time a read touches it),
-    ``pread`` (the ``os.preadv``-like function of the threads engine; a fault-injection hook).
+    flight: io_uring queue depth per ring, or thread count for ``threads``), ``rings`` (io_uring
+    rings shared by the caller threads), ``retries`` (per read), ``verify_reads`` (check
+    each block's checksum the first time a read touches it), ``pread`` (the
+    ``os.preadv``-like function of the threads engine; a fault-injection hook).
     """
 
     name = "direct"
@@ -188,9 +258,10 @@ class DirectTier(Tier):
         *,
         engine: str = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
-        retries: int = 3,
+        retries: int = DEFAULT_RETRIES,
         verify_reads: bool = False,
         pread: Pread | None = None,
+        rings: int = DEFAULT_RINGS,
     ) -> None:
         super().__init__(header)
         if engine not in ENGINES:
@@ -210,18 +281,18 @@ class DirectTier(Tier):
             if exc.errno == errno.EINVAL:
                 raise self._no_direct_io() from exc
             raise
+        self._engine: Engine
         if engine == "uring":
-            self._engine: ThreadEngine | UringEngine = UringEngine(self, queue_depth, retries)
+            self._engine = UringEngine(self._fd, queue_depth, retries, rings)
         else:
-            self._engine = ThreadEngine(self, queue_depth, pread or os.preadv, retries)
+            self._engine = ThreadEngine(self._fd, queue_depth, pread or os.preadv, retries)
         self.engine = engine
         self._local = threading.local()
         self._verifier = BlockVerifier(header, self._read_block) if verify_reads else None
         self._block_buf: np.ndarray | None = None
         try:  # some file systems accept O_DIRECT at open and refuse it at read
-            probe = aligned_empty(PAGE_BYTES)
-            self._engine.read(np.array([header.layout.data_offset], np.int64),
-                              np.array([PAGE_BYTES], np.int64), probe, np.zeros(1, np.int64))
+            self._read_spans(np.array([header.layout.data_offset], np.int64), np.array([PAGE_BYTES], np.int64),
+                             aligned_empty(PAGE_BYTES), np.zeros(1, np.int64))
         except TierError as exc:
             self.close()
             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EINVAL:
@@ -235,9 +306,13 @@ class DirectTier(Tier):
             "mmap or memory tier"
         )
 
-    def _error(self, off: int, length: int, exc: OSError, batch: int = 1) -> TierError:
-        where = f"reading {length} bytes at offset {off:,}" + (f" (batch of {batch} reads)" if batch > 1 else "")
-        return TierError(f"{self.header.path}: {where} failed: {exc}")
+    def _read_spans(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dest_offsets: np.ndarray) -> None:
+        """The engine's read; its ``OSError`` becomes the one ``TierError`` naming the file."""
+        try:
+            self._engine.read(offsets, lengths, dest, dest_offsets)
+        except OSError as exc:
+            batch = f" (one of a batch of {len(offsets)} reads)" if len(offsets) > 1 else ""
+            raise TierError(f"{self.header.path}: {exc.strerror or exc}{batch}") from exc
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         buf = getattr(self._local, "buf", None)
@@ -250,8 +325,8 @@ class DirectTier(Tier):
         start, end = self.layout.block_range(block)
         if self._block_buf is None:
             self._block_buf = aligned_empty(self.layout.block_size)
-        self._engine.read(np.array([start], np.int64), np.array([end - start], np.int64),
-                          self._block_buf, np.zeros(1, np.int64))
+        self._read_spans(np.array([start], np.int64), np.array([end - start], np.int64),
+                         self._block_buf, np.zeros(1, np.int64))
         self._count(reads=1, bytes_read=end - start)
         return memoryview(self._block_buf)[: end - start]
 
@@ -264,19 +339,17 @@ class DirectTier(Tier):
             offsets, layout.row_bytes, layout.page_bytes, layout.data_offset
         )
         buf = self._buffer(total)
-        self._engine.read(starts, lengths, buf, dests)
+        self._read_spans(starts, lengths, buf, dests)
         gather_at(torch.from_numpy(buf[:total]), positions, out)
         self._count(reads=len(starts), bytes_read=int(lengths.sum()))
 
     def stats(self) -> dict:
         verified = self._verifier.blocks_verified if self._verifier else 0
-        return {**super().stats(), "engine": self.engine, "queue_depth": self.queue_depth,
-                "blocks_verified": verified}
+        stats = super().stats()
+        stats["retries"] += self._engine.retried
+        return {**stats, "engine": self.engine, "queue_depth": self.queue_depth, "blocks_verified": verified}
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
+    def _release(self) -> None:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()

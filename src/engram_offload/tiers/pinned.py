@@ -23,8 +23,9 @@ __all__ = ["PinnedTier"]
 class PinnedTier(MemoryTier):
     name = "pinned"
 
-    def __init__(self, header: TableHeader, *, verify_reads: bool = False, progress: bool | None = None) -> None:
-        super().__init__(header, verify_reads=verify_reads, progress=progress)
+    def __init__(self, header: TableHeader, *, verify_reads: bool = False, progress: bool | None = None,
+                 check_memory: bool = True) -> None:
+        super().__init__(header, verify_reads=verify_reads, progress=progress, check_memory=check_memory)
         self.pinned = torch.cuda.is_available()
         if self.pinned:
             self._rows = self._rows.pin_memory()
@@ -41,6 +42,9 @@ class PinnedTier(MemoryTier):
                 stacklevel=3,
             )
         self._staging = threading.local()
+
+    def _load_copies(self) -> int:
+        return 2 if torch.cuda.is_available() else 1  # pin_memory() copies the loaded rows
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         if not out.is_cuda:

@@ -7,10 +7,10 @@ per batch of submissions and completions, with the GIL released for the whole
 batch.
 
 When the extension did not compile, the kernel lacks io_uring (or it is
-disabled by ``kernel.io_uring_disabled`` or a seccomp filter), or the
-environment sets ``ENGRAM_OFFLOAD_NO_NATIVE=1``, :func:`available` returns
-False and :func:`unavailable_reason` says why; callers then fall back to
-``os.preadv``/``os.pread`` loops.
+disabled by ``kernel.io_uring_disabled`` or a seccomp filter), or
+``ENGRAM_OFFLOAD_NO_NATIVE`` is set (:mod:`engram_offload._native`),
+:func:`available` returns False and :func:`unavailable_reason` says why;
+the direct tier then reads with its threads engine.
 
 Read semantics (:meth:`UringReader.read`):
 
@@ -20,9 +20,9 @@ Read semantics (:meth:`UringReader.read`):
 * a read that returns 0 bytes before its length is complete has hit end of
   file and raises ``OSError(errno.EIO, "... end of file")``: data is never
   silently replaced by zeros;
-* transient errors (``EIO``, ``EAGAIN``, ...) are retried ``retries`` times,
-  then raised as ``OSError(errno, message naming the file offset)``;
-  deterministic ones (``EBADF``, ``EINVAL``, ``EFAULT``, ...) are raised at
+* errors follow :mod:`engram_offload.tiers.policy` (shared with the threads
+  engine): transient ones are retried ``retries`` times, then raised as
+  ``OSError(errno, message naming the file offset)``; others are raised at
   once.  ``EINVAL`` usually means an O_DIRECT alignment violation: file
   offset, length and destination address must all be multiples of the
   device's logical block size (512 or 4096 bytes);
@@ -32,7 +32,6 @@ Read semantics (:meth:`UringReader.read`):
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from types import ModuleType, TracebackType
@@ -40,19 +39,10 @@ from typing import Optional, Self, Union
 
 import numpy as np
 
-__all__ = [
-    "available",
-    "unavailable_reason",
-    "UringReader",
-    "PreadReader",
-    "open_reader",
-    "DEFAULT_QUEUE_DEPTH",
-]
+from .._native import NO_NATIVE_ENV, native_disabled
+from .policy import DEFAULT_QUEUE_DEPTH, DEFAULT_RETRIES, TRANSIENT_ERRNOS
 
-DEFAULT_QUEUE_DEPTH = 128
-"""Reads kept in flight by default; enough to saturate an NVMe namespace."""
-
-_ENV_DISABLE = "ENGRAM_OFFLOAD_NO_NATIVE"
+__all__ = ["available", "unavailable_reason", "UringReader", "DEFAULT_QUEUE_DEPTH"]
 
 _lock = threading.Lock()
 _probed = False
@@ -80,17 +70,13 @@ def _probe() -> None:
         _probed = True
 
 
-def _disabled_by_env() -> bool:
-    return os.environ.get(_ENV_DISABLE, "") not in ("", "0")
-
-
 def available() -> bool:
     """True when the extension imported and ``io_uring_setup`` works here.
 
     The probe runs once per process; the ``ENGRAM_OFFLOAD_NO_NATIVE``
     environment variable is checked on every call.
     """
-    if _disabled_by_env():
+    if native_disabled():
         return False
     _probe()
     return _module is not None
@@ -98,8 +84,8 @@ def available() -> bool:
 
 def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False, or None when it is True."""
-    if _disabled_by_env():
-        return f"disabled by {_ENV_DISABLE}={os.environ.get(_ENV_DISABLE)}"
+    if native_disabled():
+        return f"disabled by {NO_NATIVE_ENV}={os.environ.get(NO_NATIVE_ENV)}"
     _probe()
     return _reason
 
@@ -113,25 +99,7 @@ def _as_int64(name: str, a: Union[np.ndarray, int, list[int]], n: Optional[int] 
     return arr
 
 
-class _ClosingReader:
-    """``with reader:`` closes the reader when the block ends."""
-
-    def close(self) -> None:  # pragma: no cover - every reader defines it
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.close()
-
-
-class UringReader(_ClosingReader):
+class UringReader:
     """Issues batches of positional reads on one file descriptor.
 
     ``fd`` is borrowed, not owned: the caller keeps it open while the reader
@@ -141,11 +109,11 @@ class UringReader(_ClosingReader):
 
     One ring is shared by all threads: :meth:`read` holds a lock for the
     duration of the batch and releases the GIL while waiting on the device,
-    so concurrent callers are serialised but safe.  Give each thread its own
-    reader for parallel batches.
+    so concurrent callers are serialised but safe.  Use a few readers (the
+    direct tier keeps a small pool) for parallel batches.
     """
 
-    def __init__(self, fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, retries: int = 3,
+    def __init__(self, fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, retries: int = DEFAULT_RETRIES,
                  setup_flags: int = -1) -> None:
         if not available():
             raise RuntimeError(f"io_uring reader unavailable: {unavailable_reason()}")
@@ -154,7 +122,7 @@ class UringReader(_ClosingReader):
         self._fd = int(fd)
         self._retries = int(retries)
         self._lock = threading.Lock()
-        self._ring = _module.Ring(int(queue_depth), int(setup_flags))
+        self._ring = _module.Ring(int(queue_depth), int(setup_flags), tuple(sorted(TRANSIENT_ERRNOS)))
 
     @property
     def fd(self) -> int:
@@ -175,6 +143,16 @@ class UringReader(_ClosingReader):
     def syscalls(self) -> int:
         """``io_uring_enter`` calls made so far (for tuning and tests)."""
         return int(self._ring.n_enter)
+
+    @property
+    def retried(self) -> int:
+        """Reads reissued so far (after a short read or a transient error)."""
+        return int(self._ring.n_retries)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the ring itself failed (``io_uring_enter``); only :meth:`close` is left."""
+        return bool(self._ring.broken)
 
     def read(
         self,
@@ -222,101 +200,17 @@ class UringReader(_ClosingReader):
         with self._lock:
             self._ring.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"queue_depth={self.queue_depth}"
         return f"UringReader(fd={self._fd}, {state})"
-
-
-class PreadReader(_ClosingReader):
-    """Pure-Python stand-in for :class:`UringReader` (same interface and
-    failure semantics), used when the native helper is unavailable.
-
-    Reads one request at a time with ``os.preadv`` straight into ``dest``, so
-    it has no queue depth: expect a few microseconds of Python overhead per
-    read on top of the device latency.  Thread-safe (no shared state besides
-    the borrowed descriptor).
-    """
-
-    def __init__(self, fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH, *, retries: int = 3) -> None:
-        os.fstat(fd)  # raises OSError(EBADF) for a bad descriptor
-        self._fd = int(fd)
-        self._retries = int(retries)
-        self._closed = False
-
-    @property
-    def fd(self) -> int:
-        return self._fd
-
-    @property
-    def queue_depth(self) -> int:
-        return 1
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def read(
-        self,
-        offsets: np.ndarray,
-        lengths: Union[np.ndarray, int],
-        dest: np.ndarray,
-        dest_offsets: np.ndarray,
-        *,
-        wait_batch: int = -1,
-    ) -> None:
-        """Same contract as :meth:`UringReader.read`."""
-        if self._closed:
-            raise ValueError("read on a closed PreadReader")
-        offs = _as_int64("offsets", offsets)
-        n = offs.shape[0]
-        doffs = _as_int64("dest_offsets", dest_offsets, n)
-        lens = _as_int64("lengths", np.full(n, lengths) if np.ndim(lengths) == 0 else lengths, n)
-        view = memoryview(dest).cast("B")  # raises for non-contiguous buffers
-        if view.readonly:
-            raise TypeError("dest must be writable")
-        size = view.nbytes
-        bad = (lens < 0) | (offs < 0) | (doffs < 0) | (doffs > size) | (lens > size - doffs)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(
-                f"read {i} out of range: file offset {offs[i]}, length {lens[i]}, "
-                f"dest offset {doffs[i]}, dest size {size}"
-            )
-        for off, length, doff in zip(offs.tolist(), lens.tolist(), doffs.tolist()):
-            done = 0
-            tries = 0
-            while done < length:
-                try:
-                    got = os.preadv(self._fd, [view[doff + done : doff + length]], off + done)
-                except OSError as exc:
-                    if exc.errno in _PERMANENT_ERRNOS or tries >= self._retries:
-                        raise OSError(
-                            exc.errno,
-                            f"read of {length} bytes at file offset {off} failed after "
-                            f"{done} bytes: {exc.strerror}",
-                        ) from None
-                    tries += 1
-                    continue
-                if got == 0:
-                    raise OSError(
-                        errno.EIO,
-                        f"read of {length} bytes at file offset {off} failed after "
-                        f"{done} bytes: end of file",
-                    )
-                done += got
-
-    def close(self) -> None:
-        self._closed = True
-
-
-_PERMANENT_ERRNOS = frozenset(
-    {errno.EBADF, errno.EINVAL, errno.EFAULT, errno.ENOSYS, errno.EOPNOTSUPP, errno.EISDIR,
-     errno.ENXIO, errno.ESPIPE, errno.EOVERFLOW, errno.EPERM, errno.EACCES, errno.ENODEV}
-)
-
-
-def open_reader(fd: int, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Union[UringReader, PreadReader]:
-    """A :class:`UringReader` when :func:`available`, else a :class:`PreadReader`."""
-    if available():
-        return UringReader(fd, queue_depth)
-    return PreadReader(fd, queue_depth)

@@ -1,0 +1,86 @@
+"""Scenarios that once killed the process (SIGSEGV, SIGBUS), run in a child process.
+
+``python crash_cases.py close_during_read TABLE_COPY`` or ``python crash_cases.py
+truncated '[[TIER, OPTIONS, TABLE_COPY], ...]'`` prints one JSON line of findings and exits
+0; a regression shows as a death by signal, which the test reports instead of dying itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from engram_offload.errors import TierError
+from engram_offload.table import read_header
+from engram_offload.tiers import open_tier
+
+
+def reference_rows(path: str) -> np.ndarray:
+    with open_tier("memory", read_header(path)) as t:
+        return t.rows.numpy().copy()
+
+
+def read_all(t) -> np.ndarray:
+    out = torch.empty((t.num_rows, t.row_bytes), dtype=torch.uint8)
+    return t.read_rows(np.arange(t.num_rows), out).numpy()
+
+
+def close_during_read(path: str) -> dict:
+    """A reader held inside the mmap tier's gather (injected delay) while another thread closes."""
+    from engram_offload.tiers import mmap as mmap_tier
+
+    expected = reference_rows(path)
+    entered, go = threading.Event(), threading.Event()
+    real_gather = mmap_tier.gather_at
+
+    def slow_gather(*args):
+        entered.set()
+        go.wait()
+        return real_gather(*args)
+
+    mmap_tier.gather_at = slow_gather
+    t = open_tier("mmap", read_header(path))
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(read_all(t)))
+    reader.start()
+    entered.wait()
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(0.3)
+    close_waited = closer.is_alive()
+    go.set()  # before the fix the mapping is gone by now: SIGSEGV here
+    reader.join()
+    closer.join()
+    try:
+        read_all(t)
+        refused = False
+    except ValueError:
+        refused = True
+    return {"close_waited": close_waited, "rows_ok": bool(np.array_equal(got[0], expected)),
+            "refused_after_close": refused}
+
+
+def truncated_while_open(path: str, tier: str, options: dict) -> dict:
+    """The table file cut to half its size under an open store, then read."""
+    expected = reference_rows(path)
+    with open_tier(tier, read_header(path), **options) as t:
+        before = bool(np.array_equal(read_all(t), expected))
+        os.truncate(path, os.path.getsize(path) // 2)
+        try:
+            after = "rows_ok" if np.array_equal(read_all(t), expected) else "wrong_rows"
+        except TierError as exc:
+            after = f"TierError: {exc}"
+    return {"before": before, "after": after}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "close_during_read":
+        result = close_during_read(sys.argv[2])
+    else:
+        result = [truncated_while_open(path, tier, options) for tier, options, path in json.loads(sys.argv[2])]
+    print(json.dumps(result))
