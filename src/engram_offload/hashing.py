@@ -22,14 +22,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ._native import native_disabled
 from .config import EngramConfig
 
 __all__ = ["NgramHasher", "SequenceHistory", "native_kernel"]
 
 
 def native_kernel():
-    """The compiled hash kernel, or None (not built, or ENGRAM_OFFLOAD_NO_NATIVE=1)."""
-    if os.environ.get("ENGRAM_OFFLOAD_NO_NATIVE") == "1":
+    """The compiled hash kernel, or None (not built, or switched off: ``_native.native_disabled``)."""
+    if native_disabled():
         return None
     try:
         from . import _hashkernel

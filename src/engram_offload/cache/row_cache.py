@@ -23,13 +23,13 @@ microseconds per thousand rows), so they need no pin for the copy.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import numpy as np
 import torch
 
+from .._native import native_disabled
 from .admission import FrequencySketch
 from .index import DirectIndex, RowIndex, make_index
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
@@ -54,8 +54,8 @@ def _slot_records(capacity: int) -> np.ndarray:
 
 
 def native_hitpath():
-    """The compiled hit-path helper, or None (not built, or ENGRAM_OFFLOAD_NO_NATIVE=1)."""
-    if os.environ.get("ENGRAM_OFFLOAD_NO_NATIVE") == "1":
+    """The compiled hit-path helper, or None (not built, or switched off: ``_native.native_disabled``)."""
+    if native_disabled():
         return None
     try:
         from . import _hitpath  # type: ignore[attr-defined]
