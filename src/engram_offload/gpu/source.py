@@ -31,11 +31,11 @@ import torch
 from ..config import EngramConfig
 from .kernels import dequant_rows, gather_raw, gather_rows
 from .staging import StagingRing
-from .sync import MAIN, DeviceSync, make_sync
+from .sync import FETCH, MAIN, DeviceSync, make_sync
 
 __all__ = ["RowSource", "RowHandle", "tp_columns"]
 
-FETCH_STREAM = "engram_fetch"
+FETCH_STREAM = FETCH
 ReadRaw = Callable[[np.ndarray], "torch.Tensor | np.ndarray"]
 
 
