@@ -491,7 +491,8 @@ class Prefetcher:
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
-        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``."""
+        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``. On a device they are a view of
+        an output buffer the next step reuses: read them before ``end_step``."""
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
