@@ -110,3 +110,16 @@ def test_device_prefetch_on_streams_feeds_a_captured_graph(table, hasher):
             assert torch.equal(pf.rows(CONFIG.layer_ids[0], step).cpu(), host.rows(CONFIG.layer_ids[0], want_step))
             pf.end_step(step)
             host.end_step(want_step)
+
+
+@pytest.mark.gpu
+def test_cuda_sync_refuses_a_pageable_copy():
+    from engram_offload.gpu import CudaSync
+
+    sync = CudaSync()
+    dst = torch.empty(64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="pageable"):
+        sync.copy("side", dst, torch.zeros(64, dtype=torch.uint8))
+    sync.copy("side", dst, torch.ones(64, dtype=torch.uint8).pin_memory())
+    sync.synchronize(sync.record("side"))
+    assert dst.eq(1).all()
