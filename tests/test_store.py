@@ -111,3 +111,67 @@ def test_one_store_type_whatever_the_options(v41_table):
             assert s["store"]["rows_requested"] == 3 and s["store"]["rows_unique"] == 2
             assert s["levels"][-1]["level"] == "tier" and s["levels"][-1]["rows"] == 2
             assert s["tier"]["rows"] == 2  # the tier's own count: each row read once, counted once
+
+
+# ---------------------------------------------------------------------- rows delivered to a device
+DEVICE_STORES = [
+    pytest.param("direct", {"cache_bytes": 40 * 264, "fast_cache_bytes": 16 * 264}, id="direct+hbm+dram"),
+    pytest.param("mmap", {"fast_cache_bytes": 16 * 264, "policy": "lfu"}, id="mmap+hbm"),
+    pytest.param("mmap", {"admission": True, "fast_cache_bytes": 16 * 264}, id="mmap+hbm+admission"),
+    pytest.param("direct", {"cache_bytes": 40 * 264}, id="direct+dram, no hbm"),
+    pytest.param("memory", {"fast_cache_bytes": 16 * 264}, id="memory over uva+hbm"),
+    pytest.param("memory", {}, id="memory over uva"),
+]
+
+
+@pytest.mark.parametrize("tier,options", DEVICE_STORES)
+def test_a_store_with_a_device_returns_the_tiers_rows_bit_for_bit(v41_table, tier, options):
+    """Random steps with hits and misses in every level; the tracing sync checks that no
+    staging buffer, HBM slot or result is touched before the work it depends on."""
+    from engram_offload.gpu import TracingSync
+
+    path, config, raw = v41_table
+    sync = TracingSync()
+    rng = np.random.default_rng(7)
+    hot = rng.choice(config.num_rows, 24, replace=False)
+    with open_table(path, tier, device="cpu", sync=sync, staging_bytes=5 * 264, **options) as store:
+        assert store.device == torch.device("cpu") and store.sync is sync
+        for step in range(12):
+            ids = np.r_[rng.choice(hot, 20), rng.integers(0, config.num_rows, 12)]
+            with store.fetch(np.unique(ids), requested=ids.size) as lease:
+                sync.wait("main", lease.ready)
+                assert torch.equal(lease.raw, raw[np.unique(ids)]), f"step {step}"
+            assert torch.equal(store.read_raw(ids), raw[ids])
+        stats = store.stats()
+        names = [lv["level"] for lv in stats["levels"]]
+        assert names[-1] == "tier" and ("hbm" in names) == ("fast_cache_bytes" in options)
+        assert stats["store"]["fetches"] == 24 and stats["levels"][-1]["rows"] > 0
+        if store.hbm is not None:
+            hbm = stats["levels"][0]
+            assert hbm["hits"] > 0 and hbm["misses"] > 0 and hbm["rows"] == stats["store"]["rows_unique"]
+            assert hbm["resident_rows"] == 16 and 0 < stats["store"]["hit_rate"] < 1
+        if tier != "memory":  # rows left the host only from the staging ring's pinned buffers
+            ring = store._device_rows.ring
+            assert sync.copies and all(any(_within(src, b) for b in ring.buffers) for _, src in sync.copies)
+
+
+def _within(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() <= start + buffer.numel()
+
+
+def test_a_device_store_refuses_a_dram_cache_over_a_dram_table(v41_table):
+    with pytest.raises(ValueError, match="drop cache_bytes"):
+        open_table(v41_table[0], "memory", device="cpu", cache_bytes=1 << 20)
+
+
+def test_a_device_store_decodes_like_the_host_store(v41_table):
+    path, config, raw = v41_table
+    ids = torch.tensor([[0, 9], [config.num_rows - 1, 9]])
+    with open_table(path, "mmap") as host, open_table(path, "direct", device="cpu", fast_cache_bytes=4 * 264) as dev:
+        for _ in range(2):
+            assert torch.equal(dev.gather(ids, torch.bfloat16), host.gather(ids, torch.bfloat16))
+        assert dev.gather([]).shape == (0, 256) and dev.read_raw([]).shape == (0, 264)
+        with pytest.raises(IndexError):
+            dev.read_raw([config.num_rows])
+        assert "hbm:4 rows" in repr(dev)

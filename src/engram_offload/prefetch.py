@@ -19,6 +19,16 @@ their error, waits for a layer and records that wait as its stall, lets go of it
 the ``Prefetcher`` only hashes, queues steps and runs the workers. The store fetches and
 decodes.
 
+On a device (a store opened with ``device=``, whose ``sync`` orders its device work), rows
+never pass through a pageable copy: ``begin_step`` makes the fetch stream wait for the work
+the caller's stream has enqueued so far (``side.wait_stream(main)``: the ids are made and the
+last step's rows read), the store delivers each part's raw rows to the device (HBM hits,
+UVA reads, or pinned staging), and the worker dequantizes every layer's rows on the fetch
+stream into that layer's output buffer. ``rows(layer)`` makes the caller's stream wait for
+the part's event and returns a view of the buffer. Buffers are reused from step to step
+(a step takes the set the last ended step gave back), so their addresses stay fixed and a
+CUDA graph can be captured around the layers that read them, with the fetch outside it.
+
 Failures: an error in the worker is kept with its step and raised by ``rows()`` as a
 ``PrefetchError`` whose ``__cause__`` is the original error; the worker goes on serving
 later steps (a failed part fails every part after it; layers already delivered stay
@@ -32,7 +42,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +50,8 @@ import torch
 from .cache.lease import Lease
 from .dedup import Dedup, dedup
 from .errors import PrefetchError, StepCancelled
+from .gpu.kernels import gather_rows
+from .gpu.sync import FETCH, MAIN, DeviceSync
 from .hashing import NgramHasher, SequenceHistory
 from .store import RowStore
 
@@ -48,18 +60,62 @@ __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
+class Outputs:
+    """One set of per-layer output buffers on the device, ``[T_max, C, head_dim]`` each,
+    reused from step to step (fixed addresses while ``T_max`` suffices)."""
+
+    def __init__(self, name: str, sync: DeviceSync, shape: tuple[int, int], layers: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.name = name  # how DeviceSync names these buffers (one part per layer)
+        self.sync = sync
+        self._shape, self._layers, self._dtype, self._device = shape, layers, dtype, device
+        self._buffers: list[torch.Tensor] = []
+
+    def views(self, tokens: int) -> list[torch.Tensor]:
+        """Per-layer ``[tokens, C, head_dim]`` views; the buffers grow (new addresses) only when too small."""
+        if not self._buffers or self._buffers[0].shape[0] < tokens:
+            self._buffers = [torch.empty((tokens, *self._shape), dtype=self._dtype, device=self._device)
+                             for _ in range(self._layers)]
+            for buffer in self._buffers:
+                self.sync.keep_alive(buffer, FETCH)
+        return [b[:tokens] for b in self._buffers]
+
+
+class _OutputPool:
+    """Output sets handed to steps; the last one given back is taken first."""
+
+    def __init__(self, sync: DeviceSync, shape: tuple[int, int], layers: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self._make = lambda n: Outputs(f"prefetch_rows{n}", sync, shape, layers, dtype, device)
+        self._free: list[Outputs] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> Outputs:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+            return self._make(self._made)
+
+    def give(self, outputs: Outputs) -> None:
+        with self._lock:
+            self._free.append(outputs)
+
+
 class Step:
     """Tokens whose rows are fetched together (a serving step, or a prefill window fetched
     ahead): their row ids, the dedup, and, part by part, the decoded rows.
 
     The distinct ids are fetched in ``parts`` (``(lo, hi, layer positions)``, a slice of
     ``dedup.unique`` holding every id of those layers); each part is delivered and
-    signalled on its own.
+    signalled on its own. With ``outputs`` (on a device) each part's rows go straight into
+    its layers' buffers, ready after the part's event.
     """
 
     def __init__(self, number: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...],
                  table_ids: torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
-                 parts: list[Part] | None = None) -> None:
+                 parts: list[Part] | None = None, outputs: Outputs | None = None) -> None:
         self.number = number
         self.seq_ids = seq_ids
         self.lengths = lengths  # tokens per sequence, in seq_ids order
@@ -84,6 +140,10 @@ class Step:
         self._lock = threading.Lock()
         self._handed_out = 0
         self._parts_left = len(self.parts)
+        self.outputs = outputs
+        self.layer_outputs = outputs.views(self.num_tokens) if outputs is not None else []  # [T, C, d] each
+        self._events: list[object] = [None] * len(self.parts)  # device: each part's rows are there after it
+        self._when_done: list[Callable[[], None]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +151,8 @@ class Step:
 
     @property
     def staged(self) -> torch.Tensor | None:
-        """Rows of every id of ``dedup.unique`` ``[u, head_dim]`` once all parts are in (else None)."""
+        """Rows of every id of ``dedup.unique`` ``[u, head_dim]`` once all parts are in (else
+        None; always None on a device, where rows go straight to ``layer_outputs``)."""
         rows = self._rows
         if any(r is None for r in rows):
             return None
@@ -112,6 +173,11 @@ class Step:
             self._handed_out += 1
             return p, self._handed_out >= len(self.parts)
 
+    def layer_positions(self, li: int) -> torch.Tensor:
+        """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``."""
+        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), -1)
+        return inverse[:, li].reshape(-1) - self.parts[self._part_of[li]][0]
+
     def part_ids(self, p: int) -> tuple[np.ndarray, int]:
         """Distinct ids of part ``p`` and how many ids of the step they stand for."""
         lo, hi, lis = self.parts[p]
@@ -123,14 +189,16 @@ class Step:
         """Whether parts not fetched yet should be skipped (cancelled, or an earlier part failed)."""
         return self.cancelled or self.error is not None
 
-    def deliver(self, p: int, rows: torch.Tensor, lease: Lease) -> None:
-        """Part ``p``'s decoded rows ``[hi - lo, head_dim]``, pinned by ``lease``."""
+    def deliver(self, p: int, rows: torch.Tensor | None, lease: Lease, event: object = None) -> None:
+        """Part ``p``'s decoded rows ``[hi - lo, head_dim]`` (None on a device: its layers'
+        outputs hold them after ``event``), pinned by ``lease``."""
         with self._lock:
             if self.cancelled:
                 lease.release()
             else:
                 self._leases.append(lease)
             self._rows[p] = rows
+            self._events[p] = event
         self._finish_part(p)
 
     def fail(self, p: int, error: BaseException) -> None:
@@ -157,9 +225,20 @@ class Step:
             last = self._parts_left == 0
             if last:
                 self.fetch_seconds = now - self.started
+                then, self._when_done = self._when_done, []
         self._delivered[p].set()
         if last:
             self._done.set()
+            for fn in then:
+                fn()
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every part is delivered, failed or skipped (now, if they are)."""
+        with self._lock:
+            if self._parts_left:
+                self._when_done.append(fn)
+                return
+        fn()
 
     # ------------------------------------------------------------------ the consumer's side
     def rows(self, layer_id: int, timeout: float | None = None) -> torch.Tensor:
@@ -182,11 +261,22 @@ class Step:
                 f"fetching the rows of step {self.number} ({self.dedup.unique.size} rows) failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+        if self.outputs is not None:
+            return self._device_rows(layer_id, li, p)
         staged = self._rows[p]
         assert staged is not None
-        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), -1)
-        index = inverse[:, li].reshape(-1) - self.parts[p][0]  # [T*C] positions in this part
+        index = self.layer_positions(li)  # [T*C] positions in this part
         rows = staged.index_select(0, index.to(staged.device)).view(self.num_tokens, -1, staged.shape[1])
+        self._layer_rows[layer_id] = rows  # [T, C, d]
+        return rows
+
+    def _device_rows(self, layer_id: int, li: int, p: int) -> torch.Tensor:
+        """The layer's output buffer, once the caller's stream has waited for its part."""
+        outputs = self.outputs
+        assert outputs is not None
+        outputs.sync.wait(MAIN, self._events[p])
+        outputs.sync.run(MAIN, _read_rows, reads={outputs.name: [li]})
+        rows = self.layer_outputs[li]
         self._layer_rows[layer_id] = rows  # [T, C, d]
         return rows
 
@@ -222,12 +312,18 @@ class Step:
                 f"{self.dedup.requested}, parts={len(self.parts)}, {state})")
 
 
+def _read_rows() -> None:
+    """No device work: marks where the caller's stream starts reading a layer's rows."""
+
+
 class Prefetcher:
     """Background fetch of each step's rows from ``store`` for the layers of ``hasher.config``.
 
-    Rows are decoded by the store to ``dtype`` on ``device`` (default: the store's). Two
-    worker threads serve steps in order, urgent ones first, and each step's parts in order;
-    one of them serves only urgent steps. Use as a context manager or call ``close``.
+    Rows are decoded to ``dtype`` on ``device``, which must be the store's (the default): a
+    store opened with ``device=`` delivers to that device, and the step's rows are then
+    dequantized there on the fetch stream (see the module doc). Two worker threads serve
+    steps in order, urgent ones first, and each step's parts in order; one of them serves
+    only urgent steps. Use as a context manager or call ``close``.
     """
 
     def __init__(
@@ -253,6 +349,14 @@ class Prefetcher:
         self.split_min_rows = int(split_min_rows)
         self._layer_bases = np.asarray(self.config.layer_row_bases, np.int64)  # [L] first row of each layer
         self.device = torch.device(device) if device is not None else store.device
+        if self.device != store.device:
+            raise ValueError(f"the store delivers rows to {store.device}, not {self.device}: open the table "
+                             f"with open_table(..., device={str(self.device)!r}) so rows reach the device "
+                             "through pinned staging, never a pageable copy")
+        self.sync = store.sync  # None: rows are on the host (or a fast cache's device) when fetched
+        self._outputs = None if self.sync is None else _OutputPool(
+            self.sync, (self.config.cols_per_layer, self.config.head_dim), len(self.config.layer_ids), dtype,
+            self.device)
         self._cv = threading.Condition()
         self._urgent: deque[Step] = deque()  # steps whose rows are needed now
         self._background: deque[Step] = deque()  # steps fetched ahead of need
@@ -303,13 +407,33 @@ class Prefetcher:
             try:
                 ids, requested = step.part_ids(p)
                 lease = self.store.fetch(ids, hold=True, requested=requested)
-                step.deliver(p, self.store.decode(lease.raw.to(self.device), self.dtype), lease)
+                if step.outputs is None:
+                    step.deliver(p, self.store.decode(lease.raw, self.dtype), lease)
+                else:
+                    step.deliver(p, None, lease, self._to_layer_outputs(step, p, lease))
             except BaseException as exc:  # kept for the caller; the worker carries on
                 if lease is not None:
                     lease.release()
                 with self._lock:
                     self.failures += 1
                 step.fail(p, exc)
+
+    def _to_layer_outputs(self, step: Step, p: int, lease: Lease) -> object:
+        """Dequantize part ``p``'s raw rows into each of its layers' outputs on the fetch
+        stream, one gather per layer; returns the event after which they are there."""
+        sync, outputs = self.sync, step.outputs
+        assert sync is not None and outputs is not None
+        sync.wait(FETCH, lease.ready)
+        sync.keep_alive(lease.raw, FETCH)
+        for li in step.parts[p][2]:
+            out = step.layer_outputs[li].view(-1, self.config.head_dim)  # [T*C, d]
+            index = step.layer_positions(li)  # [T*C] rows of lease.raw
+
+            def dequantize(out: torch.Tensor = out, index: torch.Tensor = index) -> None:
+                gather_rows(lease.raw, index, self.config, out=out)
+
+            sync.run(FETCH, dequantize, writes={outputs.name: [li]})
+        return sync.record(FETCH)
 
     def _parts(self, unique: np.ndarray) -> list[Part] | None:
         """One part per Engram layer, in layer order (None: fetch the step in one piece)."""
@@ -350,10 +474,14 @@ class Prefetcher:
             rows = self.hasher.hash_pieces(self.history, seq_ids, arrays, dead)  # [T, L, C]
         table_ids = self.hasher.table_ids(rows)  # [T, L, C]
         d = dedup(table_ids)
+        outputs = None
+        if self._outputs is not None:
+            outputs = self._outputs.take()
+            self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:
             self._step_count += 1
             step = Step(self._step_count, seq_ids, tuple(a.size for a in arrays), table_ids, d,
-                        self.config.layer_ids, self._parts(d.unique))
+                        self.config.layer_ids, self._parts(d.unique), outputs)
             self.current = step
             self._open.append(step)
         with self._cv:
@@ -363,7 +491,8 @@ class Prefetcher:
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
-        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``."""
+        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``. On a device they are a view of
+        an output buffer the next step reuses: read them before ``end_step``."""
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
@@ -388,12 +517,16 @@ class Prefetcher:
 
     def _close_step(self, step: Step, ended: bool) -> None:
         with self._lock:
-            if step in self._open:
+            closing = step in self._open
+            if closing:
                 self._open.remove(step)
                 self.steps += ended
                 self.stall_seconds += step.stall_seconds
             if self.current is step:
                 self.current = None
+        if closing and step.outputs is not None and self._outputs is not None:
+            outputs, pool = step.outputs, self._outputs
+            step.when_done(lambda: pool.give(outputs))  # once no part can still write them
 
     def release_sequence(self, seq_id: int) -> None:
         """Forget a finished sequence's hashing history."""

@@ -10,6 +10,14 @@ found in a lower cache are promoted to the ones above it: a row asked for again 
 which is how a prefetcher keeps a step's rows resident while the step runs. ``gather`` and
 ``read_raw`` deduplicate their ids, fetch, and put the rows back in the caller's order; rows
 are decoded in ``decode`` only.
+
+With a ``device`` (``open_table(..., device="cuda")``) the store delivers rows to that device
+(``gpu.delivery.DeviceRows``): the fast level is an ``HbmRowCache`` (device slots, host-side
+policy, one launch a step); a ``memory`` or ``pinned`` table is read by the device in place
+over UVA; any other tier's rows are read on the host through the DRAM levels into pinned
+staging buffers and copied on a side stream. A ``Lease``'s rows are then on the device, ready
+after ``lease.ready``; ``gather`` and ``read_raw`` return rows ready on the caller's stream.
+Without a device nothing of this runs.
 """
 
 from __future__ import annotations
@@ -24,15 +32,21 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from .cache.admission import FrequencySketch
 from .cache.lease import Lease
-from .cache.levels import build_levels
+from .cache.levels import build_levels, capped_bytes
 from .cache.row_cache import RowCache, native_hitpath, wide_view
 from .cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from .config import EngramConfig
 from .dedup import dedup
+from .gpu.delivery import STAGING_BYTES, DeviceRows
+from .gpu.device_table import DeviceTable
+from .gpu.hbm_cache import HbmRowCache
+from .gpu.sync import MAIN, DeviceSync, make_sync
 from .rows import decode_rows
 from .table.format import TableHeader, read_header
 from .tiers import as_row_ids, open_tier
+from .tiers.memory import MemoryTier
 
 __all__ = ["Lease", "RowSource", "RowStore", "TableStore", "open_table"]
 
@@ -57,6 +71,7 @@ class RowStore(Protocol):
     """What a consumer (the prefetcher, the benchmarks, the wiring) needs of a store."""
 
     device: torch.device  # where fetched raw rows are
+    sync: DeviceSync | None  # orders the device work (None: rows are on the host when fetch returns)
 
     @property
     def config(self) -> EngramConfig: ...
@@ -88,10 +103,12 @@ class _Served:
 
 class TableStore:
     """Rows of one table through ``levels`` (row caches, fastest first; may be empty) in front
-    of ``tier``. Thread-safe; use as a context manager."""
+    of ``tier``; with ``device_rows``, delivered to its device (the HBM level, if any, above
+    ``levels``). Thread-safe; use as a context manager."""
 
     def __init__(self, tier: RowSource, config: EngramConfig, levels: Sequence[RowCache] = (), *,
-                 promote: bool = True, header: TableHeader | None = None) -> None:
+                 promote: bool = True, header: TableHeader | None = None,
+                 device_rows: DeviceRows | None = None) -> None:
         if tier.row_bytes != config.row_bytes:
             raise ValueError(f"the tier's rows are {tier.row_bytes} bytes, the config's {config.row_bytes}")
         for level in levels:
@@ -104,6 +121,13 @@ class TableStore:
         self.levels = list(levels)
         self.promote = promote
         self.device = self.levels[0].device if self.levels else torch.device("cpu")
+        self._device_rows = device_rows
+        self.sync: DeviceSync | None = None
+        self.hbm: HbmRowCache | None = None
+        if device_rows is not None:
+            if any(level.device.type != "cpu" for level in self.levels):
+                raise ValueError("with a device the fast level is the HBM cache: give only host (DRAM) levels")
+            self.device, self.sync, self.hbm = device_rows.device, device_rows.sync, device_rows.hbm
         self.tier_level = LevelStats("tier")  # what this store asked of the tier
         self._lock = threading.Lock()
         self._fetches = 0
@@ -133,7 +157,7 @@ class TableStore:
     def read_raw(self, row_ids: Any) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
         d = dedup(row_ids)
-        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
+        raw = self._on_callers_stream(*self._fetch(self._ends_in_range(d.unique), False, d.requested))
         return _in_order(raw, d.inverse)
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -145,7 +169,7 @@ class TableStore:
         """
         d = dedup(row_ids)
         shape = d.shape or (1,)
-        raw = self._fetch(self._ends_in_range(d.unique), False, d.requested)[0]
+        raw = self._on_callers_stream(*self._fetch(self._ends_in_range(d.unique), False, d.requested))
         if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
             return self.decode(_in_order(raw, d.inverse), dtype).reshape(*shape, self._config.head_dim)
         rows = self.decode(raw, dtype)  # [u, head_dim]
@@ -168,8 +192,8 @@ class TableStore:
             ids = unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range
         else:
             ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
-        out, pins = self._fetch(ids, hold, requested)
-        return Lease(ids, out, pins)
+        out, pins, ready = self._fetch(ids, hold, requested)
+        return Lease(ids, out, pins, ready)
 
     def _ends_in_range(self, ids: np.ndarray) -> np.ndarray:
         """Sorted distinct ids (from ``dedup``): only the ends need a range check."""
@@ -178,33 +202,57 @@ class TableStore:
         return ids
 
     # ------------------------------------------------------------------ the fetch path
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list]:
-        """Raw rows ``[u, row_bytes]`` of distinct ids, and the pins held (none unless ``hold``)."""
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list, object]:
+        """Raw rows ``[u, row_bytes]`` of distinct ids, the pins held (none unless ``hold``),
+        and the device event after which the rows are there (None: they are now)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
         t_start = time.perf_counter()
         u = ids.size
+        ready = None
         if u == 0:
             out, pins = torch.empty((0, self._rb), dtype=torch.uint8, device=self.device), []
+        elif self._device_rows is not None:
+            out, pins, ready, uva_rows = self._device_rows.fetch(ids, lambda i, o: self._host_rows(i, o, hold))
+            if uva_rows:  # misses the device read from the resident table
+                self.tier_level.record(uva_rows, 0, uva_rows * self._rb, 0.0)
         elif not self.levels:
             out, pins = torch.empty((u, self._rb), dtype=torch.uint8), []  # [u, row_bytes]
             self._read_tier(ids, out)  # straight into the result
         else:
             out, pins = self._through_levels(ids, hold, t_start)
         self._account(u, requested, time.perf_counter() - t_start)
-        return out, pins
+        return out, pins, ready
 
-    def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float) -> tuple[torch.Tensor, list]:
+    def _host_rows(self, ids: np.ndarray, out: torch.Tensor, hold: bool) -> list:
+        """Rows of distinct ids through the host levels and the tier into ``out`` (host
+        ``uint8 [u, row_bytes]``, e.g. a staging buffer); returns the pins held."""
+        if not self.levels:
+            self._read_tier(ids, out)
+            return []
+        return self._through_levels(ids, hold, time.perf_counter(), out)[1]
+
+    def _on_callers_stream(self, raw: torch.Tensor, pins: list, ready: object) -> torch.Tensor:
+        """``raw`` (pins: none, it was fetched without ``hold``), usable on the caller's stream."""
+        if self.sync is not None:
+            self.sync.wait(MAIN, ready)
+            self.sync.keep_alive(raw, MAIN)
+        return raw
+
+    def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
         """The first level's lookup; when it holds every row (the common case in steady
-        decoding) one copy and done, else the walk through every level."""
+        decoding) one copy and done, else the walk through every level. Rows go to ``out``
+        when given (host, contiguous)."""
         u, first = ids.size, self.levels[0]
         if self._first_into:  # a CPU cache: look up, and copy when everything hits, in one call
-            buf = np.empty((u, self._rb), np.uint8)
+            buf = np.empty((u, self._rb), np.uint8) if out is None else out.numpy()
             slots, nhit = first.acquire_into(ids, buf, hold)
             out = torch.from_numpy(buf)  # [u, row_bytes]
         else:
             slots, nhit = first.acquire_counted(ids)
-            out = torch.empty((u, self._rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
+            if out is None:
+                out = torch.empty((u, self._rb), dtype=torch.uint8, device=self.device)  # [u, row_bytes]
             if nhit == u:
                 try:
                     _copy_from(first, slots, None, out)
@@ -299,6 +347,8 @@ class TableStore:
         """Zero the store's and the levels' counters (the tier's own counters run on)."""
         for level in self.levels:
             level.stats.reset()
+        if self.hbm is not None:
+            self.hbm.stats.reset()
         self.tier_level.reset()
         with self._lock:
             self._fetches = self._requested = self._unique = 0
@@ -314,7 +364,8 @@ class TableStore:
         for caches. tier: the tier's own counters since opening (reads issued, device bytes,
         retries, engine). The store's counters restart at ``reset_stats``.
         """
-        levels = [{**lv.stats.as_dict(), **lv.describe()} for lv in self.levels]
+        levels = [{**lv.stats.as_dict(), **lv.describe()}
+                  for lv in ([self.hbm] if self.hbm is not None else []) + self.levels]
         tier_level = self.tier_level.as_dict()
         with self._lock:
             unique, requested = self._unique, self._requested
@@ -335,6 +386,8 @@ class TableStore:
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
         self.closed = True
+        if self._device_rows is not None:
+            self._device_rows.close()  # unregisters a resident table before the tier frees it
         self.tier.close()
 
     def __enter__(self) -> "TableStore":
@@ -344,7 +397,8 @@ class TableStore:
         self.close()
 
     def __repr__(self) -> str:
-        names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in self.levels) or "no cache"
+        levels = ([self.hbm] if self.hbm is not None else []) + self.levels
+        names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in levels) or "no cache"
         where = f"{str(self.header.path)!r}, " if self.header is not None else ""
         return f"TableStore({where}[{names}] over {type(self.tier).__name__}, rows={self.num_rows:,})"
 
@@ -415,6 +469,9 @@ def open_table(
     policy: str = "lru",
     fast_cache_bytes: int = 0,
     admission: bool | None = None,
+    device: str | torch.device | None = None,
+    sync: DeviceSync | None = None,
+    staging_bytes: int = STAGING_BYTES,
     **options: Any,
 ) -> TableStore:
     """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``).
@@ -425,14 +482,52 @@ def open_table(
     ``cache_bytes`` puts a DRAM row cache of that size in front of the tier (and
     ``fast_cache_bytes`` a fast cache above it, on the GPU when there is one), evicting by
     ``policy`` (``lru`` or ``lfu``); each is capped at the table's size.
+
+    ``device`` makes the store deliver rows to that device, ordered by ``sync`` (default:
+    CUDA streams for a CUDA device, else immediate): the fast cache is then an HBM row cache
+    on the device, a ``memory``/``pinned`` table is read in place over UVA (it is in DRAM
+    already, so ``cache_bytes`` is refused), and other tiers' rows come through pinned
+    staging buffers of ``staging_bytes``.
     """
     header = read_header(path)
     opened = open_tier(tier, header, **options)
     try:
+        device_rows = None
+        if device is not None:
+            device_rows = _device_rows(opened, header, torch.device(device), sync or make_sync(device),
+                                       cache_bytes=int(cache_bytes or 0), fast_cache_bytes=int(fast_cache_bytes),
+                                       policy=policy, admission=bool(admission), staging_bytes=staging_bytes)
+            fast_cache_bytes = 0  # the HBM level is the fast one
         levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
                               fast_cache_bytes=int(fast_cache_bytes), admission=admission,
                               num_rows=header.layout.num_rows)
     except BaseException:
         opened.close()
         raise
-    return TableStore(opened, header.config, levels, header=header)
+    return TableStore(opened, header.config, levels, header=header, device_rows=device_rows)
+
+
+def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, sync: DeviceSync, *,
+                 cache_bytes: int, fast_cache_bytes: int, policy: str, admission: bool,
+                 staging_bytes: int) -> DeviceRows:
+    """The device branch of a store: the HBM level, and the table in place or a staging ring."""
+    num_rows, row_bytes = header.layout.num_rows, header.layout.row_bytes
+    table = None
+    if isinstance(tier, MemoryTier):
+        if cache_bytes:
+            raise ValueError(f"the {tier.name} tier holds the table in DRAM and the device reads it there: "
+                             "drop cache_bytes (fast_cache_bytes sizes the HBM cache)")
+        table = DeviceTable(tier.rows, device)
+    hbm = None
+    if fast_cache_bytes:
+        capacity = capped_bytes(fast_cache_bytes, row_bytes, num_rows) // row_bytes
+        sketch = FrequencySketch(max(256, 4 * capacity)) if admission else None
+        try:
+            hbm = HbmRowCache(table.table if table is not None else None, capacity, device=device, policy=policy,
+                              sync=sync, admission=sketch, num_rows=num_rows, row_bytes=row_bytes)
+        except BaseException:
+            if table is not None:
+                table.close()
+            raise
+    return DeviceRows(device=device, sync=sync, row_bytes=row_bytes, table=table, hbm=hbm,
+                      staging_bytes=staging_bytes)

@@ -3,7 +3,9 @@
 ``forward_with_prefetch`` begins the step before layer 0 runs, so the backbone's layers
 before the first Engram layer compute while the rows are fetched; each Engram layer then
 takes its rows from the prefetcher (waiting, and recording a stall, only if they are late).
-The step's cache pins are released when the forward pass ends, however it ends.
+The step's cache pins are released when the forward pass ends, however it ends. With a
+store opened with ``device=`` the rows handed to the layers are on that device, ready on the
+caller's stream (see ``prefetch``).
 
 Threads: the prefetch worker (ids, cache bookkeeping, io_uring submission, decoding) needs
 a core while the model runs; on a small machine torch's intra-op pool competes with it.

@@ -160,3 +160,33 @@ def test_smoke_benchmark_says_no_cuda_device_in_one_line():
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_smoke.py"
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "no CUDA device\n" and not result.stderr
+
+
+@pytest.mark.parametrize("tier,options", [("direct", {"cache_bytes": 40 * 66, "fast_cache_bytes": 64 * 66}),
+                                          ("memory", {"fast_cache_bytes": 64 * 66}), ("mmap", {})])
+def test_row_source_over_any_store(tmp_path, tier, options):
+    """from_store: a store that delivers to the device (kernels under the interpreter on a CPU),
+    and a host store read through read_raw; both give each rank's columns of every layer."""
+    from engram_offload import open_table, write_table
+
+    config = tiny_config(head_dim=64)
+    x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(0))
+    path = write_table(tmp_path / "t.tbl", config, x)
+    table = rows.encode_rows(x, config.row_format)
+    sync = TracingSync()
+    with open_table(path, tier, device="cpu", sync=sync, **options) as device_store, \
+            open_table(path, "mmap") as host_store:
+        for store in (device_store, host_store):
+            source = RowSource.from_store(store, device="cpu", dtype=torch.float32)
+            assert (source.store is store) == (store is device_store)
+            for step in range(3):
+                ids = local_ids(config, tokens=4, seed=step % 2)  # the third step repeats the first
+                c0, c1 = tp_columns(config.cols_per_layer, 2, step % 2)
+                handle = source.start(ids, columns=(c0, c1))
+                for layer_id in config.layer_ids:
+                    want = expected(config, table, ids, layer_id, c0, c1, torch.float32)
+                    assert torch.equal(handle.rows(layer_id), want)
+        if "fast_cache_bytes" in options:
+            assert device_store.stats()["levels"][0]["hits"] > 0
+    with pytest.raises(ValueError, match="from_store"):
+        RowSource(config=config, device="meta", store=device_store)

@@ -15,12 +15,16 @@ __all__ = ["Lease"]
 class Lease:
     """Raw rows of distinct ids (``raw: uint8 [u, row_bytes]``) and the cache pins behind them.
 
+    ``ready``: for rows delivered to a device, the ``DeviceSync`` event after which ``raw``
+    holds them (wait for it on the stream that reads them); None when they are there now.
     ``release()`` (or leaving the ``with`` block) unpins; releasing twice is harmless.
     """
 
-    def __init__(self, ids: np.ndarray, raw: torch.Tensor, pins: list[tuple[RowCache, np.ndarray]]) -> None:
+    def __init__(self, ids: np.ndarray, raw: torch.Tensor, pins: list[tuple[RowCache, np.ndarray]],
+                 ready: object = None) -> None:
         self.ids = ids
         self.raw = raw
+        self.ready = ready
         self._pins = pins
         self._lock = threading.Lock()
 

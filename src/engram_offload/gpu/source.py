@@ -14,16 +14,20 @@ CUDA graph can be captured around the consuming layers while the fetch stays out
 A tensor-parallel rank owns the columns ``tp_columns(C, tp_size, rank)``: ``cdiv(C, tp)``
 consecutive columns, as vLLM's ``ParallelEngramEmbedding`` shards its heads.
 
-Two ways to reach the rows:
+Three ways to reach the rows:
 - ``RowSource.from_table(table, ...)``: a table the device reads directly (pinned host
   memory over UVA, or device memory); one kernel per layer gathers and dequantizes.
+- ``RowSource.from_store(store, ...)``: any ``open_table`` store. One opened with
+  ``device=`` fetches each layer's distinct rows onto the device itself (HBM hits, UVA reads
+  or pinned staging) and one kernel per layer puts them in order and dequantizes; a host
+  store is read through ``read_raw``, as below.
 - ``RowSource(read_raw, ...)``: any host function ``read_raw(flat_ids int64 [n]) -> uint8
-  [n, row_bytes]`` (a row store); rows go through a pinned staging ring to the device.
+  [n, row_bytes]``; rows go through a pinned staging ring to the device.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -31,11 +35,14 @@ import torch
 from ..config import EngramConfig
 from .kernels import dequant_rows, gather_raw, gather_rows
 from .staging import StagingRing
-from .sync import MAIN, DeviceSync, make_sync
+from .sync import FETCH, MAIN, DeviceSync, make_sync
+
+if TYPE_CHECKING:
+    from ..store import RowStore
 
 __all__ = ["RowSource", "RowHandle", "tp_columns"]
 
-FETCH_STREAM = "engram_fetch"
+FETCH_STREAM = FETCH
 ReadRaw = Callable[[np.ndarray], "torch.Tensor | np.ndarray"]
 
 
@@ -80,9 +87,11 @@ class RowSource:
                  device: torch.device | str, table: torch.Tensor | None = None,
                  sync: DeviceSync | None = None, dequantize: bool = True,
                  dtype: torch.dtype = torch.bfloat16, stream: str = FETCH_STREAM,
-                 staging_buffers: int = 2) -> None:
-        if (read_raw is None) == (table is None):
-            raise ValueError("give RowSource exactly one of read_raw (a host row reader) or table")
+                 staging_buffers: int = 2, store: "RowStore | None" = None) -> None:
+        if sum(x is not None for x in (read_raw, table, store)) != 1:
+            raise ValueError("give RowSource exactly one of read_raw (a host row reader), table or store")
+        if store is not None and (store.sync is None or store.device != torch.device(device)):
+            raise ValueError(f"the store delivers rows to {store.device}, not {device}: use RowSource.from_store")
         if table is not None and (table.dtype != torch.uint8 or tuple(table.shape) != (config.num_rows, config.row_bytes)):
             raise ValueError(f"table must be uint8 [{config.num_rows}, {config.row_bytes}] for this config, "
                              f"got {table.dtype} {tuple(table.shape)}")
@@ -90,7 +99,8 @@ class RowSource:
         self.device = torch.device(device)
         self.read_raw = read_raw
         self.table = table
-        self.sync = sync or make_sync(self.device)
+        self.store = store
+        self.sync = sync or (store.sync if store is not None else None) or make_sync(self.device)
         self.dequantize = dequantize
         self.dtype = dtype
         self.stream = stream
@@ -104,6 +114,19 @@ class RowSource:
                    **options: object) -> "RowSource":
         """A source over a table the device reads directly (pinned host memory or device memory)."""
         return cls(None, config=config, device=device, table=table, **options)
+
+    @classmethod
+    def from_store(cls, store: "RowStore", *, device: torch.device | str | None = None,
+                   **options: object) -> "RowSource":
+        """A source over an ``open_table`` store: one that delivers rows to ``device`` (default:
+        the store's) fetches them there, with its own ``DeviceSync``; a host store is read on
+        the host and staged."""
+        device = torch.device(device) if device is not None else store.device
+        if store.sync is not None:
+            return cls(None, config=store.config, device=device, store=store, **options)
+        if store.device.type != "cpu":
+            raise ValueError(f"this store keeps rows on {store.device}; open the table with device= to serve a device")
+        return cls(store.read_raw, config=store.config, device=device, **options)
 
     def layer_index(self, layer_id: int) -> int:
         try:
@@ -139,23 +162,38 @@ class RowSource:
         ids = layer_local_ids[:, :, c0:c1].to(torch.int64).permute(1, 0, 2)
         ids = ids + self._bases.to(ids.device)[:, None, None]
         self.sync.wait_stream(self.stream, MAIN)  # ids are made and the last step's rows read
-        fetch = self._fetch_from_table if self.table is not None else self._fetch_from_reader
+        fetch = self._fetch_from_table if self.table is not None else \
+            self._fetch_from_store if self.store is not None else self._fetch_from_reader
         events = [fetch(ids[i].reshape(-1), buffers[i], i) for i in range(len(config.layer_ids))]
         return RowHandle(self, buffers, events)
 
-    def _fetch_from_table(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
-        """One kernel: gather (and dequantize) rows ``ids [n]`` into ``out [T, c, width]``."""
+    def _gather_into(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
+        """One kernel on the fetch stream: rows ``ids [n]`` of ``table`` (dequantized unless
+        raw rows are asked for) into layer ``index``'s ``out [T, c, width]``; returns its event."""
         flat = out.view(-1, out.shape[-1])
 
         def gather() -> None:
-            device_ids = ids.to(self.device, non_blocking=True)
             if self.dequantize:
-                gather_rows(self.table, device_ids, self.config, out=flat, background=True)
+                gather_rows(table, ids, self.config, out=flat, background=True)
             else:
-                gather_raw(self.table, device_ids, out=flat, background=True)
+                gather_raw(table, ids, out=flat, background=True)
 
         self.sync.run(self.stream, gather, writes={"engram_rows": [index]})
         return self.sync.record(self.stream)
+
+    def _fetch_from_table(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
+        """Rows ``ids [n]`` straight from the table the device reads (host ids are checked, then
+        moved on the fetch stream)."""
+        return self._gather_into(self.table, ids, out, index)
+
+    def _fetch_from_store(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
+        """The distinct rows fetched onto the device by the store, then put in order."""
+        ids_host = ids.cpu().numpy()
+        unique, inverse = np.unique(ids_host, return_inverse=True)
+        lease = self.store.fetch(unique, hold=False, requested=ids_host.size)
+        self.sync.wait(self.stream, lease.ready)
+        self.sync.keep_alive(lease.raw, self.stream)
+        return self._gather_into(lease.raw, torch.from_numpy(inverse.reshape(-1)), out, index)
 
     def _fetch_from_reader(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
         """Read unique rows on the host, stage them to the device, dequantize there."""

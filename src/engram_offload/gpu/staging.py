@@ -8,15 +8,17 @@ from pinned buffers (a pageable copy would block and stage through a driver buff
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
 
-from .sync import HOST, DeviceSync, ImmediateSync
+from .sync import HOST, Access, DeviceSync, ImmediateSync
 
 __all__ = ["StagingRing"]
 
 COPY_STREAM = "staging_copy"
+_RING_NUMBERS = itertools.count()
 
 
 class StagingRing:
@@ -34,14 +36,17 @@ class StagingRing:
         self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
         self._events: list[object] = [None] * count
         self._next = 0
+        self.name = f"staging{next(_RING_NUMBERS)}"  # this ring's buffers, as DeviceSync names them
 
     @property
     def buffer_bytes(self) -> int:
         return self.buffers[0].numel()
 
-    def stage(self, read_into: Callable[[torch.Tensor], int], dst: torch.Tensor) -> object:
+    def stage(self, read_into: Callable[[torch.Tensor], int], dst: torch.Tensor, *,
+              writes: Access | None = None) -> object:
         """Fill the next buffer with ``read_into(buffer) -> bytes read`` (on the host), then copy
-        those bytes into the flat ``uint8`` device tensor ``dst``; returns the copy's event."""
+        those bytes into the flat ``uint8`` device tensor ``dst`` (``writes``: how ``DeviceSync``
+        names it); returns the copy's event."""
         k = self._next
         self._next = (k + 1) % len(self.buffers)
         buffer = self.buffers[k]
@@ -52,18 +57,12 @@ class StagingRing:
 
         if dst.dtype != torch.uint8 or dst.dim() != 1:
             raise ValueError(f"dst must be a flat uint8 tensor, got {dst.dtype} {tuple(dst.shape)}")
-        nbytes = self.sync.run(HOST, read, writes={"staging": [k]})
+        nbytes = self.sync.run(HOST, read, writes={self.name: [k]})
         if not 0 <= nbytes <= min(buffer.numel(), dst.numel()):
             raise ValueError(f"read_into returned {nbytes} bytes; buffer holds {buffer.numel()}, "
                              f"dst {dst.numel()}")
-        if dst.is_cuda and not buffer.is_pinned():
-            raise RuntimeError("staging buffers must be pinned for a device copy")
         self.sync.wait(self.stream, self.sync.record(HOST))
-
-        def copy() -> None:
-            dst[:nbytes].copy_(buffer[:nbytes], non_blocking=True)
-
-        self.sync.run(self.stream, copy, reads={"staging": [k]})
+        self.sync.copy(self.stream, dst[:nbytes], buffer[:nbytes], reads={self.name: [k]}, writes=writes)
         event = self.sync.record(self.stream)
         self._events[k] = event
         return event

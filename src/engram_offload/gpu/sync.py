@@ -10,7 +10,11 @@ which buffers each piece of work reads and writes. Three implementations:
   clock per stream and raises ``OrderingError`` when a piece of work touches a buffer
   whose previous writer, or for a write, previous readers, do not happen-before it
   through the recorded events, waits and host synchronizations. A bug that would be a
-  race on a GPU is an exception on a CPU.
+  race on a GPU is an exception on a CPU. It also keeps every host-to-device ``copy``'s
+  source, so a test can check rows only ever leave from pinned staging buffers.
+
+Host-to-device copies go through ``copy``: ``CudaSync`` refuses a pageable source (such a
+copy blocks the host and stages through a driver buffer).
 
 Buffers are named by ``{name: indices}``: ``indices`` are the parts touched (say the slots
 of an HBM cache) or ``None`` for the whole buffer.
@@ -18,6 +22,7 @@ of an HBM cache) or ``None`` for the whole buffer.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +36,7 @@ __all__ = ["DeviceSync", "CudaSync", "ImmediateSync", "TracingSync", "OrderingEr
 Access = Mapping[str, Iterable[int] | np.ndarray | None]
 HOST = "host"
 MAIN = "main"
+FETCH = "engram_fetch"  # the side stream that fetches a step's rows
 
 
 class OrderingError(AssertionError):
@@ -60,6 +66,15 @@ class DeviceSync(ABC):
     @abstractmethod
     def done(self, event: Any) -> bool:
         """Whether ``event`` has completed (never blocks)."""
+
+    def copy(self, stream: str, dst: torch.Tensor, src: torch.Tensor, *, reads: Access | None = None,
+             writes: Access | None = None) -> None:
+        """Enqueue ``dst.copy_(src, non_blocking=True)`` on ``stream``."""
+
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+
+        self.run(stream, copy, reads=reads, writes=writes)
 
     def wait_stream(self, stream: str, other: str) -> None:
         """Later work on ``stream`` starts after the work enqueued on ``other`` so far."""
@@ -133,6 +148,12 @@ class CudaSync(DeviceSync):
     def done(self, event):
         return event is None or event.query()
 
+    def copy(self, stream, dst, src, *, reads=None, writes=None):
+        if dst.is_cuda and src.device.type == "cpu" and not src.is_pinned():
+            raise ValueError("a host-to-device copy from pageable memory: stage the rows through pinned "
+                             "buffers (StagingRing)")
+        super().copy(stream, dst, src, reads=reads, writes=writes)
+
     def keep_alive(self, tensor, stream):
         if stream != HOST and tensor.is_cuda:
             tensor.record_stream(self.stream(stream))
@@ -163,6 +184,8 @@ class TracingSync(DeviceSync):
         self._clocks: dict[str, dict[str, int]] = defaultdict(dict)  # stream -> vector clock
         self._buffers: dict[tuple[str, int | None], _BufferState] = defaultdict(_BufferState)
         self.log: list[str] = []
+        self.copies: list[tuple[str, torch.Tensor]] = []  # (stream, source) of every copy
+        self._lock = threading.RLock()  # a consumer thread and worker threads share one trace
 
     def _happened(self, op: _Op, stream: str) -> bool:
         """Whether ``op`` happens-before the next work on ``stream``."""
@@ -192,7 +215,16 @@ class TracingSync(DeviceSync):
                         raise OrderingError(f"{op.label} on {op.stream} overwrites {key} before its reader "
                                             f"{reader.label} on {reader.stream} is known to be finished")
 
+    def copy(self, stream, dst, src, *, reads=None, writes=None):
+        with self._lock:
+            self.copies.append((stream, src))
+            super().copy(stream, dst, src, reads=reads, writes=writes)
+
     def run(self, stream, fn, *, reads=None, writes=None):
+        with self._lock:
+            return self._run(stream, fn, reads, writes)
+
+    def _run(self, stream, fn, reads, writes):
         clock = self._clocks[stream]
         clock[stream] = clock.get(stream, 0) + 1
         op = _Op(stream, clock[stream], getattr(fn, "__name__", "work"))
@@ -209,14 +241,16 @@ class TracingSync(DeviceSync):
         return fn()
 
     def record(self, stream):
-        return _Event(dict(self._clocks[stream]))
+        with self._lock:
+            return _Event(dict(self._clocks[stream]))
 
     def wait(self, stream, event):
         if event is None:
             return
-        clock = self._clocks[stream]
-        for s, seq in event.clock.items():
-            clock[s] = max(clock.get(s, 0), seq)
+        with self._lock:
+            clock = self._clocks[stream]
+            for s, seq in event.clock.items():
+                clock[s] = max(clock.get(s, 0), seq)
 
     def synchronize(self, event):
         self.wait(HOST, event)

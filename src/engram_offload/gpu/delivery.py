@@ -1,0 +1,161 @@
+"""``DeviceRows``: the device branch of a store's fetch; rows of distinct ids land on the device.
+
+Three sources, fastest first, all enqueued on the fetch stream (``sync.FETCH``):
+
+- the HBM level (``HbmRowCache``), when the store has one: hits read their device slot;
+- a table the device reads in place (``DeviceTable``: a ``memory`` or ``pinned`` tier): the
+  misses are read over UVA by the same launch (``tiered_gather``, or ``gather_raw`` with no
+  HBM level);
+- otherwise the host: the store reads the misses through its DRAM levels and the tier
+  (``read_host``) straight into a pinned ``StagingRing`` buffer, a ``non_blocking`` copy
+  moves each buffer to the device on the copy stream, and the fetch stream waits for its
+  event. With HBM hits in the step, one ``tiered_gather`` with step-local addressing puts
+  hits and staged misses in order: staged rows are rows ``[0, m)`` of the source, and rows
+  ``[m, u)`` stand for the hits through a step-local slot map.
+
+The step's misses are then admitted into the HBM level (filled from the table, or from the
+step's rows already on the device). Calls are serialized by a lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from .device_table import DeviceTable
+from .hbm_cache import HbmRowCache
+from .kernels import gather_raw
+from .staging import StagingRing
+from .sync import FETCH, DeviceSync
+
+__all__ = ["DeviceRows", "Delivery", "STAGING_BYTES"]
+
+STAGING_BYTES = 16 << 20  # per staging buffer: a step's misses larger than this go in pieces
+Pins = list  # [(cache level, pinned slots)], as a store's Lease holds them
+ReadHost = Callable[[np.ndarray, torch.Tensor], Pins]  # (sorted ids [m], host out uint8 [m, row_bytes]) -> pins
+
+
+class Delivery(NamedTuple):
+    raw: torch.Tensor  # uint8 [u, row_bytes] on the device
+    pins: Pins  # host cache pins held for these rows
+    ready: object  # the event after which ``raw`` holds the rows
+    uva_rows: int  # misses read from host memory over UVA (none when staged)
+
+
+class DeviceRows:
+    """Rows of a table with ``row_bytes``-byte rows delivered to ``device`` (see the module doc)."""
+
+    def __init__(self, *, device: torch.device | str, sync: DeviceSync, row_bytes: int,
+                 table: DeviceTable | None = None, hbm: HbmRowCache | None = None,
+                 staging_buffers: int = 2, staging_bytes: int = STAGING_BYTES, stream: str = FETCH) -> None:
+        self.device = torch.device(device)
+        self.sync = sync
+        self.row_bytes = int(row_bytes)
+        self.table = table
+        self.hbm = hbm
+        self.stream = stream
+        self.ring = None if table is not None else StagingRing(
+            staging_buffers, max(int(staging_bytes), self.row_bytes), device=self.device, sync=sync)
+        self._lock = threading.Lock()
+        self._numbers = itertools.count()  # names each fetch's staged rows for DeviceSync
+
+    def fetch(self, ids: np.ndarray, read_host: ReadHost) -> Delivery:
+        """Raw rows of sorted distinct ids ``[u]`` (u >= 1) on the device; ``read_host`` reads
+        the rows no device level holds (unused with a table the device reads)."""
+        with self._lock:
+            return self._fetch(ids, read_host)
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        """``uint8 [rows, row_bytes]`` on the device, allocated for the fetch stream."""
+        return self.sync.run(self.stream, lambda: torch.empty((rows, self.row_bytes), dtype=torch.uint8,
+                                                              device=self.device))
+
+    def _fetch(self, ids: np.ndarray, read_host: ReadHost) -> Delivery:
+        start = time.perf_counter()
+        u, hbm = ids.size, self.hbm
+        out = self._empty(u)  # [u, row_bytes]
+        slots = hbm.lookup(ids) if hbm is not None else np.full(u, -1, np.int64)
+        hit = slots >= 0
+        hit_slots = slots[hit]
+        pins: Pins = []
+        uva_rows = 0
+        staged_name = f"staged_rows{next(self._numbers)}"
+        if self.table is not None:  # misses over UVA, in the same launch as the hits
+            uva_rows = u - hit_slots.size
+            ids_t = torch.from_numpy(ids)
+            if hbm is None:
+                self.sync.run(self.stream, lambda: gather_raw(self.table.table, ids_t, out=out))
+            else:
+                hbm.read(self.table.table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
+        elif hit_slots.size == 0:
+            pins = self._stage(ids, read_host, out, staged_name)  # straight into the result
+        else:
+            pins = self._stage_around_hits(ids, hit, hit_slots, read_host, out, staged_name)
+        # the rows are the fetch stream's now: it has waited for every copy into them
+        self.sync.run(self.stream, _hand_over, reads={staged_name: None})
+        ready = self.sync.record(self.stream)
+        if hbm is not None:
+            source = None if self.table is not None else out
+            hbm.admit(ids[~hit], hit_slots, source, ids, ready=ready)
+            hbm.stats.record(u, hit_slots.size, hit_slots.size * self.row_bytes, time.perf_counter() - start)
+        return Delivery(out, pins, ready, uva_rows)
+
+    def _stage_around_hits(self, ids: np.ndarray, hit: np.ndarray, hit_slots: np.ndarray,
+                           read_host: ReadHost, out: torch.Tensor, name: str) -> Pins:
+        """Misses staged to rows ``[0, m)`` of a step buffer, then one ``tiered_gather`` in
+        which rows ``[m, u)`` stand for the hits (a step-local slot map sends them to HBM)."""
+        u, m = ids.size, ids.size - hit_slots.size
+        staged = self._empty(u)  # [u, row_bytes]; rows [m, u) are never read
+        pins = self._stage(ids[~hit], read_host, staged[:m], name) if m else []
+        try:
+            source_row = np.empty(u, np.int64)  # [u] the row of `staged` each position reads
+            source_row[~hit] = np.arange(m)
+            source_row[hit] = np.arange(m, u)
+            step_map = np.concatenate([np.full(m, -1, np.int64), hit_slots]).astype(np.int32)  # [u]
+            self.hbm.read(staged, torch.from_numpy(step_map), torch.from_numpy(source_row), out, hit_slots,
+                          stream=self.stream, reads={name: None})
+        except BaseException:
+            _release(pins)
+            raise
+        return pins
+
+    def _stage(self, ids: np.ndarray, read_host: ReadHost, dst: torch.Tensor, name: str) -> Pins:
+        """Rows ``ids [m]`` read on the host into pinned buffers and copied into ``dst [m, row_bytes]``
+        (``name`` for ``DeviceSync``), a buffer at a time; the fetch stream waits for every copy."""
+        assert self.ring is not None
+        rb = self.row_bytes
+        per_buffer = self.ring.buffer_bytes // rb
+        self.sync.keep_alive(dst, self.ring.stream)
+        pins: Pins = []
+        try:
+            for lo in range(0, ids.size, per_buffer):
+                hi = min(ids.size, lo + per_buffer)
+
+                def read_into(buffer: torch.Tensor, lo: int = lo, hi: int = hi) -> int:
+                    pins.extend(read_host(ids[lo:hi], buffer[: (hi - lo) * rb].view(hi - lo, rb)))
+                    return (hi - lo) * rb
+
+                copied = self.ring.stage(read_into, dst[lo:hi].view(-1), writes={name: [lo]})
+                self.sync.wait(self.stream, copied)
+        except BaseException:
+            _release(pins)
+            raise
+        return pins
+
+    def close(self) -> None:
+        if self.table is not None:
+            self.table.close()
+
+
+def _hand_over() -> None:
+    """No device work: marks where the fetch stream takes over the staged rows."""
+
+
+def _release(pins: Pins) -> None:
+    for level, slots in pins:
+        level.release(slots)
