@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -10,7 +9,6 @@ import pytest
 from engram_offload import cli
 from engram_offload.bench import cold
 from engram_offload.bench.tier_bench import run_tier_bench
-from engram_offload.commands.bench import add_bench_tier_arguments
 
 SCALE = "2e-5"  # deepseek-v4.1-flash at 2e-5: about 17 k rows of 264 bytes
 
@@ -45,11 +43,8 @@ def test_bench_tier_refuses_a_bad_size_or_policy(tmp_path, capsys):
 
 
 def bench_tier(argv: list[str]) -> int:
-    """``bench-tier`` through its own argument parser (``commands.bench.add_bench_tier_arguments``)."""
-    parser = argparse.ArgumentParser(prog="engram-offload bench-tier")
-    add_bench_tier_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """``engram-offload bench-tier ARGV`` through the command line's ``main``."""
+    return cli.main(["bench-tier", *argv])
 
 
 def test_a_cold_run_evicts_the_table_only_unless_asked(tmp_path, capsys, monkeypatch):
@@ -80,11 +75,9 @@ def test_a_cold_run_evicts_the_table_only_unless_asked(tmp_path, capsys, monkeyp
     (["--queue-depth", "x"], "argument --queue-depth: 'x' is not an integer"),
 ])
 def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
-    with pytest.raises(SystemExit) as info:
-        bench_tier(["--table", str(tmp_path / "t.tbl"), "--tier", "mmap", *flags])
-    assert info.value.code == 2
+    assert bench_tier(["--table", str(tmp_path / "t.tbl"), "--tier", "mmap", *flags]) == 2  # a usage error: exit status 2, no traceback
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == f"engram-offload bench-tier: error: {message}" and "Traceback" not in err
+    assert err.splitlines() == [f"engram-offload bench-tier: error: {message} (see engram-offload bench-tier --help)"]
 
 
 def test_the_benchmark_refuses_bad_numbers_too(tmp_path):
