@@ -1,0 +1,347 @@
+"""``remote`` tier: rows read from a table published in a Redis pool (Redis Cluster or one server).
+
+The table lies in the pool as extents of packed rows (``engram_offload.pool.layout``).
+Per request, the distinct ids are sorted, grouped by extent into runs (neighbouring rows
+of one extent merge into one range when the gap is small), and the runs grouped by the
+node owning their extent's slot. Each node gets ONE pipeline of ``GETRANGE`` commands,
+encoded from per-extent key prefixes and per-offset argument tables built at open; all
+nodes' pipelines are sent before any reply is read, so the nodes work in parallel.
+Replies are parsed by ``hiredis``, checked (every byte asked for came back), and the
+rows gathered into ``out`` in the caller's order.
+
+Failures are never silent: a node that is down or times out, an error reply, or a
+missing or short extent is retried ``retries`` times (re-reading the slot map between
+tries), then the rows are read from the ``fallback`` tier when one is configured, else
+``TierError`` names the node, the extent and what went wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from operator import itemgetter
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import TierError
+from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url
+from ..pool.layout import PoolLayout, fingerprint
+from ..pool.publish import check_complete, read_pool_table
+from ..table.format import TableHeader, read_header
+from ._buffers import gather_at
+from .base import Tier
+
+__all__ = ["RemoteTier", "open_pool_table"]
+
+DEFAULT_MERGE_GAP_BYTES = 512
+
+
+@lru_cache(maxsize=4)
+def _offset_args(row_bytes: int, rows: int) -> list[bytes]:
+    """GETRANGE's start and end arguments, RESP encoded, for one row at each extent position."""
+    out = []
+    for start in range(0, rows * row_bytes, row_bytes):
+        out.append(_range_args(start, start + row_bytes - 1))
+    return out
+
+
+def _range_args(start: int, end: int) -> bytes:
+    a, b = str(start).encode(), str(end).encode()
+    return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(a), a, len(b), b)
+
+
+def _pick(items: list, index: list[int]) -> list:
+    """``[items[i] for i in index]``, at C speed."""
+    if len(index) == 1:
+        return [items[index[0]]]
+    return list(itemgetter(*index)(items))
+
+
+@dataclass
+class _Job:
+    """One node's pipeline: the runs it serves and where their bytes go."""
+
+    address: str
+    runs: np.ndarray        # run indices, in data order
+    request: bytes
+    nbytes: int
+    dest: int | None        # byte offset in the data buffer when the runs are contiguous there
+
+
+class RemoteTier(Tier):
+    """A table's rows served from a Redis pool.
+
+    Options: ``pool`` (``redis://host:port[,host:port...]``, required), ``fallback`` (a
+    tier, or a local table path opened on ``mmap``, read when the pool fails), ``retries``
+    (per request, after the first try), ``timeout_s`` (per socket operation),
+    ``merge_gap_bytes`` (neighbouring rows of one extent this close share one range).
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        header: TableHeader,
+        *,
+        pool: str | Sequence[str],
+        fallback: Tier | str | os.PathLike | None = None,
+        retries: int = 2,
+        timeout_s: float = 2.0,
+        merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+        retry_backoff_s: float = 0.05,
+    ) -> None:
+        super().__init__(header)
+        if retries < 0 or timeout_s <= 0:
+            raise ValueError(f"retries must be >= 0 and timeout_s > 0, got {retries} and {timeout_s}")
+        self.pool_url = pool if isinstance(pool, str) else ",".join(pool)
+        self.retries, self.timeout_s, self.retry_backoff_s = retries, timeout_s, retry_backoff_s
+        self._local = threading.local()
+        self._conns_lock = threading.Lock()
+        self._conns: list[NodeConnection] = []
+        self._fallback: Tier | None = None
+        self._owns_fallback = False
+        self._client = PoolClient(pool, timeout=timeout_s)
+        try:
+            self.pool_layout = self._open_layout()
+            self._open_fallback(fallback)
+        except BaseException:
+            self.close()
+            raise
+        playout, rb = self.pool_layout, self.row_bytes
+        self.fingerprint = playout.fingerprint
+        self._starts = playout.starts
+        self._prefix = [b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in playout.keys]
+        self._args = _offset_args(rb, int(playout.counts.max()))
+        self._slots = np.array([key_slot(k) for k in playout.keys], np.int32)
+        self._merge_rows = 1 + max(0, merge_gap_bytes) // rb
+        self._topology_lock = threading.Lock()
+        self._set_topology()
+
+    # -- opening ------------------------------------------------------------------------
+    def _open_layout(self) -> PoolLayout:
+        fp = fingerprint(self.header)
+        named = self._client.url_fingerprint
+        if named is not None and named != fp:
+            raise PoolError(f"the pool URL names table {named}, but {self.header.path} is table {fp}")
+        playout = read_pool_table(self._client, fp)
+        problems = check_complete(self._client, playout)
+        if problems:
+            raise PoolError(
+                f"table {fp} in the pool at {self.pool_url} is not completely published: "
+                f"{'; '.join(problems)}; run engram-offload pool publish TABLE --redis {self.pool_url}"
+            )
+        return PoolLayout(self.header, playout.extent_rows)
+
+    def _open_fallback(self, fallback: Tier | str | os.PathLike | None) -> None:
+        if fallback is None:
+            return
+        if not isinstance(fallback, Tier):
+            from . import get_tier_class
+
+            fallback = get_tier_class("mmap")(read_header(fallback))
+            self._owns_fallback = True
+        self._fallback = fallback
+        if fingerprint(fallback.header) != fingerprint(self.header):
+            raise ValueError(
+                f"the fallback table {fallback.header.path} is not the pooled table "
+                f"{fingerprint(self.header)}: give a copy of the same table"
+            )
+
+    def _set_topology(self) -> None:
+        client = self._client
+        addresses = [client.address(i) for i in range(len(client.nodes))]
+        self._topology = (addresses, client.owner[self._slots])  # node of every extent
+
+    def _refresh(self) -> None:
+        with self._topology_lock:
+            try:
+                self._client.refresh()
+            except PoolError:
+                return  # keep the last map; the retry reports the node that failed
+            self._set_topology()
+
+    # -- reading ------------------------------------------------------------------------
+    def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        rb = self.row_bytes
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        ext = np.searchsorted(self._starts, uniq, side="right") - 1
+        q = uniq - self._starts[ext]  # row within its extent
+        new = np.ones(len(uniq), bool)
+        np.logical_or(ext[1:] != ext[:-1], uniq[1:] - uniq[:-1] > self._merge_rows, out=new[1:])
+        first = np.flatnonzero(new)
+        run_of = np.cumsum(new) - 1
+        run_ext, run_q0 = ext[first], q[first]
+        run_rows = np.append(first[1:], len(uniq)) - first
+        run_rows = q[first + run_rows - 1] - run_q0 + 1
+        run_bytes = run_rows * rb
+        addresses, node_of = self._topology
+        run_node = node_of[run_ext]
+        order = np.argsort(run_node, kind="stable")
+        run_pos = np.empty(len(first), np.int64)
+        run_pos[order] = np.cumsum(run_bytes[order]) - run_bytes[order]
+        data = np.empty(int(run_bytes.sum()), np.uint8)
+        jobs = self._jobs(order, run_node[order], addresses, run_ext, run_q0, run_rows, run_pos)
+        failed = self._fetch_with_retries(jobs, data, run_ext, run_q0, run_rows, run_pos)
+        row_pos = run_pos[run_of] + (q - run_q0[run_of]) * rb
+        if failed is not None:
+            self._serve_fallback(failed, uniq, run_of, row_pos, data)
+        gather_at(torch.from_numpy(data), row_pos[inverse], out)
+        self._count(reads=len(first), bytes_read=len(data))
+
+    def _jobs(self, runs: np.ndarray, nodes: np.ndarray, addresses: list[str], run_ext: np.ndarray,
+              run_q0: np.ndarray, run_rows: np.ndarray, run_pos: np.ndarray) -> list[_Job]:
+        """One job per node for ``runs``, already grouped by node (``nodes``: each run's node)."""
+        rb = self.row_bytes
+        bounds = np.flatnonzero(np.diff(nodes)) + 1
+        jobs = []
+        for part, node in zip(np.split(runs, bounds), nodes[np.r_[0, bounds]].tolist()):
+            exts, q0s, rows = run_ext[part].tolist(), run_q0[part].tolist(), run_rows[part]
+            args = _pick(self._args, q0s)
+            for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
+                start = q0s[i] * rb
+                args[i] = _range_args(start, start + int(rows[i]) * rb - 1)
+            parts: list = [None] * (2 * len(exts))
+            parts[0::2] = _pick(self._prefix, exts)
+            parts[1::2] = args
+            pos, nbytes = run_pos[part], int(rows.sum()) * rb
+            contiguous = bool((np.diff(pos) > 0).all()) and int(pos[-1] - pos[0] + rows[-1] * rb) == nbytes
+            jobs.append(_Job(addresses[node], part, b"".join(parts), nbytes, int(pos[0]) if contiguous else None))
+        return jobs
+
+    def _connection(self, address: str) -> NodeConnection:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(address)
+        if conn is None:
+            host, port = address.rsplit(":", 1)
+            conn = conns[address] = NodeConnection(host, int(port), self.timeout_s)
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _forget(self, address: str) -> None:
+        """Drop this thread's connection to ``address`` (its stream state is unknown)."""
+        conn = getattr(self._local, "conns", {}).pop(address, None)
+        if conn is not None:
+            conn.close()
+            with self._conns_lock:
+                self._conns.remove(conn)
+
+    def _fetch(self, jobs: list[_Job], data: np.ndarray, run_rows: np.ndarray,
+               run_pos: np.ndarray) -> list[tuple[_Job, str]]:
+        """Send every job, then read every reply into ``data``; (job, reason) for each that failed."""
+        failures, sent = [], []
+        for job in jobs:
+            try:
+                conn = self._connection(job.address)
+                conn.send(job.request)
+                sent.append((job, conn))
+            except OSError as exc:
+                self._forget(job.address)
+                failures.append((job, f"cannot send: {exc}"))
+        for job, conn in sent:
+            try:
+                replies = conn.read_replies(len(job.runs))
+            except OSError as exc:
+                self._forget(job.address)
+                what = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                failures.append((job, f"no reply ({what})"))
+                continue
+            try:
+                blob = b"".join(replies)
+            except TypeError:  # an error or nil reply
+                blob = b""
+            if len(blob) != job.nbytes:
+                failures.append((job, self._diagnose(job, replies, run_rows)))
+            elif job.dest is not None:
+                data[job.dest: job.dest + job.nbytes] = np.frombuffer(blob, np.uint8)
+            else:
+                for run, reply in zip(job.runs.tolist(), replies):
+                    data[run_pos[run]: run_pos[run] + len(reply)] = np.frombuffer(reply, np.uint8)
+        return failures
+
+    def _diagnose(self, job: _Job, replies: list, run_rows: np.ndarray) -> str:
+        """Why a node's replies do not hold the bytes asked for (its first bad reply)."""
+        keys = self.pool_layout.keys
+        for run, reply in zip(job.runs.tolist(), replies):
+            want = int(run_rows[run]) * self.row_bytes
+            if isinstance(reply, Exception):
+                return f"error reply {str(reply)!r}"
+            if not isinstance(reply, bytes) or len(reply) != want:
+                got = "nothing" if not reply else f"{len(reply)} bytes"
+                return f"got {got} for {want} bytes of an extent: the extent is missing or foreign " \
+                       "(the node lost its data? publish the table again)"
+        return f"{sum(len(r) for r in replies if isinstance(r, bytes))} bytes for {job.nbytes}"
+
+    def _fetch_with_retries(self, jobs: list[_Job], data: np.ndarray, run_ext: np.ndarray, run_q0: np.ndarray,
+                            run_rows: np.ndarray, run_pos: np.ndarray) -> tuple[np.ndarray, str] | None:
+        """Fetch ``jobs``, retrying failed runs; (runs still failing, why) or None."""
+        for attempt in range(self.retries + 1):
+            failures = self._fetch(jobs, data, run_rows, run_pos)
+            if not failures:
+                return None
+            job, reason = failures[0]
+            runs = np.sort(np.concatenate([j.runs for j, _ in failures]))
+            extent = self.pool_layout.keys[int(run_ext[job.runs[0]])]
+            why = (f"pool node {job.address} failed for extent {extent} ({reason}); "
+                   f"{len(runs)} ranges on {len(failures)} node(s) failed")
+            if attempt == self.retries:
+                return runs, why
+            self._count(retries=1)
+            time.sleep(self.retry_backoff_s * (attempt + 1))
+            self._refresh()
+            addresses, node_of = self._topology
+            nodes = node_of[run_ext[runs]]
+            order = np.argsort(nodes, kind="stable")
+            jobs = self._jobs(runs[order], nodes[order], addresses, run_ext, run_q0, run_rows, run_pos)
+        raise AssertionError
+
+    def _serve_fallback(self, failed: tuple[np.ndarray, str], uniq: np.ndarray, run_of: np.ndarray,
+                        row_pos: np.ndarray, data: np.ndarray) -> None:
+        runs, why = failed
+        if self._fallback is None:
+            raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
+                            f"after {self.retries} retries, and no fallback tier is configured")
+        rows = np.flatnonzero(np.isin(run_of, runs))
+        got = self._fallback.read_rows(uniq[rows], torch.empty((len(rows), self.row_bytes), dtype=torch.uint8))
+        data[row_pos[rows][:, None] + np.arange(self.row_bytes)] = got.numpy()
+        self._count(fallback_rows=len(rows), fallback_requests=1)
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def stats(self) -> dict:
+        addresses, _ = self._topology
+        return {**super().stats(), "pool": self.pool_url, "nodes": len(addresses),
+                "fingerprint": self.fingerprint, "extent_rows": self.pool_layout.extent_rows,
+                "fallback": self._fallback.name if self._fallback is not None else None}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._client.close()
+        if self._fallback is not None and self._owns_fallback:
+            self._fallback.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.pool_url!r}, table={fingerprint(self.header)}, rows={self.num_rows:,})"
+
+
+def open_pool_table(url: str, **options) -> RemoteTier:
+    """Open ``redis://host:port[,...]/FINGERPRINT`` without the table file (header from the pool)."""
+    seeds, fp = parse_pool_url(url)
+    if fp is None:
+        raise ValueError(f"{url!r} names no table: use redis://host:port[,host:port...]/FINGERPRINT "
+                         "(fingerprints: engram-offload pool status)")
+    with PoolClient(url, timeout=float(options.get("timeout_s", 2.0))) as client:
+        header = read_pool_table(client, fp).header
+    return RemoteTier(header, pool=url, **options)
