@@ -197,7 +197,7 @@ class PoolClient:
         host, port = self.nodes[node]
         return f"{host}:{port}"
 
-    def node_of(self, key: str) -> int:
+    def node_of(self, key: str | bytes) -> int:
         return int(self.owner[key_slot(key)])
 
     # -- commands -----------------------------------------------------------------------
@@ -211,10 +211,10 @@ class PoolClient:
                 raise PoolError(str(exc)) from exc
         return conn
 
-    def execute(self, commands: Sequence[tuple], keys: Sequence[str] | None = None) -> list:
+    def execute(self, commands: Sequence[tuple], keys: Sequence[str | bytes] | None = None) -> list:
         """Run ``commands`` (argument tuples, first key at position 1 unless ``keys`` says)
         pipelined per node; replies in order. ``MOVED`` re-reads the slot map and retries."""
-        keys = [str(c[1]) for c in commands] if keys is None else keys
+        keys = [c[1] if isinstance(c[1], bytes) else str(c[1]) for c in commands] if keys is None else keys
         replies: list = [None] * len(commands)
         todo = list(range(len(commands)))
         for attempt in range(3):
