@@ -33,7 +33,6 @@ from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse
 from ..pool.layout import PoolLayout, fingerprint
 from ..pool.publish import check_complete, read_pool_table
 from ..table.format import TableHeader, read_header
-from ._buffers import gather_at
 from .base import Tier
 
 __all__ = ["RemoteTier", "open_pool_table"]
@@ -71,6 +70,22 @@ class _Job:
     request: bytes
     nbytes: int
     dest: int | None        # byte offset in the data buffer when the runs are contiguous there
+
+
+class _Runs:
+    """Ranges of neighbouring rows of one extent: extent, first row in it, rows; and
+    (after ``place``) each range's byte position in the fetched data."""
+
+    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray, row_bytes: int) -> None:
+        self.ext, self.q0, self.rows, self.row_bytes = ext, q0, rows, row_bytes
+        self.nbytes = int(rows.sum()) * row_bytes
+        self.pos = np.empty(0, np.int64)
+
+    def place(self, order: np.ndarray) -> None:
+        """Lay the runs out in ``order`` (grouped by node, so each node's bytes are contiguous)."""
+        nbytes = self.rows[order] * self.row_bytes
+        self.pos = np.empty(len(order), np.int64)
+        self.pos[order] = np.cumsum(nbytes) - nbytes
 
 
 class RemoteTier(Tier):
@@ -168,39 +183,43 @@ class RemoteTier(Tier):
     # -- reading ------------------------------------------------------------------------
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         rb = self.row_bytes
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
+            uniq, inverse = ids, None  # already distinct and sorted: rows come back in order
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
         ext = np.searchsorted(self._starts, uniq, side="right") - 1
         q = uniq - self._starts[ext]  # row within its extent
         new = np.ones(len(uniq), bool)
         np.logical_or(ext[1:] != ext[:-1], uniq[1:] - uniq[:-1] > self._merge_rows, out=new[1:])
         first = np.flatnonzero(new)
-        run_of = np.cumsum(new) - 1
-        run_ext, run_q0 = ext[first], q[first]
-        run_rows = np.append(first[1:], len(uniq)) - first
-        run_rows = q[first + run_rows - 1] - run_q0 + 1
-        run_bytes = run_rows * rb
+        last = np.append(first[1:], len(uniq)) - 1
+        runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
         addresses, node_of = self._topology
-        run_node = node_of[run_ext]
-        order = np.argsort(run_node, kind="stable")
-        run_pos = np.empty(len(first), np.int64)
-        run_pos[order] = np.cumsum(run_bytes[order]) - run_bytes[order]
-        data = np.empty(int(run_bytes.sum()), np.uint8)
-        jobs = self._jobs(order, run_node[order], addresses, run_ext, run_q0, run_rows, run_pos)
-        failed = self._fetch_with_retries(jobs, data, run_ext, run_q0, run_rows, run_pos)
-        row_pos = run_pos[run_of] + (q - run_q0[run_of]) * rb
-        if failed is not None:
-            self._serve_fallback(failed, uniq, run_of, row_pos, data)
-        gather_at(torch.from_numpy(data), row_pos[inverse], out)
+        run_node = node_of[runs.ext]
+        in_order = bool((run_node[1:] >= run_node[:-1]).all())
+        order = np.arange(len(first)) if in_order else np.argsort(run_node, kind="stable")
+        runs.place(order)
+        data = self._fetch_with_retries(self._jobs(order, run_node[order], addresses, runs), runs)
+        if inverse is None and in_order and len(data) == out.numel():
+            out.numpy().reshape(-1)[:] = data  # rows arrived in the caller's order
+        else:
+            run_of = np.cumsum(new) - 1
+            index = runs.pos[run_of] // rb + (q - runs.q0[run_of])  # row positions in data
+            index = index if inverse is None else index[inverse]
+            rows = data.reshape(-1, rb)
+            if out.is_contiguous():  # numpy: torch's parallel copy stalls on busy cores
+                np.take(rows, index, axis=0, out=out.numpy())
+            else:
+                out.copy_(torch.from_numpy(rows[index]))
         self._count(reads=len(first), bytes_read=len(data))
 
-    def _jobs(self, runs: np.ndarray, nodes: np.ndarray, addresses: list[str], run_ext: np.ndarray,
-              run_q0: np.ndarray, run_rows: np.ndarray, run_pos: np.ndarray) -> list[_Job]:
-        """One job per node for ``runs``, already grouped by node (``nodes``: each run's node)."""
+    def _jobs(self, order: np.ndarray, nodes: np.ndarray, addresses: list[str], runs: "_Runs") -> list[_Job]:
+        """One job per node for the runs ``order`` (grouped by node: ``nodes`` is each one's node)."""
         rb = self.row_bytes
         bounds = np.flatnonzero(np.diff(nodes)) + 1
         jobs = []
-        for part, node in zip(np.split(runs, bounds), nodes[np.r_[0, bounds]].tolist()):
-            exts, q0s, rows = run_ext[part].tolist(), run_q0[part].tolist(), run_rows[part]
+        for part, node in zip(np.split(order, bounds), nodes[np.r_[0, bounds]].tolist()):
+            exts, q0s, rows = runs.ext[part].tolist(), runs.q0[part].tolist(), runs.rows[part]
             args = _pick(self._args, q0s)
             for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
                 start = q0s[i] * rb
@@ -208,7 +227,7 @@ class RemoteTier(Tier):
             parts: list = [None] * (2 * len(exts))
             parts[0::2] = _pick(self._prefix, exts)
             parts[1::2] = args
-            pos, nbytes = run_pos[part], int(rows.sum()) * rb
+            pos, nbytes = runs.pos[part], int(rows.sum()) * rb
             contiguous = bool((np.diff(pos) > 0).all()) and int(pos[-1] - pos[0] + rows[-1] * rb) == nbytes
             jobs.append(_Job(addresses[node], part, b"".join(parts), nbytes, int(pos[0]) if contiguous else None))
         return jobs
@@ -233,10 +252,10 @@ class RemoteTier(Tier):
             with self._conns_lock:
                 self._conns.remove(conn)
 
-    def _fetch(self, jobs: list[_Job], data: np.ndarray, run_rows: np.ndarray,
-               run_pos: np.ndarray) -> list[tuple[_Job, str]]:
-        """Send every job, then read every reply into ``data``; (job, reason) for each that failed."""
-        failures, sent = [], []
+    def _fetch(self, jobs: list[_Job]) -> tuple[list[tuple[_Job, list, bytes]], list[tuple[_Job, str]]]:
+        """Send every job, then read every node's replies: (job, replies, joined bytes) for
+        each that returned all its bytes, (job, reason) for each that failed."""
+        done, failures, sent = [], [], []
         for job in jobs:
             try:
                 conn = self._connection(job.address)
@@ -257,61 +276,68 @@ class RemoteTier(Tier):
                 blob = b"".join(replies)
             except TypeError:  # an error or nil reply
                 blob = b""
-            if len(blob) != job.nbytes:
-                failures.append((job, self._diagnose(job, replies, run_rows)))
-            elif job.dest is not None:
-                data[job.dest: job.dest + job.nbytes] = np.frombuffer(blob, np.uint8)
+            if len(blob) == job.nbytes:
+                done.append((job, replies, blob))
             else:
-                for run, reply in zip(job.runs.tolist(), replies):
-                    data[run_pos[run]: run_pos[run] + len(reply)] = np.frombuffer(reply, np.uint8)
-        return failures
+                failures.append((job, self._diagnose(job, replies)))
+        return done, failures
 
-    def _diagnose(self, job: _Job, replies: list, run_rows: np.ndarray) -> str:
+    def _diagnose(self, job: _Job, replies: list) -> str:
         """Why a node's replies do not hold the bytes asked for (its first bad reply)."""
-        keys = self.pool_layout.keys
-        for run, reply in zip(job.runs.tolist(), replies):
-            want = int(run_rows[run]) * self.row_bytes
+        for reply in replies:
             if isinstance(reply, Exception):
                 return f"error reply {str(reply)!r}"
-            if not isinstance(reply, bytes) or len(reply) != want:
-                got = "nothing" if not reply else f"{len(reply)} bytes"
-                return f"got {got} for {want} bytes of an extent: the extent is missing or foreign " \
-                       "(the node lost its data? publish the table again)"
+            if not isinstance(reply, bytes) or len(reply) % self.row_bytes or not reply:
+                got = f"{len(reply)} bytes" if isinstance(reply, bytes) and reply else "nothing"
+                return (f"got {got} for a range of whole rows: the extent is missing or foreign "
+                        "(the node lost its data? publish the table again)")
         return f"{sum(len(r) for r in replies if isinstance(r, bytes))} bytes for {job.nbytes}"
 
-    def _fetch_with_retries(self, jobs: list[_Job], data: np.ndarray, run_ext: np.ndarray, run_q0: np.ndarray,
-                            run_rows: np.ndarray, run_pos: np.ndarray) -> tuple[np.ndarray, str] | None:
-        """Fetch ``jobs``, retrying failed runs; (runs still failing, why) or None."""
+    def _fetch_with_retries(self, jobs: list[_Job], runs: "_Runs") -> np.ndarray:
+        """The runs' bytes (uint8 ``[sum of run bytes]``, in ``runs.pos`` order): fetched,
+        failed runs retried, then read from the fallback tier or raised as ``TierError``."""
+        done, failures = self._fetch(jobs)
+        if not failures:  # the usual case: node by node, the jobs tile the data in order
+            return np.frombuffer(done[0][2] if len(done) == 1 else b"".join(blob for _, _, blob in done), np.uint8)
+        data = np.empty(runs.nbytes, np.uint8)
         for attempt in range(self.retries + 1):
-            failures = self._fetch(jobs, data, run_rows, run_pos)
+            for job, replies, blob in done:
+                if job.dest is not None:
+                    data[job.dest: job.dest + job.nbytes] = np.frombuffer(blob, np.uint8)
+                else:
+                    for run, reply in zip(job.runs.tolist(), replies):
+                        data[runs.pos[run]: runs.pos[run] + len(reply)] = np.frombuffer(reply, np.uint8)
             if not failures:
-                return None
+                return data
             job, reason = failures[0]
-            runs = np.sort(np.concatenate([j.runs for j, _ in failures]))
-            extent = self.pool_layout.keys[int(run_ext[job.runs[0]])]
-            why = (f"pool node {job.address} failed for extent {extent} ({reason}); "
-                   f"{len(runs)} ranges on {len(failures)} node(s) failed")
+            failed = np.sort(np.concatenate([j.runs for j, _ in failures]))
+            why = (f"pool node {job.address} failed for extent {self.pool_layout.keys[int(runs.ext[job.runs[0]])]} "
+                   f"({reason}); {len(failed)} ranges on {len(failures)} node(s) failed")
             if attempt == self.retries:
-                return runs, why
+                break
             self._count(retries=1)
             time.sleep(self.retry_backoff_s * (attempt + 1))
             self._refresh()
             addresses, node_of = self._topology
-            nodes = node_of[run_ext[runs]]
+            nodes = node_of[runs.ext[failed]]
             order = np.argsort(nodes, kind="stable")
-            jobs = self._jobs(runs[order], nodes[order], addresses, run_ext, run_q0, run_rows, run_pos)
-        raise AssertionError
+            done, failures = self._fetch(self._jobs(failed[order], nodes[order], addresses, runs))
+        self._serve_fallback(failed, why, runs, data)
+        return data
 
-    def _serve_fallback(self, failed: tuple[np.ndarray, str], uniq: np.ndarray, run_of: np.ndarray,
-                        row_pos: np.ndarray, data: np.ndarray) -> None:
-        runs, why = failed
+    def _serve_fallback(self, failed: np.ndarray, why: str, runs: "_Runs", data: np.ndarray) -> None:
+        """Fill the ``failed`` runs of ``data`` from the fallback tier, or raise."""
         if self._fallback is None:
             raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
                             f"after {self.retries} retries, and no fallback tier is configured")
-        rows = np.flatnonzero(np.isin(run_of, runs))
-        got = self._fallback.read_rows(uniq[rows], torch.empty((len(rows), self.row_bytes), dtype=torch.uint8))
-        data[row_pos[rows][:, None] + np.arange(self.row_bytes)] = got.numpy()
-        self._count(fallback_rows=len(rows), fallback_requests=1)
+        rb = self.row_bytes
+        counts = runs.rows[failed]
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids = np.repeat(self._starts[runs.ext[failed]] + runs.q0[failed], counts) + within
+        got = self._fallback.read_rows(ids, torch.empty((len(ids), rb), dtype=torch.uint8)).numpy()
+        slots = np.repeat(runs.pos[failed] // rb, counts) + within
+        data.reshape(-1, rb)[slots] = got
+        self._count(fallback_rows=len(ids), fallback_requests=1)
 
     # -- bookkeeping --------------------------------------------------------------------
     def stats(self) -> dict:
