@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from operator import itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -41,12 +40,11 @@ DEFAULT_MERGE_GAP_BYTES = 512
 
 
 @lru_cache(maxsize=4)
-def _offset_args(row_bytes: int, rows: int) -> list[bytes]:
-    """GETRANGE's start and end arguments, RESP encoded, for one row at each extent position."""
-    out = []
-    for start in range(0, rows * row_bytes, row_bytes):
-        out.append(_range_args(start, start + row_bytes - 1))
-    return out
+def _offset_args(row_bytes: int, rows: int) -> np.ndarray:
+    """GETRANGE's start and end arguments, RESP encoded, for one row at each extent position
+    (object array ``[rows]`` of bytes)."""
+    return _object_array([_range_args(start, start + row_bytes - 1)
+                          for start in range(0, rows * row_bytes, row_bytes)])
 
 
 def _range_args(start: int, end: int) -> bytes:
@@ -54,11 +52,11 @@ def _range_args(start: int, end: int) -> bytes:
     return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(a), a, len(b), b)
 
 
-def _pick(items: list, index: list[int]) -> list:
-    """``[items[i] for i in index]``, at C speed."""
-    if len(index) == 1:
-        return [items[index[0]]]
-    return list(itemgetter(*index)(items))
+def _object_array(items: list) -> np.ndarray:
+    """``items`` as a 1-D numpy object array (fancy indexing picks many at C speed)."""
+    out = np.empty(len(items), object)
+    out[:] = items
+    return out
 
 
 @dataclass
@@ -130,7 +128,8 @@ class RemoteTier(Tier):
         playout, rb = self.pool_layout, self.row_bytes
         self.fingerprint = playout.fingerprint
         self._starts = playout.starts
-        self._prefix = [b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in playout.keys]
+        self._prefix = _object_array([b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n" % (len(k), k.encode())
+                                      for k in playout.keys])
         self._args = _offset_args(rb, int(playout.counts.max()))
         self._slots = np.array([key_slot(k) for k in playout.keys], np.int32)
         self._merge_rows = 1 + max(0, merge_gap_bytes) // rb
@@ -182,54 +181,74 @@ class RemoteTier(Tier):
 
     # -- reading ------------------------------------------------------------------------
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        # Few numpy calls on the way: at 1,536 rows a request, each call's fixed cost counts.
         rb = self.row_bytes
-        if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
-            uniq, inverse = ids, None  # already distinct and sorted: rows come back in order
+        gaps = np.diff(ids)
+        if len(ids) < 2 or gaps.min() > 0:
+            uniq, inverse = ids, None  # already distinct and sorted
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
-        ext = np.searchsorted(self._starts, uniq, side="right") - 1
+            gaps = np.diff(uniq)
+        ext = self._starts.searchsorted(uniq, side="right") - 1
         q = uniq - self._starts[ext]  # row within its extent
-        new = np.ones(len(uniq), bool)
-        np.logical_or(ext[1:] != ext[:-1], uniq[1:] - uniq[:-1] > self._merge_rows, out=new[1:])
-        first = np.flatnonzero(new)
-        last = np.append(first[1:], len(uniq)) - 1
-        runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
-        addresses, node_of = self._topology
-        run_node = node_of[runs.ext]
-        in_order = bool((run_node[1:] >= run_node[:-1]).all())
-        order = np.arange(len(first)) if in_order else np.argsort(run_node, kind="stable")
-        runs.place(order)
-        data = self._fetch_with_retries(self._jobs(order, run_node[order], addresses, runs), runs)
-        if inverse is None and in_order and len(data) == out.numel():
-            out.numpy().reshape(-1)[:] = data  # rows arrived in the caller's order
+        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
+        run_of = None
+        if joins.any():
+            starts_run = np.empty(len(uniq), bool)
+            starts_run[0] = True
+            np.logical_not(joins, out=starts_run[1:])
+            first = np.flatnonzero(starts_run)
+            last = np.empty_like(first)
+            last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
+            run_of = np.cumsum(starts_run) - 1
+            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
         else:
-            run_of = np.cumsum(new) - 1
-            index = runs.pos[run_of] // rb + (q - runs.q0[run_of])  # row positions in data
-            index = index if inverse is None else index[inverse]
+            runs = _Runs(ext, q, np.ones(len(uniq), np.int64), rb)
+        addresses, node_of = self._topology
+        if len(addresses) == 1:
+            order, nodes = np.arange(len(runs.ext)), np.zeros(1, np.int64)
+        else:
+            run_node = node_of[runs.ext]
+            order = np.argsort(run_node, kind="stable")
+            nodes = run_node[order]
+        runs.place(order)
+        data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
+        if inverse is None and len(addresses) == 1 and len(data) == out.numel():
+            out.numpy().reshape(-1)[:] = data  # the rows arrived in the caller's order
+        else:
+            index = runs.pos // rb if run_of is None else runs.pos[run_of] // rb + (q - runs.q0[run_of])
+            index = index if inverse is None else index[inverse]  # data row of each output row
             rows = data.reshape(-1, rb)
             if out.is_contiguous():  # numpy: torch's parallel copy stalls on busy cores
                 np.take(rows, index, axis=0, out=out.numpy())
             else:
                 out.copy_(torch.from_numpy(rows[index]))
-        self._count(reads=len(first), bytes_read=len(data))
+        self._count(reads=len(runs.ext), bytes_read=len(data))
 
-    def _jobs(self, order: np.ndarray, nodes: np.ndarray, addresses: list[str], runs: "_Runs") -> list[_Job]:
-        """One job per node for the runs ``order`` (grouped by node: ``nodes`` is each one's node)."""
+    def _jobs(self, order: np.ndarray, nodes: np.ndarray, addresses: list[str], runs: "_Runs",
+              contiguous: bool = False) -> list[_Job]:
+        """One job per node for the runs ``order``, grouped by node (``nodes``: their nodes;
+        one entry when all are on one node). ``contiguous``: each node's runs are back to
+        back in the data, in order (so its bytes land with one copy)."""
         rb = self.row_bytes
-        bounds = np.flatnonzero(np.diff(nodes)) + 1
+        bounds = np.flatnonzero(nodes[1:] != nodes[:-1]) + 1
+        if len(bounds):
+            parts, firsts = np.split(order, bounds), nodes[np.concatenate([[0], bounds])].tolist()
+        else:
+            parts, firsts = [order], [int(nodes[0])]
         jobs = []
-        for part, node in zip(np.split(order, bounds), nodes[np.r_[0, bounds]].tolist()):
-            exts, q0s, rows = runs.ext[part].tolist(), runs.q0[part].tolist(), runs.rows[part]
-            args = _pick(self._args, q0s)
-            for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
-                start = q0s[i] * rb
-                args[i] = _range_args(start, start + int(rows[i]) * rb - 1)
-            parts: list = [None] * (2 * len(exts))
-            parts[0::2] = _pick(self._prefix, exts)
-            parts[1::2] = args
-            pos, nbytes = runs.pos[part], int(rows.sum()) * rb
-            contiguous = bool((np.diff(pos) > 0).all()) and int(pos[-1] - pos[0] + rows[-1] * rb) == nbytes
-            jobs.append(_Job(addresses[node], part, b"".join(parts), nbytes, int(pos[0]) if contiguous else None))
+        for part, node in zip(parts, firsts):
+            rows = runs.rows[part]
+            request = np.empty(2 * len(part), object)  # key prefix, range arguments, ...
+            request[0::2] = self._prefix[runs.ext[part]]
+            request[1::2] = self._args[runs.q0[part]]
+            nbytes = int(rows.sum()) * rb
+            if nbytes != len(part) * rb:
+                for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
+                    start = int(runs.q0[part[i]]) * rb
+                    request[2 * i + 1] = _range_args(start, start + int(rows[i]) * rb - 1)
+            dest = int(runs.pos[part[0]]) if contiguous else None
+            jobs.append(_Job(addresses[node], part, b"".join(request.tolist()), nbytes, dest))
         return jobs
 
     def _connection(self, address: str) -> NodeConnection:
