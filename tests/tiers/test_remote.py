@@ -230,3 +230,19 @@ def test_cli_serve_starts_a_cluster_and_stops_it(tmp_path):
         assert proc.wait(15) == 0
     with pytest.raises(PoolError, match="no pool node answers"):
         PoolClient(f"redis://127.0.0.1:{port}", timeout=1)
+
+
+def test_a_password_protected_pool(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp32", 64)]
+    with PoolClient(pool.url) as client:
+        client.each_node("CONFIG", "SET", "requirepass", "s3cret")
+    url = pool.url.replace("redis://", "redis://:s3cret@")
+    publish_table(path, url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=url) as remote:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)
+        assert "s3cret" not in remote.stats()["pool"] and ":***@" in remote.stats()["pool"]
+    with pytest.raises(PoolError, match="refused the credentials"):
+        RemoteTier(read_header(path), pool=url.replace("s3cret", "wrong"))
+    with pytest.raises(PoolError, match="NOAUTH"):
+        PoolClient(pool.url)

@@ -8,6 +8,7 @@ pipeline and follows ``MOVED`` by re-reading the slot map. The remote tier uses
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from typing import Iterable, Sequence
@@ -17,7 +18,8 @@ import numpy as np
 
 from ..errors import TierError
 
-__all__ = ["PoolError", "NodeConnection", "PoolClient", "encode_command", "parse_pool_url", "key_slot"]
+__all__ = ["PoolError", "NodeConnection", "PoolClient", "encode_command", "parse_pool_url", "redact",
+           "key_slot"]
 
 NUM_SLOTS = 16384
 RECV_BYTES = 1 << 20
@@ -57,10 +59,14 @@ def encode_command(*args: str | bytes | int) -> bytes:
     return b"".join(parts)
 
 
-def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str | None]:
-    """``redis://host:port[,host:port...][/FINGERPRINT]`` -> (seed addresses, fingerprint or None)."""
+Auth = tuple[str | None, str]  # (ACL user or None, password)
+
+
+def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str | None, Auth | None]:
+    """``redis://[[user]:password@]host:port[,host:port...][/FINGERPRINT]`` -> (seed
+    addresses, fingerprint or None, credentials or None)."""
     text = url if isinstance(url, str) else ",".join(url)
-    seeds, fp = [], None
+    seeds, fp, auth = [], None, None
     for part in text.split(","):
         part = part.strip()
         if not part:
@@ -77,18 +83,26 @@ def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str
         if not host or not port:
             raise ValueError(f"pool address {part!r} lacks a host and port: use redis://host:port")
         seeds.append((host, port))
+        if split.password is not None:
+            auth = (split.username or None, split.password)
         path = split.path.strip("/")
         if path:
             fp = path
     if not seeds:
         raise ValueError(f"no pool address in {text!r}: use redis://host:port[,host:port...]")
-    return seeds, fp
+    return seeds, fp, auth
+
+
+def redact(url: str | Sequence[str]) -> str:
+    """``url`` with any password replaced by ``***`` (for messages)."""
+    text = url if isinstance(url, str) else ",".join(url)
+    return re.sub(r"(://[^:/@,]*:)[^@]*@", r"\1***@", text)
 
 
 class NodeConnection:
     """One socket to one Redis node, with its own ``hiredis.Reader``."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, timeout: float, auth: Auth | None = None) -> None:
         self.address = f"{host}:{port}"
         self._reader = _import_hiredis().Reader()
         self._buf = bytearray(RECV_BYTES)
@@ -98,6 +112,12 @@ class NodeConnection:
         except OSError as exc:
             raise ConnectionError(f"cannot connect to {self.address}: {exc}") from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if auth is not None:
+            user, password = auth
+            reply = self.call("AUTH", *([user] if user else []), password)
+            if isinstance(reply, Exception):
+                self.close()
+                raise PoolError(f"{self.address} refused the credentials in the pool URL: {reply}")
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -138,7 +158,7 @@ class PoolClient:
     """
 
     def __init__(self, urls: str | Sequence[str], timeout: float = 5.0) -> None:
-        self.seeds, self.url_fingerprint = parse_pool_url(urls)
+        self.seeds, self.url_fingerprint, self.auth = parse_pool_url(urls)
         self.timeout = timeout
         self._lock = threading.Lock()
         self._conns: dict[str, NodeConnection] = {}
@@ -154,7 +174,7 @@ class PoolClient:
             errors = []
             for host, port in dict.fromkeys([*self.seeds, *self.nodes]):
                 try:
-                    conn = NodeConnection(host, port, self.timeout)
+                    conn = NodeConnection(host, port, self.timeout, self.auth)
                 except ConnectionError as exc:
                     errors.append(str(exc))
                     continue
@@ -207,7 +227,7 @@ class PoolClient:
         conn = self._conns.get(address)
         if conn is None:
             try:
-                conn = self._conns[address] = NodeConnection(*self.nodes[node], self.timeout)
+                conn = self._conns[address] = NodeConnection(*self.nodes[node], self.timeout, self.auth)
             except ConnectionError as exc:
                 raise PoolError(str(exc)) from exc
         return conn

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import TierError
-from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url
+from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
 from ..pool.layout import PoolLayout, fingerprint
 from ..pool.publish import check_complete, read_pool_table
 from ..table.format import TableHeader, read_header
@@ -111,7 +111,7 @@ class RemoteTier(Tier):
         super().__init__(header)
         if retries < 0 or timeout_s <= 0:
             raise ValueError(f"retries must be >= 0 and timeout_s > 0, got {retries} and {timeout_s}")
-        self.pool_url = pool if isinstance(pool, str) else ",".join(pool)
+        self.pool_url = redact(pool)  # for messages and stats
         self.retries, self.timeout_s, self.retry_backoff_s = retries, timeout_s, retry_backoff_s
         self._local = threading.local()
         self._conns_lock = threading.Lock()
@@ -258,7 +258,7 @@ class RemoteTier(Tier):
         conn = conns.get(address)
         if conn is None:
             host, port = address.rsplit(":", 1)
-            conn = conns[address] = NodeConnection(host, int(port), self.timeout_s)
+            conn = conns[address] = NodeConnection(host, int(port), self.timeout_s, self._client.auth)
             with self._conns_lock:
                 self._conns.append(conn)
         return conn
@@ -383,7 +383,7 @@ class RemoteTier(Tier):
 
 def open_pool_table(url: str, **options) -> RemoteTier:
     """Open ``redis://host:port[,...]/FINGERPRINT`` without the table file (header from the pool)."""
-    seeds, fp = parse_pool_url(url)
+    _, fp, _ = parse_pool_url(url)
     if fp is None:
         raise ValueError(f"{url!r} names no table: use redis://host:port[,host:port...]/FINGERPRINT "
                          "(fingerprints: engram-offload pool status)")
