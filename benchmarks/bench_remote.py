@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngramConfig.from_name("deepseek-v4.1-flash").scaled(args.scale)
         make_random_table(args.table, config, seed=args.seed, progress=False)
     header = read_header(args.table)
+    machine = machine_facts(args.table)  # its loadavg: before the runs
     results = []
     with tempfile.TemporaryDirectory(prefix="engram-bench-remote-") as tmp:
         for nodes in (int(n) for n in args.nodes.split(",")):
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   "row_format": header.layout.row_format},
         "params": {k: v for k, v in vars(args).items() if k not in ("table", "out")},
         "targets": TARGETS,
-        "machine": machine_facts(args.table),
+        "machine": {**machine, "loadavg_after": os.getloadavg()},
         "pools": results,
     }
     if args.out:

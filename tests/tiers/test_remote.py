@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -246,3 +247,30 @@ def test_a_password_protected_pool(tables, fresh_pool):
         RemoteTier(read_header(path), pool=url.replace("s3cret", "wrong"))
     with pytest.raises(PoolError, match="NOAUTH"):
         PoolClient(pool.url)
+
+
+def test_threads_share_a_tier_and_any_out_layout_works(tables, redis_cluster):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, redis_cluster.url, extent_rows=EXTENT_ROWS, progress=False)
+    errors = []
+    with RemoteTier(read_header(path), pool=redis_cluster.url) as remote:
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(20):
+                    ids = rng.integers(0, remote.num_rows, 300)
+                    if not np.array_equal(read(remote, ids), expected[ids]):
+                        errors.append(f"thread {seed}: wrong rows")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"thread {seed}: {exc!r}")
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        ids = np.array([9, 3, 3, 700, 2], np.int64)
+        out = torch.empty((remote.row_bytes, len(ids)), dtype=torch.uint8).t()  # not contiguous
+        remote.read_rows(ids, out)
+        assert np.array_equal(out.numpy(), expected[ids])

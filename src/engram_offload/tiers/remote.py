@@ -74,8 +74,9 @@ class _Runs:
     """Ranges of neighbouring rows of one extent: extent, first row in it, rows; and
     (after ``place``) each range's byte position in the fetched data."""
 
-    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray, row_bytes: int) -> None:
-        self.ext, self.q0, self.rows, self.row_bytes = ext, q0, rows, row_bytes
+    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray, row_bytes: int,
+                 merged: bool = False) -> None:
+        self.ext, self.q0, self.rows, self.row_bytes, self.merged = ext, q0, rows, row_bytes, merged
         self.nbytes = int(rows.sum()) * row_bytes
         self.pos = np.empty(0, np.int64)
 
@@ -201,12 +202,12 @@ class RemoteTier(Tier):
             last = np.empty_like(first)
             last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
             run_of = np.cumsum(starts_run) - 1
-            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
+            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb, merged=True)
         else:
             runs = _Runs(ext, q, np.ones(len(uniq), np.int64), rb)
         addresses, node_of = self._topology
         if len(addresses) == 1:
-            order, nodes = np.arange(len(runs.ext)), np.zeros(1, np.int64)
+            order, nodes = np.arange(len(runs.ext)), None
         else:
             run_node = node_of[runs.ext]
             order = np.argsort(run_node, kind="stable")
@@ -225,30 +226,31 @@ class RemoteTier(Tier):
                 out.copy_(torch.from_numpy(rows[index]))
         self._count(reads=len(runs.ext), bytes_read=len(data))
 
-    def _jobs(self, order: np.ndarray, nodes: np.ndarray, addresses: list[str], runs: "_Runs",
+    def _jobs(self, order: np.ndarray, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
               contiguous: bool = False) -> list[_Job]:
-        """One job per node for the runs ``order``, grouped by node (``nodes``: their nodes;
-        one entry when all are on one node). ``contiguous``: each node's runs are back to
-        back in the data, in order (so its bytes land with one copy)."""
+        """One job per node for the runs ``order``, grouped by node (``nodes``: the node of
+        each, or None when one node serves them all). ``contiguous``: each node's runs are
+        back to back in the data, in order (so its bytes land with one copy)."""
         rb = self.row_bytes
-        bounds = np.flatnonzero(nodes[1:] != nodes[:-1]) + 1
-        if len(bounds):
-            parts, firsts = np.split(order, bounds), nodes[np.concatenate([[0], bounds])].tolist()
+        ext, q0, rows = runs.ext[order], runs.q0[order], runs.rows[order]
+        request = np.empty(2 * len(order), object)  # key prefix, range arguments, ...
+        request[0::2] = self._prefix[ext]
+        request[1::2] = self._args[q0]
+        if runs.merged:
+            for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
+                start = int(q0[i]) * rb
+                request[2 * i + 1] = _range_args(start, start + int(rows[i]) * rb - 1)
+        if nodes is None:
+            bounds, firsts = [0, len(order)], [0]
         else:
-            parts, firsts = [order], [int(nodes[0])]
+            cuts = (np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()
+            bounds, firsts = [0, *cuts, len(order)], nodes[[0, *cuts]].tolist()
+        ends = np.cumsum(rows).tolist()
         jobs = []
-        for part, node in zip(parts, firsts):
-            rows = runs.rows[part]
-            request = np.empty(2 * len(part), object)  # key prefix, range arguments, ...
-            request[0::2] = self._prefix[runs.ext[part]]
-            request[1::2] = self._args[runs.q0[part]]
-            nbytes = int(rows.sum()) * rb
-            if nbytes != len(part) * rb:
-                for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
-                    start = int(runs.q0[part[i]]) * rb
-                    request[2 * i + 1] = _range_args(start, start + int(rows[i]) * rb - 1)
-            dest = int(runs.pos[part[0]]) if contiguous else None
-            jobs.append(_Job(addresses[node], part, b"".join(request.tolist()), nbytes, dest))
+        for a, b, node in zip(bounds[:-1], bounds[1:], firsts):
+            nbytes = (ends[b - 1] - (ends[a - 1] if a else 0)) * rb
+            dest = int(runs.pos[order[a]]) if contiguous else None
+            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), nbytes, dest))
         return jobs
 
     def _connection(self, address: str) -> NodeConnection:
