@@ -274,3 +274,20 @@ def test_threads_share_a_tier_and_any_out_layout_works(tables, redis_cluster):
         out = torch.empty((remote.row_bytes, len(ids)), dtype=torch.uint8).t()  # not contiguous
         remote.read_rows(ids, out)
         assert np.array_equal(out.numpy(), expected[ids])
+
+
+def test_a_hung_node_times_out_within_the_bound(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp16", 48)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0) as remote:
+        process = pool.nodes[0].process
+        process.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TierError, match="timed out"):
+                read(remote, [0, 1, 500])
+            assert time.monotonic() - start < 2 * (0.3 * 2 + 0.3)  # (retries + 1) x timeout, and the map refresh
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert np.array_equal(read(remote, [0, 1, 500]), expected[[0, 1, 500]])  # fresh sockets afterwards
