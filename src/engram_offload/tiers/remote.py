@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -71,20 +71,30 @@ class _Job:
 
 
 class _Runs:
-    """Ranges of neighbouring rows of one extent: extent, first row in it, rows; and
-    (after ``place``) each range's byte position in the fetched data."""
+    """Ranges of neighbouring rows of one extent: extent, first row in it, rows (None: one
+    row each); and (after ``place``) each range's byte position in the fetched data."""
 
-    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray, row_bytes: int,
-                 merged: bool = False) -> None:
-        self.ext, self.q0, self.rows, self.row_bytes, self.merged = ext, q0, rows, row_bytes, merged
-        self.nbytes = int(rows.sum()) * row_bytes
-        self.pos = np.empty(0, np.int64)
+    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray | None, row_bytes: int) -> None:
+        self.ext, self.q0, self.row_bytes = ext, q0, row_bytes
+        self.merged = rows is not None
+        self.rows = rows if rows is not None else np.ones(len(ext), np.int64)
+        self.nbytes = (int(rows.sum()) if rows is not None else len(ext)) * row_bytes
+        self.order: np.ndarray | None = None
 
-    def place(self, order: np.ndarray) -> None:
-        """Lay the runs out in ``order`` (grouped by node, so each node's bytes are contiguous)."""
+    def place(self, order: np.ndarray | None) -> None:
+        """Lay the runs out in ``order`` (grouped by node, so each node's bytes are
+        contiguous); None keeps their own order."""
+        self.order = order
+        self.__dict__.pop("pos", None)
+
+    @cached_property
+    def pos(self) -> np.ndarray:
+        """Byte position of every run in the data (int64 ``[runs]``)."""
+        order = self.order if self.order is not None else np.arange(len(self.ext))
         nbytes = self.rows[order] * self.row_bytes
-        self.pos = np.empty(len(order), np.int64)
-        self.pos[order] = np.cumsum(nbytes) - nbytes
+        pos = np.empty(len(order), np.int64)
+        pos[order] = np.cumsum(nbytes) - nbytes
+        return pos
 
 
 class RemoteTier(Tier):
@@ -202,12 +212,12 @@ class RemoteTier(Tier):
             last = np.empty_like(first)
             last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
             run_of = np.cumsum(starts_run) - 1
-            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb, merged=True)
+            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
         else:
-            runs = _Runs(ext, q, np.ones(len(uniq), np.int64), rb)
+            runs = _Runs(ext, q, None, rb)
         addresses, node_of = self._topology
         if len(addresses) == 1:
-            order, nodes = np.arange(len(runs.ext)), None
+            order, nodes = None, None
         else:
             run_node = node_of[runs.ext]
             order = np.argsort(run_node, kind="stable")
@@ -226,13 +236,17 @@ class RemoteTier(Tier):
                 out.copy_(torch.from_numpy(rows[index]))
         self._count(reads=len(runs.ext), bytes_read=len(data))
 
-    def _jobs(self, order: np.ndarray, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
+    def _jobs(self, order: np.ndarray | None, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
               contiguous: bool = False) -> list[_Job]:
-        """One job per node for the runs ``order``, grouped by node (``nodes``: the node of
-        each, or None when one node serves them all). ``contiguous``: each node's runs are
-        back to back in the data, in order (so its bytes land with one copy)."""
+        """One job per node for the runs ``order`` (None: all, in their order), grouped by
+        node (``nodes``: the node of each, or None when one node serves them all).
+        ``contiguous``: each node's runs lie back to back in the data, in order (so its
+        bytes land with one copy)."""
         rb = self.row_bytes
-        ext, q0, rows = runs.ext[order], runs.q0[order], runs.rows[order]
+        if order is None:
+            order, ext, q0, rows = np.arange(len(runs.ext)), runs.ext, runs.q0, runs.rows
+        else:
+            ext, q0, rows = runs.ext[order], runs.q0[order], runs.rows[order]
         request = np.empty(2 * len(order), object)  # key prefix, range arguments, ...
         request[0::2] = self._prefix[ext]
         request[1::2] = self._args[q0]
@@ -245,12 +259,15 @@ class RemoteTier(Tier):
         else:
             cuts = (np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()
             bounds, firsts = [0, *cuts, len(order)], nodes[[0, *cuts]].tolist()
-        ends = np.cumsum(rows).tolist()
+        row_ends = np.cumsum(rows).tolist() if runs.merged else None
         jobs = []
         for a, b, node in zip(bounds[:-1], bounds[1:], firsts):
-            nbytes = (ends[b - 1] - (ends[a - 1] if a else 0)) * rb
-            dest = int(runs.pos[order[a]]) if contiguous else None
-            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), nbytes, dest))
+            count = (row_ends[b - 1] - (row_ends[a - 1] if a else 0)) if row_ends else b - a  # rows
+            if not contiguous:
+                dest = None
+            else:  # in its own order, the data starts with the first (and only) node's bytes
+                dest = 0 if runs.order is None else int(runs.pos[order[a]])
+            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), count * rb, dest))
         return jobs
 
     def _connection(self, address: str) -> NodeConnection:
