@@ -1,0 +1,124 @@
+"""``pool publish|status|drop|serve``: one copy of a table in a Redis pool for many machines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+
+DEFAULT_URL = "redis://127.0.0.1:7001"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    pool = sub.add_parser(
+        "pool", help="publish tables into a Redis pool (the remote tier), list, drop, serve one",
+        description="A pooled copy of a table in Redis Cluster (or one Redis server), read by the "
+        "remote tier: open_table(TABLE, tier='remote', pool='redis://host:port[,...]').",
+    )
+    cmds = pool.add_subparsers(dest="pool_command", metavar="POOL_COMMAND", required=True)
+
+    pub = cmds.add_parser("publish", help="load a table into the pool (resumes an interrupted publish)",
+                          description="Stream a table into the pool, extent by extent, checking every block "
+                          "of the file; extents already there with the right checksum are skipped, and the "
+                          "table is marked complete only when every extent is in.")
+    pub.add_argument("table", metavar="TABLE")
+    _add_url(pub)
+    pub.add_argument("--extent-rows", type=int, default=1 << 18,
+                     help="rows per extent key (default 262,144; at most 512 MiB an extent)")
+    pub.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pub.add_argument("--json", action="store_true", help="print JSON")
+    pub.set_defaults(func=cmd_publish)
+
+    stat = cmds.add_parser("status", help="the pool's nodes and tables",
+                           description="List the pool's nodes (memory used) and every table in it, "
+                           "with whether it is complete.")
+    _add_url(stat)
+    stat.add_argument("--json", action="store_true", help="print JSON")
+    stat.set_defaults(func=cmd_status)
+
+    drop = cmds.add_parser("drop", help="delete one table's keys from the pool",
+                           description="Delete every key of the table with this fingerprint (see pool "
+                           "status); keys of other tables are never touched.")
+    drop.add_argument("fingerprint", metavar="FINGERPRINT")
+    _add_url(drop)
+    drop.set_defaults(func=cmd_drop)
+
+    serve = cmds.add_parser("serve", help="run a loopback Redis pool to try the remote tier",
+                            description="Start NODES redis-server processes on 127.0.0.1 from PORT on, "
+                            "without persistence: one plain server, or a Redis Cluster for NODES > 1. "
+                            "Runs until interrupted. For production use an existing Redis Cluster with "
+                            "replicas (docs/pool.md).")
+    serve.add_argument("--nodes", type=int, default=3, help="servers to start (default 3)")
+    serve.add_argument("--port", type=int, default=7001, help="first port (default 7001)")
+    serve.add_argument("--dir", help="working folder for the servers' logs (default: a temporary one)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def _add_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis", default=DEFAULT_URL, metavar="URL",
+                        help=f"pool nodes, redis://host:port[,host:port...] (default {DEFAULT_URL})")
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from ..pool.publish import publish_table
+
+    result = publish_table(args.table, args.redis, extent_rows=args.extent_rows,
+                           progress=False if args.no_progress else None)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"table {result['fingerprint']} is in the pool ({result['nodes']} node(s)): "
+          f"{result['extents']:,} extents, {result['sent']:,} sent ({result['bytes_sent'] / 2**20:,.1f} MiB), "
+          f"{result['skipped']:,} already there")
+    print(f"open it with tier='remote', pool='{args.redis}', or without the file as "
+          f"{args.redis}/{result['fingerprint']}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..pool.publish import pool_status
+
+    status = pool_status(args.redis)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    kind = "Redis Cluster" if status["cluster"] else "one Redis server"
+    print(f"{kind}, {len(status['nodes'])} node(s):")
+    for node in status["nodes"]:
+        print(f"  {node['address']}  {node['used_memory'] / 2**20:,.1f} MiB used")
+    if not status["tables"]:
+        print("no tables")
+    for t in status["tables"]:
+        state = "complete" if t["complete"] else "INCOMPLETE: " + "; ".join(t["problems"])
+        print(f"table {t['fingerprint']}: {t['rows']:,} rows of {t['row_bytes']} bytes ({t['row_format']}), "
+              f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, {state}")
+    return 0
+
+
+def cmd_drop(args: argparse.Namespace) -> int:
+    from ..pool.publish import drop_table
+
+    deleted = drop_table(args.redis, args.fingerprint)
+    print(f"dropped table {args.fingerprint}: {deleted:,} keys deleted" if deleted
+          else f"table {args.fingerprint} was not in the pool; nothing deleted")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..pool.servers import start_local_pool
+
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with start_local_pool(args.nodes, args.port, args.dir) as pool:
+            kind = "a Redis Cluster" if pool.cluster else "one Redis server"
+            print(f"serving {kind} on {pool.url} (no persistence, 127.0.0.1 only); Ctrl-C stops it", flush=True)
+            print(f"  engram-offload pool publish TABLE --redis {pool.url}", flush=True)
+            try:
+                stop.wait()
+            except KeyboardInterrupt:
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

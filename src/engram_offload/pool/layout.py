@@ -1,0 +1,156 @@
+"""How a table lies in a Redis pool: extents, key names, the stored header.
+
+Rows are cut along the table's natural extents: per layer, per (order, head) in the
+order of ``EngramConfig.head_sizes``, each head's rows are split into extents of at most
+``extent_rows`` rows. One string key per extent holds its rows back to back in the
+table's packed row format, so row ``r`` of an extent starting at row ``s`` lies at byte
+``(r - s) * row_bytes``::
+
+    <fp>:engram:l<L>:h<H>:e<k>      extent k of head H (order * n_heads + head) of layer L
+    {<fp>}:engram:header            JSON: pool layout version, extent_rows, the table header
+    {<fp>}:engram:manifest          hash: extent index -> xxh3_64 of the extent's bytes
+    {<fp>}:engram:complete          JSON written last: extent count, digest of the manifest
+
+``<fp>`` is the table's fingerprint: xxh3_64 of its header JSON and of its block
+checksums (so two tables of one layout but other rows differ). Extent keys carry no
+braces, so Redis Cluster hashes the whole key and spreads a table's extents over the
+16,384 slots and so over the nodes; the meta keys share the hash tag ``{<fp>}`` and sit
+together in one slot. Every key of a table starts with its fingerprint, so dropping a
+table never touches another's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..config import EngramConfig
+from ..errors import TableFormatError
+from ..table.format import TableHeader, TableLayout
+
+__all__ = ["POOL_LAYOUT_VERSION", "DEFAULT_EXTENT_ROWS", "MAX_EXTENT_BYTES", "PoolLayout",
+           "fingerprint", "header_from_record"]
+
+POOL_LAYOUT_VERSION = 1
+DEFAULT_EXTENT_ROWS = 1 << 18
+MAX_EXTENT_BYTES = 512 << 20  # Redis's largest string
+
+
+def fingerprint(header: TableHeader) -> str:
+    """16 hex digits naming a table: its header JSON and its block checksums."""
+    digest = xxhash.xxh3_64(header.layout.header_json())
+    digest.update(np.ascontiguousarray(header.block_digests, dtype="<u8").tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """A table's extents in the pool: their keys, first rows and sizes."""
+
+    header: TableHeader
+    extent_rows: int = DEFAULT_EXTENT_ROWS
+
+    def __post_init__(self) -> None:
+        if self.extent_rows < 1:
+            raise ValueError(f"extent_rows must be >= 1, got {self.extent_rows}")
+        if self.extent_rows * self.header.layout.row_bytes > MAX_EXTENT_BYTES:
+            raise ValueError(
+                f"extents of {self.extent_rows:,} rows of {self.header.layout.row_bytes} bytes exceed "
+                f"Redis's {MAX_EXTENT_BYTES >> 20} MiB string limit: choose fewer extent rows"
+            )
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return fingerprint(self.header)
+
+    @cached_property
+    def _extents(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        config, fp, size = self.header.config, self.fingerprint, self.extent_rows
+        keys, starts, counts = [], [], []
+        for layer, base in zip(config.layer_ids, config.layer_row_bases):
+            for head, (offset, rows) in enumerate(zip(config.head_offsets(layer), config.head_sizes(layer))):
+                for k, first in enumerate(range(0, rows, size)):
+                    keys.append(f"{fp}:engram:l{layer}:h{head}:e{k}")
+                    starts.append(base + offset + first)
+                    counts.append(min(size, rows - first))
+        return keys, np.array(starts, np.int64), np.array(counts, np.int64)
+
+    @property
+    def keys(self) -> list[str]:
+        """Every extent's key, in row order."""
+        return self._extents[0]
+
+    @property
+    def starts(self) -> np.ndarray:
+        """First row of every extent (int64 ``[extents]``, increasing)."""
+        return self._extents[1]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Rows of every extent (int64 ``[extents]``)."""
+        return self._extents[2]
+
+    @property
+    def num_extents(self) -> int:
+        return len(self.keys)
+
+    def extent_of(self, ids: np.ndarray) -> np.ndarray:
+        """Extent index of every row id (int64 ``[n]``, ids range checked)."""
+        return np.searchsorted(self.starts, ids, side="right") - 1
+
+    def extent_bytes(self, extent: int) -> int:
+        return int(self.counts[extent]) * self.header.layout.row_bytes
+
+    # -- meta keys ---------------------------------------------------------------------
+    @property
+    def header_key(self) -> str:
+        return meta_key(self.fingerprint, "header")
+
+    @property
+    def manifest_key(self) -> str:
+        return meta_key(self.fingerprint, "manifest")
+
+    @property
+    def complete_key(self) -> str:
+        return meta_key(self.fingerprint, "complete")
+
+    def header_record(self) -> bytes:
+        """The JSON stored under ``header_key``: enough to open the table without its file."""
+        return json.dumps({
+            "pool_layout": POOL_LAYOUT_VERSION,
+            "fingerprint": self.fingerprint,
+            "extent_rows": self.extent_rows,
+            "table": self.header.layout.header_dict(),
+            "block_digests": np.ascontiguousarray(self.header.block_digests, "<u8").tobytes().hex(),
+        }, sort_keys=True).encode()
+
+
+def meta_key(fp: str, what: str) -> str:
+    return f"{{{fp}}}:engram:{what}"
+
+
+def header_from_record(record: bytes, where: str) -> tuple[TableHeader, int]:
+    """(the table header, extent_rows) from a stored header record; ``where`` names it in errors."""
+    try:
+        meta: dict[str, Any] = json.loads(record)
+        if meta["pool_layout"] != POOL_LAYOUT_VERSION:
+            raise TableFormatError(
+                f"{where} has pool layout version {meta['pool_layout']}; this engram-offload reads "
+                f"version {POOL_LAYOUT_VERSION}: publish the table again"
+            )
+        table = meta["table"]
+        layout = TableLayout(EngramConfig(**table["config"]), int(table["block_size"]), int(table["data_offset"]))
+        digests = np.frombuffer(bytes.fromhex(meta["block_digests"]), "<u8").copy()
+        header = TableHeader(Path(meta["fingerprint"]), layout, digests)
+        extent_rows = int(meta["extent_rows"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TableFormatError(f"{where}: unreadable table header in the pool ({exc})") from None
+    if fingerprint(header) != meta["fingerprint"] or len(digests) != layout.num_blocks:
+        raise TableFormatError(f"{where}: the stored table header does not match its fingerprint")
+    return header, extent_rows

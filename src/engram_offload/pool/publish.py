@@ -1,0 +1,226 @@
+"""Loading a table into a Redis pool, listing the pool, dropping a table from it.
+
+``publish_table`` streams the table file once, checking each block against its
+checksum, cuts the rows into extents (``layout.PoolLayout``) and writes each extent
+that the pool lacks: ``SET`` the extent, then record its xxh3_64 in the manifest. An
+extent already present with the right length and manifest digest is skipped, so an
+interrupted publish resumes where it stopped. The ``complete`` marker is written last,
+after every extent's length and digest has been checked, and readers refuse a table
+without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from ..table.format import TableHeader, read_header
+from ..table.progress import byte_progress
+from ..table.verify import checksum_error
+from .client import PoolClient, PoolError
+from .layout import DEFAULT_EXTENT_ROWS, PoolLayout, header_from_record, meta_key
+
+__all__ = ["publish_table", "pool_status", "drop_table", "read_pool_table", "check_complete"]
+
+READ_CHUNK_BYTES = 32 << 20
+FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterator[np.ndarray]:
+    """The table's rows in order, as flat uint8 chunks of whole rows, each block verified."""
+    layout = header.layout
+    rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
+    chunk_pages = max(1, (READ_CHUNK_BYTES // layout.block_size) * layout.block_size // page)
+    staging = bytearray(chunk_pages * page)
+    rows_left = layout.num_rows
+    with open(header.path, "rb", buffering=0) as f:
+        f.seek(layout.data_offset)
+        for first_page in range(0, layout.num_pages, chunk_pages):
+            pages = min(chunk_pages, layout.num_pages - first_page)
+            view = memoryview(staging)[: pages * page]
+            if f.readinto(view) != len(view):
+                raise EOFError(f"{header.path} ended early while publishing; the file changed under us")
+            start = first_page * page
+            for i in range(0, len(view), layout.block_size):  # chunks start on block boundaries
+                block = (start + i) // layout.block_size
+                if xxhash.xxh3_64_intdigest(view[i: i + layout.block_size]) != int(header.block_digests[block]):
+                    raise checksum_error(header, block)
+            rows = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb].reshape(-1, rb)
+            take = min(len(rows), rows_left)
+            rows_left -= take
+            advance(len(view))
+            yield rows[:take].reshape(-1)
+
+
+def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tuple[int, memoryview]]:
+    """(extent index, its bytes) in order; the bytes are valid until the next item."""
+    sizes = (playout.counts * playout.header.layout.row_bytes).tolist()
+    buf = np.empty(max(sizes), np.uint8)
+    extent, filled = 0, 0
+    for flat in _dense_chunks(playout.header, advance):
+        pos = 0
+        while pos < len(flat):
+            take = min(sizes[extent] - filled, len(flat) - pos)
+            buf[filled: filled + take] = flat[pos: pos + take]
+            filled, pos = filled + take, pos + take
+            if filled == sizes[extent]:
+                yield extent, memoryview(buf)[:filled]
+                extent, filled = extent + 1, 0
+
+
+def _hgetall(client: PoolClient, key: str) -> dict[str, str]:
+    flat = client.call("HGETALL", key)
+    return {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+
+
+def _lengths(client: PoolClient, playout: PoolLayout) -> np.ndarray:
+    replies = client.execute([("STRLEN", key) for key in playout.keys])
+    bad = next((r for r in replies if isinstance(r, Exception)), None)
+    if bad is not None:
+        raise PoolError(f"STRLEN failed: {bad}")
+    return np.array(replies, np.int64)
+
+
+def _complete_record(playout: PoolLayout, manifest: dict[str, str]) -> bytes:
+    digests = "\n".join(manifest[str(e)] for e in range(playout.num_extents))
+    return json.dumps({
+        "fingerprint": playout.fingerprint,
+        "extents": playout.num_extents,
+        "extent_rows": playout.extent_rows,
+        "manifest_xxh3": xxhash.xxh3_64_hexdigest(digests.encode()),
+    }, sort_keys=True).encode()
+
+
+def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
+    """What keeps the table from being served (empty when complete): the complete marker,
+    the manifest and every extent's length are checked."""
+    marker = client.call("GET", playout.complete_key)
+    if marker is None:
+        return ["no complete marker: the publish has not finished"]
+    manifest = _hgetall(client, playout.manifest_key)
+    missing = [str(e) for e in range(playout.num_extents) if str(e) not in manifest]
+    if missing:
+        return [f"the manifest lacks {len(missing)} of {playout.num_extents} extents"]
+    if marker != _complete_record(playout, manifest):
+        return ["the complete marker does not match the manifest (another publish under way?)"]
+    expected = playout.counts * playout.header.layout.row_bytes
+    lengths = _lengths(client, playout)
+    wrong = np.flatnonzero(lengths != expected)
+    return [f"extent {playout.keys[int(e)]} holds {int(lengths[e]):,} bytes, expected {int(expected[e]):,}"
+            for e in wrong[:5]] + ([f"... and {len(wrong) - 5} more extents"] if len(wrong) > 5 else [])
+
+
+def publish_table(
+    path: str | os.PathLike[str],
+    url: str | Sequence[str],
+    *,
+    extent_rows: int = DEFAULT_EXTENT_ROWS,
+    progress: bool | None = None,
+    on_extent: Callable[[int], None] | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """Load the table at ``path`` into the pool at ``url``; resume an interrupted publish.
+
+    ``on_extent(extent)`` is called after each extent is in place. Returns the
+    fingerprint, extent count and how many extents were sent or already there.
+    """
+    playout = PoolLayout(read_header(path), extent_rows)
+    with PoolClient(url, timeout=timeout) as client:
+        stored = client.call("GET", playout.header_key)
+        if stored is not None:
+            _, rows = header_from_record(stored, f"pool table {playout.fingerprint}")
+            if rows != extent_rows:
+                raise PoolError(
+                    f"table {playout.fingerprint} is already in the pool with extents of {rows:,} rows: "
+                    f"publish with extent rows {rows:,}, or drop it first (pool drop {playout.fingerprint})"
+                )
+        else:
+            client.call("SET", playout.header_key, playout.header_record())
+        result = {"fingerprint": playout.fingerprint, "extents": playout.num_extents, "sent": 0,
+                  "skipped": 0, "bytes_sent": 0, "nodes": len(client.nodes)}
+        if not check_complete(client, playout):
+            result["skipped"] = playout.num_extents
+            return result
+        client.call("DEL", playout.complete_key)  # readers refuse the table until it is whole again
+        manifest = _hgetall(client, playout.manifest_key)
+        lengths = _lengths(client, playout).tolist()
+        layout = playout.header.layout
+        with byte_progress(f"publishing {playout.header.path.name}", layout.data_bytes, progress) as advance:
+            for extent, data in _extents(playout, advance):
+                digest = xxhash.xxh3_64_hexdigest(data)
+                if manifest.get(str(extent)) == digest and lengths[extent] == len(data):
+                    result["skipped"] += 1
+                else:
+                    client.call("SET", playout.keys[extent], data)
+                    client.call("HSET", playout.manifest_key, extent, digest)
+                    result["sent"] += 1
+                    result["bytes_sent"] += len(data)
+                if on_extent is not None:
+                    on_extent(extent)
+        manifest = _hgetall(client, playout.manifest_key)
+        client.call("SET", playout.complete_key, _complete_record(playout, manifest))
+        problems = check_complete(client, playout)
+        if problems:
+            client.call("DEL", playout.complete_key)
+            raise PoolError(f"publish of {playout.fingerprint} did not hold: {'; '.join(problems)}")
+    return result
+
+
+def read_pool_table(client: PoolClient, fp: str) -> PoolLayout:
+    """The layout of table ``fp`` as stored in the pool (``PoolError`` when it is not there)."""
+    if not FINGERPRINT.match(fp):
+        raise ValueError(f"{fp!r} is not a table fingerprint (16 hex digits; see pool status)")
+    stored = client.call("GET", meta_key(fp, "header"))
+    if stored is None:
+        raise PoolError(f"table {fp} is not in the pool: publish it (engram-offload pool publish TABLE)")
+    header, extent_rows = header_from_record(stored, f"pool table {fp}")
+    return PoolLayout(header, extent_rows)
+
+
+def pool_status(url: str | Sequence[str], timeout: float = 10.0) -> dict[str, Any]:
+    """The pool's nodes (with their memory use) and every table in it, complete or not."""
+    with PoolClient(url, timeout=timeout) as client:
+        memory = [_info_field(info, "used_memory") for info in client.each_node("INFO", "memory")]
+        nodes = [{"address": client.address(i), "used_memory": memory[i]} for i in range(len(client.nodes))]
+        tables = []
+        for key in sorted(set(client.scan("{*}:engram:header"))):
+            fp = key.decode()[1:17]
+            playout = read_pool_table(client, fp)
+            problems = check_complete(client, playout)
+            layout = playout.header.layout
+            tables.append({
+                "fingerprint": fp, "complete": not problems, "problems": problems,
+                "extents": playout.num_extents, "extent_rows": playout.extent_rows,
+                "manifest_extents": int(client.call("HLEN", playout.manifest_key)),
+                "rows": layout.num_rows, "row_format": layout.row_format, "row_bytes": layout.row_bytes,
+                "bytes": layout.num_rows * layout.row_bytes,
+            })
+    return {"cluster": client.cluster, "nodes": nodes, "tables": tables}
+
+
+def _info_field(info: bytes, name: str) -> int:
+    for line in info.decode(errors="replace").splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split(":", 1)[1])
+    return -1
+
+
+def drop_table(url: str | Sequence[str], fp: str, timeout: float = 30.0) -> int:
+    """Delete every key of table ``fp`` (and no other key); return how many were deleted."""
+    if not FINGERPRINT.match(fp):
+        raise ValueError(f"{fp!r} is not a table fingerprint (16 hex digits; see pool status)")
+    with PoolClient(url, timeout=timeout) as client:
+        deleted = int(client.call("DEL", meta_key(fp, "complete")))  # first: readers stop at once
+        extents = sorted(set(client.scan(f"{fp}:engram:*")))
+        meta = sorted(set(client.scan(f"{{{fp}}}:engram:*")))
+        keys = [k.decode() for k in extents + meta]
+        replies = client.execute([("DEL", k) for k in keys])
+        bad = next((r for r in replies if isinstance(r, Exception)), None)
+        if bad is not None:
+            raise PoolError(f"DEL failed while dropping {fp}: {bad}")
+    return deleted + int(sum(replies))

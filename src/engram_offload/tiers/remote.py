@@ -1,0 +1,411 @@
+"""``remote`` tier: rows read from a table published in a Redis pool (Redis Cluster or one server).
+
+The table lies in the pool as extents of packed rows (``engram_offload.pool.layout``).
+Per request, the distinct ids are sorted, grouped by extent into runs (neighbouring rows
+of one extent merge into one range when the gap is small), and the runs grouped by the
+node owning their extent's slot. Each node gets ONE pipeline of ``GETRANGE`` commands,
+encoded from per-extent key prefixes and per-offset argument tables built at open; all
+nodes' pipelines are sent before any reply is read, so the nodes work in parallel.
+Replies are parsed by ``hiredis``, checked (every byte asked for came back), and the
+rows gathered into ``out`` in the caller's order.
+
+Failures are never silent: a node that is down or times out, an error reply, or a
+missing or short extent is retried ``retries`` times (re-reading the slot map between
+tries), then the rows are read from the ``fallback`` tier when one is configured, else
+``TierError`` names the node, the extent and what went wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import TierError
+from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
+from ..pool.layout import PoolLayout, fingerprint
+from ..pool.publish import check_complete, read_pool_table
+from ..table.format import TableHeader, read_header
+from .base import Tier
+
+__all__ = ["RemoteTier", "open_pool_table"]
+
+DEFAULT_MERGE_GAP_BYTES = 512
+
+
+@lru_cache(maxsize=4)
+def _offset_args(row_bytes: int, rows: int) -> np.ndarray:
+    """GETRANGE's start and end arguments, RESP encoded, for one row at each extent position
+    (object array ``[rows]`` of bytes)."""
+    return _object_array([_range_args(start, start + row_bytes - 1)
+                          for start in range(0, rows * row_bytes, row_bytes)])
+
+
+def _range_args(start: int, end: int) -> bytes:
+    a, b = str(start).encode(), str(end).encode()
+    return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(a), a, len(b), b)
+
+
+def _object_array(items: list) -> np.ndarray:
+    """``items`` as a 1-D numpy object array (fancy indexing picks many at C speed)."""
+    out = np.empty(len(items), object)
+    out[:] = items
+    return out
+
+
+@dataclass
+class _Job:
+    """One node's pipeline: the runs it serves and where their bytes go."""
+
+    address: str
+    runs: np.ndarray        # run indices, in data order
+    request: bytes
+    nbytes: int
+    dest: int | None        # byte offset in the data buffer when the runs are contiguous there
+
+
+class _Runs:
+    """Ranges of neighbouring rows of one extent: extent, first row in it, rows (None: one
+    row each); and (after ``place``) each range's byte position in the fetched data."""
+
+    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray | None, row_bytes: int) -> None:
+        self.ext, self.q0, self.row_bytes = ext, q0, row_bytes
+        self.merged = rows is not None
+        self.rows = rows if rows is not None else np.ones(len(ext), np.int64)
+        self.nbytes = (int(rows.sum()) if rows is not None else len(ext)) * row_bytes
+        self.order: np.ndarray | None = None
+
+    def place(self, order: np.ndarray | None) -> None:
+        """Lay the runs out in ``order`` (grouped by node, so each node's bytes are
+        contiguous); None keeps their own order."""
+        self.order = order
+        self.__dict__.pop("pos", None)
+
+    @cached_property
+    def pos(self) -> np.ndarray:
+        """Byte position of every run in the data (int64 ``[runs]``)."""
+        order = self.order if self.order is not None else np.arange(len(self.ext))
+        nbytes = self.rows[order] * self.row_bytes
+        pos = np.empty(len(order), np.int64)
+        pos[order] = np.cumsum(nbytes) - nbytes
+        return pos
+
+
+class RemoteTier(Tier):
+    """A table's rows served from a Redis pool.
+
+    Options: ``pool`` (``redis://host:port[,host:port...]``, required), ``fallback`` (a
+    tier, or a local table path opened on ``mmap``, read when the pool fails), ``retries``
+    (per request, after the first try), ``timeout_s`` (per socket operation),
+    ``merge_gap_bytes`` (neighbouring rows of one extent this close share one range).
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        header: TableHeader,
+        *,
+        pool: str | Sequence[str],
+        fallback: Tier | str | os.PathLike | None = None,
+        retries: int = 2,
+        timeout_s: float = 2.0,
+        merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+        retry_backoff_s: float = 0.05,
+    ) -> None:
+        super().__init__(header)
+        if retries < 0 or timeout_s <= 0:
+            raise ValueError(f"retries must be >= 0 and timeout_s > 0, got {retries} and {timeout_s}")
+        self.pool_url = redact(pool)  # for messages and stats
+        self.retries, self.timeout_s, self.retry_backoff_s = retries, timeout_s, retry_backoff_s
+        self._local = threading.local()
+        self._conns_lock = threading.Lock()
+        self._conns: list[NodeConnection] = []
+        self._fallback: Tier | None = None
+        self._owns_fallback = False
+        self._client = PoolClient(pool, timeout=timeout_s)
+        try:
+            self.pool_layout = self._open_layout()
+            self._open_fallback(fallback)
+        except BaseException:
+            self.close()
+            raise
+        playout, rb = self.pool_layout, self.row_bytes
+        self.fingerprint = playout.fingerprint
+        self._starts = playout.starts
+        self._prefix = _object_array([b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n" % (len(k), k.encode())
+                                      for k in playout.keys])
+        self._args = _offset_args(rb, int(playout.counts.max()))
+        self._slots = np.array([key_slot(k) for k in playout.keys], np.int32)
+        self._merge_rows = 1 + max(0, merge_gap_bytes) // rb
+        self._topology_lock = threading.Lock()
+        self._set_topology()
+
+    # -- opening ------------------------------------------------------------------------
+    def _open_layout(self) -> PoolLayout:
+        fp = fingerprint(self.header)
+        named = self._client.url_fingerprint
+        if named is not None and named != fp:
+            raise PoolError(f"the pool URL names table {named}, but {self.header.path} is table {fp}")
+        playout = read_pool_table(self._client, fp)
+        problems = check_complete(self._client, playout)
+        if problems:
+            raise PoolError(
+                f"table {fp} in the pool at {self.pool_url} is not completely published: "
+                f"{'; '.join(problems)}; run engram-offload pool publish TABLE --redis {self.pool_url}"
+            )
+        return PoolLayout(self.header, playout.extent_rows)
+
+    def _open_fallback(self, fallback: Tier | str | os.PathLike | None) -> None:
+        if fallback is None:
+            return
+        if not isinstance(fallback, Tier):
+            from . import get_tier_class
+
+            fallback = get_tier_class("mmap")(read_header(fallback))
+            self._owns_fallback = True
+        self._fallback = fallback
+        if fingerprint(fallback.header) != fingerprint(self.header):
+            raise ValueError(
+                f"the fallback table {fallback.header.path} is not the pooled table "
+                f"{fingerprint(self.header)}: give a copy of the same table"
+            )
+
+    def _set_topology(self) -> None:
+        client = self._client
+        addresses = [client.address(i) for i in range(len(client.nodes))]
+        self._topology = (addresses, client.owner[self._slots])  # node of every extent
+
+    def _refresh(self) -> None:
+        with self._topology_lock:
+            try:
+                self._client.refresh()
+            except PoolError:
+                return  # keep the last map; the retry reports the node that failed
+            self._set_topology()
+
+    # -- reading ------------------------------------------------------------------------
+    def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        # Few numpy calls on the way: at 1,536 rows a request, each call's fixed cost counts.
+        rb = self.row_bytes
+        gaps = np.diff(ids)
+        if len(ids) < 2 or gaps.min() > 0:
+            uniq, inverse = ids, None  # already distinct and sorted
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            gaps = np.diff(uniq)
+        ext = self._starts.searchsorted(uniq, side="right") - 1
+        q = uniq - self._starts[ext]  # row within its extent
+        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
+        run_of = None
+        if joins.any():
+            starts_run = np.empty(len(uniq), bool)
+            starts_run[0] = True
+            np.logical_not(joins, out=starts_run[1:])
+            first = np.flatnonzero(starts_run)
+            last = np.empty_like(first)
+            last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
+            run_of = np.cumsum(starts_run) - 1
+            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
+        else:
+            runs = _Runs(ext, q, None, rb)
+        addresses, node_of = self._topology
+        if len(addresses) == 1:
+            order, nodes = None, None
+        else:
+            run_node = node_of[runs.ext]
+            order = np.argsort(run_node, kind="stable")
+            nodes = run_node[order]
+        runs.place(order)
+        data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
+        if inverse is None and len(addresses) == 1 and len(data) == out.numel():
+            out.numpy().reshape(-1)[:] = data  # the rows arrived in the caller's order
+        else:
+            index = runs.pos // rb if run_of is None else runs.pos[run_of] // rb + (q - runs.q0[run_of])
+            index = index if inverse is None else index[inverse]  # data row of each output row
+            rows = data.reshape(-1, rb)
+            if out.is_contiguous():  # numpy: torch's parallel copy stalls on busy cores
+                np.take(rows, index, axis=0, out=out.numpy())
+            else:
+                out.copy_(torch.from_numpy(rows[index]))
+        self._count(reads=len(runs.ext), bytes_read=len(data))
+
+    def _jobs(self, order: np.ndarray | None, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
+              contiguous: bool = False) -> list[_Job]:
+        """One job per node for the runs ``order`` (None: all, in their order), grouped by
+        node (``nodes``: the node of each, or None when one node serves them all).
+        ``contiguous``: each node's runs lie back to back in the data, in order (so its
+        bytes land with one copy)."""
+        rb = self.row_bytes
+        if order is None:
+            order, ext, q0, rows = np.arange(len(runs.ext)), runs.ext, runs.q0, runs.rows
+        else:
+            ext, q0, rows = runs.ext[order], runs.q0[order], runs.rows[order]
+        request = np.empty(2 * len(order), object)  # key prefix, range arguments, ...
+        request[0::2] = self._prefix[ext]
+        request[1::2] = self._args[q0]
+        if runs.merged:
+            for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
+                start = int(q0[i]) * rb
+                request[2 * i + 1] = _range_args(start, start + int(rows[i]) * rb - 1)
+        if nodes is None:
+            bounds, firsts = [0, len(order)], [0]
+        else:
+            cuts = (np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist()
+            bounds, firsts = [0, *cuts, len(order)], nodes[[0, *cuts]].tolist()
+        row_ends = np.cumsum(rows).tolist() if runs.merged else None
+        jobs = []
+        for a, b, node in zip(bounds[:-1], bounds[1:], firsts):
+            count = (row_ends[b - 1] - (row_ends[a - 1] if a else 0)) if row_ends else b - a  # rows
+            if not contiguous:
+                dest = None
+            else:  # in its own order, the data starts with the first (and only) node's bytes
+                dest = 0 if runs.order is None else int(runs.pos[order[a]])
+            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), count * rb, dest))
+        return jobs
+
+    def _connection(self, address: str) -> NodeConnection:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(address)
+        if conn is None:
+            host, port = address.rsplit(":", 1)
+            conn = conns[address] = NodeConnection(host, int(port), self.timeout_s, self._client.auth)
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _forget(self, address: str) -> None:
+        """Drop this thread's connection to ``address`` (its stream state is unknown)."""
+        conn = getattr(self._local, "conns", {}).pop(address, None)
+        if conn is not None:
+            conn.close()
+            with self._conns_lock:
+                self._conns.remove(conn)
+
+    def _fetch(self, jobs: list[_Job]) -> tuple[list[tuple[_Job, list, bytes]], list[tuple[_Job, str]]]:
+        """Send every job, then read every node's replies: (job, replies, joined bytes) for
+        each that returned all its bytes, (job, reason) for each that failed."""
+        done, failures, sent = [], [], []
+        for job in jobs:
+            try:
+                conn = self._connection(job.address)
+                conn.send(job.request)
+                sent.append((job, conn))
+            except OSError as exc:
+                self._forget(job.address)
+                failures.append((job, f"cannot send: {exc}"))
+        for job, conn in sent:
+            try:
+                replies = conn.read_replies(len(job.runs))
+            except OSError as exc:
+                self._forget(job.address)
+                what = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                failures.append((job, f"no reply ({what})"))
+                continue
+            try:
+                blob = b"".join(replies)
+            except TypeError:  # an error or nil reply
+                blob = b""
+            if len(blob) == job.nbytes:
+                done.append((job, replies, blob))
+            else:
+                failures.append((job, self._diagnose(job, replies)))
+        return done, failures
+
+    def _diagnose(self, job: _Job, replies: list) -> str:
+        """Why a node's replies do not hold the bytes asked for (its first bad reply)."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                return f"error reply {str(reply)!r}"
+            if not isinstance(reply, bytes) or len(reply) % self.row_bytes or not reply:
+                got = f"{len(reply)} bytes" if isinstance(reply, bytes) and reply else "nothing"
+                return (f"got {got} for a range of whole rows: the extent is missing or foreign "
+                        "(the node lost its data? publish the table again)")
+        return f"{sum(len(r) for r in replies if isinstance(r, bytes))} bytes for {job.nbytes}"
+
+    def _fetch_with_retries(self, jobs: list[_Job], runs: "_Runs") -> np.ndarray:
+        """The runs' bytes (uint8 ``[sum of run bytes]``, in ``runs.pos`` order): fetched,
+        failed runs retried, then read from the fallback tier or raised as ``TierError``."""
+        done, failures = self._fetch(jobs)
+        if not failures:  # the usual case: node by node, the jobs tile the data in order
+            return np.frombuffer(done[0][2] if len(done) == 1 else b"".join(blob for _, _, blob in done), np.uint8)
+        data = np.empty(runs.nbytes, np.uint8)
+        for attempt in range(self.retries + 1):
+            for job, replies, blob in done:
+                if job.dest is not None:
+                    data[job.dest: job.dest + job.nbytes] = np.frombuffer(blob, np.uint8)
+                else:
+                    for run, reply in zip(job.runs.tolist(), replies):
+                        data[runs.pos[run]: runs.pos[run] + len(reply)] = np.frombuffer(reply, np.uint8)
+            if not failures:
+                return data
+            job, reason = failures[0]
+            failed = np.sort(np.concatenate([j.runs for j, _ in failures]))
+            why = (f"pool node {job.address} failed for extent {self.pool_layout.keys[int(runs.ext[job.runs[0]])]} "
+                   f"({reason}); {len(failed)} ranges on {len(failures)} node(s) failed")
+            if attempt == self.retries:
+                break
+            self._count(retries=1)
+            time.sleep(self.retry_backoff_s * (attempt + 1))
+            self._refresh()
+            addresses, node_of = self._topology
+            nodes = node_of[runs.ext[failed]]
+            order = np.argsort(nodes, kind="stable")
+            done, failures = self._fetch(self._jobs(failed[order], nodes[order], addresses, runs))
+        self._serve_fallback(failed, why, runs, data)
+        return data
+
+    def _serve_fallback(self, failed: np.ndarray, why: str, runs: "_Runs", data: np.ndarray) -> None:
+        """Fill the ``failed`` runs of ``data`` from the fallback tier, or raise."""
+        if self._fallback is None:
+            raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
+                            f"after {self.retries} retries, and no fallback tier is configured")
+        rb = self.row_bytes
+        counts = runs.rows[failed]
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids = np.repeat(self._starts[runs.ext[failed]] + runs.q0[failed], counts) + within
+        got = self._fallback.read_rows(ids, torch.empty((len(ids), rb), dtype=torch.uint8)).numpy()
+        slots = np.repeat(runs.pos[failed] // rb, counts) + within
+        data.reshape(-1, rb)[slots] = got
+        self._count(fallback_rows=len(ids), fallback_requests=1)
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def stats(self) -> dict:
+        addresses, _ = self._topology
+        return {**super().stats(), "pool": self.pool_url, "nodes": len(addresses),
+                "fingerprint": self.fingerprint, "extent_rows": self.pool_layout.extent_rows,
+                "fallback": self._fallback.name if self._fallback is not None else None}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._client.close()
+        if self._fallback is not None and self._owns_fallback:
+            self._fallback.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.pool_url!r}, table={fingerprint(self.header)}, rows={self.num_rows:,})"
+
+
+def open_pool_table(url: str, **options) -> RemoteTier:
+    """Open ``redis://host:port[,...]/FINGERPRINT`` without the table file (header from the pool)."""
+    _, fp, _ = parse_pool_url(url)
+    if fp is None:
+        raise ValueError(f"{url!r} names no table: use redis://host:port[,host:port...]/FINGERPRINT "
+                         "(fingerprints: engram-offload pool status)")
+    with PoolClient(url, timeout=float(options.get("timeout_s", 2.0))) as client:
+        header = read_pool_table(client, fp).header
+    return RemoteTier(header, pool=url, **options)

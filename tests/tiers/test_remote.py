@@ -1,0 +1,293 @@
+"""The remote tier and the pool commands against real Redis servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from redis_servers import fresh_pool, redis_cluster, redis_single, skip_without_redis  # noqa: F401 (fixtures)
+from tier_cases import FORMATS
+from tiny_tables import tiny_config
+from engram_offload.errors import TierError
+from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.layout import PoolLayout, fingerprint
+from engram_offload.pool.publish import drop_table, pool_status, publish_table
+from engram_offload.pool.servers import free_port_base
+from engram_offload.table import make_random_table, read_header
+from engram_offload.tiers import open_tier
+from engram_offload.tiers.remote import RemoteTier, open_pool_table
+
+EXTENT_ROWS = 97  # small and odd: many extents, some of them short
+
+
+def read(tier, ids) -> np.ndarray:
+    out = torch.empty((len(ids), tier.row_bytes), dtype=torch.uint8)
+    return tier.read_rows(np.asarray(ids, np.int64), out).numpy()
+
+
+def edge_ids(playout: PoolLayout) -> np.ndarray:
+    """The first and last row of every extent."""
+    return np.concatenate([playout.starts, playout.starts + playout.counts - 1])
+
+
+def pool_keys(url: str) -> dict[bytes, str]:
+    """Every key in the pool -> xxh3 of its value (strings) or of its hash fields."""
+    with PoolClient(url) as client:
+        out = {}
+        for key in client.scan("*"):
+            kind = client.call("TYPE", key)
+            value = client.call("GET", key) if kind == b"string" else b"\0".join(client.call("HGETALL", key))
+            out[key] = xxhash.xxh3_64_hexdigest(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second_table(tmp_path_factory):
+    """Same layout as the bf16 table of ``tables`` but other rows: another fingerprint."""
+    path = tmp_path_factory.mktemp("second") / "bf16-80-seed12.tbl"
+    return make_random_table(path, tiny_config("bf16", 80), seed=12, block_size=16384)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f"{f}-{d}" for f, d in FORMATS])
+@pytest.mark.parametrize("which", ["single", "cluster"])
+def test_rows_equal_memory_at_every_extent_edge(tables, fmt, which, request):
+    pool = request.getfixturevalue(f"redis_{which}")
+    path, _ = tables[fmt]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    with open_tier("memory", header) as memory, RemoteTier(header, pool=pool.url) as remote:
+        n = remote.num_rows
+        rng = np.random.default_rng(3)
+        ids = np.concatenate([edge_ids(remote.pool_layout), rng.integers(0, n, 500), [n - 1, 0, 0, 5, 4, 6]])
+        assert np.array_equal(read(remote, ids), read(memory, ids))
+        assert np.array_equal(read(remote, np.arange(n)), read(memory, np.arange(n)))  # merged ranges
+        assert remote.stats()["nodes"] == (3 if which == "cluster" else 1)
+
+
+def test_extents_follow_the_table_heads(tables):
+    header = read_header(tables[("fp32", 64)][0])
+    playout = PoolLayout(header, EXTENT_ROWS)
+    config = header.config
+    assert playout.starts[0] == 0 and playout.starts[-1] + playout.counts[-1] == config.num_rows
+    assert np.array_equal(playout.starts[1:], playout.starts[:-1] + playout.counts[:-1])  # tiling
+    layer = config.layer_ids[1]
+    head_start = config.layer_row_base(layer) + config.head_offsets(layer)[3]
+    k = playout.keys.index(f"{playout.fingerprint}:engram:l{layer}:h3:e0")
+    assert playout.starts[k] == head_start and playout.counts.max() == EXTENT_ROWS
+
+
+def test_open_by_fingerprint_without_the_file(tables, redis_cluster):
+    path, _ = tables[("int8", 64)]
+    result = publish_table(path, redis_cluster.url, extent_rows=EXTENT_ROWS, progress=False)
+    with open_pool_table(f"{redis_cluster.url}/{result['fingerprint']}") as remote, \
+            open_tier("memory", read_header(path)) as memory:
+        assert remote.header.config == memory.header.config
+        ids = np.arange(remote.num_rows)[::-3].copy()  # memory tier: a reversed view fails (reported)
+        assert np.array_equal(read(remote, ids), read(memory, ids))
+    with pytest.raises(PoolError, match="not in the pool"):
+        open_pool_table(f"{redis_cluster.url}/0123456789abcdef")
+
+
+def test_a_file_that_is_not_the_named_table_is_refused(tables, second_table, redis_single):
+    path, _ = tables[("bf16", 80)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    with pytest.raises(PoolError, match="names table"):
+        RemoteTier(read_header(second_table), pool=f"{redis_single.url}/{fingerprint(read_header(path))}")
+    with pytest.raises(ValueError, match="not the pooled table"):
+        RemoteTier(read_header(path), pool=redis_single.url, fallback=second_table)
+
+
+def test_a_half_finished_publish_is_not_served_and_resumes(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, _ = tables[("fp16", 48)]
+    total = PoolLayout(read_header(path), EXTENT_ROWS).num_extents
+
+    def interrupt(extent):
+        if extent == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=interrupt)
+    with pytest.raises(PoolError, match="not completely published"):
+        RemoteTier(read_header(path), pool=pool.url)
+    assert not pool_status(pool.url)["tables"][0]["complete"]
+    result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert (result["skipped"], result["sent"]) == (5, total - 5)
+    with RemoteTier(read_header(path), pool=pool.url) as remote, open_tier("memory", read_header(path)) as memory:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), read(memory, np.arange(remote.num_rows)))
+    with pytest.raises(PoolError, match="extents of 97 rows"):
+        publish_table(path, pool.url, extent_rows=50, progress=False)
+
+
+def test_a_missing_extent_raises_naming_it(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, _ = tables[("fp32", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, retry_backoff_s=0) as remote:
+        victim = remote.pool_layout.keys[7]
+        with PoolClient(pool.url) as client:
+            client.call("DEL", victim)
+        with pytest.raises(TierError, match=f"extent {victim} .*missing"):
+            read(remote, [int(remote.pool_layout.starts[7]) + 1])
+        assert remote.stats()["retries"] == 1
+        read(remote, [int(remote.pool_layout.starts[8])])  # other extents still serve
+
+
+def test_a_killed_node_fails_over_or_raises_and_serves_after_republish(tables, fresh_pool):
+    pool = fresh_pool(3)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    ids = np.arange(header.layout.num_rows)
+    options = dict(pool=pool.url, retries=2, timeout_s=0.5, retry_backoff_s=0.01)
+    with RemoteTier(header, fallback=path, **options) as guarded, RemoteTier(header, **options) as bare:
+        assert np.array_equal(read(guarded, ids), expected) and np.array_equal(read(bare, ids), expected)
+        victim = pool.nodes[1]
+        victim.kill()
+        start = time.monotonic()
+        assert np.array_equal(read(guarded, ids), expected)  # the lost nodes' rows from the fallback
+        assert time.monotonic() - start < 5
+        assert 0 < guarded.stats()["fallback_rows"] < len(ids)
+        start = time.monotonic()
+        with pytest.raises(TierError, match=f"pool node 127.0.0.1:{victim.port} failed for extent "):
+            read(bare, ids)
+        assert time.monotonic() - start < 5
+        victim.start()  # back empty: nothing is persisted
+        pool.wait_ready()
+        with pytest.raises(TierError, match="missing"):
+            read(bare, ids)
+        result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+        assert 0 < result["sent"] < result["extents"]
+        assert np.array_equal(read(bare, ids), expected)
+
+
+def test_a_second_table_and_its_drop_leave_the_first_untouched(tables, second_table, fresh_pool):
+    pool = fresh_pool(3)
+    first, _ = tables[("bf16", 80)]
+    publish_table(first, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    before = pool_keys(pool.url)
+    result = publish_table(second_table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    after = pool_keys(pool.url)
+    assert {k: after[k] for k in before} == before and len(after) > len(before)
+    assert {t["fingerprint"] for t in pool_status(pool.url)["tables"]} == {
+        fingerprint(read_header(first)), result["fingerprint"]}
+    assert drop_table(pool.url, result["fingerprint"]) == len(after) - len(before)
+    assert pool_keys(pool.url) == before
+    assert drop_table(pool.url, result["fingerprint"]) == 0
+    with RemoteTier(read_header(first), pool=pool.url) as remote, open_tier("memory", read_header(first)) as memory:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), read(memory, np.arange(remote.num_rows)))
+
+
+def pool_cli(argv: list[str]) -> int:
+    from engram_offload.commands import pool
+
+    parser = argparse.ArgumentParser(prog="engram-offload")
+    pool.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_publish_status_drop(tables, fresh_pool, capsys):
+    pool = fresh_pool(1)
+    path, _ = tables[("int8", 64)]
+    fp = fingerprint(read_header(path))
+    assert pool_cli(["pool", "publish", str(path), "--redis", pool.url, "--extent-rows", "500", "--no-progress"]) == 0
+    assert f"table {fp} is in the pool" in capsys.readouterr().out
+    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    out = capsys.readouterr().out
+    assert f"table {fp}: " in out and out.rstrip().endswith("rows, complete")
+    assert pool_cli(["pool", "drop", fp, "--redis", pool.url]) == 0
+    assert "keys deleted" in capsys.readouterr().out
+    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert "no tables" in capsys.readouterr().out
+
+
+def test_cli_serve_starts_a_cluster_and_stops_it(tmp_path):
+    skip_without_redis()
+    port = free_port_base(3)
+    code = ("import argparse, sys; from engram_offload.commands import pool; p = argparse.ArgumentParser(); "
+            "pool.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "pool", "serve", "--nodes", "3", "--port", str(port),
+                             "--dir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving a Redis Cluster on redis://127.0.0.1:" in proc.stdout.readline()
+        with PoolClient(f"redis://127.0.0.1:{port + 2}") as client:
+            assert client.cluster and len(client.nodes) == 3
+            assert client.each_node("CONFIG", "GET", "appendonly") == [[b"appendonly", b"no"]] * 3
+            assert client.each_node("CONFIG", "GET", "save") == [[b"save", b""]] * 3
+            assert client.each_node("CONFIG", "GET", "bind") == [[b"bind", b"127.0.0.1"]] * 3
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(15) == 0
+    with pytest.raises(PoolError, match="no pool node answers"):
+        PoolClient(f"redis://127.0.0.1:{port}", timeout=1)
+
+
+def test_a_password_protected_pool(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp32", 64)]
+    with PoolClient(pool.url) as client:
+        client.each_node("CONFIG", "SET", "requirepass", "s3cret")
+    url = pool.url.replace("redis://", "redis://:s3cret@")
+    publish_table(path, url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=url) as remote:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)
+        assert "s3cret" not in remote.stats()["pool"] and ":***@" in remote.stats()["pool"]
+    with pytest.raises(PoolError, match="refused the credentials"):
+        RemoteTier(read_header(path), pool=url.replace("s3cret", "wrong"))
+    with pytest.raises(PoolError, match="NOAUTH"):
+        PoolClient(pool.url)
+
+
+def test_threads_share_a_tier_and_any_out_layout_works(tables, redis_cluster):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, redis_cluster.url, extent_rows=EXTENT_ROWS, progress=False)
+    errors = []
+    with RemoteTier(read_header(path), pool=redis_cluster.url) as remote:
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(20):
+                    ids = rng.integers(0, remote.num_rows, 300)
+                    if not np.array_equal(read(remote, ids), expected[ids]):
+                        errors.append(f"thread {seed}: wrong rows")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"thread {seed}: {exc!r}")
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        ids = np.array([9, 3, 3, 700, 2], np.int64)
+        out = torch.empty((remote.row_bytes, len(ids)), dtype=torch.uint8).t()  # not contiguous
+        remote.read_rows(ids, out)
+        assert np.array_equal(out.numpy(), expected[ids])
+
+
+def test_a_hung_node_times_out_within_the_bound(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp16", 48)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0) as remote:
+        process = pool.nodes[0].process
+        process.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TierError, match="timed out"):
+                read(remote, [0, 1, 500])
+            assert time.monotonic() - start < 2 * (0.3 * 2 + 0.3)  # (retries + 1) x timeout, and the map refresh
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert np.array_equal(read(remote, [0, 1, 500]), expected[[0, 1, 500]])  # fresh sockets afterwards
