@@ -45,7 +45,7 @@ from .gpu.hbm_cache import HbmRowCache
 from .gpu.sync import MAIN, DeviceSync, make_sync
 from .rows import decode_rows
 from .table.format import TableHeader, read_header
-from .tiers import as_row_ids, open_tier
+from .tiers import Tier, as_row_ids, open_tier
 from .tiers.memory import MemoryTier
 
 __all__ = ["Lease", "RowSource", "RowStore", "TableStore", "open_table"]
@@ -474,7 +474,11 @@ def open_table(
     staging_bytes: int = STAGING_BYTES,
     **options: Any,
 ) -> TableStore:
-    """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``).
+    """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``, ``remote``).
+
+    ``remote`` reads the rows from a Redis pool the table was published to (``pool=`` its
+    URL, ``fallback=`` an optional local table); ``path`` may then also be the pool URL
+    ``redis://host:port[,...]/FINGERPRINT``, for a machine without the table file.
 
     ``options`` go to the tier (e.g. ``engine``, ``queue_depth``, ``verify_reads`` for
     ``direct``). Raises ``TableFormatError`` for a file that is not a valid table.
@@ -489,8 +493,16 @@ def open_table(
     already, so ``cache_bytes`` is refused), and other tiers' rows come through pinned
     staging buffers of ``staging_bytes``.
     """
-    header = read_header(path)
-    opened = open_tier(tier, header, **options)
+    if str(path).startswith("redis://"):
+        if tier != "remote":
+            raise ValueError(f"{path} is a pool URL: open it with tier='remote'")
+        from .tiers.remote import open_pool_table
+
+        opened: Tier = open_pool_table(str(path), **options)
+        header = opened.header
+    else:
+        header = read_header(path)
+        opened = open_tier(tier, header, **options)
     try:
         device_rows = None
         if device is not None:

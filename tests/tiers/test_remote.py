@@ -291,3 +291,22 @@ def test_a_hung_node_times_out_within_the_bound(tables, fresh_pool):
         finally:
             process.send_signal(signal.SIGCONT)
         assert np.array_equal(read(remote, [0, 1, 500]), expected[[0, 1, 500]])  # fresh sockets afterwards
+
+
+def test_open_table_serves_the_pool_by_file_or_by_url_behind_a_cache(tables, redis_single):
+    from engram_offload import open_table
+
+    path, _ = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    fp = fingerprint(read_header(path))
+    ids = np.random.default_rng(4).integers(0, read_header(path).layout.num_rows, 300)
+    with open_table(path, "memory") as memory:
+        want = memory.gather(ids)
+        with open_table(path, "remote", pool=redis_single.url, cache_bytes=50 * memory.row_bytes) as by_file, \
+                open_table(f"{redis_single.url}/{fp}", "remote") as by_url:
+            for _ in range(2):  # the second pass hits the cache
+                assert torch.equal(by_file.gather(ids), want)
+            assert torch.equal(by_url.gather(ids), want)
+            assert by_file.stats()["levels"][0]["hits"] > 0
+    with pytest.raises(ValueError, match="tier='remote'"):
+        open_table(f"{redis_single.url}/{fp}", "mmap")

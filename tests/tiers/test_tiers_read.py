@@ -113,7 +113,7 @@ def test_direct_reads_only_the_needed_sectors(tables):
 
 
 def test_registry_is_lazy_and_complete():
-    assert tier_names() == tuple(TIERS) == ("memory", "pinned", "mmap", "direct")
+    assert tier_names() == tuple(TIERS) == ("memory", "pinned", "mmap", "direct", "remote")
     assert [name for name in tier_names() if is_resident(name)] == ["memory", "pinned"]
     for name in tier_names():
         assert get_tier_class(name).name == name
@@ -185,3 +185,11 @@ def test_memory_tier_uses_dense_rows(tables):
     with open_tier("memory", read_header(path)) as t:
         assert t.rows.shape == expected.shape and t.rows.is_contiguous()
         np.testing.assert_array_equal(t.rows.numpy(), expected)
+
+
+@pytest.mark.parametrize("name", ["memory", "mmap", "direct"])
+def test_reversed_and_strided_id_views_read_like_their_copies(tables, name):
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    ids = np.arange(len(expected))[::-3]  # a negative-stride view
+    with open_tier(name, read_header(path)) as t:
+        np.testing.assert_array_equal(read(t, ids), expected[ids.copy()])

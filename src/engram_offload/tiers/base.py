@@ -26,7 +26,7 @@ __all__ = ["Tier", "as_row_ids"]
 
 
 def as_row_ids(row_ids: Any, num_rows: int, *, sorted_distinct: bool = False) -> np.ndarray:
-    """Row ids (any int array-like) -> flat ``np.int64`` array; ``IndexError`` names a bad id.
+    """Row ids (any int array-like) -> flat contiguous ``np.int64`` array; ``IndexError`` names a bad id.
 
     ``sorted_distinct`` also requires strictly increasing ids (``ValueError`` otherwise);
     the range check then only needs the first and the last id.
@@ -38,7 +38,7 @@ def as_row_ids(row_ids: Any, num_rows: int, *, sorted_distinct: bool = False) ->
         if ids.size == 0:
             return np.empty(0, np.int64)
         raise TypeError(f"row ids must be integers, got dtype {ids.dtype}")
-    ids = ids.reshape(-1).astype(np.int64, copy=False)
+    ids = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)  # views with any stride too
     ordered = sorted_distinct and (ids.size < 2 or bool((ids[1:] > ids[:-1]).all()))
     if ids.size and (not ordered or ids[0] < 0 or ids[-1] >= num_rows):
         bad = np.flatnonzero((ids < 0) | (ids >= num_rows))
