@@ -101,7 +101,9 @@ def print_plan(plan: Plan) -> None:
         if r.name == "nvme" and r.cache_hit_rate is not None:
             cache = f"{r.cache_bytes_per_gpu / GiB:.1f} GiB, {r.cache_hit_rate:.0%} hit"
         ok = r.fits and r.batch > 0
-        dash = lambda s: s if ok else "-"  # noqa: E731
+        def dash(text: str, ok: bool = ok) -> str:
+            return text if ok else "-"
+
         t.add_row(
             r.name, str(r.tp), "yes" if r.fits else "[red]no[/]",
             f"{r.hbm_free_bytes / GiB:.1f}", f"{r.max_concurrent_seqs:,}",

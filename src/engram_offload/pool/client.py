@@ -238,7 +238,7 @@ class PoolClient:
         keys = [c[1] if isinstance(c[1], bytes) else str(c[1]) for c in commands] if keys is None else keys
         replies: list = [None] * len(commands)
         todo = list(range(len(commands)))
-        for attempt in range(3):
+        for _attempt in range(3):
             by_node: dict[int, list[int]] = {}
             for i in todo:
                 by_node.setdefault(self.node_of(keys[i]), []).append(i)
