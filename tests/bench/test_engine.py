@@ -48,13 +48,13 @@ class RecordingEngine(ServingEngine):
 
 
 class RowsModel:
-    """Stands in for the backbone: asks for each Engram layer's rows and keeps them."""
+    """A ``StepModel`` that asks for each Engram layer's rows and keeps them."""
 
     def __init__(self, layers):
         self.layers = layers
         self.seen = []
 
-    def __call__(self, input_ids, rows_for, mask):
+    def run_step(self, shape, rows_for):
         self.seen.append({layer: rows_for(layer).clone() for layer in self.layers})
 
 

@@ -20,7 +20,7 @@ from .mrc import MissRatioCurve
 from .models import ModelSpec
 from .perf import decode_step, decode_window_us, prefill_window_us
 
-__all__ = ["PLACEMENTS", "Workload", "PlacementResult", "evaluate", "evaluate_all",
+__all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time",
            "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
@@ -155,35 +155,47 @@ def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
         r.cache_hit_rate = 1.0 if cache_rows >= rows else (curve.hit_ratio(cache_rows) if curve else 0.0)
 
 
-def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
-            a: Assumptions, r: PlacementResult) -> dict[str, float]:
-    step = decode_step(model, gpu, tp, batch, w.context, a)
-    window = decode_window_us(model, step)
+@dataclass(frozen=True)
+class Fetch:
+    """Bringing one step's Engram rows to a GPU: time and NVMe reads (per GPU)."""
+
+    link_bytes: float
+    transfer_us: float  # link (or remote) transfer plus, for nvme, the reads of the misses
+    nvme_reads: float  # rows missed by the DRAM cache
+
+
+def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
+               a: Assumptions) -> Fetch:
+    """The rows of ``tokens`` tokens for one GPU of the TP group, from placement ``name``
+    (``hit_rate``: the DRAM cache's, for ``nvme``)."""
     bpt = model.engram.bytes_per_token_per_gpu(tp)
     rows_per_token = bpt // model.engram.row_bytes
-    link_bytes = batch * bpt if name != "hbm" else 0.0
-    extra = 0.0
+    link_bytes = tokens * bpt if name != "hbm" else 0.0
     if name in ("dram", "nvme"):
         transfer = a.host_link_latency_us + link_bytes / (gpu.host_link_bw * a.host_link_efficiency) * 1e6
     elif name == "remote":
         transfer = a.remote_latency_us + link_bytes / a.remote_bw * 1e6
     else:
         transfer = 0.0
-    misses = 0.0
-    if name == "nvme":
-        hit = r.cache_hit_rate or 0.0
-        misses = batch * rows_per_token * (1 - hit)
+    misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name == "nvme" else 0.0
+    if misses > 0:
         iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
-        if misses > 0:
-            extra = (gpu.nvme_latency_us + misses / iops_share * 1e6 + a.nvme_step_overhead_us
+        transfer += (gpu.nvme_latency_us + misses / iops_share * 1e6 + a.nvme_step_overhead_us
                      + misses * a.nvme_read_bytes / (gpu.nvme_bw_per_drive * gpu.nvme_drives
                                                      / gpu.gpus_per_server) * 1e6)
-    total = transfer + extra
-    stall = max(0.0, total - window)
+    return Fetch(link_bytes=link_bytes, transfer_us=transfer, nvme_reads=misses)
+
+
+def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
+            a: Assumptions, r: PlacementResult) -> dict[str, float]:
+    step = decode_step(model, gpu, tp, batch, w.context, a)
+    window = decode_window_us(model, step)
+    fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a)
+    stall = max(0.0, fetch.transfer_us - window)
     step_us = step.backbone_us + stall
-    iops = misses / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
-    return dict(step=step, window=window, link_bytes=link_bytes, transfer=total, stall=stall,
-                step_us=step_us, iops=iops)
+    iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
+    return dict(step=step, window=window, link_bytes=fetch.link_bytes, transfer=fetch.transfer_us,
+                stall=stall, step_us=step_us, iops=iops)
 
 
 def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,
