@@ -13,7 +13,7 @@ from engram_offload.bench.modeled import ModeledBackbone, modeled_backbone, plan
 from engram_offload.config import EngramConfig
 from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
 from engram_offload.planner.perf import decode_step, step_time
-from engram_offload.planner.placement import fetch_time
+from engram_offload.planner.placement import fetch_time, step_stall_us
 
 V41 = get_model("deepseek-v4.1-flash")
 
@@ -81,10 +81,11 @@ def test_the_prediction_is_the_planners_stall_for_each_step():
     stalls, totals, reads = [], [], 0.0
     for d, p, kv in steps:
         roof = step_time(V41, gpu, 2, d, p, kv, DEFAULT_ASSUMPTIONS).backbone_us
-        fetch = fetch_time(V41, gpu, 2, "nvme", d + p, 0.5, DEFAULT_ASSUMPTIONS)
-        stalls.append(max(0.0, fetch.transfer_us - roof * 1 / 43))
+        due = fetch_time(V41, gpu, 2, "nvme", d, 0.5, DEFAULT_ASSUMPTIONS)
+        total = fetch_time(V41, gpu, 2, "nvme", d + p, 0.5, DEFAULT_ASSUMPTIONS)
+        stalls.append(step_stall_us(due, total, [roof * 1 / 43, roof * 14 / 43], roof))
         totals.append(roof + stalls[-1])
-        reads += fetch.nvme_reads * 2
+        reads += total.nvme_reads * 2
     assert got["stall_us"] == pytest.approx(sum(stalls) / 2)
     assert got["stall_fraction"] == pytest.approx(sum(stalls) / sum(totals))
     assert got["nvme_iops"] == pytest.approx(reads / sum(totals) * 1e6)

@@ -10,8 +10,9 @@ hashing, dedup, caches and storage have this machine's cores to themselves, as o
 server, at that GPU's step rate.
 
 ``planner_prediction`` is what the planner predicts for the same steps: its roofline step
-time, the prefetch window before the first Engram layer, the fetch time of a placement
-(``planner.placement.fetch_time``) and so the stall and the NVMe reads per second.
+time, the Engram layers' places in it, the fetch time of a placement
+(``planner.placement.fetch_time``) and so the stall (``placement.step_stall_us``) and the
+NVMe reads per second.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from ..planner.hardware import GpuSpec, get_gpu
 from ..planner.models import ModelSpec, get_model
 from ..planner.perf import StepTime, layer_offsets_us, step_time
-from ..planner.placement import fetch_time
+from ..planner.placement import fetch_time, step_stall_us
 from .engine import RowsFor, StepShape
 
 __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
@@ -98,41 +99,46 @@ def modeled_backbone(table_config: EngramConfig, gpu: str, tp: int, model: str |
     return ModeledBackbone(spec, get_gpu(gpu), tp, tuple(table_config.layer_ids), assumptions)
 
 
-def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None,
-               latency_us: float | None = None) -> GpuSpec:
-    """``gpu`` in a server whose only NVMe drive is this machine's (``iops`` of 4 KiB random
-    reads, e.g. fio's) and which holds just one TP group: the drive is shared by ``tp`` GPUs."""
+def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None) -> GpuSpec:
+    """``gpu`` in a server whose only NVMe drive is this machine's (``iops``: random reads
+    per second at the tier's read size, e.g. fio's; ``bytes_per_s``: its read bandwidth,
+    default ``iops`` x 4 KiB) and which holds just one TP group: ``tp`` GPUs share it."""
     return replace(gpu, nvme_drives=1, nvme_iops_per_drive=iops, gpus_per_server=tp,
-                   nvme_bw_per_drive=bytes_per_s or iops * 4096,
-                   nvme_latency_us=gpu.nvme_latency_us if latency_us is None else latency_us)
+                   nvme_bw_per_drive=bytes_per_s or iops * 4096)
 
 
 def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tuple[int, int, int]],
-                       hit_rate: float | None, gpu: GpuSpec | None = None) -> dict[str, Any]:
+                       hit_rate: float | None, gpu: GpuSpec | None = None,
+                       assumptions: Assumptions | None = None) -> dict[str, Any]:
     """What the planner predicts for ``steps`` (``(decode, prefill, KV tokens)`` each) served
     from ``tier`` at a DRAM-cache ``hit_rate``: mean stall and step time per step (us), the
-    stall's share of step time and the NVMe reads per second of the TP group. Every step's
-    rows are due at its first Engram layer (the planner's window)."""
+    stall's share of step time and the NVMe reads per second of the TP group.
+
+    ``stall_us`` is ``placement.step_stall_us``: decode rows due layer by layer, prefill
+    rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
+    the earlier formula, every row of the step due at the first Engram layer."""
     placement = PLACEMENT_OF_TIER[tier]
     gpu = gpu or backbone.gpu
-    first = min(backbone.layer_ids)
-    stall = step_total = reads = 0.0
+    model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
+    layers = sorted(backbone.layer_ids)
+    stall = first_only = step_total = reads = 0.0
     n = 0
     for decode, prefill, kv in steps:
-        shape = StepShape((), decode, prefill, kv)
-        roofline = backbone.step_time(shape).backbone_us
-        window = layer_offsets_us(backbone.model, [first], roofline)[0]
-        fetch = fetch_time(backbone.model, gpu, backbone.tp, placement, decode + prefill, hit_rate,
-                           backbone.assumptions)
-        s = max(0.0, fetch.transfer_us - window)
+        roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
+        offsets = layer_offsets_us(model, layers, roofline)
+        due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a)
+        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a)
+        s = max(0.0, step_stall_us(due, total, offsets, roofline))
+        first_only += max(0.0, total.transfer_us - offsets[0])
         stall += s
         step_total += roofline + s
-        reads += fetch.nvme_reads * backbone.tp
+        reads += total.nvme_reads * tp
         n += 1
     return {
         "placement": placement,
         "hit_rate": hit_rate,
         "stall_us": stall / n if n else 0.0,
+        "stall_us_all_at_first_layer": first_only / n if n else 0.0,
         "step_us": step_total / n if n else 0.0,
         "stall_fraction": stall / step_total if step_total else 0.0,
         "nvme_iops": reads / step_total * 1e6 if step_total else 0.0,

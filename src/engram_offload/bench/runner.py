@@ -39,7 +39,7 @@ import gc
 import multiprocessing
 import queue as queue_module
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,7 +93,8 @@ class BenchSettings:
     gpu: str = "b300"  # the modeled backbone's GPU (planner.hardware)
     tp: int = 1  # and its tensor-parallel degree
     model: str | None = None  # its planner model (default: the table's layout)
-    nvme_iops: float | None = None  # this machine's NVMe rate for the planner's prediction (default: the server's)
+    nvme_iops: float | None = None  # this machine's NVMe reads/s for the planner's prediction (default: the server's)
+    nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -248,34 +249,42 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
 def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: BenchSettings,
                config: EngramConfig) -> dict[str, Any]:
     """The planner's stall and NVMe reads for the run's own steps, beside the measured ones:
-    at the hit rate its Zipf curve gives the DRAM held (``predicted_*``), and at the run's
-    measured hit rate (``predicted_*_at_measured_hit``, direct only)."""
+    with its own inputs (``predicted_*``: the hit rate its Zipf curve gives the DRAM held,
+    4 KiB per read), and with the run's measured ones (``predicted_*_at_measured_hit``,
+    direct only: the hit rate and the bytes per device read)."""
     from ..planner.plan import curve_for
 
     run = served.run
-    gpu = model.gpu if settings.nvme_iops is None else local_nvme(model.gpu, model.tp, settings.nvme_iops)
+    gpu = model.gpu
+    if settings.nvme_iops is not None:
+        gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s)
     held = settings.cache_bytes if tier == "direct" else settings.dram_budget
     planner_hit = None
     if PLACEMENT_OF_TIER[tier] == "nvme":
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
     own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
+    reads = _device_reads(served)
     out = {
         "modeled": {"gpu": model.gpu.name, "tp": model.tp, "model": model.model.name,
                     "nvme": "the server's drives" if settings.nvme_iops is None
-                    else f"this machine's, {settings.nvme_iops:,.0f} IOPS"},
+                    else f"this machine's: {gpu.nvme_iops_per_drive:,.0f} reads/s, {gpu.nvme_bw_per_drive:,.0f} B/s"},
         "measured_stall_us": float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0,
-        "measured_iops": _device_reads(served) / run.seconds if run.seconds else 0.0,
+        "measured_iops": reads / run.seconds if run.seconds else 0.0,
         "predicted_placement": own["placement"],
         "predicted_hit_rate": own["hit_rate"],
         "predicted_stall_us": own["stall_us"],
+        "predicted_stall_us_all_at_first_layer": own["stall_us_all_at_first_layer"],
         "predicted_step_us": own["step_us"],
         "predicted_stall_fraction": own["stall_fraction"],
         "predicted_iops": own["nvme_iops"],
     }
     measured_hit = served.after["store"]["hit_rate"] if _cache_options(tier, settings) else None
     if measured_hit is not None:
-        at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu)
+        read_bytes = served.after["tier"].get("bytes_read", 0) - served.before["tier"].get("bytes_read", 0)
+        a = replace(model.assumptions, nvme_read_bytes=read_bytes / reads) if reads else model.assumptions
+        at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a)
         out.update(predicted_stall_us_at_measured_hit=at["stall_us"],
+                   predicted_stall_us_all_at_first_layer_at_measured_hit=at["stall_us_all_at_first_layer"],
                    predicted_stall_fraction_at_measured_hit=at["stall_fraction"],
                    predicted_iops_at_measured_hit=at["nvme_iops"])
     return out

@@ -103,8 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default=None,
                    help="the modeled backbone's planner model (default: the table's layout, e.g. deepseek-v4.1-flash)")
     b.add_argument("--nvme-iops", type=_number(float, 0, low_open=True, what="a rate"), default=None,
-                   help="this machine's 4 KiB random-read IOPS (e.g. fio's) for the planner's predicted stall "
-                   "(default: the GPU server's drives)")
+                   help="this machine's random reads/s at the direct tier's read size (e.g. fio --bs=512) for the "
+                   "planner's predicted stall (default: the GPU server's drives)")
+    b.add_argument("--nvme-bytes-per-s", type=_number(float, 0, low_open=True, what="a rate"), default=None,
+                   help="and its read bandwidth (e.g. fio --bs=4k; default: --nvme-iops x 4 KiB)")
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
@@ -238,6 +240,7 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
         drop_all_caches=args.drop_all_caches,
         backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
+        nvme_bytes_per_s=args.nvme_bytes_per_s,
     )
     check_budget(settings)
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
