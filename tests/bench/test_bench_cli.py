@@ -65,6 +65,8 @@ def test_a_modeled_gpu_benchmark_end_to_end(tiny_table, tmp_path, capsys):
         assert KEYS <= set(r) and r["tokens"] > 0
         assert r["modeled"]["gpu"] == "B300 (HGX)" and r["modeled"]["model"] == "deepseek-v4.1-flash"
         assert r["predicted_stall_us"] >= 0 and r["measured_stall_us"] >= 0 and r["predicted_step_us"] > 0
+        assert r["host_us_per_step"] == pytest.approx(r["step_mean_ms"] * 1e3 - r["measured_stall_us"]
+                                                      - (r["predicted_step_us"] - r["predicted_stall_us"]))
         assert r["predicted_placement"] == {"memory": "dram", "direct": "nvme", "mmap": "nvme"}[r["tier"]]
         # the steps last at least the roofline: the planner's step time without its stall
         assert r["step_p50_ms"] * 1e3 >= 0.5 * (r["predicted_step_us"] - r["predicted_stall_us"])

@@ -264,11 +264,16 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
     own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
     reads = _device_reads(served)
+    step_us = float(sum(run.step_seconds)) / run.steps * 1e6 if run.steps else 0.0
+    stall_us = float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0
     out = {
         "modeled": {"gpu": model.gpu.name, "tp": model.tp, "model": model.model.name,
                     "nvme": "the server's drives" if settings.nvme_iops is None
                     else f"this machine's: {gpu.nvme_iops_per_drive:,.0f} reads/s, {gpu.nvme_bw_per_drive:,.0f} B/s"},
-        "measured_stall_us": float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0,
+        "measured_stall_us": stall_us,
+        # step time beyond the roofline and the stall: the serving thread's own work (hashing
+        # the step's and the look-ahead tokens, scheduling), which a GPU would wait for too
+        "host_us_per_step": step_us - stall_us - (own["step_us"] - own["stall_us"]),
         "measured_iops": reads / run.seconds if run.seconds else 0.0,
         "predicted_placement": own["placement"],
         "predicted_hit_rate": own["hit_rate"],
