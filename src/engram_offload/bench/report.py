@@ -98,9 +98,9 @@ def stall_limits(runs: list[dict[str, Any]], limit: float = STALL_LIMIT) -> list
 
 
 def stall_limits_table(rows: list[dict[str, Any]]) -> str:
-    head = "| tier | cache | largest concurrency, stall < 5% |\n|---|---|---:|"
-    body = [f"| {r['tier']} | {r['cache_state']} | {_cell(r['max_concurrency'], '{}') if r['max_concurrency'] else 'none'} |"
-            for r in rows]
+    limit = rows[0]["stall_limit"] if rows else STALL_LIMIT
+    head = f"| tier | cache | largest concurrency, stall < {limit:.0%} |\n|---|---|---:|"
+    body = [f"| {r['tier']} | {r['cache_state']} | {r['max_concurrency'] or 'none'} |" for r in rows]
     return "\n".join([head, *body])
 
 

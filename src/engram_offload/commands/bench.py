@@ -56,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="serving benchmark: throughput vs interactivity per tier and cache state",
-        description="Serve real-text requests (continuous batching, a small real transformer, rows "
-        "prefetched each step) from each tier and cache state at each concurrency; print a markdown "
+        description="Serve real-text requests (continuous batching, a small real transformer or a "
+        "modeled GPU's step time, rows prefetched each step) from each tier and cache state at each concurrency; print a markdown "
         "table, write JSON and a throughput-interactivity frontier plot. With no options: a small "
         "V4.1-Flash-layout table made once in the cache folder, the standard library as corpus, "
         "about 2 minutes.",
