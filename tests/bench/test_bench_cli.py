@@ -50,7 +50,38 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
     assert "| tier |" in printed and "throughput ratio" in printed
 
 
+def test_a_modeled_gpu_benchmark_end_to_end(tiny_table, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "--table", str(tiny_table), "--backbone", "modeled", "--gpu", "b300", "--tp", "2",
+                 "--nvme-iops", "50000", "--tiers", "memory,direct,mmap", "--cache-states", "cold,warm",
+                 "--concurrency", "2,4", "--seconds", "0.4", "--warmup-seconds", "0.3", "--dram-budget", "20%",
+                 "--corpus", "stdlib", "--corpus-tokens", "20000", "--prompt-tokens", "48", "--answer-tokens", "8",
+                 "--tool-tokens", "16", "--turns", "2", "--max-step-tokens", "32", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["backbone"] == "modeled" and doc["settings"]["tp"] == 2
+    for r in doc["runs"]:
+        assert KEYS <= set(r) and r["tokens"] > 0
+        assert r["modeled"]["gpu"] == "B300 (HGX)" and r["modeled"]["model"] == "deepseek-v4.1-flash"
+        assert r["predicted_stall_us"] >= 0 and r["measured_stall_us"] >= 0 and r["predicted_step_us"] > 0
+        assert r["host_us_per_step"] == pytest.approx(r["step_mean_ms"] * 1e3 - r["measured_stall_us"]
+                                                      - (r["predicted_step_us"] - r["predicted_stall_us"]))
+        assert r["predicted_placement"] == {"memory": "dram", "direct": "nvme", "mmap": "nvme"}[r["tier"]]
+        # the steps last at least the roofline: the planner's step time without its stall
+        assert r["step_p50_ms"] * 1e3 >= 0.5 * (r["predicted_step_us"] - r["predicted_stall_us"])
+    direct = [r for r in doc["runs"] if r["tier"] == "direct"]
+    assert all("predicted_stall_us_at_measured_hit" in r for r in direct)
+    limits = {(x["tier"], x["cache_state"]): x for x in doc["stall_limits"]}
+    assert set(limits) == {(t, s) for t in ("memory", "direct", "mmap") for s in ("cold", "warm")}
+    assert all(x["max_concurrency"] in (None, 2, 4) for x in limits.values())
+    printed = capsys.readouterr().out
+    assert "planner stall" in printed and "largest concurrency, stall < 5%" in printed
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--backbone", "modeled", "--gpu", "h9000"], "unknown GPU"),
+    (["--backbone", "modeled", "--model", "gpt-9"], "unknown model"),
     (["--tiers", "memory,tape"], "unknown tape"),
     (["--cache-states", "lukewarm"], "unknown lukewarm"),
     (["--concurrency", "0"], ">= 1"),
@@ -76,6 +107,8 @@ def test_a_missing_table_is_explained(tmp_path, capsys):
     (["--repeats", "0"], "argument --repeats: '0': give an integer >= 1"),
     (["--lookahead-tokens", "-1"], "argument --lookahead-tokens: '-1': give an integer >= 0"),
     (["--scale", "2"], "argument --scale: '2': give a fraction > 0 and <= 1"),
+    (["--tp", "0"], "argument --tp: '0': give an integer >= 1"),
+    (["--nvme-iops", "0"], "argument --nvme-iops: '0': give a rate > 0"),
 ])
 def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
     assert main(["bench", "--table", str(tmp_path / "t.table"), "--no-progress", *flags]) == 2  # a usage error: exit status 2, no traceback

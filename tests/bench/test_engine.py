@@ -9,7 +9,7 @@ import torch
 from engram_offload import open_table, write_table
 from engram_offload.backbone import EngramBackbone
 from engram_offload.bench.corpus import Corpus
-from engram_offload.bench.engine import ServingEngine
+from engram_offload.bench.engine import ServingEngine, StepShape
 from engram_offload.bench.metrics import summarize_run
 from engram_offload.bench.workload import RequestStream, WorkloadShape
 from engram_offload.config import EngramConfig
@@ -48,13 +48,13 @@ class RecordingEngine(ServingEngine):
 
 
 class RowsModel:
-    """Stands in for the backbone: asks for each Engram layer's rows and keeps them."""
+    """A ``StepModel`` that asks for each Engram layer's rows and keeps them."""
 
     def __init__(self, layers):
         self.layers = layers
         self.seen = []
 
-    def __call__(self, input_ids, rows_for, mask):
+    def run_step(self, shape, rows_for):
         self.seen.append({layer: rows_for(layer).clone() for layer in self.layers})
 
 
@@ -86,6 +86,50 @@ def test_every_step_gets_the_rows_of_its_tokens(table, lookahead, tier, cache):
                 assert torch.equal(seen[layer].reshape(want.shape), want)
         if cache:
             assert all(level.pinned() == 0 for level in store.levels)  # windows and steps released
+
+
+class RecordingModeled:
+    """The modeled backbone, keeping the rows it is handed at each Engram layer."""
+
+    def __init__(self, modeled):
+        self.modeled = modeled
+        self.seen = []
+
+    def run_step(self, shape, rows_for):
+        got = {}
+
+        def recording(layer):
+            got[layer] = rows_for(layer).clone()
+            return got[layer]
+
+        self.modeled.run_step(shape, recording)
+        self.seen.append(got)
+
+
+@pytest.mark.parametrize("tier,cache", [("memory", 0), ("direct", 4096)])
+def test_the_modeled_backbone_gets_the_rows_of_every_steps_tokens(table, tier, cache):
+    from dataclasses import replace
+
+    from engram_offload.bench.modeled import ModeledBackbone
+    from engram_offload.planner import get_gpu, get_model
+
+    path, config, hasher = table
+    spec = replace(get_model("deepseek-v4.1-flash"), engram=config)
+    shape = WorkloadShape("agent", prompt=40, answer=6, turns=2, tool=20)
+    with open_table(path, "mmap") as plain, open_table(path, tier, cache_bytes=cache) as store, \
+            Prefetcher(store, hasher) as pf:
+        model = RecordingModeled(ModeledBackbone(spec, get_gpu("b300"), 8, config.layer_ids))
+        engine = RecordingEngine(model, pf, concurrency=3, max_step_tokens=16, window_tokens=5)
+        run = engine.run(RequestStream(corpus(), shape, seed=2), seconds=60, max_steps=60)
+        assert run.steps == 60 and len(model.seen) == 60 and len(run.step_tokens) == 60
+        for entry, seen, (decode, prefill, _) in zip(engine.log, model.seen, run.step_tokens):
+            assert decode + prefill == sum(n for _, _, n in entry)
+            assert list(seen) == list(config.layer_ids)
+            for li, layer in enumerate(config.layer_ids):
+                want = expected_rows(plain, hasher, entry, li)
+                assert torch.equal(seen[layer].reshape(want.shape), want)
+        assert sum(run.step_seconds) >= sum(sum(model.modeled.segments_us(
+            StepShape((), d, p, kv))) for d, p, kv in run.step_tokens) * 1e-6
 
 
 def test_a_real_backbone_runs_and_figures_add_up(table):

@@ -42,3 +42,18 @@ def test_a_failed_json_write_leaves_nothing_behind(tmp_path):
 def test_the_frontier_is_a_png(tmp_path):
     path = frontier_plot(RUNS, tmp_path / "f.png")
     assert path.read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.iterdir()] == ["f.png"]
+
+
+def test_the_stall_limit_is_the_largest_concurrency_under_it_with_all_below_under_it_too():
+    from engram_offload.bench.report import stall_limits, stall_limits_table
+
+    def point(tier, c, stall):
+        return {"tier": tier, "cache_state": "cold", "concurrency": c, "stall_fraction": stall}
+
+    runs = [point("memory", 128, 0.02), point("memory", 8, 0.01), point("memory", 32, 0.049),
+            point("direct", 8, 0.03), point("direct", 32, 0.08), point("direct", 128, 0.04),
+            point("mmap", 8, 0.5), point("mmap", 32, 0.6)]
+    got = {r["tier"]: r["max_concurrency"] for r in stall_limits(runs)}
+    assert got == {"memory": 128, "direct": 8, "mmap": None}
+    table = stall_limits_table(stall_limits(runs))
+    assert "| mmap | cold | none |" in table and "| memory | cold | 128 |" in table

@@ -22,6 +22,10 @@ scheduled only once its rows are in (``defer_unready``); until then the batch ru
 without it. ``lookahead_tokens=0`` turns all this off: every piece is then fetched at the
 beginning of the step that computes it.
 
+The model is either a torch backbone (``EngramBackbone``: real compute on this machine) or
+any ``StepModel``, which is handed each step's ``StepShape`` and the ``rows_for`` of its
+Engram layers (``bench.modeled.ModeledBackbone``: a GPU's step time, slept).
+
 The arrival process is closed-loop: ``concurrency`` requests are always in flight, and a
 new one starts as soon as one finishes.
 """
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +43,51 @@ from ..backbone import packed_causal_mask
 from ..prefetch import Prefetcher, Step
 from .workload import Request, RequestStream
 
-__all__ = ["EngineRun", "ServingEngine", "Window"]
+__all__ = ["EngineRun", "RowsFor", "ServingEngine", "StepModel", "StepShape", "Window"]
+
+RowsFor = Callable[[int], torch.Tensor]  # layer_id -> the step's rows of that layer [T, C, d]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one serving step computes: its pieces (decode tokens first, then prefill chunks)."""
+
+    pieces: tuple[np.ndarray, ...]
+    decode_tokens: int
+    prefill_tokens: int
+    kv_tokens: int  # KV-cache tokens its attention reads: each sequence's length after the step
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_tokens + self.prefill_tokens
+
+
+class StepModel(Protocol):
+    """A model the engine runs one step at a time; it calls ``rows_for`` once per Engram
+    layer, in layer order."""
+
+    def run_step(self, shape: StepShape, rows_for: RowsFor) -> None: ...
+
+
+class BackboneStep:
+    """A torch backbone as a ``StepModel``: decode-only steps as a ``[B, 1]`` batch, others
+    packed into ``[1, T]`` with a causal mask per piece."""
+
+    def __init__(self, backbone: torch.nn.Module, cols: int, dim: int) -> None:
+        self.backbone = backbone
+        self._cols, self._dim = cols, dim
+
+    def run_step(self, shape: StepShape, rows_for: RowsFor) -> None:
+        lengths = [p.size for p in shape.pieces]
+        if all(n == 1 for n in lengths):
+            input_ids = torch.from_numpy(np.concatenate(shape.pieces)).view(-1, 1)  # [B, 1]
+            mask = None
+        else:
+            input_ids = torch.from_numpy(np.concatenate(shape.pieces)).view(1, -1)  # [1, T]
+            mask = packed_causal_mask(lengths)
+        b, t = input_ids.shape
+        with torch.no_grad():
+            self.backbone(input_ids, lambda layer_id: rows_for(layer_id).view(b, t, self._cols, self._dim), mask)
 
 
 @dataclass
@@ -55,6 +103,7 @@ class EngineRun:
     rows_unique: int = 0  # after each step's dedup
     step_seconds: list[float] = field(default_factory=list)
     stall_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (decode, prefill, KV) per step
     requests: list[Request] = field(default_factory=list)  # finished, then those still running
     finished: int = 0
 
@@ -70,13 +119,14 @@ class Window:
 
 
 class ServingEngine:
-    """Runs ``model`` over requests with rows from ``prefetcher`` (see the module docstring).
+    """Runs ``model`` (a torch backbone or a ``StepModel``) over requests with rows from
+    ``prefetcher`` (see the module docstring).
 
     ``model=None`` replays the row accesses only (hash, fetch, wait): a fast warm-up pass
     that fills caches as serving the same requests would.
     """
 
-    def __init__(self, model: torch.nn.Module | None, prefetcher: Prefetcher, *, concurrency: int,
+    def __init__(self, model: torch.nn.Module | StepModel | None, prefetcher: Prefetcher, *, concurrency: int,
                  max_step_tokens: int = 256, lookahead_tokens: int | None = None,
                  window_tokens: int = 64, defer_unready: bool = True) -> None:
         if concurrency < 1:
@@ -86,8 +136,10 @@ class ServingEngine:
                 f"max_step_tokens ({max_step_tokens}) must be >= concurrency ({concurrency}): every "
                 "decoding sequence needs one token a step"
             )
-        self.model = model
         self.prefetcher = prefetcher
+        cfg = prefetcher.config
+        self.model: StepModel | None = (BackboneStep(model, cfg.cols_per_layer, cfg.head_dim)
+                                        if isinstance(model, torch.nn.Module) else model)
         self.concurrency = concurrency
         self.max_step_tokens = max_step_tokens
         self.lookahead_tokens = 2 * max_step_tokens if lookahead_tokens is None else int(lookahead_tokens)
@@ -97,8 +149,6 @@ class ServingEngine:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         self.window_tokens = int(window_tokens)
         self.defer_unready = defer_unready
-        cfg = prefetcher.config
-        self._cols, self._dim = cfg.cols_per_layer, cfg.head_dim
         self._layers = list(cfg.layer_ids)
         self._windows: dict[int, list[Window]] = {}  # request number -> its input windows, in order
         self._hashed: dict[int, int] = {}  # request number -> input tokens hashed so far
@@ -193,7 +243,13 @@ class ServingEngine:
             self._run.rows_unique += int(step.dedup.unique.size)
 
     # ------------------------------------------------------------------ one step
-    def _forward(self, chosen: list[Request], pieces: list[np.ndarray]) -> float:
+    @staticmethod
+    def _shape(chosen: list[Request], pieces: list[np.ndarray]) -> StepShape:
+        decode = sum(p.size for r, p in zip(chosen, pieces) if not r.in_prefill)
+        prefill = sum(p.size for r, p in zip(chosen, pieces) if r.in_prefill)
+        return StepShape(tuple(pieces), decode, prefill, sum(r.fed + p.size for r, p in zip(chosen, pieces)))
+
+    def _forward(self, chosen: list[Request], pieces: list[np.ndarray], shape: StepShape) -> float:
         """One step through the model; returns the Engram stall seconds of the step."""
         decoding = [(r, p) for r, p in zip(chosen, pieces) if not r.in_prefill]
         prefill = [(r, p) for r, p in zip(chosen, pieces) if r.in_prefill]
@@ -206,7 +262,6 @@ class ServingEngine:
         fetches = ([decode_step] if decode_step else []) + [w.fetch for r, p in prefill for w in self._windows[r.number]
                                                            if w.start < r.fed + p.size and w.end > r.fed]
         stall_before = sum(f.stall_seconds for f in fetches)  # a window's fetch may have stalled an earlier step
-        lengths = [p.size for p in pieces]
 
         def rows_for(layer_id: int) -> torch.Tensor:
             parts = []
@@ -225,15 +280,7 @@ class ServingEngine:
                 for layer_id in self._layers:
                     rows_for(layer_id)
             else:
-                if all(n == 1 for n in lengths):  # decode only: a [B, 1] batch
-                    input_ids = torch.from_numpy(np.concatenate(pieces)).view(-1, 1)
-                    mask = None
-                else:  # packed: [1, T] with a causal mask per piece
-                    input_ids = torch.from_numpy(np.concatenate(pieces)).view(1, -1)
-                    mask = packed_causal_mask(lengths)
-                b, t = input_ids.shape
-                with torch.no_grad():
-                    self.model(input_ids, lambda layer_id: rows_for(layer_id).view(b, t, self._cols, self._dim), mask)
+                self.model.run_step(shape, rows_for)
         except BaseException:
             self._cancel_all()
             raise
@@ -285,11 +332,13 @@ class ServingEngine:
                 chosen, pieces = self._schedule(active)
                 scheduled = {r.number for r in chosen}
                 self._waiting = [r for r in active if r.number not in scheduled]
+                shape = self._shape(chosen, pieces)
                 t0 = time.perf_counter()
-                stall = self._forward(chosen, pieces)
+                stall = self._forward(chosen, pieces, shape)
                 now = time.perf_counter()
                 run.step_seconds.append(now - t0)
                 run.stall_seconds.append(stall)
+                run.step_tokens.append((shape.decode_tokens, shape.prefill_tokens, shape.kv_tokens))
                 run.steps += 1
                 for r, piece in zip(chosen, pieces):
                     if r.in_prefill:

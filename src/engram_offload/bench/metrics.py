@@ -56,6 +56,7 @@ def summarize_run(run: EngineRun) -> dict[str, Any]:
         "p99_itl_ms": _pct(itl, 99, 1e3),
         "ttft_p50_ms": _pct(ttft, 50, 1e3),
         "ttft_p90_ms": _pct(ttft, 90, 1e3),
+        "step_mean_ms": step_total / run.steps * 1e3 if run.steps else None,
         "step_p50_ms": _pct(run.step_seconds, 50, 1e3),
         "step_p90_ms": _pct(run.step_seconds, 90, 1e3),
         "stall_p50_ms": _pct(run.stall_seconds, 50, 1e3),

@@ -9,7 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["comparisons", "comparisons_table", "frontier_plot", "markdown_table", "write_json"]
+__all__ = ["STALL_LIMIT", "comparisons", "comparisons_table", "frontier_plot", "markdown_table", "stall_limits",
+           "stall_limits_table", "write_json"]
+
+STALL_LIMIT = 0.05  # the stall share of step time a deployment tolerates
 
 COLUMNS = [
     ("tier", "tier", "{}"),
@@ -21,6 +24,7 @@ COLUMNS = [
     ("p90_itl_ms", "P90 ITL ms", "{:.1f}"),
     ("ttft_p50_ms", "TTFT p50 ms", "{:,.0f}"),
     ("stall_fraction", "stall", "{:.1%}"),
+    ("predicted_stall_fraction", "planner stall", "{:.1%}"),
     ("hit_rate", "hit rate", "{:.1%}"),
     ("device_bytes_per_token", "disk B/tok", "{:,.0f}"),
     ("budget_enforced", "budget", "{}"),
@@ -71,6 +75,32 @@ def comparisons_table(rows: list[dict[str, Any]]) -> str:
     head = "| tier | vs | cache | conc. | throughput ratio | P90 ITL ratio |\n|---|---|---|---:|---:|---:|"
     body = [f"| {c['tier']} | {c['vs']} | {c['cache_state']} | {c['concurrency']} | "
             f"{c['throughput_ratio']:.2f}x | {_cell(c['p90_itl_ratio'], '{:.2f}x')} |" for c in rows]
+    return "\n".join([head, *body])
+
+
+def stall_limits(runs: list[dict[str, Any]], limit: float = STALL_LIMIT) -> list[dict[str, Any]]:
+    """Per tier and cache state, the largest concurrency whose measured stall is under
+    ``limit`` of step time, with every lower concurrency measured also under it (None: not
+    even the lowest)."""
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        lines.setdefault((r["tier"], r["cache_state"]), []).append(r)
+    out = []
+    for (tier, state), points in lines.items():
+        best = None
+        for p in sorted(points, key=lambda r: r["concurrency"]):
+            if p["stall_fraction"] >= limit:
+                break
+            best = p["concurrency"]
+        out.append({"tier": tier, "cache_state": state, "stall_limit": limit, "max_concurrency": best,
+                    "concurrencies": sorted(p["concurrency"] for p in points)})
+    return out
+
+
+def stall_limits_table(rows: list[dict[str, Any]]) -> str:
+    limit = rows[0]["stall_limit"] if rows else STALL_LIMIT
+    head = f"| tier | cache | largest concurrency, stall < {limit:.0%} |\n|---|---|---:|"
+    body = [f"| {r['tier']} | {r['cache_state']} | {r['max_concurrency'] or 'none'} |" for r in rows]
     return "\n".join([head, *body])
 
 

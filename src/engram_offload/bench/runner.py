@@ -20,6 +20,10 @@ nothing to warm and skips it.
 
 The measured requests are the same in every run, so tiers are compared on equal work.
 
+Backbones: ``cpu`` computes a small real transformer here (it shares the cores with the
+fetch path); ``modeled`` sleeps a GPU's roofline step time (``bench.modeled``), and each
+run then also carries the planner's prediction for the same steps (``predicted_*``).
+
 DRAM budget: the ``direct`` store holds its row caches (at most ``--cache-bytes``, itself
 at most the budget) and reads with O_DIRECT, which bypasses the page cache: enforced by
 construction. The ``mmap`` baseline lives in the page cache, so its runs go to a child
@@ -35,7 +39,7 @@ import gc
 import multiprocessing
 import queue as queue_module
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,12 +58,14 @@ from .corpus import Corpus
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
+from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from .workload import RequestStream, WorkloadShape
 
-__all__ = ["BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
+__all__ = ["BACKBONES", "BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
            "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "is_resident", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
+BACKBONES = ("cpu", "modeled")
 CGROUP_ALLOWANCE = 256 << 20  # first limit above the budget, until the process's own memory is measured
 
 
@@ -83,6 +89,12 @@ class BenchSettings:
     threads: int = 1  # torch threads for the backbone; the rest of the cores fetch rows
     seed: int = 0
     drop_all_caches: bool = False  # cold runs also empty the whole machine's page cache
+    backbone: str = "cpu"  # cpu: the small transformer computed here; modeled: a GPU's step time slept
+    gpu: str = "b300"  # the modeled backbone's GPU (planner.hardware)
+    tp: int = 1  # and its tensor-parallel degree
+    model: str | None = None  # its planner model (default: the table's layout)
+    nvme_iops: float | None = None  # this machine's NVMe reads/s for the planner's prediction (default: the server's)
+    nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,8 +114,14 @@ class Corpora:
         return {"cold": None, "warm": self.warm, "mixed": self.mixed}[state]
 
 
-def build_backbone(config: EngramConfig, settings: BenchSettings, vocab_size: int) -> EngramBackbone:
-    """The seeded random-weight backbone of a run (the same weights in every run)."""
+def build_backbone(config: EngramConfig, settings: BenchSettings,
+                   vocab_size: int) -> EngramBackbone | ModeledBackbone:
+    """The run's backbone: the seeded random-weight transformer (the same weights in every
+    run), or the modeled GPU."""
+    if settings.backbone == "modeled":
+        return modeled_backbone(config, settings.gpu, settings.tp, settings.model)
+    if settings.backbone != "cpu":
+        raise ValueError(f"unknown backbone {settings.backbone!r}; choose from: {', '.join(BACKBONES)}")
     layers = settings.layers or max(config.layer_ids) + 2
     torch.manual_seed(settings.seed)
     bconfig = config.replace(hidden_size=settings.hidden, name=None)
@@ -141,7 +159,7 @@ class _Measured:
 
 
 def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
-           corpora: Corpora, model: EngramBackbone, hasher: NgramHasher,
+           corpora: Corpora, model: EngramBackbone | ModeledBackbone, hasher: NgramHasher,
            on_step: Callable[[str, float], Any] | None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement."""
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
@@ -181,8 +199,12 @@ def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
         "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in served.after["levels"]} if cached else None,
         "tier_rows_per_token": per_token("rows"),
         "device_bytes_per_token": per_token("bytes_read"),
-        "device_reads": after.get("reads", 0) - before.get("reads", 0),
+        "device_reads": _device_reads(served),
     }
+
+
+def _device_reads(served: _Measured) -> int:
+    return served.after["tier"].get("reads", 0) - served.before["tier"].get("reads", 0)
 
 
 def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
@@ -206,6 +228,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step)
     if budget_note is None:
         budget_note = _budget_note(tier, settings)
+    figures = _predicted(model, tier, served, settings, config) if isinstance(model, ModeledBackbone) else {}
     return {
         "tier": tier,
         "cache_state": state,
@@ -219,7 +242,57 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         "corpus_wrapped": served.stream.wrapped,
         "open_seconds": open_seconds,
         "cache_bytes": settings.cache_bytes if options else 0,
+        **figures,
     }
+
+
+def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: BenchSettings,
+               config: EngramConfig) -> dict[str, Any]:
+    """The planner's stall and NVMe reads for the run's own steps, beside the measured ones:
+    with its own inputs (``predicted_*``: the hit rate its Zipf curve gives the DRAM held,
+    4 KiB per read), and with the run's measured ones (``predicted_*_at_measured_hit``,
+    direct only: the hit rate and the bytes per device read)."""
+    from ..planner.plan import curve_for
+
+    run = served.run
+    gpu = model.gpu
+    if settings.nvme_iops is not None:
+        gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s)
+    held = settings.cache_bytes if tier == "direct" else settings.dram_budget
+    planner_hit = None
+    if PLACEMENT_OF_TIER[tier] == "nvme":
+        planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
+    own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
+    reads = _device_reads(served)
+    step_us = float(sum(run.step_seconds)) / run.steps * 1e6 if run.steps else 0.0
+    stall_us = float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0
+    out = {
+        "modeled": {"gpu": model.gpu.name, "tp": model.tp, "model": model.model.name,
+                    "nvme": "the server's drives" if settings.nvme_iops is None
+                    else f"this machine's: {gpu.nvme_iops_per_drive:,.0f} reads/s, {gpu.nvme_bw_per_drive:,.0f} B/s"},
+        "measured_stall_us": stall_us,
+        # step time beyond the roofline and the stall: the serving thread's own work (hashing
+        # the step's and the look-ahead tokens, scheduling), which a GPU would wait for too
+        "host_us_per_step": step_us - stall_us - (own["step_us"] - own["stall_us"]),
+        "measured_iops": reads / run.seconds if run.seconds else 0.0,
+        "predicted_placement": own["placement"],
+        "predicted_hit_rate": own["hit_rate"],
+        "predicted_stall_us": own["stall_us"],
+        "predicted_stall_us_all_at_first_layer": own["stall_us_all_at_first_layer"],
+        "predicted_step_us": own["step_us"],
+        "predicted_stall_fraction": own["stall_fraction"],
+        "predicted_iops": own["nvme_iops"],
+    }
+    measured_hit = served.after["store"]["hit_rate"] if _cache_options(tier, settings) else None
+    if measured_hit is not None:
+        read_bytes = served.after["tier"].get("bytes_read", 0) - served.before["tier"].get("bytes_read", 0)
+        a = replace(model.assumptions, nvme_read_bytes=read_bytes / reads) if reads else model.assumptions
+        at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a)
+        out.update(predicted_stall_us_at_measured_hit=at["stall_us"],
+                   predicted_stall_us_all_at_first_layer_at_measured_hit=at["stall_us_all_at_first_layer"],
+                   predicted_stall_fraction_at_measured_hit=at["stall_fraction"],
+                   predicted_iops_at_measured_hit=at["nvme_iops"])
+    return out
 
 
 def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:

@@ -56,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="serving benchmark: throughput vs interactivity per tier and cache state",
-        description="Serve real-text requests (continuous batching, a small real transformer, rows "
-        "prefetched each step) from each tier and cache state at each concurrency; print a markdown "
+        description="Serve real-text requests (continuous batching, a small real transformer or a "
+        "modeled GPU's step time, rows prefetched each step) from each tier and cache state at each concurrency; print a markdown "
         "table, write JSON and a throughput-interactivity frontier plot. With no options: a small "
         "V4.1-Flash-layout table made once in the cache folder, the standard library as corpus, "
         "about 2 minutes.",
@@ -95,6 +95,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--lookahead-tokens", type=int_or_zero, default=None,
                    help="prefill tokens fetched ahead of their step (default: two steps' budget; 0: off)")
     b = p.add_argument_group("backbone")
+    b.add_argument("--backbone", default="cpu", choices=["cpu", "modeled"],
+                   help="cpu: a small real transformer computed on this machine's cores (default); modeled: "
+                   "sleep a GPU's roofline step time (--gpu, --tp), leaving the cores to the fetch path")
+    b.add_argument("--gpu", default="b300", help="the modeled backbone's GPU, as in 'plan' (default b300)")
+    b.add_argument("--tp", type=positive_int, default=1, help="the modeled backbone's tensor-parallel degree (default 1)")
+    b.add_argument("--model", default=None,
+                   help="the modeled backbone's planner model (default: the table's layout, e.g. deepseek-v4.1-flash)")
+    b.add_argument("--nvme-iops", type=_number(float, 0, low_open=True, what="a rate"), default=None,
+                   help="this machine's random reads/s at the direct tier's read size (e.g. fio --bs=512) for the "
+                   "planner's predicted stall (default: the GPU server's drives)")
+    b.add_argument("--nvme-bytes-per-s", type=_number(float, 0, low_open=True, what="a rate"), default=None,
+                   help="and its read bandwidth (e.g. fio --bs=4k; default: --nvme-iops x 4 KiB)")
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
@@ -227,8 +239,14 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         layers=args.layers, hidden=args.hidden, heads=args.heads,
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
         drop_all_caches=args.drop_all_caches,
+        backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
+        nvme_bytes_per_s=args.nvme_bytes_per_s,
     )
     check_budget(settings)
+    if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
+        from ..bench.modeled import modeled_backbone
+
+        modeled_backbone(header.config, args.gpu, args.tp, args.model)
     return _Plan(table, header, budget, tiers, states, concurrency, settings)
 
 
@@ -261,7 +279,7 @@ def _describe(plan: _Plan, args: argparse.Namespace, measured_all: Any, corpora:
 
 
 def _document(plan: _Plan, args: argparse.Namespace, corpora: Any, runs: list[dict[str, Any]],
-              ratios: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+              ratios: list[dict[str, Any]], limits: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """The results JSON."""
     from ..machine import machine_facts
 
@@ -279,12 +297,14 @@ def _document(plan: _Plan, args: argparse.Namespace, corpora: Any, runs: list[di
                     "mixed": mixed.name, "mixed_source": mixed.source},
         "runs": runs,
         "comparisons": ratios,
+        "stall_limits": limits,
         "wall_seconds": wall,
     }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.report import comparisons, comparisons_table, frontier_plot, markdown_table, write_json
+    from ..bench.report import (comparisons, comparisons_table, frontier_plot, markdown_table, stall_limits,
+                                stall_limits_table, write_json)
     from ..bench.runner import run_sweep
     from ..tokenizer import cached_token_map
 
@@ -298,9 +318,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         runs = run_sweep(plan.settings, plan.tiers, plan.states, plan.concurrency, corpora, token_map,
                          repeats=args.repeats, progress=progress.run, on_step=progress.step)
     ratios = comparisons(runs)
+    limits = stall_limits(runs)
     out = Path(args.out)
     json_path = write_json(args.json or out / "results.json",
-                           _document(plan, args, corpora, runs, ratios, time.perf_counter() - t0))
+                           _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
@@ -309,6 +330,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if ratios:
         print()
         print(comparisons_table(ratios))
+    print()
+    print(stall_limits_table(limits))
     print(f"\nwrote {json_path} and {plot_path}")
     return 0
 

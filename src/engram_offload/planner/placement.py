@@ -20,8 +20,8 @@ from .mrc import MissRatioCurve
 from .models import ModelSpec
 from .perf import decode_step, decode_window_us, prefill_window_us
 
-__all__ = ["PLACEMENTS", "Workload", "PlacementResult", "evaluate", "evaluate_all",
-           "tp_degrees", "smallest_feasible_tp"]
+__all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time",
+           "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
 GiB = 2**30
@@ -155,35 +155,80 @@ def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
         r.cache_hit_rate = 1.0 if cache_rows >= rows else (curve.hit_ratio(cache_rows) if curve else 0.0)
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """Bringing one step's Engram rows to a GPU (per GPU): a fixed cost per step (latencies,
+    the NVMe step overhead) and a cost in proportion to the rows, the NVMe reads it makes."""
+
+    link_bytes: float
+    fixed_us: float
+    rows_us: float
+    nvme_reads: float  # rows missed by the DRAM cache
+
+    @property
+    def transfer_us(self) -> float:
+        return self.fixed_us + self.rows_us
+
+    def per_layer_us(self, layers: int) -> list[float]:
+        """The fetch of each of ``layers`` Engram layers, fetched one after another (each
+        layer has the same number of rows; the fixed cost comes with the first)."""
+        return [self.rows_us / layers + (self.fixed_us if k == 0 else 0.0) for k in range(layers)]
+
+
+def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
+               a: Assumptions) -> Fetch:
+    """The rows of ``tokens`` tokens for one GPU of the TP group, from placement ``name``
+    (``hit_rate``: the DRAM cache's, for ``nvme``)."""
+    bpt = model.engram.bytes_per_token_per_gpu(tp)
+    rows_per_token = bpt // model.engram.row_bytes
+    link_bytes = tokens * bpt if name != "hbm" else 0.0
+    fixed = rows = 0.0
+    if name in ("dram", "nvme"):
+        fixed, rows = a.host_link_latency_us, link_bytes / (gpu.host_link_bw * a.host_link_efficiency) * 1e6
+    elif name == "remote":
+        fixed, rows = a.remote_latency_us, link_bytes / a.remote_bw * 1e6
+    misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name == "nvme" else 0.0
+    if misses > 0:
+        iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
+        fixed += gpu.nvme_latency_us + a.nvme_step_overhead_us
+        bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server
+        # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
+        rows += max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
+    return Fetch(link_bytes=link_bytes, fixed_us=fixed, rows_us=rows, nvme_reads=misses)
+
+
+def layered_stall_us(fetch_us: list[float], offsets_us: list[float]) -> float:
+    """The stall of a step whose Engram layers' rows are fetched one layer after another
+    from forward entry (``fetch_us[k]``: layer k's), the GPU reaching layer k at
+    ``offsets_us[k]`` plus the stall before it: a layer's rows arriving late stall the
+    step, and the layers after it then have that much longer to arrive."""
+    arrived = stall = 0.0
+    for fetch, offset in zip(fetch_us, offsets_us):
+        arrived += fetch
+        stall += max(0.0, arrived - (offset + stall))
+    return stall
+
+
+def step_stall_us(due: Fetch, total: Fetch, offsets_us: list[float], step_us: float) -> float:
+    """The Engram stall of one step of ``step_us`` with Engram layers at ``offsets_us``:
+    the rows ``due`` in the step (its decode tokens', fetched from forward entry, one layer
+    after another) must arrive by their layers, and everything the step's fetch brings
+    (``total``: prefill rows fetched ahead of their step included) must fit in the step, or
+    the fetch path falls behind by the difference every step."""
+    latency = layered_stall_us(due.per_layer_us(len(offsets_us)), offsets_us)
+    return max(latency, total.transfer_us - step_us)
+
+
 def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
             a: Assumptions, r: PlacementResult) -> dict[str, float]:
     step = decode_step(model, gpu, tp, batch, w.context, a)
     window = decode_window_us(model, step)
-    bpt = model.engram.bytes_per_token_per_gpu(tp)
-    rows_per_token = bpt // model.engram.row_bytes
-    link_bytes = batch * bpt if name != "hbm" else 0.0
-    extra = 0.0
-    if name in ("dram", "nvme"):
-        transfer = a.host_link_latency_us + link_bytes / (gpu.host_link_bw * a.host_link_efficiency) * 1e6
-    elif name == "remote":
-        transfer = a.remote_latency_us + link_bytes / a.remote_bw * 1e6
-    else:
-        transfer = 0.0
-    misses = 0.0
-    if name == "nvme":
-        hit = r.cache_hit_rate or 0.0
-        misses = batch * rows_per_token * (1 - hit)
-        iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
-        if misses > 0:
-            extra = (gpu.nvme_latency_us + misses / iops_share * 1e6 + a.nvme_step_overhead_us
-                     + misses * a.nvme_read_bytes / (gpu.nvme_bw_per_drive * gpu.nvme_drives
-                                                     / gpu.gpus_per_server) * 1e6)
-    total = transfer + extra
-    stall = max(0.0, total - window)
+    fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a)
+    stall = max(0.0, fetch.transfer_us - window)
     step_us = step.backbone_us + stall
-    iops = misses / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
-    return dict(step=step, window=window, link_bytes=link_bytes, transfer=total, stall=stall,
-                step_us=step_us, iops=iops)
+    iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
+    return dict(step=step, window=window, link_bytes=fetch.link_bytes, transfer=fetch.transfer_us,
+                stall=stall, step_us=step_us, iops=iops)
 
 
 def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,

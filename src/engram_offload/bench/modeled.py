@@ -1,0 +1,145 @@
+"""``ModeledBackbone``: a real GPU's step time, slept, in place of the backbone's compute.
+
+Each step sleeps for the planner's roofline time of its decode and prefill tokens on a GPU
+and model (``planner.perf.step_time``), split at the Engram layers by the layers' share of
+the step (``planner.perf.layer_offsets_us``): the time before Engram layer 1, then between
+the Engram layers, then after the last. At each Engram layer it takes that layer's rows,
+waiting for them if they are not there (the stall, measured by the prefetcher's ``Step``);
+a wait pushes the rest of the step back, as it would on the GPU. Sleeping uses no CPU, so
+hashing, dedup, caches and storage have this machine's cores to themselves, as on a GPU
+server, at that GPU's step rate.
+
+``planner_prediction`` is what the planner predicts for the same steps: its roofline step
+time, the Engram layers' places in it, the fetch time of a placement
+(``planner.placement.fetch_time``) and so the stall (``placement.step_stall_us``) and the
+NVMe reads per second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+from ..config import EngramConfig
+from ..planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from ..planner.hardware import GpuSpec, get_gpu
+from ..planner.models import ModelSpec, get_model
+from ..planner.perf import StepTime, layer_offsets_us, step_time
+from ..planner.placement import fetch_time, step_stall_us
+from .engine import RowsFor, StepShape
+
+__all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
+
+# The planner's placement each tier stands for: the table whole in host DRAM, or on NVMe
+# behind a DRAM cache (mmap's is the page cache).
+PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "nvme"}
+
+
+@dataclass(frozen=True)
+class ModeledBackbone:
+    """Sleeps a step's roofline time on ``tp`` GPUs of ``gpu`` for ``model``, taking the
+    rows of the Engram layers ``layer_ids`` at their place in the step."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int
+    layer_ids: tuple[int, ...]
+    assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        beyond = [i for i in self.layer_ids if i >= self.model.num_layers]
+        if beyond:
+            raise ValueError(f"Engram layers {beyond} are beyond {self.model.name}'s {self.model.num_layers} layers")
+
+    def step_time(self, shape: StepShape) -> StepTime:
+        """The planner's roofline time of ``shape`` on this GPU and model."""
+        return step_time(self.model, self.gpu, self.tp, shape.decode_tokens, shape.prefill_tokens,
+                         shape.kv_tokens, self.assumptions)
+
+    def segments_us(self, shape: StepShape) -> list[float]:
+        """Compute before each Engram layer (since the previous one), then after the last:
+        ``len(layer_ids) + 1`` pieces that add up to the step's roofline time."""
+        total = self.step_time(shape).backbone_us
+        offsets = layer_offsets_us(self.model, sorted(self.layer_ids), total)
+        return [b - a for a, b in zip([0.0, *offsets], [*offsets, total])]
+
+    def run_step(self, shape: StepShape, rows_for: RowsFor) -> None:
+        """Sleep each segment, taking each Engram layer's rows between them. Time spent
+        waiting for (and taking) rows delays the rest of the step; a sleep's own lateness
+        does not add up (each segment ends at its deadline)."""
+        segments = self.segments_us(shape)
+        deadline = time.perf_counter()
+        for layer_id, segment in zip(sorted(self.layer_ids), segments):
+            deadline += segment * 1e-6
+            _sleep_until(deadline)
+            asked = time.perf_counter()
+            rows_for(layer_id)
+            deadline += time.perf_counter() - asked  # the wait for rows, not the sleep's lateness
+        _sleep_until(deadline + segments[-1] * 1e-6)
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def modeled_backbone(table_config: EngramConfig, gpu: str, tp: int, model: str | None = None,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> ModeledBackbone:
+    """The modeled backbone of a benchmark table: the planner's ``model`` (default: the
+    table's layout, e.g. ``deepseek-v4.1-flash`` for a scaled ``deepseek-v4.1-flash@0.011``)
+    with the table's own Engram layout."""
+    name = model or (table_config.name or "").split("@")[0]
+    if not name:
+        raise ValueError("the table's layout has no name: pass --model (one of the planner's models)")
+    spec = replace(get_model(name), engram=table_config)
+    return ModeledBackbone(spec, get_gpu(gpu), tp, tuple(table_config.layer_ids), assumptions)
+
+
+def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None) -> GpuSpec:
+    """``gpu`` in a server whose only NVMe drive is this machine's (``iops``: random reads
+    per second at the tier's read size, e.g. fio's; ``bytes_per_s``: its read bandwidth,
+    default ``iops`` x 4 KiB) and which holds just one TP group: ``tp`` GPUs share it."""
+    return replace(gpu, nvme_drives=1, nvme_iops_per_drive=iops, gpus_per_server=tp,
+                   nvme_bw_per_drive=bytes_per_s or iops * 4096)
+
+
+def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tuple[int, int, int]],
+                       hit_rate: float | None, gpu: GpuSpec | None = None,
+                       assumptions: Assumptions | None = None) -> dict[str, Any]:
+    """What the planner predicts for ``steps`` (``(decode, prefill, KV tokens)`` each) served
+    from ``tier`` at a DRAM-cache ``hit_rate``: mean stall and step time per step (us), the
+    stall's share of step time and the NVMe reads per second of the TP group.
+
+    ``stall_us`` is ``placement.step_stall_us``: decode rows due layer by layer, prefill
+    rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
+    the earlier formula, every row of the step due at the first Engram layer."""
+    placement = PLACEMENT_OF_TIER[tier]
+    gpu = gpu or backbone.gpu
+    model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
+    layers = sorted(backbone.layer_ids)
+    stall = first_only = step_total = reads = 0.0
+    n = 0
+    for decode, prefill, kv in steps:
+        roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
+        offsets = layer_offsets_us(model, layers, roofline)
+        due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a)
+        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a)
+        s = max(0.0, step_stall_us(due, total, offsets, roofline))
+        first_only += max(0.0, total.transfer_us - offsets[0])
+        stall += s
+        step_total += roofline + s
+        reads += total.nvme_reads * tp
+        n += 1
+    return {
+        "placement": placement,
+        "hit_rate": hit_rate,
+        "stall_us": stall / n if n else 0.0,
+        "stall_us_all_at_first_layer": first_only / n if n else 0.0,
+        "step_us": step_total / n if n else 0.0,
+        "stall_fraction": stall / step_total if step_total else 0.0,
+        "nvme_iops": reads / step_total * 1e6 if step_total else 0.0,
+    }
