@@ -52,7 +52,7 @@ from ..hashing import NgramHasher
 from ..prefetch import Prefetcher
 from ..store import TableStore, open_table
 from ..table.format import read_header
-from ..tiers import TIERS
+from ..tiers import TIERS, is_resident
 from .cold import make_cold
 from .corpus import Corpus
 from .engine import EngineRun, ServingEngine
@@ -62,7 +62,7 @@ from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_bac
 from .workload import RequestStream, WorkloadShape
 
 __all__ = ["BACKBONES", "BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
-           "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "is_resident", "run_sweep"]
+           "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
 BACKBONES = ("cpu", "modeled")
@@ -126,11 +126,6 @@ def build_backbone(config: EngramConfig, settings: BenchSettings,
     torch.manual_seed(settings.seed)
     bconfig = config.replace(hidden_size=settings.hidden, name=None)
     return EngramBackbone(bconfig, num_layers=layers, vocab_size=vocab_size, heads=settings.heads).eval()
-
-
-def is_resident(tier: str) -> bool:
-    """Whether ``tier`` holds the whole table in DRAM (nothing to warm, never within a budget)."""
-    return tier in ("memory", "pinned")
 
 
 def _check_run(tier: str, state: str) -> None:

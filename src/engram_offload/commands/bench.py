@@ -16,11 +16,11 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import format_bytes, parse_size
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
-DEFAULT_TIER_QUEUE_DEPTH = 64  # bench-tier's reads in flight (direct) or reader threads (mmap)
 DROP_ALL_HELP = ("with a cold start, also empty the whole machine's page cache (/proc/sys/vm/drop_caches, "
                  "as root): every process's cached files, not only the table's")
 
@@ -345,8 +345,8 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
     parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
     parser.add_argument("--seconds", type=positive_seconds, default=10.0, help="seconds to measure (default 10)")
-    parser.add_argument("--queue-depth", type=positive_int, default=DEFAULT_TIER_QUEUE_DEPTH,
-                        help=f"reads in flight (direct) or concurrent reader threads (mmap) (default {DEFAULT_TIER_QUEUE_DEPTH})")
+    parser.add_argument("--queue-depth", type=positive_int, default=DEFAULT_QUEUE_DEPTH,
+                        help=f"reads in flight (direct) or concurrent reader threads (mmap) (default {DEFAULT_QUEUE_DEPTH})")
     parser.add_argument("--batch", type=positive_int, default=1024, help="rows per gather call (default 1024)")
     parser.add_argument("--callers", type=positive_int, help="caller threads (default: 1; mmap: the queue depth)")
     parser.add_argument("--seed", type=int, default=0)
