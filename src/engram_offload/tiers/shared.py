@@ -1,0 +1,268 @@
+"""``shared`` tier: one copy of a table's rows per machine, in a POSIX shared-memory segment.
+
+The first process to open a table loads its rows once into ``<shm_dir>/<segment>`` (by
+default ``/dev/shm/engram-<fingerprint>``, the fingerprint hashing the table's header and
+checksum trailer, so every copy of the same table shares one segment); every later
+process, of any rank, maps the same pages read-only. N processes hold about one table of
+DRAM, not N.
+
+A segment is::
+
+    page 0   magic b"ENGRAMSH", u32 version, u32 state (0 loading, 1 ready), u64 table
+             fingerprint, u64 data bytes, u32 loader pid, u32 path length, the table's path
+    data     dense rows ``uint8 [num_rows, row_bytes]`` from byte 4096
+
+Who loads is decided under ``fcntl.flock`` on ``<segment>.lock``: the loader holds the lock
+until the ready flag is written (last, after every row), and the kernel drops the lock
+when a process dies. So a process that takes the lock and finds a segment still marked
+loading knows its loader died (SIGKILL mid-load) and removes and reloads it. A ready
+segment of another table (a reused ``segment=`` name) is refused with a ``TierError``.
+
+The segment outlives the processes (the next start attaches without loading); remove it
+with ``remove_segment``. ``rows`` is the host tensor (read-only pages), for the GPU path to
+register in place (``cudaHostRegister`` with the read-only flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import TierError
+from ..table.format import TableHeader
+from ..table.progress import byte_progress
+from .base import Tier
+from .memory import LOAD_CHUNK_BYTES, _BlockChecker, check_free_memory
+
+__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "remove_segment", "segment_name", "table_fingerprint"]
+
+DEFAULT_SHM_DIR = "/dev/shm"
+MAGIC = b"ENGRAMSH"
+VERSION = 1
+LOADING, READY = 0, 1
+HEAD = struct.Struct("<8sIIQQII")  # magic, version, state, fingerprint, data bytes, loader pid, path length
+STATE_OFFSET = 12  # the u32 state inside HEAD
+DATA_OFFSET = 4096
+MAX_PATH = DATA_OFFSET - HEAD.size
+
+
+def table_fingerprint(header: TableHeader) -> int:
+    """xxh3_64 of the table's header JSON and block checksums: equal tables, equal prints."""
+    h = xxhash.xxh3_64(header.layout.header_json())
+    h.update(np.ascontiguousarray(header.block_digests, "<u8").tobytes())
+    return h.intdigest()
+
+
+def segment_name(header: TableHeader) -> str:
+    """The default segment name of a table: ``engram-<fingerprint in hex>``."""
+    return f"engram-{table_fingerprint(header):016x}"
+
+
+def _data_bytes(header: TableHeader) -> int:
+    return header.layout.num_rows * header.layout.row_bytes
+
+
+@contextlib.contextmanager
+def _election(lock_path: Path) -> Iterator[None]:
+    """Hold the segment's lock file (``flock``, dropped by the kernel if this process dies)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_head(path: Path) -> tuple[int, int, int, int, str] | None:
+    """(state, fingerprint, data bytes, file size, source path) of a segment; None if absent.
+
+    A segment too short for its head, or with a foreign magic, reads as loading: only a
+    loader that died before writing its head leaves one.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(DATA_OFFSET)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return None
+    if len(raw) < HEAD.size:
+        return LOADING, 0, 0, size, "?"
+    magic, version, state, fingerprint, nbytes, _, plen = HEAD.unpack_from(raw)
+    if magic != MAGIC or version != VERSION:
+        return LOADING, 0, 0, size, "?"
+    source = raw[HEAD.size: HEAD.size + min(plen, MAX_PATH)].decode("utf-8", "replace")
+    return state, fingerprint, nbytes, size, source
+
+
+def _check_space(header: TableHeader, shm_dir: Path, check_memory: bool) -> None:
+    if not check_memory:
+        return
+    check_free_memory(header, "shared")
+    free = shutil.disk_usage(shm_dir).free
+    need = DATA_OFFSET + _data_bytes(header)
+    if need > free:
+        raise TierError(
+            f"{header.path}: the shared tier needs {need / 2**30:,.2f} GiB in {shm_dir} and "
+            f"{free / 2**30:,.2f} GiB is free there: enlarge it (mount -o remount,size=...) or use "
+            "the mmap or direct tier"
+        )
+
+
+def _fill_rows(header: TableHeader, dense: np.ndarray, verify: bool, progress: bool | None) -> None:
+    """Read the table's rows into ``dense`` (``uint8 [num_rows, row_bytes]``), page chunk by
+    page chunk, checking every block's checksum when ``verify``."""
+    layout = header.layout
+    rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
+    chunk_pages = max(1, LOAD_CHUNK_BYTES // page)
+    staging = bytearray(chunk_pages * page)
+    checker = _BlockChecker(header) if verify else None
+    row = 0
+    with open(header.path, "rb", buffering=0) as f, \
+            byte_progress(f"sharing {header.path.name}", layout.data_bytes, progress) as advance:
+        f.seek(layout.data_offset)
+        for first_page in range(0, layout.num_pages, chunk_pages):
+            pages = min(chunk_pages, layout.num_pages - first_page)
+            view = memoryview(staging)[: pages * page]
+            if f.readinto(view) != len(view):
+                raise TierError(f"{header.path} ended early while loading it into shared memory: the "
+                                "file changed under us; check it with `engram-offload verify`")
+            if checker is not None:
+                checker.feed(view)
+            take = min(pages * rpp, layout.num_rows - row)
+            paged = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb]  # [pages, rpp * rb]
+            dense[row: row + take] = paged.reshape(pages * rpp, rb)[:take]
+            row += take
+            advance(len(view))
+
+
+def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progress: bool | None) -> None:
+    """Create the segment, write its head (loading), the rows, then the ready flag."""
+    nbytes = _data_bytes(header)
+    source = str(header.path).encode()[:MAX_PATH]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, DATA_OFFSET + nbytes)  # ENOSPC now, not SIGBUS mid-copy
+        except OSError as exc:
+            raise TierError(f"cannot create the shared segment {path} ({DATA_OFFSET + nbytes:,} bytes): "
+                            f"{exc.strerror}; free space in {path.parent} or use another tier") from exc
+        with mmap.mmap(fd, DATA_OFFSET + nbytes) as mm:
+            mm[: HEAD.size + len(source)] = HEAD.pack(MAGIC, VERSION, LOADING, fingerprint, nbytes,
+                                                      os.getpid(), len(source)) + source
+            dense = np.frombuffer(mm, np.uint8, count=nbytes, offset=DATA_OFFSET)
+            _fill_rows(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes), verify, progress)
+            del dense
+            mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # last: the rows are all there
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _map_read_only(path: Path, nbytes: int) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), DATA_OFFSET + nbytes, prot=mmap.PROT_READ)
+
+
+class SharedTier(Tier):
+    """All rows in a shared-memory segment, loaded once per machine; a read is one ``index_select``.
+
+    Options: ``segment`` (name; default from the table's fingerprint), ``shm_dir``
+    (default ``/dev/shm``), ``verify_reads`` (check every block while loading),
+    ``progress``, ``check_memory`` (refuse to load more than is free; False to insist).
+    ``loaded`` says whether this process loaded the segment (else it attached).
+    """
+
+    name = "shared"
+
+    def __init__(self, header: TableHeader, *, segment: str | None = None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+                 verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
+        super().__init__(header)
+        directory = Path(shm_dir)
+        if not directory.is_dir():
+            raise TierError(f"the shared tier keeps its segment in {directory}, which is not a directory: "
+                            "pass shm_dir= a tmpfs folder")
+        self.segment = directory / (segment or segment_name(header))
+        self.fingerprint = table_fingerprint(header)
+        nbytes = _data_bytes(header)
+        self.loaded = False
+        with _election(self.segment.with_name(self.segment.name + ".lock")):
+            found = _read_head(self.segment)
+            if found is not None and found[0] != READY:  # its loader died: the lock was free
+                self.segment.unlink()
+                found = None
+            if found is None:
+                _check_space(header, directory, check_memory)
+                _load(header, self.segment, self.fingerprint, verify_reads, progress)
+                self.loaded = True
+            else:
+                self._check_segment(*found)
+            self._mm = _map_read_only(self.segment, nbytes)
+        with warnings.catch_warnings():  # the pages are read-only; the tier never writes them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=DATA_OFFSET) if nbytes \
+                else torch.empty(0, dtype=torch.uint8)
+        self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
+        self.verify_reads = verify_reads
+
+    def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
+        """A ready segment must hold this table: same fingerprint, same size."""
+        if fingerprint != self.fingerprint:
+            raise TierError(
+                f"the shared segment {self.segment} holds another table ({source}, fingerprint "
+                f"{fingerprint:016x}), not {self.header.path} (fingerprint {self.fingerprint:016x}): "
+                "pick another segment name, or remove the stale one with "
+                "engram_offload.tiers.shared.remove_segment (or rm) when no process uses it"
+            )
+        if nbytes != _data_bytes(self.header) or size < DATA_OFFSET + nbytes:
+            raise TierError(
+                f"the shared segment {self.segment} is {size:,} bytes, {DATA_OFFSET + _data_bytes(self.header):,} "
+                f"expected for {self.header.path}: it is damaged; remove it and open the table again"
+            )
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The dense rows, uint8 ``[num_rows, row_bytes]``, on read-only shared pages."""
+        return self._rows
+
+    def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        torch.index_select(self._rows, 0, torch.from_numpy(ids), out=out)
+        self._count(bytes_read=len(ids) * self.row_bytes)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "segment": str(self.segment), "loaded_here": self.loaded,
+                "segment_bytes": DATA_OFFSET + _data_bytes(self.header), "verified_on_load": self.verify_reads}
+
+    def _release(self) -> None:
+        self._rows = None  # type: ignore[assignment]
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:  # a view of the rows is still alive somewhere; the GC unmaps it later
+            pass
+
+
+def remove_segment(header: TableHeader, *, segment: str | None = None,
+                   shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> bool:
+    """Remove a table's segment (processes still attached keep their mapping until they
+    close; the empty lock file stays, so no two loaders can ever hold different locks).
+    Returns whether a segment was there."""
+    path = Path(shm_dir) / (segment or segment_name(header))
+    with _election(path.with_name(path.name + ".lock")):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+    return True
