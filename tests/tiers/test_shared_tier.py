@@ -21,7 +21,7 @@ from engram_offload.errors import TierError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import TIERS, TierEntry
 from engram_offload.tiers.memory import MemoryTier
-from engram_offload.tiers.shared import READY, SharedTier, _read_head, remove_segment, segment_name
+from engram_offload.tiers.shared import READY, SharedTier, _read_head, process_pss, remove_segment, segment_name
 from tiny_tables import tiny_config
 
 SHM = Path("/dev/shm")
@@ -122,33 +122,17 @@ def test_a_loader_killed_mid_load_leaves_a_segment_the_next_process_reloads(tabl
 
 
 # ---------------------------------------------------------------------- one copy: summed PSS
-def smaps_pss(pid: int, mapping: str | None = None) -> int:
-    """Bytes of PSS: the whole process (``smaps_rollup``), or only the mappings of ``mapping``."""
-    if mapping is None:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: range perms offset dev inode [path]
-                inside = len(fields) >= 6 and fields[5] == mapping
-            elif inside and fields[0] == "Pss:":
-                total += int(fields[1]) * 1024
-    return total
-
-
 def _attacher(conn, table: str, shm_dir: str) -> None:
     """Waits for "attach", opens the shared tier and touches every row; answers PSS queries."""
     header = read_header(table)
     tier = None
-    conn.send(smaps_pss(os.getpid()))  # the baseline, before the segment
+    conn.send(process_pss())  # the baseline, before the segment
     for command in iter(conn.recv, "exit"):
         if command == "attach":
             tier = SharedTier(header, shm_dir=shm_dir)
             int(tier.rows.sum())  # fault in every page
         segment = str(tier.segment) if tier is not None else None
-        conn.send((smaps_pss(os.getpid()), smaps_pss(os.getpid(), segment) if segment else 0))
+        conn.send((process_pss(), process_pss(mapping=segment) if segment else 0))
     if tier is not None:
         tier.close()
 

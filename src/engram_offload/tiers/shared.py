@@ -45,7 +45,7 @@ from ..table.progress import byte_progress
 from .base import Tier
 from .memory import LOAD_CHUNK_BYTES, _BlockChecker, check_free_memory
 
-__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "remove_segment", "segment_name", "table_fingerprint"]
+__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name", "table_fingerprint"]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 MAGIC = b"ENGRAMSH"
@@ -266,3 +266,22 @@ def remove_segment(header: TableHeader, *, segment: str | None = None,
         except FileNotFoundError:
             return False
     return True
+
+
+def process_pss(pid: int | None = None, mapping: str | os.PathLike[str] | None = None) -> int:
+    """Proportional set size in bytes of process ``pid`` (default: this one): the whole
+    process (``/proc/<pid>/smaps_rollup``), or only its mappings of the file ``mapping``
+    (``/proc/<pid>/smaps``). Summed over processes, PSS counts a shared page once."""
+    proc = f"/proc/{pid or os.getpid()}"
+    if mapping is None:
+        with open(f"{proc}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    target, total, inside = str(mapping), 0, False
+    with open(f"{proc}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+                inside = len(fields) >= 6 and fields[5] == target
+            elif inside and fields[0] == "Pss:":
+                total += int(fields[1]) * 1024
+    return total
