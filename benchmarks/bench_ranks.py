@@ -25,12 +25,14 @@ import argparse
 import json
 import multiprocessing
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import full_batch_trace, replay_hit_rate  # noqa: E402  (the same trace and replay)
@@ -86,6 +88,21 @@ def run_ranks(ranks: int, source: dict, steps: list[np.ndarray]) -> dict:
     return out
 
 
+def run_shared(args, cache_bytes: int, steps: list[np.ndarray]) -> dict:
+    """The ranks through one row server with one cache of ``cache_bytes``."""
+    with tempfile.TemporaryDirectory(prefix="ranks-", dir="/tmp") as directory:
+        sock = Path(directory) / "rows.sock"
+        server = start_row_server(args.table, sock, cache_bytes=cache_bytes)
+        try:
+            shared = run_ranks(args.ranks, {"socket": str(sock)}, steps)
+            with RowClient(sock) as client:
+                stats = client.stats()
+        finally:
+            server.terminate()
+            server.wait()
+    return {**shared, "hit_rate": stats["store"]["hit_rate"], "server": stats["server"]}
+
+
 def cache_comparison(args, config, steps: list[np.ndarray]) -> dict:
     capacity_rows = int(args.cache_fraction * config.num_rows)
     cache_bytes = capacity_rows * config.row_bytes
@@ -97,23 +114,16 @@ def cache_comparison(args, config, steps: list[np.ndarray]) -> dict:
                for r in range(args.ranks)]
     out["replay_hit_rate_private_caches"] = (sum(p["hit_rate"] * p["unique_rows"] for p in private)
                                              / sum(p["unique_rows"] for p in private))
-    with tempfile.TemporaryDirectory(prefix="ranks-", dir="/tmp") as directory:
-        sock = Path(directory) / "rows.sock"
-        server = start_row_server(args.table, sock, cache_bytes=cache_bytes)
-        try:
-            shared = run_ranks(args.ranks, {"socket": str(sock)}, steps)
-            with RowClient(sock) as client:
-                stats = client.stats()
-            shared["hit_rate"] = stats["store"]["hit_rate"]
-            shared["server"] = stats["server"]
-        finally:
-            server.terminate()
-            server.wait()
-    out["shared"] = shared
-    print(f"shared cache: hit rate {shared['hit_rate']:.2%}, {shared['rows_per_s']:,.0f} rows/s", flush=True)
-    out["private"] = run_ranks(args.ranks, {"table": args.table, "cache_bytes": cache_bytes // args.ranks}, steps)
-    print(f"private caches: hit rate {out['private']['hit_rate']:.2%}, {out['private']['rows_per_s']:,.0f} rows/s",
-          flush=True)
+    out["rounds"] = []
+    for round_ in range(args.repeats):  # interleaved, each from cold caches: load on the machine hits both
+        shared = run_shared(args, cache_bytes, steps)
+        private = run_ranks(args.ranks, {"table": args.table, "cache_bytes": cache_bytes // args.ranks}, steps)
+        out["rounds"].append({"shared": shared, "private": private})
+        for name, run in (("shared cache", shared), ("private caches", private)):
+            print(f"round {round_}: {name}: hit rate {run['hit_rate']:.2%}, {run['rows_per_s']:,.0f} rows/s", flush=True)
+    for name in ("shared", "private"):
+        out[name] = {"hit_rate": statistics.median(r[name]["hit_rate"] for r in out["rounds"]),
+                     "rows_per_s": statistics.median(r[name]["rows_per_s"] for r in out["rounds"])}
     return out
 
 
@@ -122,6 +132,7 @@ def _attach(conn, table: str, tier: str, shm_dir: str) -> None:
     """Waits for "open", opens ``table`` on ``tier`` and touches every row; answers "pss"."""
     header = read_header(table)
     opened = None
+    int(torch.ones(1 << 20, dtype=torch.uint8).sum())  # torch's reduction threads and kernels, before the baseline
     conn.send(process_pss())  # before the table
     for command in iter(conn.recv, "exit"):
         if command == "open":
@@ -189,21 +200,27 @@ def main() -> None:
     ap.add_argument("--max-seq-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--cache-fraction", type=float, default=0.02)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pss-scale", type=float, default=0.00065)
+    ap.add_argument("--only", choices=("cache", "pss"), help="run one part, keeping the other's results in --out")
     ap.add_argument("--out", default="benchmarks/results/ranks.json")
     args = ap.parse_args()
-    result: dict = {"machine": machine_facts(args.table), "args": vars(args)}
-
-    with open_table(args.table, "mmap") as probe:
-        config = probe.config
-    cut = args.max_seq_tokens
-    seqs = [f[i: i + cut] for f in stdlib_token_sequences(args.tokens) for i in range(0, f.size, cut)]
-    steps = full_batch_trace(config, cached_token_map(), [s for s in seqs if s.size >= 16], args.batch)[: args.steps]
-    result["trace"] = {"steps": len(steps), "ids_per_step": int(steps[0].size),
-                       "distinct_rows": int(np.unique(np.concatenate([s.reshape(-1) for s in steps])).size)}
-    print(f"trace: {result['trace']}", flush=True)
-    result["cache"] = cache_comparison(args, config, steps)
-    result["pss"] = pss_comparison(args)
+    out = Path(args.out)
+    result: dict = json.loads(out.read_text()) if args.only and out.exists() else {}
+    result.update({"machine": machine_facts(args.table), "args": vars(args)})
+    if args.only != "pss":
+        with open_table(args.table, "mmap") as probe:
+            config = probe.config
+        cut = args.max_seq_tokens
+        seqs = [f[i: i + cut] for f in stdlib_token_sequences(args.tokens) for i in range(0, f.size, cut)]
+        steps = full_batch_trace(config, cached_token_map(), [s for s in seqs if s.size >= 16], args.batch)
+        steps = steps[: args.steps]
+        result["trace"] = {"steps": len(steps), "ids_per_step": int(steps[0].size),
+                           "distinct_rows": int(np.unique(np.concatenate([s.reshape(-1) for s in steps])).size)}
+        print(f"trace: {result['trace']}", flush=True)
+        result["cache"] = cache_comparison(args, config, steps)
+    if args.only != "cache":
+        result["pss"] = pss_comparison(args)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")
 

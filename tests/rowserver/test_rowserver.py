@@ -128,6 +128,7 @@ def _replay_rank(rank: int, ranks: int, sock: str, steps: list[np.ndarray], expe
                     assert np.array_equal(lease.raw.numpy(), expected[d.unique])
 
 
+@pytest.mark.slow
 def test_four_ranks_share_one_caches_hit_rate(table, server):
     path, expected = table
     steps = zipf_steps(len(expected))
@@ -182,3 +183,12 @@ def test_a_rank_killed_holding_pins_leaves_none_behind(table, server):
                 assert np.array_equal(other.read_raw(everything).numpy(), expected)
     finally:
         rank.kill()
+
+
+def test_a_server_of_another_table_is_refused(table, server, tmp_path):
+    path, _ = table
+    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9, block_size=16384)
+    with RowClient(server, table=path) as client:
+        assert client.table == str(path)
+    with pytest.raises(TierError, match="serves .*t.table, not .*other.table"):
+        RowClient(server, table=other)

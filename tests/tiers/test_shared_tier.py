@@ -126,6 +126,7 @@ def _attacher(conn, table: str, shm_dir: str) -> None:
     """Waits for "attach", opens the shared tier and touches every row; answers PSS queries."""
     header = read_header(table)
     tier = None
+    int(torch.ones(1 << 20, dtype=torch.uint8).sum())  # torch's reduction threads and kernels, before the baseline
     conn.send(process_pss())  # the baseline, before the segment
     for command in iter(conn.recv, "exit"):
         if command == "attach":
@@ -171,3 +172,26 @@ def test_summed_pss_of_1_2_and_4_attached_processes_is_about_one_copy(tmp_path, 
             p.send("exit")
         for w in workers:
             w.join(timeout=30)
+
+
+def test_a_damaged_table_is_refused_while_loading_and_leaves_no_segment(table, tmp_path, shm_dir):
+    from engram_offload.errors import ChecksumError
+
+    path, _ = table
+    damaged = tmp_path / "damaged.table"
+    shutil.copy(path, damaged)
+    header = read_header(damaged)
+    with open(damaged, "r+b") as f:  # flip a byte of the second block's data
+        f.seek(header.layout.block_range(1)[0] + 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumError):
+        SharedTier(header, shm_dir=shm_dir, verify_reads=True)
+    assert _read_head(shm_dir / segment_name(header)) is None
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "", ".hidden"])
+def test_a_segment_name_must_be_a_plain_file_name(table, shm_dir, name):
+    with pytest.raises(ValueError, match="plain file name"):
+        SharedTier(read_header(table[0]), segment=name, shm_dir=shm_dir)

@@ -26,7 +26,9 @@ from ..config import EngramConfig
 from ..dedup import dedup
 from ..errors import ChecksumError, EngramError, TableFormatError, TierError
 from ..rows import decode_rows
+from ..table.format import read_header
 from ..tiers import as_row_ids
+from ..tiers.shared import table_fingerprint
 from . import protocol as p
 
 __all__ = ["RemoteLease", "RowClient", "start_row_server"]
@@ -70,9 +72,13 @@ class RemoteLease:
 
 
 class RowClient:
-    """A connection to the row server at ``socket_path``; thread-safe (one request at a time)."""
+    """A connection to the row server at ``socket_path``; thread-safe (one request at a time).
 
-    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
+    ``table``: the table file this rank expects; a server serving another table (another
+    fingerprint) is refused with a ``TierError``.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str], table: str | os.PathLike[str] | None = None) -> None:
         self.socket_path = str(socket_path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -90,6 +96,10 @@ class RowClient:
             self._buffer = mmap.mmap(fds[0], hello["buffer_bytes"])
         finally:
             os.close(fds[0])
+        if table is not None and table_fingerprint(read_header(table)) != hello["fingerprint"]:
+            self._sock.close()
+            raise TierError(f"the row server at {self.socket_path} serves {hello['table']}, not {table} (their "
+                            "headers or checksums differ): start a server for this table on another socket")
         self._config = EngramConfig(**hello["config"])
         self._num_rows = int(hello["num_rows"])
         self._rb = int(hello["row_bytes"])
@@ -99,7 +109,7 @@ class RowClient:
         self._rows = np.frombuffer(self._buffer, np.uint8, count=self.max_rows * self._rb,
                                    offset=hello["rows_offset"]).reshape(-1, self._rb)  # [max_rows, row_bytes]
         self.device = torch.device("cpu")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a lease collected during a request may release from within it
         self._round_trips = 0
         self.closed = False
 
@@ -193,8 +203,11 @@ class RowClient:
     def _release_locked(self, numbers: list[int]) -> None:
         if self.closed:
             return  # the server released them when the connection ended
-        for number in numbers:
-            self._sock.send(p.encode(p.RELEASE, value=number))
+        try:
+            for number in numbers:
+                self._sock.send(p.encode(p.RELEASE, value=number))
+        except OSError:
+            pass  # the server is gone, and its leases with it
 
     # ------------------------------------------------------------------ statistics, life cycle
     def stats(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import EngramError
 from ..store import TableStore, open_table
+from ..tiers.shared import table_fingerprint
 from ..units import size_arg
 from . import protocol as p
 
@@ -109,7 +110,8 @@ class RowServer:
             rows_view = np.frombuffer(buffer, np.uint8, count=self.max_rows * rb, offset=rows_offset).reshape(-1, rb)
             hello = {"config": self.store.config.to_dict(), "num_rows": self.store.num_rows, "row_bytes": rb,
                      "max_rows": self.max_rows, "rows_offset": rows_offset, "buffer_bytes": nbytes,
-                     "table": str(self.store.header.path) if self.store.header is not None else None}
+                     "table": str(self.store.header.path) if self.store.header is not None else None,
+                     "fingerprint": table_fingerprint(self.store.header) if self.store.header is not None else None}
             socket.send_fds(conn, [p.encode(p.HELLO, payload=hello)], [fd])
             os.close(fd)
             fd = -1

@@ -125,25 +125,39 @@ def _fill_rows(header: TableHeader, dense: np.ndarray, verify: bool, progress: b
     layout = header.layout
     rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
     chunk_pages = max(1, LOAD_CHUNK_BYTES // page)
-    staging = bytearray(chunk_pages * page)
     checker = _BlockChecker(header) if verify else None
     row = 0
-    with open(header.path, "rb", buffering=0) as f, \
-            byte_progress(f"sharing {header.path.name}", layout.data_bytes, progress) as advance:
-        f.seek(layout.data_offset)
-        for first_page in range(0, layout.num_pages, chunk_pages):
-            pages = min(chunk_pages, layout.num_pages - first_page)
-            view = memoryview(staging)[: pages * page]
-            if f.readinto(view) != len(view):
-                raise TierError(f"{header.path} ended early while loading it into shared memory: the "
-                                "file changed under us; check it with `engram-offload verify`")
-            if checker is not None:
-                checker.feed(view)
-            take = min(pages * rpp, layout.num_rows - row)
-            paged = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb]  # [pages, rpp * rb]
-            dense[row: row + take] = paged.reshape(pages * rpp, rb)[:take]
-            row += take
-            advance(len(view))
+    # staging in its own mapping, unmapped at the end: a heap buffer this large stays resident after
+    # it is freed (malloc's mmap threshold adapts), a chunk of private memory in the loader for good
+    staging = mmap.mmap(-1, chunk_pages * page)
+    view = paged = None
+    try:
+        with open(header.path, "rb", buffering=0) as f, \
+                byte_progress(f"sharing {header.path.name}", layout.data_bytes, progress) as advance:
+            f.seek(layout.data_offset)
+            for first_page in range(0, layout.num_pages, chunk_pages):
+                pages = min(chunk_pages, layout.num_pages - first_page)
+                view = memoryview(staging)[: pages * page]
+                if f.readinto(view) != len(view):
+                    raise TierError(f"{header.path} ended early while loading it into shared memory: the "
+                                    "file changed under us; check it with `engram-offload verify`")
+                if checker is not None:
+                    checker.feed(view)
+                take = min(pages * rpp, layout.num_rows - row)
+                paged = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb]  # [pages, rpp * rb]
+                full = take // rpp  # whole pages of rows; views on both sides, so no temporary copy
+                dense[row: row + full * rpp].reshape(full, rpp * rb)[:] = paged[:full]
+                rest = take - full * rpp  # the last page's rows
+                if rest:
+                    dense[row + full * rpp: row + take] = paged[full, : rest * rb].reshape(rest, rb)
+                row += take
+                advance(len(view))
+    finally:
+        view = paged = None  # the staging mapping's last exports here
+        try:
+            staging.close()
+        except BufferError:  # a failed load's traceback still holds a view: the GC unmaps it
+            pass
 
 
 def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progress: bool | None) -> None:
@@ -157,13 +171,20 @@ def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progr
         except OSError as exc:
             raise TierError(f"cannot create the shared segment {path} ({DATA_OFFSET + nbytes:,} bytes): "
                             f"{exc.strerror}; free space in {path.parent} or use another tier") from exc
-        with mmap.mmap(fd, DATA_OFFSET + nbytes) as mm:
+        mm = mmap.mmap(fd, DATA_OFFSET + nbytes)
+        dense = None
+        try:
             mm[: HEAD.size + len(source)] = HEAD.pack(MAGIC, VERSION, LOADING, fingerprint, nbytes,
                                                       os.getpid(), len(source)) + source
             dense = np.frombuffer(mm, np.uint8, count=nbytes, offset=DATA_OFFSET)
             _fill_rows(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes), verify, progress)
-            del dense
             mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # last: the rows are all there
+        finally:
+            dense = None  # the mapping's last export here
+            try:
+                mm.close()
+            except BufferError:  # a failed load's traceback still holds a view: the GC unmaps it
+                pass
     except BaseException:
         os.unlink(path)
         raise
@@ -191,6 +212,8 @@ class SharedTier(Tier):
                  verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
         super().__init__(header)
         directory = Path(shm_dir)
+        if segment is not None and (not segment or Path(segment).name != segment or segment.startswith(".")):
+            raise ValueError(f"segment must be a plain file name (no folders), got {segment!r}")
         if not directory.is_dir():
             raise TierError(f"the shared tier keeps its segment in {directory}, which is not a directory: "
                             "pass shm_dir= a tmpfs folder")
