@@ -43,7 +43,7 @@ from ..errors import TierError
 from ..table.format import TableHeader
 from ..table.progress import byte_progress
 from .base import Tier
-from .memory import LOAD_CHUNK_BYTES, _BlockChecker, check_free_memory
+from .memory import LOAD_CHUNK_BYTES, MemoryTier, _BlockChecker, check_free_memory
 
 __all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name", "table_fingerprint"]
 
@@ -197,8 +197,9 @@ def _map_read_only(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(f.fileno(), DATA_OFFSET + nbytes, prot=mmap.PROT_READ)
 
 
-class SharedTier(Tier):
-    """All rows in a shared-memory segment, loaded once per machine; a read is one ``index_select``.
+class SharedTier(MemoryTier):
+    """All rows in a shared-memory segment, loaded once per machine; reads, ``rows`` (the
+    dense rows, here on read-only shared pages) and closing are the memory tier's.
 
     Options: ``segment`` (name; default from the table's fingerprint), ``shm_dir``
     (default ``/dev/shm``), ``verify_reads`` (check every block while loading),
@@ -210,7 +211,7 @@ class SharedTier(Tier):
 
     def __init__(self, header: TableHeader, *, segment: str | None = None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
                  verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
-        super().__init__(header)
+        Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
         directory = Path(shm_dir)
         if segment is not None and (not segment or Path(segment).name != segment or segment.startswith(".")):
             raise ValueError(f"segment must be a plain file name (no folders), got {segment!r}")
@@ -239,6 +240,7 @@ class SharedTier(Tier):
                 else torch.empty(0, dtype=torch.uint8)
         self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
         self.verify_reads = verify_reads
+        self.huge_pages = False  # tmpfs pages
 
     def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
         """A ready segment must hold this table: same fingerprint, same size."""
@@ -255,26 +257,9 @@ class SharedTier(Tier):
                 f"expected for {self.header.path}: it is damaged; remove it and open the table again"
             )
 
-    @property
-    def rows(self) -> torch.Tensor:
-        """The dense rows, uint8 ``[num_rows, row_bytes]``, on read-only shared pages."""
-        return self._rows
-
-    def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        torch.index_select(self._rows, 0, torch.from_numpy(ids), out=out)
-        self._count(bytes_read=len(ids) * self.row_bytes)
-
     def stats(self) -> dict:
         return {**super().stats(), "segment": str(self.segment), "loaded_here": self.loaded,
-                "segment_bytes": DATA_OFFSET + _data_bytes(self.header), "verified_on_load": self.verify_reads}
-
-    def _release(self) -> None:
-        self._rows = None  # type: ignore[assignment]
-        mm, self._mm = self._mm, None
-        try:
-            mm.close()
-        except BufferError:  # a view of the rows is still alive somewhere; the GC unmaps it later
-            pass
+                "segment_bytes": DATA_OFFSET + _data_bytes(self.header)}
 
 
 def remove_segment(header: TableHeader, *, segment: str | None = None,
