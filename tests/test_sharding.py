@@ -1,0 +1,151 @@
+"""Column shards: vLLM's split, the rows a shard can read, and all-gathered rows over gloo."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engram_offload.config import EngramConfig
+from engram_offload.hashing import NgramHasher
+from engram_offload.sharding import (
+    assemble_columns, shard_columns, shard_ids, shard_rows, split_columns,
+)
+from engram_offload.store import open_table
+from engram_offload.table import make_random_table, random_rows
+
+TIERS = (("memory", {}), ("direct", {"engine": "threads", "queue_depth": 4}))
+
+
+def sharded_config(max_ngram_size: int, n_heads: int) -> EngramConfig:
+    """Two layers of ``(max_ngram_size - 1) * n_heads`` columns, small primes."""
+    return EngramConfig(layer_ids=(1, 3), max_ngram_size=max_ngram_size, n_heads=n_heads, head_dim=32,
+                        prime_starts=(200,) * (max_ngram_size - 1), row_format="bf16")
+
+
+def vllm_split(num_columns: int, rank: int, world: int) -> tuple[int, int]:
+    """vLLM's ParallelEngramEmbedding: part = cdiv(C, tp); head_start = rank * part;
+    head_end = head_start + part, sliced (so clamped) to the C heads."""
+    part = (num_columns + world - 1) // world
+    heads = list(range(num_columns))[rank * part: rank * part + part]
+    return (heads[0], heads[-1] + 1) if heads else (min(rank * part, num_columns),) * 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 8, 16, 24, 25, 32])
+def test_shard_columns_follow_vllm_and_cover_every_column_once(world):
+    config = EngramConfig.from_name("deepseek-v4.1-flash")
+    c = config.cols_per_layer
+    shards = [shard_columns(config, r, world) for r in range(world)]
+    assert all((c0, c1) == vllm_split(c, r, world) for r, (c0, c1) in enumerate(shards))
+    owned = [col for c0, c1 in shards for col in range(c0, c1)]
+    assert owned == list(range(c))  # consecutive, each once, in rank order
+    part = -(-c // world)
+    assert all(c1 - c0 <= part for c0, c1 in shards)
+    assert shards[0] == (0, min(part, c))
+
+
+def test_shard_columns_at_tp4_is_six_columns_a_rank():
+    config = EngramConfig.from_name("deepseek-v4.1-flash")
+    assert [shard_columns(config, r, 4) for r in range(4)] == [(0, 6), (6, 12), (12, 18), (18, 24)]
+    assert shard_columns(config, 6, 7) == (24, 24)  # cdiv(24, 7) = 4: rank 6 owns nothing
+
+
+@pytest.mark.parametrize("rank, world", [(0, 0), (2, 2), (-1, 2)])
+def test_shard_columns_rejects_bad_ranks(rank, world):
+    with pytest.raises(ValueError, match="rank|world"):
+        shard_columns(sharded_config(3, 2), rank, world)
+
+
+def test_shard_ids_slice_the_columns():
+    ids = torch.arange(5 * 2 * 6).view(5, 2, 6)
+    part = shard_ids(ids, (2, 4))
+    assert part.shape == (5, 2, 2) and part.is_contiguous()
+    assert torch.equal(part, ids[..., 2:4])
+    assert shard_ids(ids.numpy(), (6, 6)).shape == (5, 2, 0)
+    with pytest.raises(ValueError, match="columns"):
+        shard_ids(ids, (4, 7))
+
+
+def hashed_ids(config: EngramConfig, tokens: int = 300, seed: int = 5) -> torch.Tensor:
+    """Flat table ids ``[T, L, C]`` of random tokens through a real hasher."""
+    rng = np.random.default_rng(seed)
+    hasher = NgramHasher(config, np.arange(1000) % 700)
+    return hasher.table_ids(hasher.hash_all(rng.integers(0, 1000, (1, tokens)))[0])
+
+
+@pytest.mark.parametrize("max_ngram_size, n_heads, world", [(3, 2, 3), (2, 7, 4), (4, 3, 4), (3, 3, 1)])
+def test_shard_rows_hold_exactly_the_rows_of_the_shards_columns(max_ngram_size, n_heads, world):
+    config = sharded_config(max_ngram_size, n_heads)
+    ids = hashed_ids(config).numpy()  # [T, L, C]
+    every = np.zeros(config.num_rows, np.int64)
+    for rank in range(world):
+        columns = shard_columns(config, rank, world)
+        rows = shard_rows(config, columns)
+        mine = shard_ids(ids, columns).reshape(-1)
+        assert rows.contains(mine).all()
+        others = np.delete(ids, np.arange(*columns), axis=-1).reshape(-1)
+        assert not rows.contains(others).any()  # two ranks never read the same row
+        span = np.concatenate([np.arange(lo, hi) for lo, hi in rows.ranges])
+        every[span] += 1
+        assert rows.num_rows == span.size
+        local = rows.to_local(span)
+        assert np.array_equal(local, np.arange(span.size))
+        assert np.array_equal(rows.to_global(local), span)
+    assert (every == 1).all()  # the shards' rows tile the table
+
+
+def test_shard_rows_ranges_are_the_heads_row_ranges():
+    config = sharded_config(3, 3)  # C = 6
+    rows = shard_rows(config, (2, 5))
+    for (lo, hi), layer_id, base in zip(rows.ranges, config.layer_ids, config.layer_row_bases):
+        offsets, sizes = config.head_offsets(layer_id), config.head_sizes(layer_id)
+        assert (lo, hi) == (base + offsets[2], base + offsets[4] + sizes[4])
+    empty = shard_rows(config, (6, 6))
+    assert empty.num_rows == 0 and not empty.contains(np.arange(config.num_rows)).any()
+    with pytest.raises(IndexError, match="outside"):
+        rows.to_local(np.array([0]))
+
+
+def test_split_columns_hands_each_rank_its_slice():
+    full = torch.randn(4, 7, 3)
+    parts = split_columns(full, 4)  # cdiv(7, 4) = 2: 2, 2, 2, 1 columns
+    assert [p.shape[1] for p in parts] == [2, 2, 2, 1]
+    assert torch.equal(torch.cat(parts, dim=1), full)
+
+
+# ---------------------------------------------------------------------- gloo, several processes
+def _rank_main(rank: int, world: int, init_file: str, table: str, expected: np.ndarray) -> None:
+    """One rank: fetch its columns on each tier, all-gather, compare with the whole rows."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for tier, options in TIERS:
+            with open_table(table, tier, **options) as store:
+                config = store.config
+                columns = shard_columns(config, rank, world)
+                owned = shard_rows(config, columns)
+                ids = hashed_ids(config)  # [T, L, C]: every rank hashes every column
+                local = shard_ids(ids, columns)  # [T, L, c]
+                assert owned.contains(local.numpy().reshape(-1)).all()
+                for li in range(len(config.layer_ids)):
+                    mine = store.gather(local[:, li], torch.bfloat16)  # [T, c, d]
+                    full = assemble_columns(mine, config.cols_per_layer)  # [T, C, d]
+                    single = store.gather(ids[:, li], torch.bfloat16)  # unsharded, this process
+                    assert torch.equal(full, single), (tier, rank, li)
+                    raw = torch.from_numpy(expected[ids[:, li].numpy()])  # [T, C, row_bytes]
+                    assert torch.equal(store.decode(raw.reshape(-1, raw.shape[-1]), torch.bfloat16),
+                                       full.reshape(-1, full.shape[-1]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, max_ngram_size, n_heads", [(2, 2, 7), (4, 3, 3)])
+def test_all_gathered_shards_equal_single_process_rows(tmp_path, world, max_ngram_size, n_heads):
+    """world 2 over C = 7 (4 + 3 columns: the last rank fewer); world 4 over C = 6 (2, 2, 2, 0:
+    the last rank owns nothing)."""
+    config = sharded_config(max_ngram_size, n_heads)
+    table = make_random_table(tmp_path / "t.table", config, seed=3, block_size=16384)
+    expected = np.concatenate(list(random_rows(config, 3)))
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), str(table), expected), nprocs=world)
