@@ -474,7 +474,9 @@ def open_table(
     staging_bytes: int = STAGING_BYTES,
     **options: Any,
 ) -> TableStore:
-    """Open a table file on a tier (``memory``, ``pinned``, ``mmap``, ``direct``, ``remote``).
+    """Open a table file on a tier (``memory``, ``pinned``, ``shared``, ``mmap``, ``direct``,
+    ``remote``). ``shared`` is ``memory`` with one copy per machine: the first process loads
+    the table into shared memory, the others attach to it read-only.
 
     ``remote`` reads the rows from a Redis pool the table was published to (``pool=`` its
     URL, ``fallback=`` an optional local table); ``path`` may then also be the pool URL

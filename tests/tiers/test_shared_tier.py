@@ -19,7 +19,6 @@ import torch
 from engram_offload.config import EngramConfig
 from engram_offload.errors import TierError
 from engram_offload.table import make_random_table, random_rows, read_header
-from engram_offload.tiers import TIERS, TierEntry
 from engram_offload.tiers.memory import MemoryTier
 from engram_offload.tiers.shared import READY, SharedTier, _read_head, process_pss, remove_segment, segment_name
 from tiny_tables import tiny_config
@@ -35,12 +34,6 @@ def shm_dir():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.fixture
-def shared_registered(monkeypatch):
-    """``tier="shared"`` in the registry, as the package will register it."""
-    monkeypatch.setitem(TIERS, "shared", TierEntry("engram_offload.tiers.shared:SharedTier", resident=True))
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     config = tiny_config("bf16", 80)
@@ -48,7 +41,7 @@ def table(tmp_path_factory):
     return path, np.concatenate(list(random_rows(config, 4)))
 
 
-def test_rows_equal_the_memory_tiers_and_the_second_open_attaches(table, shm_dir, shared_registered):
+def test_rows_equal_the_memory_tiers_and_the_second_open_attaches(table, shm_dir):
     from engram_offload.store import open_table
 
     path, expected = table

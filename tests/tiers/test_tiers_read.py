@@ -113,8 +113,8 @@ def test_direct_reads_only_the_needed_sectors(tables):
 
 
 def test_registry_is_lazy_and_complete():
-    assert tier_names() == tuple(TIERS) == ("memory", "pinned", "mmap", "direct", "remote")
-    assert [name for name in tier_names() if is_resident(name)] == ["memory", "pinned"]
+    assert tier_names() == tuple(TIERS) == ("memory", "pinned", "mmap", "direct", "shared", "remote")
+    assert [name for name in tier_names() if is_resident(name)] == ["memory", "pinned", "shared"]
     for name in tier_names():
         assert get_tier_class(name).name == name
     with pytest.raises(ValueError, match="unknown tier 'nvme'.*memory"):

@@ -29,6 +29,7 @@ TIERS: dict[str, TierEntry] = {
     "pinned": TierEntry("engram_offload.tiers.pinned:PinnedTier", resident=True),
     "mmap": TierEntry("engram_offload.tiers.mmap:MmapTier", resident=False),
     "direct": TierEntry("engram_offload.tiers.direct:DirectTier", resident=False),
+    "shared": TierEntry("engram_offload.tiers.shared:SharedTier", resident=True),
     "remote": TierEntry("engram_offload.tiers.remote:RemoteTier", resident=False),
 }
 
