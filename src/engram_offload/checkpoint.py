@@ -111,12 +111,12 @@ class CheckpointIndex:
             )
         return layers[layer_id]
 
-    def read(self, names: Iterable[str]) -> dict:
+    def read(self, names: Iterable[str]) -> dict[str, Any]:
         """The named tensors, each shard holding one of them opened once; no other tensor read."""
         by_shard: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             by_shard[self.shard_of[name]].append(name)
-        out = {}
+        out: dict[str, Any] = {}
         for shard, shard_names in by_shard.items():
             with open_shard(shard) as f:
                 out.update((name, f.get_tensor(name)) for name in shard_names)

@@ -276,7 +276,7 @@ class EngramConfig:
             max_ngram_size=n,
             n_heads=heads,
             head_dim=width // heads,
-            prime_starts=tuple(vocab) if isinstance(vocab, (list, tuple)) else int(vocab),
+            prime_starts=tuple(vocab) if isinstance(vocab, (list, tuple)) else (int(vocab),) * (n - 1),
             seed=int(fields_.get("seed", 0)),
             pad_id=int(fields_.get("pad_id", 2)),
             hidden_size=int(fields_.get("hidden_size", 1024)),

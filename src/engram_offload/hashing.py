@@ -250,15 +250,15 @@ class NgramHasher:
         self,
         history: "SequenceHistory",
         seq_ids: Sequence[int],
-        pieces: Sequence[np.ndarray | torch.Tensor | Sequence[int]],
+        pieces: Sequence[np.ndarray | torch.Tensor | Sequence[int]] | np.ndarray,
         dead: Sequence[np.ndarray | torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Hash the next piece of each sequence; returns int64 ``[sum(len(piece)), L, C]``.
 
-        Pieces are concatenated in ``seq_ids`` order. A sequence seen for the first time
-        starts at its beginning; any split of a sequence gives the ids of hashing it whole.
-        A piece whose ``dead`` entry is None (or all of them, ``dead=None``) takes the
-        default mask, its image tokens.
+        Pieces (or the rows of a 2-D array) are concatenated in ``seq_ids`` order. A sequence
+        seen for the first time starts at its beginning; any split of a sequence gives the ids
+        of hashing it whole. A piece whose ``dead`` entry is None (or all of them,
+        ``dead=None``) takes the default mask, its image tokens.
         """
         if len(seq_ids) != len(pieces) or (dead is not None and len(dead) != len(pieces)):
             raise ValueError("seq_ids, pieces (and dead) must have one entry per sequence")
@@ -342,7 +342,7 @@ class SequenceHistory:
         Decode steps repeat the previous step's batch, so that answer is kept and reused.
         """
         key = tuple(seq_ids)
-        if key == self._last_key:
+        if key == self._last_key and self._last_slots is not None:
             return self._last_slots
         out = np.empty(len(seq_ids), np.int64)
         for i, seq in enumerate(seq_ids):

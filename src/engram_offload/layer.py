@@ -86,6 +86,9 @@ class _Fp8Embedding(nn.Module):
     """V4.1's ``embed``: float8_e4m3fn rows ``[rows, d]`` and ue8m0 scale bytes ``[rows, d/32]``
     (the checkpoint's ``embed.weight`` and ``embed.scale``)."""
 
+    weight: torch.Tensor  # registered buffers
+    scale: torch.Tensor
+
     def __init__(self, rows: int, head_dim: int):
         super().__init__()
         self.register_buffer("weight", torch.zeros(rows, head_dim, dtype=torch.float8_e4m3fn))

@@ -476,6 +476,7 @@ class Prefetcher:
         d = dedup(table_ids)
         outputs = None
         if self._outputs is not None:
+            assert self.sync is not None, "outputs are pooled only for a store with a DeviceSync"
             outputs = self._outputs.take()
             self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .cache.admission import FrequencySketch
-from .cache.lease import Lease
+from .cache.lease import Lease, Pins
 from .cache.levels import build_levels, capped_bytes
 from .cache.row_cache import RowCache, native_hitpath, wide_view
 from .cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
@@ -57,8 +57,11 @@ EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows
 class RowSource(Protocol):
     """What a store reads misses from: a tier (``tiers.base.Tier``) or a test's fake."""
 
-    num_rows: int
-    row_bytes: int
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def row_bytes(self) -> int: ...
 
     def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor: ...
 
@@ -202,7 +205,7 @@ class TableStore:
         return ids
 
     # ------------------------------------------------------------------ the fetch path
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list, object]:
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, Pins, object]:
         """Raw rows ``[u, row_bytes]`` of distinct ids, the pins held (none unless ``hold``),
         and the device event after which the rows are there (None: they are now)."""
         if self.closed:
@@ -210,6 +213,7 @@ class TableStore:
         t_start = time.perf_counter()
         u = ids.size
         ready = None
+        pins: Pins
         if u == 0:
             out, pins = torch.empty((0, self._rb), dtype=torch.uint8, device=self.device), []
         elif self._device_rows is not None:
@@ -224,7 +228,7 @@ class TableStore:
         self._account(u, requested, time.perf_counter() - t_start)
         return out, pins, ready
 
-    def _host_rows(self, ids: np.ndarray, out: torch.Tensor, hold: bool) -> list:
+    def _host_rows(self, ids: np.ndarray, out: torch.Tensor, hold: bool) -> Pins:
         """Rows of distinct ids through the host levels and the tier into ``out`` (host
         ``uint8 [u, row_bytes]``, e.g. a staging buffer); returns the pins held."""
         if not self.levels:
@@ -232,7 +236,7 @@ class TableStore:
             return []
         return self._through_levels(ids, hold, time.perf_counter(), out)[1]
 
-    def _on_callers_stream(self, raw: torch.Tensor, pins: list, ready: object) -> torch.Tensor:
+    def _on_callers_stream(self, raw: torch.Tensor, pins: Pins, ready: object) -> torch.Tensor:
         """``raw`` (pins: none, it was fetched without ``hold``), usable on the caller's stream."""
         if self.sync is not None:
             self.sync.wait(MAIN, ready)
@@ -240,7 +244,7 @@ class TableStore:
         return raw
 
     def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float,
-                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, Pins]:
         """The first level's lookup; when it holds every row (the common case in steady
         decoding) one copy and done, else the walk through every level. Rows go to ``out``
         when given (host, contiguous)."""
@@ -267,7 +271,7 @@ class TableStore:
         return out, [(first, slots)] if hold else []
 
     def _walk(self, ids: np.ndarray, out: torch.Tensor, first: tuple[np.ndarray, int], hold: bool,
-              t_start: float) -> tuple[torch.Tensor, list]:
+              t_start: float) -> tuple[torch.Tensor, Pins]:
         """Level by level, then the tier, then the fills. ``first``: the first level's
         ``acquire_counted`` result (its hits pinned, not yet copied)."""
         served: list[_Served] = []
@@ -320,10 +324,10 @@ class TableStore:
         wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), wide_view(buf.to(out.device)))
 
     def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, served: list[_Served],
-              hold: bool) -> list[tuple[RowCache, np.ndarray]]:
+              hold: bool) -> Pins:
         """Tier rows go into the last cache; rows found in a lower cache rise into the ones
         above. Returns the pins of the filled slots (none unless ``hold``)."""
-        plans: list[tuple[RowCache, np.ndarray]] = [(self.levels[-1], missed)]
+        plans: Pins = [(self.levels[-1], missed)]
         if self.promote:
             for j, below in enumerate(served[1:], start=1):
                 positions = _EMPTY if below.positions is None else below.positions

@@ -142,7 +142,7 @@ class DirectIndex:
             raise ValueError(f"index needs num_keys >= 1 and capacity >= 1, got {num_keys}, {capacity}")
         self.num_keys = int(num_keys)
         self.capacity = int(capacity)
-        self.values = np.full(self.num_keys, -1, np.int32 if capacity < 2**31 else np.int64)  # [num_keys]
+        self.values: np.ndarray = np.full(self.num_keys, -1, np.int32 if capacity < 2**31 else np.int64)  # [num_keys]
         self.count = 0
 
     @staticmethod

@@ -9,7 +9,9 @@ import torch
 
 from .row_cache import RowCache
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "Pins"]
+
+Pins = list[tuple[RowCache, np.ndarray]]  # [(cache level, pinned slots)]
 
 
 class Lease:
@@ -20,7 +22,7 @@ class Lease:
     ``release()`` (or leaving the ``with`` block) unpins; releasing twice is harmless.
     """
 
-    def __init__(self, ids: np.ndarray, raw: torch.Tensor, pins: list[tuple[RowCache, np.ndarray]],
+    def __init__(self, ids: np.ndarray, raw: torch.Tensor, pins: Pins,
                  ready: object = None) -> None:
         self.ids = ids
         self.raw = raw

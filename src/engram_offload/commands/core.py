@@ -142,6 +142,8 @@ def register_hash(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from ..hashing import NgramHasher
     from ..tokenizer import cached_token_map, load_tokenizer
 
@@ -163,7 +165,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
     ids = list(encoding.ids)
     if not ids:
         raise ValueError("the text produced no tokens")
-    rows = hasher.hash_all([ids])[0]  # [T, L, C]
+    rows = hasher.hash_all(np.array([ids]))[0]  # [T, L, C]
     if args.table_ids:
         rows = hasher.table_ids(rows)
     compressed = hasher.compress(ids)

@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from ..cache.lease import Pins
 from .device_table import DeviceTable
 from .hbm_cache import HbmRowCache
 from .kernels import gather_raw
@@ -36,7 +37,6 @@ from .sync import FETCH, DeviceSync
 __all__ = ["DeviceRows", "Delivery", "STAGING_BYTES"]
 
 STAGING_BYTES = 16 << 20  # per staging buffer: a step's misses larger than this go in pieces
-Pins = list  # [(cache level, pinned slots)], as a store's Lease holds them
 ReadHost = Callable[[np.ndarray, torch.Tensor], Pins]  # (sorted ids [m], host out uint8 [m, row_bytes]) -> pins
 
 
@@ -87,11 +87,11 @@ class DeviceRows:
         staged_name = f"staged_rows{next(self._numbers)}"
         if self.table is not None:  # misses over UVA, in the same launch as the hits
             uva_rows = u - hit_slots.size
-            ids_t = torch.from_numpy(ids)
+            ids_t, table = torch.from_numpy(ids), self.table.table
             if hbm is None:
-                self.sync.run(self.stream, lambda: gather_raw(self.table.table, ids_t, out=out))
+                self.sync.run(self.stream, lambda: gather_raw(table, ids_t, out=out))
             else:
-                hbm.read(self.table.table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
+                hbm.read(table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
         elif hit_slots.size == 0:
             pins = self._stage(ids, read_host, out, staged_name)  # straight into the result
         else:
@@ -109,6 +109,7 @@ class DeviceRows:
                            read_host: ReadHost, out: torch.Tensor, name: str) -> Pins:
         """Misses staged to rows ``[0, m)`` of a step buffer, then one ``tiered_gather`` in
         which rows ``[m, u)`` stand for the hits (a step-local slot map sends them to HBM)."""
+        assert self.hbm is not None, "hits come from the HBM level"
         u, m = ids.size, ids.size - hit_slots.size
         staged = self._empty(u)  # [u, row_bytes]; rows [m, u) are never read
         pins = self._stage(ids[~hit], read_host, staged[:m], name) if m else []

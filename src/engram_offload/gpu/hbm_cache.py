@@ -147,6 +147,7 @@ class HbmRowCache:
                 raise ValueError("this HBM cache has no table: fill it from the step's rows")
             source, rows = self.table, admitted
         else:
+            assert source_ids is not None, "the step's rows come with their ids"
             rows = np.searchsorted(source_ids, admitted)  # positions of the admitted rows in source
             self.sync.keep_alive(source, FILL_STREAM)
         self._fill(source, rows, admitted, targets, evicted, ready)

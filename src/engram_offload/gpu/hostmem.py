@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from dataclasses import dataclass
+from typing import SupportsInt
 
 import torch
 
@@ -48,7 +49,8 @@ def _require_cuda(what: str) -> None:
         raise RuntimeError(f"{what} needs a CUDA device, and none is available")
 
 
-def _check_cuda(code: object, call: str) -> None:
+def _check_cuda(code: SupportsInt, call: str) -> None:
+    """Raise naming ``call`` unless ``code`` (a ``cudaError`` or its int value) is success."""
     value = int(getattr(code, "value", code))
     if value != 0:
         message = torch.cuda.cudart().cudaGetErrorString(code)

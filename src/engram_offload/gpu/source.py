@@ -27,7 +27,7 @@ Three ways to reach the rows:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -44,6 +44,16 @@ __all__ = ["RowSource", "RowHandle", "tp_columns"]
 
 FETCH_STREAM = FETCH
 ReadRaw = Callable[[np.ndarray], "torch.Tensor | np.ndarray"]
+
+
+class SourceOptions(TypedDict, total=False):
+    """``RowSource``'s keyword options, as ``from_table`` and ``from_store`` pass them on."""
+
+    sync: DeviceSync | None
+    dequantize: bool
+    dtype: torch.dtype
+    stream: str
+    staging_buffers: int
 
 
 def tp_columns(num_columns: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -111,13 +121,13 @@ class RowSource:
 
     @classmethod
     def from_table(cls, table: torch.Tensor, *, config: EngramConfig, device: torch.device | str,
-                   **options: object) -> "RowSource":
+                   **options: Unpack[SourceOptions]) -> "RowSource":
         """A source over a table the device reads directly (pinned host memory or device memory)."""
         return cls(None, config=config, device=device, table=table, **options)
 
     @classmethod
     def from_store(cls, store: "RowStore", *, device: torch.device | str | None = None,
-                   **options: object) -> "RowSource":
+                   **options: Unpack[SourceOptions]) -> "RowSource":
         """A source over an ``open_table`` store: one that delivers rows to ``device`` (default:
         the store's) fetches them there, with its own ``DeviceSync``; a host store is read on
         the host and staged."""
@@ -184,10 +194,12 @@ class RowSource:
     def _fetch_from_table(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
         """Rows ``ids [n]`` straight from the table the device reads (host ids are checked, then
         moved on the fetch stream)."""
+        assert self.table is not None, "start() reads from the table only when there is one"
         return self._gather_into(self.table, ids, out, index)
 
     def _fetch_from_store(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
         """The distinct rows fetched onto the device by the store, then put in order."""
+        assert self.store is not None, "start() fetches from the store only when there is one"
         ids_host = ids.cpu().numpy()
         unique, inverse = np.unique(ids_host, return_inverse=True)
         lease = self.store.fetch(unique, hold=False, requested=ids_host.size)
@@ -197,6 +209,8 @@ class RowSource:
 
     def _fetch_from_reader(self, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
         """Read unique rows on the host, stage them to the device, dequantize there."""
+        read_raw = self.read_raw
+        assert read_raw is not None, "without a table or a store, a source has read_raw"
         ids_host = ids.cpu().numpy()
         unique, inverse = np.unique(ids_host, return_inverse=True)
         row_bytes = self.config.row_bytes
@@ -206,7 +220,7 @@ class RowSource:
         raw_dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         def read_into(buffer: torch.Tensor) -> int:
-            raw = torch.as_tensor(self.read_raw(unique))
+            raw = torch.as_tensor(read_raw(unique))
             if raw.dtype != torch.uint8 or tuple(raw.shape) != (unique.size, row_bytes):
                 raise ValueError(f"read_raw must return uint8 [{unique.size}, {row_bytes}], "
                                  f"got {raw.dtype} {tuple(raw.shape)}")

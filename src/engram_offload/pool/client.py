@@ -48,7 +48,17 @@ def key_slot(key: str | bytes) -> int:
     return slot(key.encode() if isinstance(key, str) else key)
 
 
-def encode_command(*args: str | bytes | int) -> bytes:
+Arg = str | bytes | bytearray | memoryview | int  # a command argument; bytes-like ones are sent as they are
+
+
+def _shown(arg: Arg) -> str:
+    """A command argument or key as text for a message (bytes decoded, not ``b'...'``)."""
+    if isinstance(arg, (bytes, bytearray, memoryview)):
+        return bytes(arg).decode(errors="backslashreplace")
+    return str(arg)
+
+
+def encode_command(*args: Arg) -> bytes:
     """One command as a RESP array of bulk strings."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -139,7 +149,7 @@ class NodeConnection:
                 raise ConnectionError(f"{self.address} closed the connection")
             reader.feed(self._view, 0, got)
 
-    def call(self, *args: str | bytes | int):
+    def call(self, *args: Arg):
         self.send(encode_command(*args))
         return self.read_replies(1)[0]
 
@@ -259,16 +269,16 @@ class PoolClient:
                 return replies
             self.refresh()
             todo = moved
-        raise PoolError(f"keys keep moving between nodes (last: {keys[todo[0]]}): is the cluster resharding?")
+        raise PoolError(f"keys keep moving between nodes (last: {_shown(keys[todo[0]])}): is the cluster resharding?")
 
-    def call(self, *args: str | bytes | int):
+    def call(self, *args: Arg):
         """One command on the node owning its key (``args[1]``); raises on an error reply."""
         reply = self.execute([args])[0]
         if isinstance(reply, Exception):
-            raise PoolError(f"{args[0]} {args[1]}: {reply}")
+            raise PoolError(f"{_shown(args[0])} {_shown(args[1])}: {reply}")
         return reply
 
-    def each_node(self, *args: str | bytes | int) -> list:
+    def each_node(self, *args: Arg) -> list:
         """Run one command on every node; replies in ``self.nodes`` order."""
         out = []
         for node in range(len(self.nodes)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypedDict
 
 import numpy as np
 import xxhash
@@ -25,9 +25,20 @@ from ..table.verify import checksum_error
 from .client import PoolClient, PoolError
 from .layout import DEFAULT_EXTENT_ROWS, PoolLayout, header_from_record, meta_key
 
-__all__ = ["publish_table", "pool_status", "drop_table", "read_pool_table", "check_complete"]
+__all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete"]
 
 READ_CHUNK_BYTES = 32 << 20
+
+
+class PublishResult(TypedDict):
+    """What ``publish_table`` did: extents sent, and extents already in the pool (skipped)."""
+
+    fingerprint: str
+    extents: int
+    sent: int
+    skipped: int
+    bytes_sent: int
+    nodes: int
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -69,7 +80,7 @@ def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tu
             buf[filled: filled + take] = flat[pos: pos + take]
             filled, pos = filled + take, pos + take
             if filled == sizes[extent]:
-                yield extent, memoryview(buf)[:filled]
+                yield extent, memoryview(buf)[:filled]  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
                 extent, filled = extent + 1, 0
 
 
@@ -123,7 +134,7 @@ def publish_table(
     progress: bool | None = None,
     on_extent: Callable[[int], None] | None = None,
     timeout: float = 60.0,
-) -> dict[str, Any]:
+) -> PublishResult:
     """Load the table at ``path`` into the pool at ``url``; resume an interrupted publish.
 
     ``on_extent(extent)`` is called after each extent is in place. Returns the
@@ -141,7 +152,7 @@ def publish_table(
                 )
         else:
             client.call("SET", playout.header_key, playout.header_record())
-        result = {"fingerprint": playout.fingerprint, "extents": playout.num_extents, "sent": 0,
+        result: PublishResult = {"fingerprint": playout.fingerprint, "extents": playout.num_extents, "sent": 0,
                   "skipped": 0, "bytes_sent": 0, "nodes": len(client.nodes)}
         if not check_complete(client, playout):
             result["skipped"] = playout.num_extents

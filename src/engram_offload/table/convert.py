@@ -103,8 +103,10 @@ def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
                 f"{t.layer_id} from its primes: check the config (engram_vocab_size, n_heads, "
                 "max_ngram_size) matches the checkpoint"
             )
-        scale_file = scales.enter_context(open_shard(t.scale_shard)) if t.scale else None
-        scale = scale_file.get_slice(t.scale) if scale_file is not None else None
+        scale = None
+        if t.scale:
+            assert t.scale_shard is not None, "a scale tensor is found with its shard"
+            scale = scales.enter_context(open_shard(t.scale_shard)).get_slice(t.scale)
         if scale is not None and list(scale.get_shape()) != [rows, d // 32]:
             raise ValueError(f"{t.scale} has shape {list(scale.get_shape())}; expected [{rows}, {d // 32}]")
         for start in range(0, rows, CHUNK_ROWS):
