@@ -22,7 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static __thread sigjmp_buf *guard;
+/* volatile: the stores around the copy must happen in order (memcpy does not read it, so
+ * the compiler would otherwise drop the store that arms the guard). */
+static __thread sigjmp_buf *volatile guard;
 static struct sigaction previous;
 static pthread_mutex_t install_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -67,7 +69,9 @@ static int guarded_copy(const uint8_t *src, uint8_t *dst, const int64_t *offs, c
     /* savemask=1: the handler's blocked SIGBUS is unblocked again by the jump. */
     if (sigsetjmp(jb, 1) != 0) return EFAULT;
     guard = &jb;
+    __asm__ volatile("" ::: "memory");
     for (Py_ssize_t i = 0; i < n; i++) memcpy(dst + doffs[i], src + offs[i], (size_t)lens[i]);
+    __asm__ volatile("" ::: "memory");
     guard = NULL;
     return 0;
 }

@@ -364,11 +364,11 @@ class DirectTier(Tier):
         self._count(reads=len(plan.starts), bytes_read=plan.nbytes)
         if self.verify_pages:
             def reread(bad: np.ndarray) -> None:
+                self._count(reads=len(bad), bytes_read=len(bad) * page, page_rereads=len(bad))
                 self._read_spans(plan.starts[bad], np.full(len(bad), page, np.int64), buf, plan.dests[bad])
-                self._count(reads=len(bad), bytes_read=len(bad) * page)
 
-            rereads = check_pages(self.header, plan, buf, reread)
-            self._count(pages_checked=len(plan.pages), page_rereads=rereads)
+            self._count(pages_checked=len(plan.pages))
+            check_pages(self.header, plan, buf, reread)
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
     def stats(self) -> dict:

@@ -128,14 +128,15 @@ class MmapTier(Tier):
         self._copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
 
         def reread(bad: np.ndarray) -> None:  # from the file, not the mapping
+            self._count(page_rereads=len(bad))
             view = memoryview(buf)
             for start, d in zip(plan.starts[bad].tolist(), plan.dests[bad].tolist()):
                 if os.preadv(self._fd, [view[d: d + page]], start) != page:
                     raise self._changed("ended early during a read")
 
-        rereads = check_pages(self.header, plan, buf, reread)
+        self._count(reads=len(ids), bytes_read=plan.nbytes, pages_checked=len(plan.pages))
+        check_pages(self.header, plan, buf, reread)
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
-        self._count(reads=len(ids), bytes_read=plan.nbytes, pages_checked=len(plan.pages), page_rereads=rereads)
 
     def stats(self) -> dict:
         verified = self._verifier.blocks_verified if self._verifier else 0

@@ -39,17 +39,16 @@ def plan_pages(offsets: np.ndarray, layout: TableLayout) -> PagePlan:
 
 
 def check_pages(header: TableHeader, plan: PagePlan, buf: np.ndarray,
-                reread: Callable[[np.ndarray], None]) -> int:
+                reread: Callable[[np.ndarray], None]) -> None:
     """Check the pages of ``plan`` held in ``buf`` (uint8); pages that differ are read again
-    by ``reread(positions)`` (indices into ``plan.pages``) and checked again. Returns the
-    number of pages re-read; raises ``ChecksumError`` for a page bad twice."""
+    by ``reread(positions)`` (indices into ``plan.pages``) and checked again; ``ChecksumError``
+    for a page bad twice."""
     bad = bad_pages(header, plan.pages, buf[: plan.nbytes])
     if not bad.size:
-        return 0
+        return
     reread(bad)
     page = header.layout.page_bytes
     for i in bad.tolist():
         one = plan.pages[i: i + 1]
         if bad_pages(header, one, buf[plan.dests[i]: plan.dests[i] + page]).size:
             raise page_checksum_error(header, int(one[0]))
-    return len(bad)
