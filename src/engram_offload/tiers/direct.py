@@ -31,7 +31,7 @@ import torch
 from ..errors import TierError
 from ..table.format import PAGE_BYTES, SECTOR_BYTES, TableHeader
 from ..table.verify import BlockVerifier
-from ._buffers import aligned_empty, gather_at
+from ._buffers import ThreadBuffers, aligned_empty, gather_at
 from .base import Tier
 from .pagecheck import check_pages, plan_pages
 from .policy import DEFAULT_QUEUE_DEPTH, DEFAULT_RETRIES, failure_message, is_transient
@@ -296,7 +296,7 @@ class DirectTier(Tier):
         else:
             self._engine = ThreadEngine(self._fd, queue_depth, pread or os.preadv, retries)
         self.engine = engine
-        self._local = threading.local()
+        self._buffers = ThreadBuffers()
         self._verifier = BlockVerifier(header, self._read_block) if verify_reads else None
         self._block_buf: np.ndarray | None = None
         try:  # some file systems accept O_DIRECT at open and refuse it at read
@@ -323,13 +323,6 @@ class DirectTier(Tier):
             batch = f" (one of a batch of {len(offsets)} reads)" if len(offsets) > 1 else ""
             raise TierError(f"{self.header.path}: {exc.strerror or exc}{batch}") from exc
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = aligned_empty(max(nbytes, 2 * (buf.nbytes if buf is not None else 0), 1 << 20))
-            self._local.buf = buf
-        return buf
-
     def _read_block(self, block: int) -> memoryview:
         start, end = self.layout.block_range(block)
         if self._block_buf is None:
@@ -350,7 +343,7 @@ class DirectTier(Tier):
         starts, lengths, dests, total, positions = plan_spans(
             offsets, layout.row_bytes, layout.page_bytes, layout.data_offset
         )
-        buf = self._buffer(total)
+        buf = self._buffers.get(total)
         self._read_spans(starts, lengths, buf, dests)
         gather_at(torch.from_numpy(buf[:total]), positions, out)
         self._count(reads=len(starts), bytes_read=int(lengths.sum()))
@@ -359,7 +352,7 @@ class DirectTier(Tier):
         """Whole pages, each checked against its checksum (``verify_pages``) before use."""
         plan = plan_pages(offsets, self.layout)
         page = self.layout.page_bytes
-        buf = self._buffer(plan.nbytes)
+        buf = self._buffers.get(plan.nbytes)
         self._read_spans(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
         self._count(reads=len(plan.starts), bytes_read=plan.nbytes)
         if self.verify_pages:

@@ -2,11 +2,14 @@
 
 Loading streams the data region at the disk's sequential rate: a thread reads 16 MiB
 chunks (O_DIRECT where the file system allows) while the caller checks the previous chunk's
-page checksums (version 2; native XXH3, GIL released) and copies its rows into place.
+page checksums (version 2; native XXH3, GIL released) and copies its rows into place, and
+a third thread faults the destination's pages in ahead of the copy (the kernel zeroing
+fresh memory costs more CPU than reading and checking: about 0.7 s per GB, measured).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -29,6 +32,8 @@ __all__ = ["MemoryTier", "check_free_memory", "load_dense_rows", "mem_available"
 
 LOAD_CHUNK_BYTES = 16 << 20
 LOAD_BUFFERS = 3  # one being read, one being checked and copied, one spare
+PREFAULT_STEP_BYTES = 64 << 20
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 MEMINFO = "/proc/meminfo"
 
 
@@ -136,6 +141,36 @@ class _ChunkReader:
         self._thread.join()
 
 
+class _Prefaulter:
+    """Faults ``dense`` (uint8, flat) in, front to back, on a thread: ``madvise(MADV_POPULATE_WRITE)``
+    through ctypes (the GIL released), or a write per page where the kernel lacks it."""
+
+    def __init__(self, dense: np.ndarray) -> None:
+        self.dense = dense.reshape(-1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engram-prefault", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            libc = None
+        base, total = self.dense.ctypes.data, self.dense.nbytes
+        for start in range(0, total, PREFAULT_STEP_BYTES):
+            if self._stop.is_set():
+                return
+            length = min(PREFAULT_STEP_BYTES, total - start)
+            if libc is None or libc.madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
+                libc = None  # not supported here: touch one byte a page (the copy writes them all later)
+                self.dense[start: start + length: mmap.PAGESIZE] = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def load_dense_rows(
     header: TableHeader, verify: bool | None = None, progress: bool | None = None
 ) -> tuple[torch.Tensor, mmap.mmap, bool]:
@@ -155,7 +190,12 @@ def load_dense_rows(
     dense = np.frombuffer(mm, np.uint8, count=nbytes).reshape(layout.num_rows, rb)
     check_pages = verify is not False and header.page_sums is not None
     checker = BlockStreamChecker(header) if verify and not check_pages else None
-    fd, _ = _open_for_load(header.path)
+    prefaulter = _Prefaulter(dense)
+    try:
+        fd, _ = _open_for_load(header.path)
+    except BaseException:
+        prefaulter.stop()
+        raise
     reader = _ChunkReader(header, fd)
     try:
         with byte_progress(f"loading {header.path.name}", layout.data_bytes, progress) as advance:
@@ -170,6 +210,7 @@ def load_dense_rows(
                 advance(len(view))
     finally:
         reader.stop()
+        prefaulter.stop()
         os.close(fd)
     return torch.from_numpy(dense), mm, huge
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ from .._native import native_disabled
 from ..errors import TierError
 from ..table.format import TableHeader
 from ..table.verify import BlockVerifier
-from ._buffers import aligned_empty, gather_at, madvise_quietly
+from ._buffers import ThreadBuffers, gather_at, madvise_quietly
 from .base import Tier
 from .pagecheck import check_pages, plan_pages
 
@@ -66,7 +65,7 @@ class MmapTier(Tier):
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # [file_bytes]
         self._verifier = BlockVerifier(header, self._block) if verify_reads else None
         self.verify_pages = verify_pages and header.page_sums is not None
-        self._local = threading.local()
+        self._staging = ThreadBuffers()
 
     def _check_unchanged(self) -> None:
         st = os.fstat(self._fd)
@@ -102,13 +101,6 @@ class MmapTier(Tier):
         self._copy(np.array([start], np.int64), np.array([end - start], np.int64), buf, np.zeros(1, np.int64))
         return buf.tobytes()
 
-    def _staging(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = aligned_empty(max(nbytes, 2 * (buf.nbytes if buf is not None else 0), 1 << 20))
-            self._local.buf = buf
-        return buf
-
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
         offsets = self.layout.row_offsets(ids)
@@ -124,7 +116,7 @@ class MmapTier(Tier):
             return
         plan = plan_pages(offsets, self.layout)
         page = self.layout.page_bytes
-        buf = self._staging(plan.nbytes)
+        buf = self._staging.get(plan.nbytes)
         self._copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
 
         def reread(bad: np.ndarray) -> None:  # from the file, not the mapping
