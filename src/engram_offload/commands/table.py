@@ -172,7 +172,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"engram-offload verify: FAILED: {exc}", file=sys.stderr)
         return 1
     layout = header.layout
-    print(f"{header.path}: OK, {layout.num_blocks:,} blocks, {layout.num_rows:,} rows "
+    pages = f", {layout.num_pages:,} pages" if layout.has_page_sums else " (format version 1: no page checksums)"
+    print(f"{header.path}: OK, {layout.num_blocks:,} blocks{pages}, {layout.num_rows:,} rows "
           f"({layout.row_format}), {layout.file_bytes:,} bytes")
     return 0
 

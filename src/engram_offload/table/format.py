@@ -8,17 +8,20 @@ A table file is, in order::
     data     ``num_pages`` pages of ``page_bytes``; page ``p`` holds rows
              ``p*rows_per_page .. (p+1)*rows_per_page-1`` back to back, zero padded
     trailer  at ``trailer_offset``:
-             version 2 only: one little-endian u32 per data page, the low 32 bits of its XXH3-64 (``page_sums``);
-             then one u64 xxh3_64 digest per ``block_size`` bytes of data (the last block
-             may be shorter), then u64 xxh3_64 of everything before it in the trailer
+             version 2 only: one little-endian u32 per data page, the low 32 bits of its
+             XXH3-64 (``page_sums``); then one u64 xxh3_64 digest per ``block_size``
+             bytes of data (the last block may be shorter), then u64 xxh3_64 of
+             everything before it in the trailer
 
 Version 2 adds the page checksums (loaded into DRAM at open, about 0.1% of the data), so a
-read of one page can be verified by itself; version 1 files are read as before, unchecked.
+read of one page can be verified by itself; version 1 files are read as before, without
+page checks.
 
 ``page_bytes`` is 4096 when a row fits in 4 KiB (``floor(4096 / row_bytes)`` rows a page,
 so no row straddles a page), else the row size rounded up to 4096 (one row a page, every
-row page aligned). Every row is therefore served by one direct read of the smallest
-512-byte-aligned span holding it. All integers are little-endian; nothing is pickled.
+row page aligned). Every row is therefore served by one direct read: its whole page (to
+check it, version 2) or the smallest 512-byte-aligned span holding it (version 1). All
+integers are little-endian; nothing is pickled.
 """
 
 from __future__ import annotations

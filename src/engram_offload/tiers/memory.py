@@ -63,15 +63,15 @@ def check_free_memory(header: TableHeader, what: str, copies: int = 1) -> None:
         )
 
 
-def _open_for_load(path) -> tuple[int, bool]:
+def _open_for_load(path) -> int:
     """A descriptor on ``path``: O_DIRECT where the file system takes it (no page-cache copy,
-    no cache pollution), else buffered. Returns (fd, direct)."""
+    no cache pollution), else buffered."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        return os.open(path, os.O_RDONLY), False
+        return os.open(path, os.O_RDONLY)
     probe = aligned_empty(PAGE_BYTES)
     try:
         os.preadv(fd, [probe], 0)  # some file systems take O_DIRECT at open and refuse it at read
@@ -79,14 +79,18 @@ def _open_for_load(path) -> tuple[int, bool]:
         os.close(fd)
         if exc.errno != errno.EINVAL:
             raise
-        return os.open(path, os.O_RDONLY), False
-    return fd, True
+        return os.open(path, os.O_RDONLY)
+    return fd
 
 
 def _read_fully(fd: int, view: np.ndarray, offset: int, path) -> None:
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise TierError(f"{path}: reading {len(view) - done} bytes at offset {offset + done} while "
+                            f"loading failed: {exc.strerror or exc}") from exc
         if got == 0:
             raise TierError(f"{path} ended early while loading: the file changed under us; "
                             "check it with `engram-offload verify` and reopen it")
@@ -192,7 +196,7 @@ def load_dense_rows(
     checker = BlockStreamChecker(header) if verify and not check_pages else None
     prefaulter = _Prefaulter(dense)
     try:
-        fd, _ = _open_for_load(header.path)
+        fd = _open_for_load(header.path)
     except BaseException:
         prefaulter.stop()
         raise
