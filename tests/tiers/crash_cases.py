@@ -103,10 +103,12 @@ def truncated_mid_read(options: dict, path: str, path2: str) -> dict:
     outcomes: list = []
     with open_tier("mmap", read_header(path2), **options) as t:
         started = threading.Barrier(5)
+        good = threading.Semaphore(0)  # one release per reader after its first right batch
 
         def reader(seed: int) -> None:
             rng = np.random.default_rng(seed)
             started.wait()
+            first = True
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 ids = rng.integers(0, t.num_rows, 2048)
@@ -122,17 +124,21 @@ def truncated_mid_read(options: dict, path: str, path2: str) -> dict:
                 if not np.array_equal(out.numpy(), expected[ids]):
                     outcomes.append("wrong rows")
                     return
+                if first:
+                    good.release()
+                    first = False
             outcomes.append("still reading after 30 s")
 
         threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
         for thread in threads:
             thread.start()
         started.wait()
-        time.sleep(0.2)
+        read_before = sum(good.acquire(timeout=20) for _ in threads)  # every reader read right rows
+        time.sleep(0.05)
         os.truncate(path2, layout.data_offset)
         for thread in threads:
             thread.join()
-    return {"copy": copy, "readers": sorted(outcomes)}
+    return {"copy": copy, "read_before": read_before, "readers": sorted(outcomes)}
 
 
 if __name__ == "__main__":

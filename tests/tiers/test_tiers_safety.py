@@ -82,7 +82,7 @@ def test_an_mmap_store_whose_file_shrinks_during_a_copy_gives_a_tier_error(table
     env = {} if native else {"ENGRAM_OFFLOAD_NO_NATIVE": "1"}
     result = run_child("truncated_mid_read", json.dumps(options), *map(str, paths), env=env)
     assert result["copy"].startswith(f"TierError: {paths[0]} "), result
-    assert result["readers"] == ["TierError"] * 4, result
+    assert result["read_before"] == 4 and result["readers"] == ["TierError"] * 4, result
 
 
 def test_closing_a_direct_store_waits_for_an_inline_read(tables):

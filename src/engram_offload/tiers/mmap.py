@@ -90,7 +90,7 @@ class MmapTier(Tier):
             if _safecopy.copy_spans(self._bytes.data_ptr(), self.layout.file_bytes, offsets, lengths, dest, dests):
                 raise self._changed("shrank during a read (SIGBUS caught)")
             return
-        view = memoryview(dest)
+        view = memoryview(dest).cast("B")  # bytes, whatever dest's shape
         for off, length, d in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
             if os.preadv(self._fd, [view[d: d + length]], off) != length:
                 raise self._changed("ended early during a read")
