@@ -4,7 +4,9 @@ The package itself is pure Python.  ``engram_offload.tiers._uring`` is a small
 C extension (batched O_DIRECT reads through io_uring, raw syscalls only, no
 liburing).  It is declared ``optional=True``: when it cannot be compiled (no C
 compiler, not Linux, missing kernel headers) the package still installs and
-``engram_offload.tiers.uring.available()`` reports False.
+``engram_offload.tiers.uring.available()`` reports False.  The other helpers
+(page checksums, SIGBUS-guarded mapping copies, the hash kernel, the caches'
+hit path) are optional the same way, each with a Python fallback.
 """
 
 import sys
@@ -21,6 +23,27 @@ if sys.platform.startswith("linux"):
             optional=True,
         )
     )
+
+    # Copies out of a file mapping guarded against SIGBUS (the mmap tier; pread is the fallback).
+    ext_modules.append(
+        Extension(
+            "engram_offload.tiers._safecopy",
+            sources=["src/engram_offload/tiers/_safecopy.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            optional=True,
+        )
+    )
+
+# Checksums of data pages (format version 2, XXH3 from the vendored xxhash.h); the xxhash
+# package is the fallback.
+ext_modules.append(
+    Extension(
+        "engram_offload.table._pagesum",
+        sources=["src/engram_offload/table/_pagesum.c", "src/engram_offload/table/_pagesum_avx2.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
+        optional=True,
+    )
+)
 
 # The n-gram hash kernel: portable C, optional like the reader (NumPy is the fallback).
 ext_modules.append(

@@ -21,12 +21,15 @@ def header_meta(path: str | Path) -> dict:
     return json.loads(data[PREFIX.size:PREFIX.size + length])
 
 
-def rewrite_header(src: str | Path, dst: str | Path, meta: object, version: int = 1) -> None:
-    """Copy ``src`` to ``dst`` with its header JSON replaced by ``meta`` under a VALID checksum.
+def rewrite_header(src: str | Path, dst: str | Path, meta: object, version: int | None = None) -> None:
+    """Copy ``src`` to ``dst`` with its header JSON replaced by ``meta`` under a VALID checksum
+    (and the prefix's format ``version``: by default ``src``'s).
 
     The data stays where it was; a body longer than the old header area overwrites the start
     of the data (a damage of its own)."""
     data = bytearray(Path(src).read_bytes())
+    if version is None:
+        version = PREFIX.unpack(data[:PREFIX.size])[1]
     body = json.dumps(meta, sort_keys=True).encode()
     head = PREFIX.pack(MAGIC, version, len(body), xxhash.xxh3_64_intdigest(body)) + body
     old_length = PREFIX.unpack(data[:PREFIX.size])[2]

@@ -208,8 +208,9 @@ def test_header_is_json_with_the_layout(table):
     data = table.read_bytes()
     (length,) = struct.unpack("<I", data[12:16])
     meta = json.loads(data[24:24 + length])
-    assert meta["magic"] == "engram-offload-table" and meta["version"] == 1
+    assert meta["magic"] == "engram-offload-table" and meta["version"] == 2
     assert meta["data_offset"] % 4096 == 0 and meta["checksum"] == "xxh3_64"
+    assert meta["page_checksum"] == "xxh3_64_low32" and meta["page_checksums_offset"] == meta["trailer_offset"]
     assert meta["config"]["row_format"] == "fp8_e4m3_ue8m0"
     assert set(meta) >= {"layer_ids", "head_sizes", "row_bytes", "stride", "block_size", "trailer_offset"}
 
@@ -219,7 +220,8 @@ def test_header_is_json_with_the_layout(table):
     ("block_size", 0), ("block_size", -8192), ("block_size", 2**70), ("block_size", "8192"),
     ("block_size", 8192.0), ("block_size", True), ("block_size", 8193), ("block_size", 16384),
     ("block_size", None), ("data_offset", 8192), ("data_offset", 0), ("num_rows", 5),
-    ("num_blocks", 0), ("head_sizes", {}), ("checksum", "md5"), ("version", 2), ("magic", "x"),
+    ("num_blocks", 0), ("head_sizes", {}), ("checksum", "md5"), ("version", 1), ("version", 3), ("magic", "x"),
+    ("page_checksum", "crc32c"), ("page_checksums_offset", 0),
     ("config.n_heads", 10_000_000), ("config.n_heads", 0), ("config.n_heads", 2.0),
     ("config.head_dim", 0), ("config.head_dim", -64), ("config.layer_ids", []),
     ("config.layer_ids", "13"), ("config.layer_ids", [1, 1]), ("config.prime_starts", [-5, 3]),

@@ -20,7 +20,8 @@ from engram_offload.tiers import memory as memory_module
 
 @pytest.fixture
 def damaged(tables, tmp_path):
-    """A copy of the fp8 table with one byte flipped in block 2: (path, bad row, good row, expected)."""
+    """A copy of the fp8 table (format version 2) with one byte flipped in block 2 (in its
+    first page): (path, bad row, good row, expected)."""
     src, expected = tables[("fp8_e4m3_ue8m0", 64)]
     path = tmp_path / "damaged.tbl"
     shutil.copy(src, path)
@@ -56,11 +57,17 @@ def test_read_verification_names_the_bad_block(damaged, tier, options):
         np.testing.assert_array_equal(read(t, [bad_row, good_row]), expected[[bad_row, good_row]])
 
 
+def flipped_page(path) -> int:
+    layout = read_header(path).layout
+    return (layout.block_range(2)[0] + 100 - layout.data_offset) // layout.page_bytes
+
+
 def test_memory_tier_verifies_while_loading(damaged):
     path = damaged[0]
-    with pytest.raises(ChecksumError, match="block 2"):
-        open_tier("memory", read_header(path), verify_reads=True)
-    open_tier("memory", read_header(path)).close()
+    for verify in (True, None):  # page checksums are checked by default
+        with pytest.raises(ChecksumError, match=rf"data page {flipped_page(path)} \(rows "):
+            open_tier("memory", read_header(path), verify_reads=verify)
+    open_tier("memory", read_header(path), verify_reads=False).close()
 
 
 class FlakyPread:
@@ -183,9 +190,9 @@ def test_engine_choice(tables):
 
 @pytest.mark.parametrize("chunk_bytes", [32 << 20, 12288, 4096])
 def test_memory_tier_finds_the_bad_block_whatever_the_load_chunk(tables, damaged, chunk_bytes, monkeypatch):
-    """Blocks of 16 KiB loaded in chunks of 32 MiB, 12 KiB (blocks straddle chunks) or 4 KiB."""
+    """Pages checked in load chunks of 32 MiB, 12 KiB or 4 KiB."""
     monkeypatch.setattr(memory_module, "LOAD_CHUNK_BYTES", chunk_bytes)
-    with pytest.raises(ChecksumError, match="block 2 "):
+    with pytest.raises(ChecksumError, match=rf"data page {flipped_page(damaged[0])} "):
         open_tier("memory", read_header(damaged[0]), verify_reads=True)
     path, expected = tables[("fp8_e4m3_ue8m0", 64)]
     with open_tier("memory", read_header(path), verify_reads=True) as t:

@@ -29,9 +29,10 @@ from tier_cases import direct_io_refused, read, skip_unavailable, uring_availabl
 CRASH_CASES = Path(__file__).with_name("crash_cases.py")
 
 
-def run_child(*args: str):
+def run_child(*args: str, env: dict | None = None):
     """Run a ``crash_cases.py`` scenario; a death by signal fails the test, not pytest."""
-    proc = subprocess.run([sys.executable, str(CRASH_CASES), *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(CRASH_CASES), *args], capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, f"child died (returncode {proc.returncode}): {proc.stderr[-2000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -63,6 +64,25 @@ def test_a_table_truncated_under_an_open_store_gives_an_error_or_its_rows(tables
             assert result["after"] == "rows_ok"
         else:
             assert result["after"].startswith(f"TierError: {path}"), (tier, options, result)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["sigbus-guard", "pread"])
+@pytest.mark.parametrize("options", [{}, {"verify_pages": False}], ids=["pages", "rows"])
+def test_an_mmap_store_whose_file_shrinks_during_a_copy_gives_a_tier_error(tables, tmp_path, native, options):
+    """Truncation between the size check and the copy: SIGBUS caught (native helper) or never
+    raised (pread), and the read fails with TierError; the child process exits cleanly."""
+    from engram_offload.tiers.mmap import guarded_copy_available
+
+    if native and not guarded_copy_available():
+        pytest.skip("the native SIGBUS-guarded copy is not built")
+    src = tables[("fp8_e4m3_ue8m0", 64)][0]
+    paths = [tmp_path / "a.tbl", tmp_path / "b.tbl"]
+    for path in paths:
+        shutil.copy(src, path)
+    env = {} if native else {"ENGRAM_OFFLOAD_NO_NATIVE": "1"}
+    result = run_child("truncated_mid_read", json.dumps(options), *map(str, paths), env=env)
+    assert result["copy"].startswith(f"TierError: {paths[0]} "), result
+    assert result["read_before"] == 4 and result["readers"] == ["TierError"] * 4, result
 
 
 def test_closing_a_direct_store_waits_for_an_inline_read(tables):
@@ -151,7 +171,7 @@ def test_resident_tiers_verify_blocks_larger_than_a_load_chunk(tmp_path, tier):
 
 def sparse_table(path: Path, config) -> Path:
     """A valid table file whose data region is a hole: a huge table costing no disk."""
-    layout = TableLayout.for_config(config, block_size=1 << 30)
+    layout = TableLayout.for_config(config, block_size=1 << 30, version=1)  # no page checksums to fake
     digests = bytes(8 * layout.num_blocks)
     with open(path, "wb") as f:
         f.write(encode_header(layout))

@@ -1,4 +1,4 @@
-"""``make-table``, ``convert``, ``verify``, ``bench-tier``: table files and tier speed."""
+"""``make-table``, ``convert``, ``verify``, ``upgrade``, ``bench-tier``: table files and tier speed."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="remove temporary table files whose writer is gone from the directory PATH")
     ver.add_argument("--no-progress", action="store_true")
     ver.set_defaults(func=cmd_verify)
+
+    up = sub.add_parser("upgrade", help="rewrite a version-1 table in the current format (page checksums)",
+                        description="Rewrite a table in the current format (version 2: a checksum per data "
+                        "page, checked on every read), atomically: the old data is checked against its "
+                        "block checksums, a new file is written beside it and renamed over it.")
+    up.add_argument("path", metavar="TABLE", help="the table file")
+    up.add_argument("--force", action="store_true", help="write even if the disk looks too full")
+    up.add_argument("--no-progress", action="store_true")
+    up.set_defaults(func=cmd_upgrade)
 
     bench = sub.add_parser(
         "bench-tier", help="measure random-row reads from one tier",
@@ -163,8 +172,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"engram-offload verify: FAILED: {exc}", file=sys.stderr)
         return 1
     layout = header.layout
-    print(f"{header.path}: OK, {layout.num_blocks:,} blocks, {layout.num_rows:,} rows "
+    pages = f", {layout.num_pages:,} pages" if layout.has_page_sums else " (format version 1: no page checksums)"
+    print(f"{header.path}: OK, {layout.num_blocks:,} blocks{pages}, {layout.num_rows:,} rows "
           f"({layout.row_format}), {layout.file_bytes:,} bytes")
+    return 0
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    from ..table import read_header
+    from ..table.upgrade import upgrade_table
+
+    if Path(args.path).is_dir():
+        raise UsageError(f"{args.path} is a directory: give a table file")
+    header = read_header(args.path)
+    if header.layout.version < TableLayout.for_config(header.config).version:
+        check_disk_for(header.config, args.path, "upgrade", args.force)
+    if upgrade_table(args.path, progress=False if args.no_progress else None):
+        print(f"{args.path}: upgraded from format version {header.layout.version} to "
+              f"{read_header(args.path).layout.version} (a checksum per data page)")
+    else:
+        print(f"{args.path}: already format version {header.layout.version}; nothing to do")
     return 0
 
 

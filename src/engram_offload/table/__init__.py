@@ -1,10 +1,12 @@
-"""Table files: format, writing (streaming, atomic), random tables, conversion, verification."""
+"""Table files: format, writing (streaming, atomic), random tables, conversion, verification,
+upgrading version-1 files."""
 
 from __future__ import annotations
 
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableHeader, TableLayout, read_header
 from .generate import make_random_table, random_rows
 from .verify import BlockVerifier, verify_table
+from .upgrade import upgrade_table
 from .writer import TableWriter, write_table
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "make_random_table",
     "random_rows",
     "verify_table",
+    "upgrade_table",
     "convert_checkpoint",
 ]
 

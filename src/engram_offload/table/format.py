@@ -1,4 +1,4 @@
-"""The table file format: header, row placement, checksum trailer.
+"""The table file format: header, row placement, checksum trailer (docs/table-format.md).
 
 A table file is, in order::
 
@@ -7,13 +7,21 @@ A table file is, in order::
              to ``data_offset`` (a multiple of 4096)
     data     ``num_pages`` pages of ``page_bytes``; page ``p`` holds rows
              ``p*rows_per_page .. (p+1)*rows_per_page-1`` back to back, zero padded
-    trailer  at ``trailer_offset``: one little-endian u64 xxh3_64 digest per ``block_size``
-             bytes of data (the last block may be shorter), then u64 xxh3_64 of those digests
+    trailer  at ``trailer_offset``:
+             version 2 only: one little-endian u32 per data page, the low 32 bits of its
+             XXH3-64 (``page_sums``); then one u64 xxh3_64 digest per ``block_size``
+             bytes of data (the last block may be shorter), then u64 xxh3_64 of
+             everything before it in the trailer
+
+Version 2 adds the page checksums (loaded into DRAM at open, about 0.1% of the data), so a
+read of one page can be verified by itself; version 1 files are read as before, without
+page checks.
 
 ``page_bytes`` is 4096 when a row fits in 4 KiB (``floor(4096 / row_bytes)`` rows a page,
 so no row straddles a page), else the row size rounded up to 4096 (one row a page, every
-row page aligned). Every row is therefore served by one direct read of the smallest
-512-byte-aligned span holding it. All integers are little-endian; nothing is pickled.
+row page aligned). Every row is therefore served by one direct read: its whole page (to
+check it, version 2) or the smallest 512-byte-aligned span holding it (version 1). All
+integers are little-endian; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from ..errors import TableFormatError
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "PAGE_BYTES",
     "SECTOR_BYTES",
     "DEFAULT_BLOCK_SIZE",
@@ -46,7 +55,9 @@ __all__ = [
 
 MAGIC = b"ENGRAMTB"
 MAGIC_NAME = "engram-offload-table"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+PAGE_SUM_BYTES = 4  # u32 low half of XXH3-64 per data page (version 2)
 PREFIX = struct.Struct("<8sIIQ")  # magic, version, JSON length, xxh3_64 of the JSON
 PAGE_BYTES = 4096
 SECTOR_BYTES = 512
@@ -68,20 +79,24 @@ class TableLayout:
     config: EngramConfig
     block_size: int
     data_offset: int
+    version: int = FORMAT_VERSION
 
     @classmethod
-    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "TableLayout":
+    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE,
+                   version: int = FORMAT_VERSION) -> "TableLayout":
         """The layout of ``config``'s table; ``block_size`` is rounded up to whole pages."""
         if not 0 < block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE:,} bytes, got {block_size}")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"format version must be one of {READABLE_VERSIONS}, got {version}")
         page = _page_bytes(config.row_bytes)
-        layout = cls(config, round_up(block_size, page), PAGE_BYTES)
+        layout = cls(config, round_up(block_size, page), PAGE_BYTES, version)
         # The header size depends on data_offset only through its digits: settle it.
         while True:
             need = round_up(PREFIX.size + len(layout.header_json()), PAGE_BYTES)
             if need == layout.data_offset:
                 return layout
-            layout = cls(config, layout.block_size, need)
+            layout = cls(config, layout.block_size, need, version)
 
     # -- geometry ---------------------------------------------------------------------
     @property
@@ -125,8 +140,17 @@ class TableLayout:
         return self.data_offset + self.data_bytes
 
     @property
+    def has_page_sums(self) -> bool:
+        """Whether the file carries a checksum per data page (version 2)."""
+        return self.version >= 2
+
+    @property
+    def page_sums_bytes(self) -> int:
+        return PAGE_SUM_BYTES * self.num_pages if self.has_page_sums else 0
+
+    @property
     def trailer_bytes(self) -> int:
-        return 8 * (self.num_blocks + 1)
+        return self.page_sums_bytes + 8 * (self.num_blocks + 1)
 
     @property
     def file_bytes(self) -> int:
@@ -137,6 +161,11 @@ class TableLayout:
         rpp = self.rows_per_page
         return self.data_offset + (ids // rpp) * self.page_bytes + (ids % rpp) * self.row_bytes
 
+    def page_rows(self, page: int) -> tuple[int, int]:
+        """Rows ``[first, last]`` stored in data page ``page``."""
+        first = page * self.rows_per_page
+        return first, min(first + self.rows_per_page, self.num_rows) - 1
+
     def block_range(self, block: int) -> tuple[int, int]:
         """File byte range ``[start, end)`` of data block ``block``."""
         start = self.data_offset + block * self.block_size
@@ -145,9 +174,9 @@ class TableLayout:
     # -- header -----------------------------------------------------------------------
     def header_dict(self) -> dict[str, Any]:
         c = self.config
-        return {
+        header = {
             "magic": MAGIC_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "config": c.to_dict(),
             "layer_ids": list(c.layer_ids),
             "head_sizes": {str(i): list(c.head_sizes(i)) for i in c.layer_ids},
@@ -166,6 +195,10 @@ class TableLayout:
             "trailer_offset": self.trailer_offset,
             "file_bytes": self.file_bytes,
         }
+        if self.has_page_sums:
+            header["page_checksum"] = "xxh3_64_low32"
+            header["page_checksums_offset"] = self.trailer_offset
+        return header
 
     def header_json(self) -> bytes:
         return json.dumps(self.header_dict(), sort_keys=True).encode()
@@ -178,17 +211,18 @@ def _page_bytes(row_bytes: int) -> int:
 def encode_header(layout: TableLayout) -> bytes:
     """The file's first ``data_offset`` bytes: prefix, JSON, zero padding."""
     body = layout.header_json()
-    head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    head = PREFIX.pack(MAGIC, layout.version, len(body), xxhash.xxh3_64_intdigest(body)) + body
     return head + bytes(layout.data_offset - len(head))
 
 
 @dataclass(frozen=True)
 class TableHeader:
-    """An opened table's path, layout and block checksums (from the trailer)."""
+    """An opened table's path, layout and checksums (from the trailer)."""
 
     path: Path
     layout: TableLayout
     block_digests: np.ndarray  # uint64 [num_blocks]
+    page_sums: np.ndarray | None = None  # uint32 [num_pages] low 32 bits of XXH3-64 per data page; None in version 1
 
     @property
     def config(self) -> EngramConfig:
@@ -219,10 +253,11 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             raise TableFormatError(
                 f"{path} is not an engram-offload table (starts with {magic!r}, expected {MAGIC!r})"
             )
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise TableFormatError(
-                f"{path} has table format version {version}; this engram-offload reads version "
-                f"{FORMAT_VERSION}: rewrite the table with this version (make-table or convert)"
+                f"{path} has table format version {version}; this engram-offload reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}: rewrite the table with this version "
+                "(make-table or convert)"
             )
         if length > MAX_HEADER_BYTES:
             raise TableFormatError(f"{path}: header length {length} is implausible; the file is damaged")
@@ -232,7 +267,7 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
         if xxhash.xxh3_64_intdigest(body) != digest:
             raise TableFormatError(f"{path}: the header does not match its checksum; the file is damaged")
         data_offset = round_up(PREFIX.size + length, PAGE_BYTES)
-        layout = _layout_from_header(path, body, data_offset)
+        layout = _layout_from_header(path, body, data_offset, version)
         if size != layout.file_bytes:
             what = "truncated" if size < layout.file_bytes else "longer than its header says"
             raise TableFormatError(
@@ -241,14 +276,16 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             )
         f.seek(layout.trailer_offset)
         trailer = f.read(layout.trailer_bytes)
-    digests = np.frombuffer(trailer[:-8], dtype="<u8").copy()
     (check,) = struct.unpack("<Q", trailer[-8:])
-    if xxhash.xxh3_64_intdigest(trailer[:-8]) != check:
+    if len(trailer) != layout.trailer_bytes or xxhash.xxh3_64_intdigest(memoryview(trailer)[:-8]) != check:
         raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
-    return TableHeader(path, layout, digests)
+    split = layout.page_sums_bytes
+    digests = np.frombuffer(trailer, dtype="<u8", count=layout.num_blocks, offset=split).copy()
+    page_sums = np.frombuffer(trailer, dtype="<u4", count=layout.num_pages).copy() if split else None
+    return TableHeader(path, layout, digests, page_sums)
 
 
-def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayout:
+def _layout_from_header(path: Path, body: bytes, data_offset: int, version: int) -> TableLayout:
     """The layout a header's JSON describes, every field checked (type, range, agreement with
     the layout derived from its config) before it is used."""
     try:
@@ -261,7 +298,7 @@ def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayou
         _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         if block_size % _page_bytes(config.row_bytes):
             raise ValueError(f"block_size {block_size} is not a whole number of pages")
-        layout = TableLayout(config, block_size, data_offset)
+        layout = TableLayout(config, block_size, data_offset, version)
         expected = layout.header_dict()
     except (ValueError, KeyError, TypeError) as exc:
         raise TableFormatError(f"{path}: unreadable table header ({exc}); the file is damaged") from None

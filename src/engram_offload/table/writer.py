@@ -25,7 +25,8 @@ import xxhash
 
 from ..config import EngramConfig
 from ..rows import encode_rows
-from .format import DEFAULT_BLOCK_SIZE, TableLayout, encode_header
+from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableLayout, encode_header
+from .pagesum import page_sums
 from .progress import byte_progress
 
 __all__ = ["TableWriter", "write_table", "as_raw_rows", "temp_path", "dead_temp_files", "clean_temp_files"]
@@ -140,7 +141,9 @@ class TableWriter:
 
     ``write(rows)`` takes float rows ``[n, head_dim]`` or raw ``uint8 [n, row_bytes]``, in
     table row order. Exactly ``config.num_rows`` rows must be written before ``close``.
-    Used as a context manager, an exception discards the temporary file.
+    Used as a context manager, an exception discards the temporary file. ``version`` 2
+    (the default) stores a checksum per data page; 1 writes the older format (for tests and
+    for readers that predate version 2).
     """
 
     def __init__(
@@ -150,12 +153,13 @@ class TableWriter:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         progress: bool | None = None,
+        version: int = FORMAT_VERSION,
     ) -> None:
         if not str(path):
             raise ValueError("the output path is empty: give a file name to write the table to")
         self.path = Path(path)
         self.config = config
-        self.layout = TableLayout.for_config(config, block_size)
+        self.layout = TableLayout.for_config(config, block_size, version)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"directory {self.path.parent} does not exist")
         if self.path.is_dir():
@@ -173,6 +177,7 @@ class TableWriter:
             self._tmp.unlink(missing_ok=True)
             raise
         self._sink = _BlockSink(self._f, self.layout.block_size)
+        self._page_sums: list[np.ndarray] = []  # uint32 [pages] per written chunk (version 2)
         self._pending = np.empty((0, config.row_bytes), np.uint8)
         self.rows_written = 0
         self._progress = byte_progress(f"writing {self.path.name}", self.layout.data_bytes, progress)
@@ -208,7 +213,10 @@ class TableWriter:
         else:
             packed = np.zeros((pages, page), np.uint8)  # [pages, page_bytes]
             packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
-        self._sink.write(memoryview(packed).cast("B"))
+        data = memoryview(packed).cast("B")
+        if self.layout.has_page_sums:
+            self._page_sums.append(page_sums(data, page))
+        self._sink.write(data)
         self._advance(pages * page)
 
     def close(self) -> Path:
@@ -226,9 +234,11 @@ class TableWriter:
                 padded = np.zeros((self.layout.rows_per_page, self.config.row_bytes), np.uint8)
                 padded[: len(self._pending)] = self._pending
                 self._write_pages(padded, 1)
+            sums = np.concatenate(self._page_sums).astype("<u4").tobytes() if self._page_sums else b""
             digests = np.asarray(self._sink.finish(), dtype="<u8").tobytes()
-            assert len(digests) == 8 * self.layout.num_blocks
-            self._f.write(digests + struct.pack("<Q", xxhash.xxh3_64_intdigest(digests)))
+            assert len(digests) == 8 * self.layout.num_blocks and len(sums) == self.layout.page_sums_bytes
+            trailer = sums + digests
+            self._f.write(trailer + struct.pack("<Q", xxhash.xxh3_64_intdigest(trailer)))
             os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self._tmp, self.path)
@@ -281,6 +291,7 @@ def write_table(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
+    version: int = FORMAT_VERSION,
 ) -> Path:
     """Write a table atomically.
 
@@ -288,7 +299,7 @@ def write_table(
     ``config.row_format``), raw ``uint8 [num_rows, row_bytes]``, or an iterator of chunks
     of either, in row order.
     """
-    with TableWriter(path, config, block_size=block_size, progress=progress) as writer:
+    with TableWriter(path, config, block_size=block_size, progress=progress, version=version) as writer:
         for chunk in _chunks(rows):
             writer.write(chunk)
     return writer.path

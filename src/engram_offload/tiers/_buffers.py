@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import mmap
+import threading
 
 import numpy as np
 import torch
 
-__all__ = ["aligned_empty", "gather_at", "madvise_quietly"]
+__all__ = ["ThreadBuffers", "aligned_empty", "gather_at", "madvise_quietly"]
 
 ALIGN = mmap.PAGESIZE
 GATHER_SLICE = 1024
@@ -17,6 +18,22 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialised, page-aligned ``np.uint8 [nbytes]`` (anonymous mapping; freed with it)."""
     mm = mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
     return np.frombuffer(mm, np.uint8, count=nbytes)
+
+
+class ThreadBuffers:
+    """One page-aligned scratch buffer per calling thread, grown (doubling) as needed."""
+
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
+        self.min_bytes = min_bytes
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        """This thread's buffer, at least ``nbytes`` long (its contents are undefined)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = aligned_empty(max(nbytes, 2 * (buf.nbytes if buf is not None else 0), self.min_bytes))
+            self._local.buf = buf
+        return buf
 
 
 def madvise_quietly(mm: mmap.mmap, advice_name: str) -> bool:

@@ -66,7 +66,8 @@ class Tier(ABC):
         self.header = header
         self.layout = header.layout
         self._stats_lock = threading.Lock()
-        self._counts = {"requests": 0, "rows": 0, "reads": 0, "bytes_read": 0, "retries": 0}
+        self._counts = {"requests": 0, "rows": 0, "reads": 0, "bytes_read": 0, "retries": 0,
+                        "pages_checked": 0, "page_rereads": 0}
         self._users = threading.Condition(threading.Lock())
         self._in_flight = 0  # read_rows calls between their check of `closed` and their return
         self.closed = False

@@ -1,8 +1,11 @@
-"""``direct`` tier: O_DIRECT reads of only the sectors holding the requested rows.
+"""``direct`` tier: O_DIRECT reads of the pages (or sectors) holding the requested rows.
 
-Per request, rows are grouped by 4 KiB page and each touched page costs one read: the
-smallest 512-byte-aligned span covering that page's requested rows (so rows sharing a
-sector or a page cost one read, and a lone 264-byte row costs at most 1 KiB). Spans are
+Per request, rows are grouped by 4 KiB page and each touched page costs one read. A table
+with page checksums (format version 2) is read in whole pages, and every page is checked
+against its checksum before a row of it is returned (``tiers.pagecheck``: a bad page is
+read once more, then ``ChecksumError``), whichever engine read it. A version-1 table has
+nothing to check a page against: each read is the smallest 512-byte-aligned span covering
+that page's requested rows (a lone 264-byte row costs at most 1 KiB). Pages or spans are
 read into a page-aligned buffer, then rows are copied out.
 
 Engines: ``uring`` (the native io_uring helper, ``engram_offload.tiers.uring``, many
@@ -28,8 +31,9 @@ import torch
 from ..errors import TierError
 from ..table.format import PAGE_BYTES, SECTOR_BYTES, TableHeader
 from ..table.verify import BlockVerifier
-from ._buffers import aligned_empty, gather_at
+from ._buffers import ThreadBuffers, aligned_empty, gather_at
 from .base import Tier
+from .pagecheck import check_pages, plan_pages
 from .policy import DEFAULT_QUEUE_DEPTH, DEFAULT_RETRIES, failure_message, is_transient
 
 __all__ = ["DEFAULT_RINGS", "DirectTier", "ENGINES", "ThreadEngine", "UringEngine", "plan_spans"]
@@ -246,8 +250,10 @@ class DirectTier(Tier):
     Options: ``engine`` (``auto`` | ``uring`` | ``threads``), ``queue_depth`` (reads in
     flight: io_uring queue depth per ring, or thread count for ``threads``), ``rings`` (io_uring
     rings shared by the caller threads), ``retries`` (per read), ``verify_reads`` (check
-    each block's checksum the first time a read touches it), ``pread`` (the
-    ``os.preadv``-like function of the threads engine; a fault-injection hook).
+    each block's checksum the first time a read touches it), ``verify_pages`` (check every
+    page read against its checksum, version-2 tables; on by default, off only to measure
+    what the check costs), ``pread`` (the ``os.preadv``-like function of the threads
+    engine; a fault-injection hook).
     """
 
     name = "direct"
@@ -260,10 +266,13 @@ class DirectTier(Tier):
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         retries: int = DEFAULT_RETRIES,
         verify_reads: bool = False,
+        verify_pages: bool = True,
         pread: Pread | None = None,
         rings: int = DEFAULT_RINGS,
     ) -> None:
         super().__init__(header)
+        self.whole_pages = header.page_sums is not None  # version 2: read pages whole
+        self.verify_pages = verify_pages and self.whole_pages
         if engine not in ENGINES:
             raise ValueError(f"unknown direct engine {engine!r}; choose one of: {', '.join(ENGINES)}")
         if queue_depth < 1:
@@ -287,7 +296,7 @@ class DirectTier(Tier):
         else:
             self._engine = ThreadEngine(self._fd, queue_depth, pread or os.preadv, retries)
         self.engine = engine
-        self._local = threading.local()
+        self._buffers = ThreadBuffers()
         self._verifier = BlockVerifier(header, self._read_block) if verify_reads else None
         self._block_buf: np.ndarray | None = None
         try:  # some file systems accept O_DIRECT at open and refuse it at read
@@ -314,13 +323,6 @@ class DirectTier(Tier):
             batch = f" (one of a batch of {len(offsets)} reads)" if len(offsets) > 1 else ""
             raise TierError(f"{self.header.path}: {exc.strerror or exc}{batch}") from exc
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = aligned_empty(max(nbytes, 2 * (buf.nbytes if buf is not None else 0), 1 << 20))
-            self._local.buf = buf
-        return buf
-
     def _read_block(self, block: int) -> memoryview:
         start, end = self.layout.block_range(block)
         if self._block_buf is None:
@@ -335,19 +337,39 @@ class DirectTier(Tier):
         offsets = layout.row_offsets(ids)
         if self._verifier is not None:
             self._verifier.ensure(offsets)
+        if self.whole_pages:
+            self._read_pages(offsets, out)
+            return
         starts, lengths, dests, total, positions = plan_spans(
             offsets, layout.row_bytes, layout.page_bytes, layout.data_offset
         )
-        buf = self._buffer(total)
+        buf = self._buffers.get(total)
         self._read_spans(starts, lengths, buf, dests)
         gather_at(torch.from_numpy(buf[:total]), positions, out)
         self._count(reads=len(starts), bytes_read=int(lengths.sum()))
+
+    def _read_pages(self, offsets: np.ndarray, out: torch.Tensor) -> None:
+        """Whole pages, each checked against its checksum (``verify_pages``) before use."""
+        plan = plan_pages(offsets, self.layout)
+        page = self.layout.page_bytes
+        buf = self._buffers.get(plan.nbytes)
+        self._read_spans(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
+        self._count(reads=len(plan.starts), bytes_read=plan.nbytes)
+        if self.verify_pages:
+            def reread(bad: np.ndarray) -> None:
+                self._count(reads=len(bad), bytes_read=len(bad) * page, page_rereads=len(bad))
+                self._read_spans(plan.starts[bad], np.full(len(bad), page, np.int64), buf, plan.dests[bad])
+
+            self._count(pages_checked=len(plan.pages))
+            check_pages(self.header, plan, buf, reread)
+        gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
     def stats(self) -> dict:
         verified = self._verifier.blocks_verified if self._verifier else 0
         stats = super().stats()
         stats["retries"] += self._engine.retried
-        return {**stats, "engine": self.engine, "queue_depth": self.queue_depth, "blocks_verified": verified}
+        return {**stats, "engine": self.engine, "queue_depth": self.queue_depth, "blocks_verified": verified,
+                "verify_pages": self.verify_pages}
 
     def _release(self) -> None:
         engine = getattr(self, "_engine", None)

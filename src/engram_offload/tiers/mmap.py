@@ -1,16 +1,22 @@
 """``mmap`` tier: the file memory-mapped, rows served by the page cache (the baseline).
 
 Reads fault in 4 KiB pages on demand (MADV_RANDOM turns readahead off; ``stats()``
-reports whether the kernel took the advice). With ``verify_reads`` each block is
-checked against its checksum the first time a read touches it.
+reports whether the kernel took the advice). A table with page checksums (format
+version 2) has every page holding a requested row copied out whole and checked against
+its checksum (``verify_pages``, on by default; a bad page is read once more with ``pread``,
+then ``ChecksumError``). With ``verify_reads`` each block is also checked against its
+block checksum the first time a read touches it.
 
 Two hazards of a mapping are kept away from readers: ``close`` waits for reads in flight
-before unmapping (``Tier.close``), and each read first checks (``fstat``, about a
-microsecond) that the file still has its full size and its modification time, so a table
-truncated under an open store gives a ``TierError`` instead of a SIGBUS, and one rewritten
-in place gives a ``TierError`` instead of a mix of old and new rows. A change racing a read
-that already passed the check is not covered: replace table files by renaming a new file
-over them (as ``make-table`` and ``convert`` do), never by rewriting them in place.
+before unmapping (``Tier.close``), and every copy out of the mapping is guarded: the
+native helper (``tiers/_safecopy.c``) catches the SIGBUS of a page past the end of a
+file truncated under the store, even mid-copy, and the tier raises ``TierError``; without
+the helper the tier reads with ``pread`` instead of touching the mapping (a short read is
+the same ``TierError``). Before each read an ``fstat`` (about a microsecond) also checks
+the size and the modification time, so a table rewritten in place gives a ``TierError``
+instead of a mix of old and new rows (a rewrite racing a read that already passed the
+check is not covered: replace table files by renaming a new file over them, as
+``make-table`` and ``convert`` do).
 """
 
 from __future__ import annotations
@@ -21,21 +27,33 @@ import os
 import numpy as np
 import torch
 
+from .._native import native_disabled
 from ..errors import TierError
 from ..table.format import TableHeader
 from ..table.verify import BlockVerifier
-from ._buffers import gather_at, madvise_quietly
+from ._buffers import ThreadBuffers, gather_at, madvise_quietly
 from .base import Tier
+from .pagecheck import check_pages, plan_pages
 
-__all__ = ["MmapTier"]
+__all__ = ["MmapTier", "guarded_copy_available"]
+
+try:
+    from . import _safecopy  # type: ignore[attr-defined]
+except ImportError:  # not built: reads go through pread
+    _safecopy = None
+
+
+def guarded_copy_available() -> bool:
+    """Whether copies out of the mapping are SIGBUS-guarded natively (else ``pread`` is used)."""
+    return _safecopy is not None and not native_disabled()
 
 
 class MmapTier(Tier):
     name = "mmap"
 
-    def __init__(self, header: TableHeader, *, verify_reads: bool = False) -> None:
+    def __init__(self, header: TableHeader, *, verify_reads: bool = False, verify_pages: bool = True) -> None:
         super().__init__(header)
-        self._fd = os.open(header.path, os.O_RDONLY)  # kept for the size check of every read
+        self._fd = os.open(header.path, os.O_RDONLY)  # kept for the size check and the pread path
         try:
             # Private mapping: writable as far as Python knows (torch wants that), never written.
             self._mm = mmap.mmap(self._fd, header.layout.file_bytes, access=mmap.ACCESS_COPY)
@@ -46,6 +64,8 @@ class MmapTier(Tier):
         self.random_advice = madvise_quietly(self._mm, "MADV_RANDOM")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # [file_bytes]
         self._verifier = BlockVerifier(header, self._block) if verify_reads else None
+        self.verify_pages = verify_pages and header.page_sums is not None
+        self._staging = ThreadBuffers()
 
     def _check_unchanged(self) -> None:
         st = os.fstat(self._fd)
@@ -55,26 +75,65 @@ class MmapTier(Tier):
             what = "was modified (its mtime changed)"
         else:
             return
-        raise TierError(
+        raise self._changed(what)
+
+    def _changed(self, what: str) -> TierError:
+        return TierError(
             f"{self.header.path} {what} while open: it was truncated or rewritten in place; "
             "close the store and reopen the table once it is whole (verify it first)"
         )
 
+    def _copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray) -> None:
+        """Copy file byte ranges into ``dest`` (uint8) at ``dests``; ``TierError``, never a
+        signal, when the file shrank under the mapping."""
+        if guarded_copy_available():
+            if _safecopy.copy_spans(self._bytes.data_ptr(), self.layout.file_bytes, offsets, lengths, dest, dests):
+                raise self._changed("shrank during a read (SIGBUS caught)")
+            return
+        view = memoryview(dest).cast("B")  # bytes, whatever dest's shape
+        for off, length, d in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
+            if os.preadv(self._fd, [view[d: d + length]], off) != length:
+                raise self._changed("ended early during a read")
+
     def _block(self, block: int) -> bytes:
         start, end = self.layout.block_range(block)
-        return self._mm[start:end]
+        buf = np.empty(end - start, np.uint8)
+        self._copy(np.array([start], np.int64), np.array([end - start], np.int64), buf, np.zeros(1, np.int64))
+        return buf.tobytes()
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
         offsets = self.layout.row_offsets(ids)
         if self._verifier is not None:
             self._verifier.ensure(offsets)
-        gather_at(self._bytes, offsets, out)
-        self._count(reads=len(ids), bytes_read=len(ids) * self.row_bytes)
+        if not self.verify_pages:
+            rb = self.row_bytes
+            dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
+            self._copy(offsets, np.full(len(ids), rb, np.int64), dest, np.arange(len(ids), dtype=np.int64) * rb)
+            if not out.is_contiguous():
+                out.copy_(torch.from_numpy(dest))
+            self._count(reads=len(ids), bytes_read=len(ids) * rb)
+            return
+        plan = plan_pages(offsets, self.layout)
+        page = self.layout.page_bytes
+        buf = self._staging.get(plan.nbytes)
+        self._copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
+
+        def reread(bad: np.ndarray) -> None:  # from the file, not the mapping
+            self._count(page_rereads=len(bad))
+            view = memoryview(buf)
+            for start, d in zip(plan.starts[bad].tolist(), plan.dests[bad].tolist()):
+                if os.preadv(self._fd, [view[d: d + page]], start) != page:
+                    raise self._changed("ended early during a read")
+
+        self._count(reads=len(ids), bytes_read=plan.nbytes, pages_checked=len(plan.pages))
+        check_pages(self.header, plan, buf, reread)
+        gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
     def stats(self) -> dict:
         verified = self._verifier.blocks_verified if self._verifier else 0
-        return {**super().stats(), "madv_random": self.random_advice, "blocks_verified": verified}
+        return {**super().stats(), "madv_random": self.random_advice, "blocks_verified": verified,
+                "verify_pages": self.verify_pages, "guarded_copy": guarded_copy_available()}
 
     def _release(self) -> None:
         self._bytes = None  # type: ignore[assignment]

@@ -23,7 +23,7 @@ __all__ = ["PinnedTier"]
 class PinnedTier(MemoryTier):
     name = "pinned"
 
-    def __init__(self, header: TableHeader, *, verify_reads: bool = False, progress: bool | None = None,
+    def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
                  check_memory: bool = True) -> None:
         super().__init__(header, verify_reads=verify_reads, progress=progress, check_memory=check_memory)
         self.pinned = torch.cuda.is_available()

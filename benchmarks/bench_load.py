@@ -1,0 +1,189 @@
+"""Loading a table into DRAM beside fio's sequential read of the same file, and what
+checking every page costs a random-read tier.
+
+Side by side in one run, repeated (default 3x), medians reported:
+
+* fio, 1 MiB sequential O_DIRECT reads of the whole table file, at queue depth 1 (psync)
+  and 8 (io_uring): the disk's sequential rate;
+* the ``memory`` tier opening the table (format version 2): load bytes/s with every page
+  checked (the default), and without checks (``verify_reads=False``); the ``pinned`` tier
+  too where CUDA is present (without it, it is the memory tier);
+* the cost of page checks on random reads: ``direct`` (cold, the tier's defaults) with
+  ``verify_pages`` on and off, CPU microseconds per 4 KiB page read (the difference is
+  within the noise of a shared machine); the check of a batch of 1024 random pages already
+  in memory (``check_pages``: checksums, lookup, compare), per page; and the checksum loop
+  alone (``page_sums``) over 64 MiB.
+
+A version-1 table is upgraded into a COPY under ``--work-dir`` (the original is only read).
+The machine may be shared: the JSON records its load average before and after.
+
+    nice python benchmarks/bench_load.py --table T.table --out benchmarks/results/load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engram_offload.bench.cold import evict_file_pages
+from engram_offload.bench.tier_bench import run_tier_bench
+from engram_offload.machine import machine_facts
+from engram_offload.table import read_header
+from engram_offload.table.pagesum import native_available, page_sums
+from engram_offload.table.upgrade import upgrade_table
+from engram_offload.tiers import open_tier
+from engram_offload.tiers.pagecheck import check_pages, plan_pages
+
+
+def v2_copy(table: Path, work_dir: Path) -> Path:
+    """``table`` itself when it has page checksums, else an upgraded copy in ``work_dir`` (reused)."""
+    header = read_header(table)
+    if header.page_sums is not None:
+        return table
+    copy = work_dir / f"{table.stem}.v2{table.suffix}"
+    if copy.exists() and read_header(copy).page_sums is not None and copy.stat().st_mtime >= table.stat().st_mtime:
+        return copy
+    print(f"copying {table} to {copy} and upgrading the copy to format version 2", flush=True)
+    shutil.copyfile(table, copy)
+    upgrade_table(copy, progress=False)
+    return copy
+
+
+def run_fio(path: Path, iodepth: int) -> dict[str, float]:
+    engine = "psync" if iodepth == 1 else "io_uring"
+    cmd = ["fio", "--name=seq", f"--filename={path}", "--rw=read", "--bs=1M", "--direct=1",
+           f"--ioengine={engine}", f"--iodepth={iodepth}", "--output-format=json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    return {"bytes_per_s": job["bw_bytes"], "seconds": job["runtime"] / 1000.0}
+
+
+def load(path: Path, tier: str, verify: bool | None) -> dict[str, float]:
+    evict_file_pages(path)
+    cpu = time.process_time()
+    with open_tier(tier, read_header(path), verify_reads=verify, progress=False) as t:
+        stats = t.stats()
+    cpu = time.process_time() - cpu
+    return {"bytes_per_s": stats["load_bytes"] / stats["load_seconds"], "seconds": stats["load_seconds"],
+            "cpu_seconds": cpu}
+
+
+def page_check_cost(path: Path, seconds: float, on_first: bool) -> dict[str, float]:
+    """Cold ``direct`` random reads with page checks on and off: CPU us per page read."""
+    runs = {}
+    for on in (on_first, not on_first):
+        r = run_tier_bench(path, "direct", seconds=seconds, cold=True, verify_pages=on)
+        runs["on" if on else "off"] = {"cpu_us_per_read": r["cpu_us_per_read"], "reads_per_s": r["reads_per_s"]}
+    runs["check_us_per_page"] = runs["on"]["cpu_us_per_read"] - runs["off"]["cpu_us_per_read"]
+    return runs
+
+
+def batch_check_cost(path: Path, pages_per_batch: int = 1024) -> float:
+    """CPU us per page of ``check_pages`` (checksums, lookup, compare) on batches of random
+    pages already in memory: the check alone, without the noise of the I/O around it."""
+    header = read_header(path)
+    layout = header.layout
+    rng = np.random.default_rng(0)
+    pages = np.unique(rng.integers(0, layout.num_pages, pages_per_batch))
+    buf = np.empty(len(pages) * layout.page_bytes, np.uint8)
+    with open(path, "rb") as f:
+        for i, p in enumerate(pages.tolist()):
+            f.seek(layout.data_offset + p * layout.page_bytes)
+            f.readinto(memoryview(buf)[i * layout.page_bytes:(i + 1) * layout.page_bytes])
+    plan = plan_pages(layout.data_offset + pages * layout.page_bytes, layout)
+    best = float("inf")
+    for _ in range(20):
+        cpu = time.process_time()
+        for _ in range(10):
+            check_pages(header, plan, buf, lambda bad: None)
+        best = min(best, (time.process_time() - cpu) / 10)
+    return best / len(pages) * 1e6
+
+
+def checksum_loop_cost() -> float:
+    data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(5):
+        cpu = time.process_time()
+        page_sums(data, 4096)
+        best = min(best, time.process_time() - cpu)
+    return best / (len(data) // 4096) * 1e6
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", required=True, type=Path)
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp"), help="where an upgraded copy goes")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--check-seconds", type=float, default=5.0, help="seconds of each direct run")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/load.json"))
+    args = ap.parse_args(argv)
+    if shutil.which("fio") is None:
+        print("fio not found: apt-get install fio", file=sys.stderr)
+        return 2
+    facts = machine_facts(args.table)
+    path = v2_copy(args.table, args.work_dir)
+    tiers = [("memory", None), ("memory", False)] + ([("pinned", None)] if torch.cuda.is_available() else [])
+    raw: dict[str, list[dict[str, float]]] = {"fio_qd1": [], "fio_qd8": []}
+    raw.update({f"{tier}{'' if verify is None else '_unverified'}": [] for tier, verify in tiers})
+    checks = []
+    for rep in range(args.repeats):
+        for depth in (1, 8):
+            r = run_fio(path, depth)
+            raw[f"fio_qd{depth}"].append(r)
+            print(f"[{rep}] fio seq 1 MiB qd{depth}: {r['bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
+        for tier, verify in tiers:
+            name = f"{tier}{'' if verify is None else '_unverified'}"
+            r = load(path, tier, verify)
+            raw[name].append(r)
+            print(f"[{rep}] {name} load: {r['bytes_per_s'] / 1e9:.2f} GB/s, {r['cpu_seconds']:.2f} s CPU", flush=True)
+        c = page_check_cost(path, args.check_seconds, on_first=rep % 2 == 0)
+        checks.append(c)
+        print(f"[{rep}] direct cold: {c['on']['cpu_us_per_read']:.2f} us CPU/page checked, "
+              f"{c['off']['cpu_us_per_read']:.2f} unchecked", flush=True)
+    medians = {name: median_of(runs) for name, runs in raw.items()}
+    fio_best = max(medians["fio_qd1"]["bytes_per_s"], medians["fio_qd8"]["bytes_per_s"])
+    result: dict[str, Any] = {
+        "machine": facts,
+        "loadavg_after": os.getloadavg(),
+        "shared_machine": True,
+        "table": str(args.table),
+        "table_read": str(path),
+        "data_bytes": read_header(path).layout.data_bytes,
+        "repeats": args.repeats,
+        "native_page_sums": native_available(),
+        "medians": medians,
+        "load_vs_fio": {name: medians[name]["bytes_per_s"] / fio_best for name in medians if not name.startswith("fio")},
+        "page_checks": {
+            "checksum_loop_us_per_page": checksum_loop_cost(),
+            "batch_check_us_per_page": batch_check_cost(path),
+            "direct_cold_check_us_per_page": statistics.median(c["check_us_per_page"] for c in checks),
+            "direct_cold_cpu_us_per_page_on": statistics.median(c["on"]["cpu_us_per_read"] for c in checks),
+            "direct_cold_cpu_us_per_page_off": statistics.median(c["off"]["cpu_us_per_read"] for c in checks),
+        },
+        "raw": {"runs": raw, "page_checks": checks},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"load_vs_fio": result["load_vs_fio"], "page_checks": result["page_checks"]}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
