@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -60,6 +61,11 @@ def test_a_cold_run_evicts_the_table_only_unless_asked(tmp_path, capsys, monkeyp
         assert result["tier"] == tier and result["rows"] > 0 and result["rows_per_s"] > 0
         assert result["cold_method"] == ["posix_fadvise(DONTNEED)"]
         assert not drop.exists()  # the machine's page cache is left alone
+        table_bytes = result["table_bytes"]
+        if tier == "memory":  # the load at open, measured by the tier
+            assert 0 < result["load_bytes_per_s"] and table_bytes <= os.path.getsize(path)
+        else:
+            assert result["load_bytes_per_s"] is None
     assert bench_tier(["--table", path, "--tier", "memory", "--seconds", "0.1", "--cold", "--drop-all-caches",
                        "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -99,6 +99,12 @@ def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wa
     }
 
 
+def _load_rate(tier_stats: dict[str, Any]) -> float | None:
+    """Bytes per second of a resident tier's load at open (None for tiers that load nothing)."""
+    seconds = tier_stats.get("load_seconds")
+    return tier_stats["load_bytes"] / seconds if seconds else None
+
+
 def run_tier_bench(
     table: str | os.PathLike[str],
     tier: str,
@@ -147,6 +153,7 @@ def run_tier_bench(
         "queue_depth": queue_depth,
         "caller_threads": callers,
         "requests": after["store"]["fetches"] - before["store"]["fetches"],
+        "load_bytes_per_s": _load_rate(after["tier"]),
         **_figures(before["tier"], after["tier"], len(run.latencies) * batch, wall, cpu, run.latencies),
         "cache_bytes": cache_bytes,
         "policy": policy if cache_bytes else None,
