@@ -47,9 +47,9 @@ def test_an_unbounded_cache_hits_every_repeat(model, held_out_pieces):
 
 def test_skip_is_off_by_default_and_saves_reads_when_asked(model, held_out_pieces):
     assert ProbedEngramLayer.gate_scale is None
-    pieces = held_out_pieces[:12]
-    base = skip_eval(model, pieces, 0.0)
-    everything = skip_eval(model, pieces, 2.0)  # every gate is below 2: skip each position seen before
+    pieces = held_out_pieces[:24]
+    base = skip_eval(model, pieces, 0.0, batch=4)
+    everything = skip_eval(model, pieces, 2.0, batch=4)  # every gate is below 2: skip each position seen before
     assert base["reads_saved"] == 0
     assert 0 < everything["reads_saved"] < 1
     assert everything["perplexity"] != base["perplexity"]

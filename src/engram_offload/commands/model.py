@@ -7,7 +7,6 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 from ..units import non_negative_int, positive_int, size_arg
 from . import UsageError
@@ -124,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _held_out_pieces(args: argparse.Namespace, model: Any) -> list:
+def _held_out_pieces(args: argparse.Namespace) -> list:
     from ..model.corpus import corpus_files, split, token_sequences
     from ..model.evaluate import windows
     from ..tokenizer import load_tokenizer
@@ -156,7 +155,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if (args.table or args.cache) and not args.tier:
         raise UsageError("--table and --cache need --tier")
     model_dir, model = _load(args, table=args.tier is None)
-    pieces = _held_out_pieces(args, model)
+    pieces = _held_out_pieces(args)
     if args.no_engram:
         model.set_gate_scale(0.0)
     serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache) if args.tier \
@@ -181,7 +180,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from ..tokenizer import load_tokenizer
 
     model_dir, model = _load(args, table=True)
-    pieces = _held_out_pieces(args, model)
+    pieces = _held_out_pieces(args)
     result = scan(model, pieces)
     read = result.read_rows
     counts, gates = result.counts[read], result.mean_gates[read]
@@ -220,7 +219,7 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
     from ..model.scan import scan
 
     model_dir, model = _load(args, table=True)
-    result = scan(model, _held_out_pieces(args, model))
+    result = scan(model, _held_out_pieces(args))
     c = model.config
     step_reads = 16 * len(c.layer_ids) * c.cols_per_layer  # one position of a 16-window batch
     rows = compare_policies(result.trace_ids, result.trace_gates, c.num_rows, step_reads,
@@ -247,7 +246,7 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--thresholds must be comma-separated numbers, got {args.thresholds!r}") from None
     model_dir, model = _load(args, table=True)
-    curve = skip_curve(model, _held_out_pieces(args, model), thresholds)
+    curve = skip_curve(model, _held_out_pieces(args), thresholds)
     record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
