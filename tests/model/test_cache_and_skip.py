@@ -53,4 +53,6 @@ def test_skip_is_off_by_default_and_saves_reads_when_asked(model, held_out_piece
     assert base["reads_saved"] == 0
     assert 0 < everything["reads_saved"] < 1
     assert everything["perplexity"] != base["perplexity"]
+    random = skip_eval(model, pieces, 0.0, batch=4, random_rate=0.5)
+    assert 0.4 < random["reads_saved"] < 0.6 and random["perplexity"] > base["perplexity"]
     assert all(e.gate_scale is None for e in model.engram_layers().values())

@@ -23,11 +23,16 @@ def test_every_read_is_counted_with_its_gate(model, held_out_pieces, scanned):
     assert np.array_equal(np.bincount(scanned.trace_ids, minlength=c.num_rows), scanned.counts)
     gates = scanned.mean_gates[scanned.read_rows]
     assert ((gates > 0) & (gates < 1)).all()
+    share = scanned.example_share[scanned.read_rows]
+    assert ((share > 0) & (share <= 1)).all()
+    distinct = scanned.distinct_ngrams[scanned.read_rows]
+    assert (distinct >= 1).all() and (distinct <= scanned.counts[scanned.read_rows]).all()
+    assert np.allclose(share[distinct == 1], 1.0)
 
 
 def test_each_example_ngram_hashes_to_its_row(model, scanned):
-    """A row's example is the order's last n tokens (fewer at a window's start, where the hash
-    reads the pad id): hashing them alone gives the row back."""
+    """A row's example (its most read n-gram) is the order's last n tokens (fewer at a window's
+    start, where the hash reads the pad id): hashing them alone gives the row back."""
     rows = scanned.read_rows[:: max(1, scanned.read_rows.size // 200)]
     assert rows.size > 50
     for row in rows:

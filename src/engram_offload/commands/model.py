@@ -80,8 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and report reads saved against perplexity for each threshold.",
     )
     _add_eval_arguments(sk)
-    sk.add_argument("--thresholds", default="0.05,0.1,0.15,0.2,0.25,0.3,0.35,0.4,0.5",
-                    help="comma-separated gate thresholds (default 0.05..0.5)")
+    sk.add_argument("--thresholds", default="0.2,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
+                    help="comma-separated gate thresholds (default 0.2..0.95)")
     sk.add_argument("--json-out", help="write the curve as JSON here")
     sk.add_argument("--plot", help="PNG of reads saved vs perplexity")
     sk.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -191,6 +191,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
         "spearman_gate_vs_reads": rank_correlation(gates, counts),
         f"spearman_gate_vs_reads_min{args.min_reads}": rank_correlation(gates[steady], counts[steady]),
         "mean_gate": float(result.gate_sums.sum() / max(1, result.counts.sum())),
+        "rows_serving_one_ngram": float((result.distinct_ngrams[read] == 1).mean()),
         "top": top_rows(model, result, load_tokenizer(), args.top, args.min_reads),
     }
     if args.json_out:
@@ -202,13 +203,14 @@ def cmd_scan(args: argparse.Namespace) -> int:
         return 0
     print(f"{summary['tokens']:,} tokens, {summary['reads']:,} reads of {summary['rows_read']:,} rows "
           f"(of {summary['table_rows']:,}); mean gate {summary['mean_gate']:.3f}")
+    print(f"{summary['rows_serving_one_ngram']:.1%} of the rows read served a single n-gram (the rest collide)")
     print(f"Spearman(mean gate, reads) = {summary['spearman_gate_vs_reads']:+.3f} over every row read; "
           f"{summary[f'spearman_gate_vs_reads_min{args.min_reads}']:+.3f} over rows read >= {args.min_reads} times")
     for name, rows in summary["top"].items():
         print(f"\ntop n-grams {name.replace('_', ' ')}:")
         for r in rows:
             print(f"  L{r['layer']} n={r['order']} h{r['head']}  gate {r['mean_gate']:.3f}  reads {r['reads']:>6,}  "
-                  f"{r['ngram']!r}")
+                  f"{r['ngram']!r} ({r['ngram_share']:.0%} of the row's reads)")
     return 0
 
 
@@ -246,12 +248,13 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--thresholds must be comma-separated numbers, got {args.thresholds!r}") from None
     model_dir, model = _load(args, table=True)
-    curve = skip_curve(model, _held_out_pieces(args), thresholds)
-    record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve}
+    curve, baseline = skip_curve(model, _held_out_pieces(args), thresholds)
+    record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve,
+              "random_baseline": baseline}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
     if args.plot:
-        _plot_skip(curve, args.plot)
+        _plot_skip(curve, baseline, args.plot)
     if args.json:
         print(json.dumps(record))
         return 0
@@ -261,17 +264,23 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     for r in curve:
         print(f"{r['threshold']:>9.2f} {r['reads_saved']:>12.1%} {r['perplexity']:>11.3f} "
               f"{r['perplexity'] / base - 1:>+8.2%}")
+    for r in baseline:
+        print(f"{'random':>9} {r['reads_saved']:>12.1%} {r['perplexity']:>11.3f} {r['perplexity'] / base - 1:>+8.2%}")
     return 0
 
 
-def _plot_skip(curve: list[dict], path: str) -> None:
+def _plot_skip(curve: list[dict], baseline: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["reads_saved"] * 100 for r in curve], [r["perplexity"] for r in curve], "o-")
+    ax.plot([r["reads_saved"] * 100 for r in curve], [r["perplexity"] for r in curve], "o-",
+            label="predictor (remembered gates)")
+    ax.plot([0] + [r["reads_saved"] * 100 for r in baseline], [curve[0]["perplexity"]] + [r["perplexity"] for r in baseline],
+            "s--", label="random skips")
+    ax.legend()
     for r in curve:
         ax.annotate(f"{r['threshold']:g}", (r["reads_saved"] * 100, r["perplexity"]), fontsize=7)
     ax.set_xlabel("Engram reads skipped (%)")

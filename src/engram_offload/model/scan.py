@@ -2,8 +2,9 @@
 
 A V4.1 gate is per position and hyper-connection branch; every row read at a position (one
 per order and head) is credited with that position's gate, averaged over the branches. Per
-row of the table: how often it was read, the sum of its gates, and the first n-gram seen
-hashing to it (a row may hold several n-grams: the hash collides). The reads are also kept
+row of the table: how often it was read, the sum of its gates, its most read n-gram with
+that n-gram's share of the row's reads, and how many distinct n-grams it served (the hash
+collides: a row may hold several). The reads are also kept
 in serving order (the batch's windows side by side, one position at a time), for the cache
 simulation.
 """
@@ -28,7 +29,9 @@ class ScanResult:
     config_rows: int
     counts: np.ndarray  # int64 [rows]: reads per table row (flat ids, layers back to back)
     gate_sums: np.ndarray  # float64 [rows]
-    examples: np.ndarray  # int64 [rows, N]: first n-gram's DeepSeek ids, oldest first; -1 = none
+    examples: np.ndarray  # int64 [rows, N]: the row's most read n-gram, DeepSeek ids oldest first; -1 = none
+    example_share: np.ndarray  # float64 [rows]: that n-gram's share of the row's reads
+    distinct_ngrams: np.ndarray  # int64 [rows]: distinct n-grams read from the row (hash collisions)
     trace_ids: np.ndarray  # int64 [reads]: flat row ids in serving order
     trace_gates: np.ndarray  # float32 [reads]
     evaluation: EvalResult
@@ -54,6 +57,7 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
     order_of_col = np.repeat(np.arange(c.num_orders), c.n_heads) + 2  # [C]: the n of each column
     trace_ids: list[np.ndarray] = []
     trace_gates: list[np.ndarray] = []
+    pairs: list[np.ndarray] = []  # [reads, 1 + n]: row id, then the n-gram read
 
     def on_batch(inputs: torch.Tensor, row_ids: torch.Tensor, logits: torch.Tensor) -> None:
         b, t = inputs.shape
@@ -65,22 +69,26 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
         gate_sums[:] += np.bincount(flat.reshape(-1), weights=per_read.reshape(-1).astype(np.float64), minlength=rows)
         trace_ids.append(flat.transpose(1, 0, 2, 3).reshape(-1))  # position-major: serving order
         trace_gates.append(per_read.transpose(1, 0, 2, 3).reshape(-1).astype(np.float32))
-        # the first n-gram seen at each new row: tokens t-n+1..t of its window (-1 before the start)
+        # every read's n-gram: the order's last n tokens of its position, oldest first (-1 before them)
         ids = inputs.numpy()
         padded = np.concatenate([np.full((b, n - 1), -1, np.int64), ids], axis=1)  # [B, T+n-1]
-        grams = np.stack([padded[:, k: k + t] for k in range(n)], axis=-1)  # [B, T, n], oldest first
-        fresh_rows, first = np.unique(flat.reshape(-1), return_index=True)
-        new = examples[fresh_rows, -1] == -1
-        fresh_rows, first = fresh_rows[new], first[new]
-        pos = first // (flat.shape[2] * cols)  # index into [B*T]
-        col = first % cols
-        gram = grams.reshape(b * t, n)[pos]  # [k, n]
-        keep = np.arange(n)[None] >= (n - order_of_col[col])[:, None]  # only the order's tokens
-        examples[fresh_rows] = np.where(keep, gram, -1)
+        grams = np.stack([padded[:, k: k + t] for k in range(n)], axis=-1)  # [B, T, n]
+        keep = np.arange(n)[None] >= (n - order_of_col)[:, None]  # [C, n]: the column's order's tokens
+        per_col = np.where(keep, grams[:, :, None, None, :], -1)  # [B, T, 1, C, n]
+        per_col = np.broadcast_to(per_col, (*flat.shape, n))
+        pairs.append(np.concatenate([flat[..., None], per_col], axis=-1).reshape(-1, n + 1))
 
     result = evaluate(model, pieces, rows_for, batch=batch, on_batch=on_batch)
-    return ScanResult(rows, counts, gate_sums, examples, np.concatenate(trace_ids), np.concatenate(trace_gates),
-                      result)
+    share = np.zeros(rows, np.float64)
+    distinct = np.zeros(rows, np.int64)
+    unique, reads = np.unique(np.concatenate(pairs), axis=0, return_counts=True)  # sorted by row
+    best = np.lexsort((-reads, unique[:, 0]))  # per row, its most read n-gram first
+    first = best[np.r_[True, unique[best[1:], 0] != unique[best[:-1], 0]]]
+    examples[unique[first, 0]] = unique[first, 1:]
+    share[unique[first, 0]] = reads[first] / counts[unique[first, 0]]
+    np.add.at(distinct, unique[:, 0], 1)
+    return ScanResult(rows, counts, gate_sums, examples, share, distinct, np.concatenate(trace_ids),
+                      np.concatenate(trace_gates), result)
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -117,6 +125,7 @@ def _describe_row(model: EngramLM, row: int, result: ScanResult, tokenizer: Any)
         "row": int(row), "layer": layer, "order": column // c.n_heads + 2, "head": column % c.n_heads,
         "reads": int(result.counts[row]), "mean_gate": float(result.mean_gates[row]),
         "gate_mass": float(result.gate_sums[row]), "ngram_tokens": tokens,
+        "ngram_share": float(result.example_share[row]), "distinct_ngrams": int(result.distinct_ngrams[row]),
         "ngram": tokenizer.decode(tokens, skip_special_tokens=False) if tokens else "",
     }
 

@@ -23,8 +23,13 @@ __all__ = ["skip_eval", "skip_curve"]
 
 
 def skip_eval(model: EngramLM, pieces: list[np.ndarray], threshold: float, rows_for: RowsFor | None = None,
-              batch: int = 16) -> dict[str, float]:
-    """Perplexity with reads skipped below ``threshold`` (None or <= 0: nothing skipped)."""
+              batch: int = 16, random_rate: float | None = None, seed: int = 0) -> dict[str, float]:
+    """Perplexity with reads skipped below ``threshold`` (<= 0: nothing skipped).
+
+    ``random_rate`` replaces the predictor by a baseline: each (position, layer) skipped with
+    that probability (seeded), whatever its gate.
+    """
+    rng = np.random.default_rng(seed)
     c = model.config
     remembered = np.full(c.num_rows, np.nan, np.float32)  # last gate each row was read under
     bases = np.array(c.layer_row_bases, np.int64)
@@ -36,6 +41,8 @@ def skip_eval(model: EngramLM, pieces: list[np.ndarray], threshold: float, rows_
         seen = ~np.isnan(known).any(-1)  # [B, T, L]
         predicted = np.where(seen, np.nan_to_num(known).mean(-1), np.inf)
         skip = predicted < threshold  # [B, T, L]
+        if random_rate is not None:
+            skip = rng.random(skip.shape) < random_rate
         state["skipped"] += int(skip.sum()) * flat.shape[-1]
         state["reads"] += flat.size
         state["masks"] = (flat, skip)
@@ -53,11 +60,15 @@ def skip_eval(model: EngramLM, pieces: list[np.ndarray], threshold: float, rows_
         result = evaluate(model, pieces, rows_for, batch=batch, before_batch=before, on_batch=after)
     finally:
         model.set_gate_scale(None)
-    return {"threshold": threshold, "reads_saved": state["skipped"] / max(1, state["reads"]),
+    return {"threshold": threshold, "random_rate": random_rate, "reads_saved": state["skipped"] / max(1, state["reads"]),
             "perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens}
 
 
 def skip_curve(model: EngramLM, pieces: list[np.ndarray], thresholds: list[float],
-               rows_for: RowsFor | None = None) -> list[dict[str, float]]:
-    """``skip_eval`` at each threshold (0 first: the baseline with every read done)."""
-    return [skip_eval(model, pieces, t, rows_for) for t in [0.0, *thresholds]]
+               rows_for: RowsFor | None = None) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``skip_eval`` at each threshold (0 first: every read done), and the random baseline
+    skipping as many reads as each threshold did."""
+    curve = [skip_eval(model, pieces, t, rows_for) for t in [0.0, *thresholds]]
+    baseline = [skip_eval(model, pieces, 0.0, rows_for, random_rate=r["reads_saved"]) for r in curve[1:]
+                if r["reads_saved"] > 0]
+    return curve, baseline
