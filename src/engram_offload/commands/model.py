@@ -165,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         stats = store.stats() if store is not None else None
     record = {**result.to_dict(), "model": str(model_dir), "tier": args.tier or "checkpoint",
               "engram": not args.no_engram, "windows": len(pieces), "seq_len": args.seq_len}
-    if stats is not None:
+    if stats is not None and args.cache:
         record["cache_hit_rate"] = stats["store"]["hit_rate"]
     if args.json:
         print(json.dumps(record))
