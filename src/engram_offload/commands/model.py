@@ -1,0 +1,292 @@
+"""``train``, ``eval``, ``scan``: the small trained Engram model (``model/``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..units import non_negative_int, positive_int, size_arg
+from . import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    tr = sub.add_parser(
+        "train", help="train the small Engram language model on the CPU",
+        description="Train a small EngramLM (V4.1 Engram layers with hyper-connection branches) on "
+        "CPython's standard library (and Python's docs, when installed), seeded, and save it in the "
+        "released DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
+    )
+    tr.add_argument("--out", required=True, help="folder to write the checkpoint into")
+    tr.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same bytes)")
+    tr.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 300)")
+    tr.add_argument("--batch", type=positive_int, default=None, help="windows per step (default 16)")
+    tr.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default 128)")
+    tr.add_argument("--max-train-tokens", type=positive_int, default=None,
+                    help="tokenize at most this many training tokens (default 1,000,000)")
+    tr.add_argument("--corpus", action="append", help="a folder of .py/.txt/.rst files (repeatable; "
+                    "default: the standard library and, if installed, python3.11-doc)")
+    tr.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: reproducible)")
+    tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser(
+        "eval", help="held-out perplexity of the trained model, from any tier",
+        description="Perplexity of the model on the held-out files of a corpus, with Engram rows from "
+        "the checkpoint or served from a tier; --no-engram forces every gate to 0.",
+    )
+    _add_eval_arguments(ev)
+    ev.add_argument("--tier", choices=("memory", "mmap", "direct"),
+                    help="serve the rows from this tier (the table is converted from the checkpoint "
+                    "unless --table is given); default: the checkpoint's own rows")
+    ev.add_argument("--table", help="an already converted table file of the model (with --tier)")
+    ev.add_argument("--cache", type=size_arg, default=0, help="DRAM row cache in front of the tier, e.g. 1MiB")
+    ev.add_argument("--no-engram", action="store_true", help="zero the Engram contribution (gate forced to 0)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(func=cmd_eval)
+
+    sc = sub.add_parser(
+        "scan", help="which n-grams the trained model's gates open for",
+        description="Every (layer, order, head) row read on the held-out text with its gate: the top "
+        "n-grams by mean gate, by read count and by gate x count, and the rank correlation of gate "
+        "and read frequency.",
+    )
+    _add_eval_arguments(sc)
+    sc.add_argument("--top", type=positive_int, default=15, help="n-grams per list (default 15)")
+    sc.add_argument("--min-reads", type=positive_int, default=3,
+                    help="rows read fewer times are left out of the mean-gate list (default 3)")
+    sc.add_argument("--json-out", help="write the full result as JSON here")
+    sc.add_argument("--plot", help="scatter PNG of mean gate vs read count per row")
+    sc.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sc.set_defaults(func=cmd_scan)
+
+    cs = sub.add_parser(
+        "cache-sim", help="replay the model's held-out reads through LRU, LFU-aging and gate-aware caches",
+        description="Scan the held-out text, then replay its reads (with their gates) through row caches "
+        "of 1/5/10/20%% of the table under each policy: hit rate and share of the gate mass served.",
+    )
+    _add_eval_arguments(cs)
+    cs.add_argument("--json-out", help="write the table as JSON here")
+    cs.add_argument("--json", action="store_true", help="print JSON instead of text")
+    cs.set_defaults(func=cmd_cache_sim)
+
+    sk = sub.add_parser(
+        "skip-curve", help="EXPERIMENTAL read-skip predictor: reads saved vs perplexity",
+        description="Measure the experimental read-skip predictor (never on by default): skip an Engram "
+        "layer's reads where the rows' remembered gates predict a weak gate, zero that contribution, "
+        "and report reads saved against perplexity for each threshold.",
+    )
+    _add_eval_arguments(sk)
+    sk.add_argument("--thresholds", default="0.2,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
+                    help="comma-separated gate thresholds (default 0.2..0.95)")
+    sk.add_argument("--json-out", help="write the curve as JSON here")
+    sk.add_argument("--plot", help="PNG of reads saved vs perplexity")
+    sk.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sk.set_defaults(func=cmd_skip_curve)
+
+
+def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder (default: the model shipped in the package)")
+    p.add_argument("--corpus", action="append",
+                   help="a folder of .py/.txt/.rst files (repeatable; default: the standard library "
+                   "and, if installed, python3.11-doc)")
+    p.add_argument("--all-files", action="store_true", help="every file of the corpus, not only the held-out ones")
+    p.add_argument("--max-tokens", type=non_negative_int, default=100_000,
+                   help="tokens of text to read (default 100,000; 0 = all)")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window (default 128)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..model.train import TrainSettings, plot_losses, train
+
+    torch.set_num_threads(args.threads)
+    s = TrainSettings(seed=args.seed, corpus=args.corpus)
+    for name in ("steps", "batch", "seq_len", "max_train_tokens"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
+    result = train(s, args.out, progress=not args.no_progress, log=log)
+    out = Path(args.out)
+    plot = Path(args.plot) if args.plot else out.parent / f"{out.name}-loss.png"
+    plot_losses(result.history, plot)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    last = result.history[-1]
+    print(f"saved {out} ({size / 1e6:.1f} MB) after {s.steps} steps on {result.train_tokens:,} training "
+          f"tokens in {result.seconds:.0f} s; held-out loss {last.get('held_out_loss', float('nan')):.3f}; "
+          f"loss curve {plot}")
+    return 0
+
+
+def _held_out_pieces(args: argparse.Namespace) -> list:
+    from ..model.corpus import corpus_files, split, token_sequences
+    from ..model.evaluate import windows
+    from ..tokenizer import load_tokenizer
+
+    files = corpus_files(args.corpus)
+    if not args.all_files:
+        files = split(files)[1]
+        if not files:
+            raise UsageError("the corpus has no held-out file (one file in 20 is held out): "
+                             "give a larger corpus or pass --all-files")
+    sequences = token_sequences(files, load_tokenizer(), args.max_tokens or None, min_tokens=2)
+    return windows(sequences, args.seq_len)
+
+
+def _load(args: argparse.Namespace, table: bool):
+    import torch
+
+    from ..model.checkpoint_io import load_model, shipped_model_dir
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else shipped_model_dir()
+    return model_dir, load_model(model_dir, table=table)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..model.evaluate import evaluate, store_rows
+    from ..model.serving import served_table
+
+    if (args.table or args.cache) and not args.tier:
+        raise UsageError("--table and --cache need --tier")
+    model_dir, model = _load(args, table=args.tier is None)
+    pieces = _held_out_pieces(args)
+    if args.no_engram:
+        model.set_gate_scale(0.0)
+    serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache) if args.tier \
+        else nullcontext(None)
+    with serving as store:
+        result = evaluate(model, pieces, store_rows(store, model) if store is not None else None)
+        stats = store.stats() if store is not None else None
+    record = {**result.to_dict(), "model": str(model_dir), "tier": args.tier or "checkpoint",
+              "engram": not args.no_engram, "windows": len(pieces), "seq_len": args.seq_len}
+    if stats is not None and args.cache:
+        record["cache_hit_rate"] = stats["store"]["hit_rate"]
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{record['tokens']:,} tokens  perplexity {result.perplexity:.3f}  (nll {result.nll:.4f}; "
+              f"rows from {record['tier']}; Engram {'on' if record['engram'] else 'zeroed'})")
+    return 0
+
+
+def cmd_scan(args: argparse.Namespace) -> int:
+    from ..model.scan import plot_scan, rank_correlation, scan, top_rows
+    from ..tokenizer import load_tokenizer
+
+    model_dir, model = _load(args, table=True)
+    pieces = _held_out_pieces(args)
+    result = scan(model, pieces)
+    read = result.read_rows
+    counts, gates = result.counts[read], result.mean_gates[read]
+    steady = counts >= args.min_reads
+    summary = {
+        "model": str(model_dir), "tokens": result.evaluation.tokens, "reads": int(result.counts.sum()),
+        "rows_read": int(read.size), "table_rows": result.config_rows,
+        "spearman_gate_vs_reads": rank_correlation(gates, counts),
+        f"spearman_gate_vs_reads_min{args.min_reads}": rank_correlation(gates[steady], counts[steady]),
+        "mean_gate": float(result.gate_sums.sum() / max(1, result.counts.sum())),
+        "rows_serving_one_ngram": float((result.distinct_ngrams[read] == 1).mean()),
+        "top": top_rows(model, result, load_tokenizer(), args.top, args.min_reads),
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    if args.plot:
+        plot_scan(result, args.plot, summary["spearman_gate_vs_reads"])
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+        return 0
+    print(f"{summary['tokens']:,} tokens, {summary['reads']:,} reads of {summary['rows_read']:,} rows "
+          f"(of {summary['table_rows']:,}); mean gate {summary['mean_gate']:.3f}")
+    print(f"{summary['rows_serving_one_ngram']:.1%} of the rows read served a single n-gram (the rest collide)")
+    print(f"Spearman(mean gate, reads) = {summary['spearman_gate_vs_reads']:+.3f} over every row read; "
+          f"{summary[f'spearman_gate_vs_reads_min{args.min_reads}']:+.3f} over rows read >= {args.min_reads} times")
+    for name, rows in summary["top"].items():
+        print(f"\ntop n-grams {name.replace('_', ' ')}:")
+        for r in rows:
+            print(f"  L{r['layer']} n={r['order']} h{r['head']}  gate {r['mean_gate']:.3f}  reads {r['reads']:>6,}  "
+                  f"{r['ngram']!r} ({r['ngram_share']:.0%} of the row's reads)")
+    return 0
+
+
+def cmd_cache_sim(args: argparse.Namespace) -> int:
+    from ..cache.gate_policy import GateLFUPolicy
+    from ..cache.policy import LFUPolicy, LRUPolicy
+    from ..model.cache_sim import compare_policies
+    from ..model.scan import scan
+
+    model_dir, model = _load(args, table=True)
+    result = scan(model, _held_out_pieces(args))
+    c = model.config
+    step_reads = 16 * len(c.layer_ids) * c.cols_per_layer  # one position of a 16-window batch
+    rows = compare_policies(result.trace_ids, result.trace_gates, c.num_rows, step_reads,
+                            {"lru": LRUPolicy, "lfu-aging": LFUPolicy, "gate-lfu": GateLFUPolicy})
+    record = {"model": str(model_dir), "reads": int(result.trace_ids.size), "table_rows": c.num_rows,
+              "results": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"{record['reads']:,} reads of a {c.num_rows:,}-row table")
+    print(f"{'cache':>6} {'policy':>10} {'hit rate':>9} {'gate share':>11}")
+    for r in rows:
+        print(f"{r['fraction']:>6.0%} {r['policy']:>10} {r['hit_rate']:>9.4f} {r['gate_share']:>11.4f}")
+    return 0
+
+
+def cmd_skip_curve(args: argparse.Namespace) -> int:
+    from ..model.skip import skip_curve
+
+    try:
+        thresholds = [float(x) for x in args.thresholds.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--thresholds must be comma-separated numbers, got {args.thresholds!r}") from None
+    model_dir, model = _load(args, table=True)
+    curve, baseline = skip_curve(model, _held_out_pieces(args), thresholds)
+    record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve,
+              "random_baseline": baseline}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
+    if args.plot:
+        _plot_skip(curve, baseline, args.plot)
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print("EXPERIMENTAL read-skip predictor (off by default everywhere else)")
+    print(f"{'threshold':>9} {'reads saved':>12} {'perplexity':>11} {'change':>8}")
+    base = curve[0]["perplexity"]
+    for r in curve:
+        print(f"{r['threshold']:>9.2f} {r['reads_saved']:>12.1%} {r['perplexity']:>11.3f} "
+              f"{r['perplexity'] / base - 1:>+8.2%}")
+    for r in baseline:
+        print(f"{'random':>9} {r['reads_saved']:>12.1%} {r['perplexity']:>11.3f} {r['perplexity'] / base - 1:>+8.2%}")
+    return 0
+
+
+def _plot_skip(curve: list[dict], baseline: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["reads_saved"] * 100 for r in curve], [r["perplexity"] for r in curve], "o-",
+            label="predictor (remembered gates)")
+    ax.plot([0] + [r["reads_saved"] * 100 for r in baseline], [curve[0]["perplexity"]] + [r["perplexity"] for r in baseline],
+            "s--", label="random skips")
+    ax.legend()
+    for r in curve:
+        ax.annotate(f"{r['threshold']:g}", (r["reads_saved"] * 100, r["perplexity"]), fontsize=7)
+    ax.set_xlabel("Engram reads skipped (%)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title("EXPERIMENTAL read-skip predictor (off by default)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""Held-out perplexity of an ``EngramLM``, with rows from any source (its own table, a store).
+
+Each text is cut into windows of ``seq_len + 1`` tokens overlapping by one (inputs, then
+targets shifted by one); every window starts afresh (attention and the n-gram hash see no
+earlier window), so a window's logits do not depend on how windows are batched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .lm import EngramLM, RowsFor
+
+__all__ = ["EvalResult", "evaluate", "windows", "batches", "store_rows"]
+
+
+@dataclass
+class EvalResult:
+    tokens: int  # predicted tokens
+    nll: float  # mean negative log-likelihood (nats per token, model vocabulary)
+    perplexity: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(sequences: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
+    """Every text's windows of up to ``seq_len + 1`` tokens (the last may be shorter; at least 2)."""
+    out = []
+    for seq in sequences:
+        for start in range(0, max(seq.size - 1, 0), seq_len):
+            piece = seq[start: start + seq_len + 1]
+            if piece.size >= 2:
+                out.append(piece)
+    return out
+
+
+def batches(pieces: list[np.ndarray], batch: int) -> Iterator[torch.Tensor]:
+    """Windows of equal length grouped ``batch`` at a time, in a fixed order: ``[B, T+1]``."""
+    by_length: dict[int, list[np.ndarray]] = {}
+    for p in pieces:
+        by_length.setdefault(p.size, []).append(p)
+    for length in sorted(by_length, reverse=True):
+        group = by_length[length]
+        for i in range(0, len(group), batch):
+            yield torch.from_numpy(np.stack(group[i: i + batch]))
+
+
+def store_rows(store, model: EngramLM) -> RowsFor:
+    """Rows from a ``TableStore`` holding the model's table (layers back to back)."""
+    bases = dict(zip(model.config.layer_ids, model.config.layer_row_bases))
+
+    def rows_for(layer_id: int, ids: torch.Tensor) -> torch.Tensor:
+        return store.gather((ids + bases[layer_id]).numpy())  # [B, T, C, d]
+
+    return rows_for
+
+
+@torch.no_grad()
+def evaluate(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = None, *,
+             batch: int = 16, on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+             before_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> EvalResult:
+    """Mean NLL and perplexity over ``pieces`` (from ``windows``), targets in the model vocabulary.
+
+    ``on_batch(inputs [B, T], row_ids [B, T, L, C], logits [B, T, K])`` sees every batch (the
+    model's ``gates()`` then hold that batch's gates); ``before_batch(inputs, row_ids)`` runs
+    before its forward (e.g. to set the gate scales).
+    """
+    total, count = 0.0, 0
+    for chunk in batches(pieces, batch):
+        inputs, targets = chunk[:, :-1], model.to_model_ids(chunk[:, 1:])
+        row_ids = model.row_ids(inputs)
+        if before_batch is not None:
+            before_batch(inputs, row_ids)
+        logits = model(inputs, rows_for, row_ids=row_ids)  # [B, T, K]
+        total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), reduction="sum"))
+        count += targets.numel()
+        if on_batch is not None:
+            on_batch(inputs, row_ids, logits)
+    if count == 0:
+        raise ValueError("no text to evaluate: the corpus gave no window of two or more tokens")
+    nll = total / count
+    return EvalResult(count, nll, math.exp(nll))

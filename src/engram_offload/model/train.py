@@ -1,0 +1,209 @@
+"""Train a small ``EngramLM`` on CPython's standard library (and Python's docs) on the CPU.
+
+Seeded end to end: the file shuffle, the initial weights, the batches and the optimizer
+steps depend only on ``TrainSettings``; with one thread the saved bytes repeat exactly.
+Engram tables train as float ``nn.Embedding`` s (sparse gradients, ``SparseAdam``) and are
+saved as fp8 rows with ue8m0 scales; ``wkv`` is saved as fp8 with 32x32 block scales.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import EngramConfig
+from ..tokenizer import cached_token_map, load_tokenizer
+from .checkpoint_io import save_model
+from .corpus import EOS_ID, corpus_files, split, token_sequences
+from .evaluate import evaluate, windows
+from .lm import EngramLM
+
+__all__ = ["TrainSettings", "TrainResult", "train", "model_vocabulary", "plot_losses"]
+
+
+@dataclass
+class TrainSettings:
+    seed: int = 0
+    steps: int = 300
+    batch: int = 16
+    seq_len: int = 128
+    hidden: int = 64
+    layers: int = 3
+    attention_heads: int = 4
+    engram_layers: tuple[int, ...] = (1, 2)
+    max_ngram: int = 3
+    engram_heads: int = 4
+    head_dim: int = 32
+    hc_mult: int = 2
+    prime_start: int = 7_500
+    vocab: int = 2_048  # model tokens, the unknown token included
+    lr: float = 3e-3
+    table_lr: float = 1e-2
+    warmup: int = 30
+    table_init_std: float = 0.1
+    max_train_tokens: int = 1_000_000
+    eval_every: int = 50
+    eval_windows: int = 32
+    corpus: list[str] | None = field(default=None)  # None: the standard library (+ docs)
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    history: list[dict[str, float]]
+    train_tokens: int
+    seconds: float
+
+
+def model_vocabulary(sequences: list[np.ndarray], size: int) -> torch.Tensor:
+    """The ``size - 1`` most frequent token ids (ties: lower id first), int64, most frequent first."""
+    counts = np.bincount(np.concatenate(sequences)) if sequences else np.zeros(0, np.int64)
+    order = np.lexsort((np.arange(counts.size), -counts))  # by count desc, then id
+    order = order[counts[order] > 0][: size - 1]
+    return torch.from_numpy(order.astype(np.int64))
+
+
+def _stream(sequences: list[np.ndarray]) -> torch.Tensor:
+    """Every text back to back, each followed by the end-of-text token: int64 ``[N]``."""
+    eos = np.array([EOS_ID], np.int64)
+    return torch.from_numpy(np.concatenate([x for s in sequences for x in (s, eos)]))
+
+
+def _lr_factor(step: int, s: TrainSettings) -> float:
+    """Linear warmup, then cosine decay to a tenth."""
+    if step < s.warmup:
+        return (step + 1) / s.warmup
+    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print) -> TrainResult:
+    """Train with ``settings`` and save the model into ``out`` (released V4.1 format)."""
+    s = settings
+    torch.manual_seed(s.seed)
+    files = corpus_files(s.corpus)
+    train_files, held_files = split(files)
+    if not train_files or not held_files:
+        raise ValueError(f"the corpus has {len(train_files)} training and {len(held_files)} held-out files: "
+                         "give a corpus of at least a few dozen files")
+    shuffled = [train_files[i] for i in np.random.default_rng(s.seed).permutation(len(train_files))]
+    tokenizer = load_tokenizer()
+    log(f"tokenizing {len(train_files):,} training files (up to {s.max_train_tokens:,} tokens) "
+        f"and {len(held_files):,} held-out files")
+    train_seqs = token_sequences(shuffled, tokenizer, s.max_train_tokens)
+    held = windows(token_sequences(held_files, tokenizer, s.eval_windows * s.seq_len * 4), s.seq_len)
+    held = held[: s.eval_windows]
+    stream = _stream(train_seqs)
+    token_map = cached_token_map()
+    config = EngramConfig(
+        layer_ids=s.engram_layers, max_ngram_size=s.max_ngram, n_heads=s.engram_heads, head_dim=s.head_dim,
+        prime_starts=s.prime_start, pad_id=2, hidden_size=s.hidden, hc_mult=s.hc_mult, variant="v4.1",
+        row_format="fp8_e4m3_ue8m0", rms_norm_eps=1e-6, compressed_vocab_size=int(token_map.max()) + 1,
+    )
+    model = EngramLM(config, model_vocabulary(train_seqs, s.vocab), token_map, s.layers, s.attention_heads,
+                     table=False)
+    tables = nn.ModuleDict({str(i): nn.Embedding(config.rows_per_layer[i], s.head_dim, sparse=True)
+                            for i in config.layer_ids})
+    for table in tables.values():
+        nn.init.normal_(table.weight, std=s.table_init_std)
+    dense = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
+    sparse = torch.optim.SparseAdam(list(tables.parameters()), lr=s.table_lr)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in (dense, sparse)]
+
+    def rows_for(layer_id: int, ids: torch.Tensor) -> torch.Tensor:
+        return tables[str(layer_id)](ids)  # [B, T, C, d]
+
+    g = torch.Generator().manual_seed(s.seed)
+    history: list[dict[str, float]] = []
+    started = time.perf_counter()
+    with _progress(progress, s.steps) as bar:
+        for step in range(s.steps):
+            model.train()
+            starts = torch.randint(0, stream.numel() - s.seq_len - 1, (s.batch,), generator=g)
+            chunk = torch.stack([stream[i: i + s.seq_len + 1] for i in starts.tolist()])  # [B, T+1]
+            logits = model(chunk[:, :-1], rows_for)
+            loss = F.cross_entropy(logits.flatten(0, 1), model.to_model_ids(chunk[:, 1:]).reshape(-1))
+            dense.zero_grad(set_to_none=True)
+            sparse.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            dense.step()
+            sparse.step()
+            for schedule in schedules:
+                schedule.step()
+            record = {"step": step + 1, "train_loss": float(loss.detach())}
+            if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
+                model.eval()
+                record["held_out_loss"] = evaluate(model, held, rows_for).nll
+            history.append(record)
+            bar(step, record)
+    seconds = time.perf_counter() - started
+    meta = {"settings": _jsonable(asdict(s)), "train_tokens": int(stream.numel()),
+            "train_files": len(train_files), "held_out_files": len(held_files), "history": history}
+    path = save_model(model, {i: tables[str(i)].weight for i in config.layer_ids}, out, extra=meta)
+    return TrainResult(path, history, int(stream.numel()), seconds)
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+class _progress:
+    """A rich progress bar over training steps showing the latest losses (or nothing)."""
+
+    def __init__(self, enabled: bool, steps: int) -> None:
+        self.enabled, self.steps = enabled, steps
+        self._held = float("nan")
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[losses]}"), TimeRemainingColumn())
+            self._bar.__enter__()
+            self._task = self._bar.add_task("train", total=self.steps, losses="")
+        return self
+
+    def __call__(self, step: int, record: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._held = record.get("held_out_loss", self._held)
+        text = f"loss {record['train_loss']:.3f}  held-out {self._held:.3f}"
+        self._bar.update(self._task, completed=step + 1, losses=text)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.__exit__(*exc)
+
+
+def plot_losses(history: list[dict[str, float]], path: str | Path, title: str = "EngramLM training") -> Path:
+    """A PNG of the training loss (and held-out loss where measured) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["train_loss"] for r in history], lw=0.8, alpha=0.7, label="training batch")
+    held = [(r["step"], r["held_out_loss"]) for r in history if "held_out_loss" in r]
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out files")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
