@@ -86,12 +86,12 @@ STUCK_LOADER = textwrap.dedent("""
     from engram_offload.table import read_header
     from engram_offload.tiers import shared
 
-    def stuck(header, dense, verify, progress):
+    def stuck(header, dense, verify=None, progress=None, what=""):
         dense[: len(dense) // 2] = 7  # half the rows, then the process is killed
         print("loading", flush=True)
         time.sleep(120)
 
-    shared._fill_rows = stuck
+    shared.load_rows_into = stuck
     shared.SharedTier(read_header(sys.argv[1]), shm_dir=sys.argv[2])
 """)
 

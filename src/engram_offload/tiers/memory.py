@@ -194,11 +194,20 @@ def load_dense_rows(
     (``ChecksumError`` naming the block); False checks nothing.
     """
     layout = header.layout
-    rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
-    nbytes = layout.num_rows * rb
+    nbytes = layout.num_rows * layout.row_bytes
     mm = mmap.mmap(-1, max(mmap.PAGESIZE, nbytes))
     huge = madvise_quietly(mm, "MADV_HUGEPAGE")
-    dense = np.frombuffer(mm, np.uint8, count=nbytes).reshape(layout.num_rows, rb)
+    dense = np.frombuffer(mm, np.uint8, count=nbytes).reshape(layout.num_rows, layout.row_bytes)
+    load_rows_into(header, dense, verify, progress)
+    return torch.from_numpy(dense), mm, huge
+
+
+def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None = None,
+                   progress: bool | None = None, what: str = "loading") -> None:
+    """Read a table's rows into ``dense`` (``uint8 [num_rows, row_bytes]``, e.g. a shared
+    segment), checking as ``load_dense_rows`` says."""
+    layout = header.layout
+    page = layout.page_bytes
     check_pages = verify is not False and header.page_sums is not None
     checker = BlockStreamChecker(header) if verify and not check_pages else None
     prefaulter = _Prefaulter(dense)
@@ -209,7 +218,7 @@ def load_dense_rows(
         raise
     reader = _ChunkReader(header, fd)
     try:
-        with byte_progress(f"loading {header.path.name}", layout.data_bytes, progress) as advance:
+        with byte_progress(f"{what} {header.path.name}", layout.data_bytes, progress) as advance:
             for first, pages, buf in reader:
                 view = buf[: pages * page]
                 if check_pages:
@@ -223,7 +232,6 @@ def load_dense_rows(
         reader.stop()
         prefaulter.stop()
         os.close(fd)
-    return torch.from_numpy(dense), mm, huge
 
 
 def _check_loaded_pages(header: TableHeader, fd: int, first: int, view: np.ndarray) -> None:

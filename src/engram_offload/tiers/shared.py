@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import time
 import shutil
 import struct
 import warnings
@@ -41,9 +42,8 @@ import xxhash
 
 from ..errors import TierError
 from ..table.format import TableHeader
-from ..table.progress import byte_progress
 from .base import Tier
-from .memory import LOAD_CHUNK_BYTES, MemoryTier, _BlockChecker, check_free_memory
+from .memory import MemoryTier, check_free_memory, load_rows_into
 
 __all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name", "table_fingerprint"]
 
@@ -119,47 +119,6 @@ def _check_space(header: TableHeader, shm_dir: Path, check_memory: bool) -> None
         )
 
 
-def _fill_rows(header: TableHeader, dense: np.ndarray, verify: bool, progress: bool | None) -> None:
-    """Read the table's rows into ``dense`` (``uint8 [num_rows, row_bytes]``), page chunk by
-    page chunk, checking every block's checksum when ``verify``."""
-    layout = header.layout
-    rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
-    chunk_pages = max(1, LOAD_CHUNK_BYTES // page)
-    checker = _BlockChecker(header) if verify else None
-    row = 0
-    # staging in its own mapping, unmapped at the end: a heap buffer this large stays resident after
-    # it is freed (malloc's mmap threshold adapts), a chunk of private memory in the loader for good
-    staging = mmap.mmap(-1, chunk_pages * page)
-    view = paged = None
-    try:
-        with open(header.path, "rb", buffering=0) as f, \
-                byte_progress(f"sharing {header.path.name}", layout.data_bytes, progress) as advance:
-            f.seek(layout.data_offset)
-            for first_page in range(0, layout.num_pages, chunk_pages):
-                pages = min(chunk_pages, layout.num_pages - first_page)
-                view = memoryview(staging)[: pages * page]
-                if f.readinto(view) != len(view):
-                    raise TierError(f"{header.path} ended early while loading it into shared memory: the "
-                                    "file changed under us; check it with `engram-offload verify`")
-                if checker is not None:
-                    checker.feed(view)
-                take = min(pages * rpp, layout.num_rows - row)
-                paged = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb]  # [pages, rpp * rb]
-                full = take // rpp  # whole pages of rows; views on both sides, so no temporary copy
-                dense[row: row + full * rpp].reshape(full, rpp * rb)[:] = paged[:full]
-                rest = take - full * rpp  # the last page's rows
-                if rest:
-                    dense[row + full * rpp: row + take] = paged[full, : rest * rb].reshape(rest, rb)
-                row += take
-                advance(len(view))
-    finally:
-        view = paged = None  # the staging mapping's last exports here
-        try:
-            staging.close()
-        except BufferError:  # a failed load's traceback still holds a view: the GC unmaps it
-            pass
-
-
 def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progress: bool | None) -> None:
     """Create the segment, write its head (loading), the rows, then the ready flag."""
     nbytes = _data_bytes(header)
@@ -177,7 +136,8 @@ def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progr
             mm[: HEAD.size + len(source)] = HEAD.pack(MAGIC, VERSION, LOADING, fingerprint, nbytes,
                                                       os.getpid(), len(source)) + source
             dense = np.frombuffer(mm, np.uint8, count=nbytes, offset=DATA_OFFSET)
-            _fill_rows(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes), verify, progress)
+            load_rows_into(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes),
+                           True if verify else None, progress, what="sharing")
             mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # last: the rows are all there
         finally:
             dense = None  # the mapping's last export here
@@ -202,7 +162,8 @@ class SharedTier(MemoryTier):
     dense rows, here on read-only shared pages) and closing are the memory tier's.
 
     Options: ``segment`` (name; default from the table's fingerprint), ``shm_dir``
-    (default ``/dev/shm``), ``verify_reads`` (check every block while loading),
+    (default ``/dev/shm``), ``verify_reads`` (also check a version-1 table's blocks while loading; a version-2
+    table's pages are always checked),
     ``progress``, ``check_memory`` (refuse to load more than is free; False to insist).
     ``loaded`` says whether this process loaded the segment (else it attached).
     """
@@ -222,6 +183,7 @@ class SharedTier(MemoryTier):
         self.fingerprint = table_fingerprint(header)
         nbytes = _data_bytes(header)
         self.loaded = False
+        self.load_seconds = 0.0  # an attach loads nothing
         with _election(self.segment.with_name(self.segment.name + ".lock")):
             found = _read_head(self.segment)
             if found is not None and found[0] != READY:  # its loader died: the lock was free
@@ -229,7 +191,9 @@ class SharedTier(MemoryTier):
                 found = None
             if found is None:
                 _check_space(header, directory, check_memory)
+                started = time.perf_counter()
                 _load(header, self.segment, self.fingerprint, verify_reads, progress)
+                self.load_seconds = time.perf_counter() - started
                 self.loaded = True
             else:
                 self._check_segment(*found)
@@ -240,6 +204,7 @@ class SharedTier(MemoryTier):
                 else torch.empty(0, dtype=torch.uint8)
         self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
         self.verify_reads = verify_reads
+        self.verified_on_load = self.loaded and (header.page_sums is not None or verify_reads)
         self.huge_pages = False  # tmpfs pages
 
     def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
