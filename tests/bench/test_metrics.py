@@ -97,3 +97,8 @@ def test_steps_without_stall_samples_have_no_stall_fraction():
     s = summarize_run(EngineRun(seconds=1.0, step_seconds=[0.5, 0.5]))
     assert s["stall_fraction"] == 0.0 and s["stall_p50_ms"] is None
     assert s["step_p50_ms"] == pytest.approx(500.0)
+
+
+def test_stall_samples_without_step_samples_have_no_stall_fraction():
+    s = summarize_run(EngineRun(seconds=1.0, stall_seconds=[0.5]))
+    assert s["stall_fraction"] == 0.0 and s["stall_p50_ms"] == pytest.approx(500.0)

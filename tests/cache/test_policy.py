@@ -48,10 +48,11 @@ def test_lfu_halves_every_count_after_exactly_aging_period_accesses():
     assert p.count.tolist() == [9, 8, 5, 1]
     p.touch(slots(1))  # 6: halve
     assert p.count.tolist() == [4, 4, 2, 0]
-    p.touch(slots(0, 1, 2, 3))  # 4 more: not yet a second period
-    assert p.count.tolist() == [5, 5, 3, 1]
-    p.touch(slots(2, 3))  # 6 since the last halving
-    assert p.count.tolist() == [2, 2, 2, 1]
+    p.touch(slots(0, 1, 2, 3))
+    p.touch(slots(0))  # 5 more: not yet a second period
+    assert p.count.tolist() == [6, 5, 3, 1]
+    p.touch(slots(3))  # 6 since the last halving
+    assert p.count.tolist() == [3, 2, 1, 1]
 
 
 def test_lfu_default_aging_period_and_description():
@@ -75,6 +76,24 @@ def test_lfu_score_is_count_first_then_recency():
     assert p.victims(1, np.array([False, False, True, True])).tolist() == [2]
 
 
+def test_lfu_stamps_past_40_bits_never_outweigh_the_count():
+    p = LFUPolicy(2, aging_period=1000)
+    p.count[:] = [2, 3]
+    p.stamp[:] = [(1 << 40) + 5, 1]
+    assert p.victims(1, np.ones(2, bool)).tolist() == [0]
+
+
+def test_victims_are_exactly_the_lowest_scores():
+    rng = np.random.default_rng(3)
+    p = LRUPolicy(1000)
+    for s in rng.permutation(1000):
+        p.touch(slots(s))
+    evictable = rng.random(1000) < 0.7
+    order = np.flatnonzero(evictable)[np.argsort(p.scores()[evictable])]
+    for count in (1, 2, 10, 100, 499):
+        assert sorted(p.victims(count, evictable).tolist()) == sorted(order[:count].tolist()), count
+
+
 def test_lru_scores_are_the_clock_at_the_last_access():
     p = LRUPolicy(4)
     p.insert(slots(0, 1))
@@ -90,7 +109,8 @@ def test_victims_at_the_edges_of_count():
     p = LRUPolicy(4)
     p.insert(slots(3, 2, 1, 0))
     p.touch(slots(3))
-    assert p.victims(0, ALL4).size == 0
+    assert p.victims(0, ALL4).size == 0 and p.victims(0, ALL4).dtype == np.int64
+    assert p.victims(1, np.array([False, False, True, False])).tolist() == [2]  # the only candidate
     assert p.victims(-1, ALL4).size == 0
     assert p.victims(2, np.zeros(4, bool)).size == 0
     assert sorted(p.victims(4, ALL4).tolist()) == [0, 1, 2, 3]
@@ -115,8 +135,10 @@ def test_policies_write_into_arrays_they_are_handed_and_zero_them():
 def test_handed_arrays_of_the_wrong_type_or_shape_are_refused(bad):
     with pytest.raises(ValueError, match=r"int64 \[4\]"):
         LRUPolicy(4, stamp=bad)
-    with pytest.raises(ValueError, match="count"):
+    with pytest.raises(ValueError, match=r"policy count array must be int64 \[4\]"):
         LFUPolicy(4, count=bad)
+    with pytest.raises(ValueError, match=r"policy stamp array must be int64 \[4\]"):
+        LFUPolicy(4, stamp=bad)
 
 
 def test_make_policy_by_name():

@@ -39,9 +39,9 @@ def test_shards_sampling_keeps_whole_ids_and_tracks_exact_curve():
     rng = np.random.default_rng(1)
     ids = rng.zipf(1.1, size=300_000) % 200_000
     sample = shards_sample(ids, 0.1)
-    kept = set(np.unique(sample).tolist())
-    assert all((x in kept) == (x in kept) for x in ids[:1000].tolist())
-    assert np.array_equal(np.isin(ids, list(kept)), np.isin(ids, sample))  # all or none of an id
+    kept = np.isin(ids, sample)
+    assert np.array_equal(ids[kept], sample)  # all accesses of a kept id, in order, and nothing else
+    assert 0.07 < np.unique(sample).size / np.unique(ids).size < 0.13  # about a tenth of the ids
     exact, approx = mrc_from_trace(ids), shards_mrc(ids, 0.1)
     for rows in (1_000, 10_000, 50_000):
         assert abs(exact.hit_ratio(rows) - approx.hit_ratio(rows)) < 0.03
@@ -70,8 +70,7 @@ def test_zipf_che_matches_simulation():
     sim = mrc_from_trace(ids)
     z = ZipfMRC(s, n, exact_ranks=n)
     for rows in (50, 200, 800):
-        warm = sim.hit_ratio(rows) / sim.max_hit_ratio() * 1.0
-        assert abs(z.hit_ratio(rows) - sim.hit_ratio(rows)) < 0.03, (rows, warm)
+        assert abs(z.hit_ratio(rows) - sim.hit_ratio(rows)) < 0.03, rows
 
 
 def test_load_trace_npy_and_text(tmp_path):
