@@ -47,8 +47,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "cache/store": (["cache/store.py"], ["tests/cache"]),
     "bench/metrics": (["bench/metrics.py"], ["tests/bench/test_metrics.py"]),
     "planner/mrc": (["planner/mrc.py"], ["tests/planner/test_mrc.py"]),
-    "planner/perf": (["planner/perf.py"], ["tests/planner"]),
-    "planner/placement": (["planner/placement.py"], ["tests/planner"]),
+    "planner/perf": (["planner/perf.py"], ["tests/planner/test_perf.py", "tests/planner/test_placement_rules.py"]),
+    "planner/placement": (["planner/placement.py"],
+                          ["tests/planner/test_placement_rules.py", "tests/planner/test_planner_placement.py"]),
     "planner/recommend": (["planner/recommend.py"], ["tests/planner"]),
     "planner/plan": (["planner/plan.py"], ["tests/planner"]),
 }

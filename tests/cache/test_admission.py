@@ -37,6 +37,8 @@ def test_counts_are_exact_on_a_wide_sketch():
     s.record(ids())
     assert s.estimate(ids(5, 0, 2**40, 6)).tolist() == [4, 3, 3, 0]
     assert s.estimate(ids()).dtype == np.int64 and s.estimate(ids()).size == 0
+    one = s.estimate(ids(5))
+    assert one.dtype == np.int64 and one.tolist() == [4]
 
 
 def test_estimates_never_undercount_and_take_the_least_row():
