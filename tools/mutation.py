@@ -50,7 +50,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "planner/perf": (["planner/perf.py"], ["tests/planner/test_perf.py", "tests/planner/test_placement_rules.py"]),
     "planner/placement": (["planner/placement.py"],
                           ["tests/planner/test_placement_rules.py", "tests/planner/test_planner_placement.py"]),
-    "planner/recommend": (["planner/recommend.py"], ["tests/planner"]),
+    "planner/recommend": (["planner/recommend.py"], ["tests/planner/test_recommend.py"]),
     "planner/plan": (["planner/plan.py"], ["tests/planner"]),
 }
 
