@@ -10,29 +10,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx
 
-from engram_offload.planner import Assumptions, GpuSpec, Workload, get_model, smallest_feasible_tp
-from engram_offload.planner.models import WeightGroup
+from engram_offload.planner import Assumptions, Workload, smallest_feasible_tp
 from engram_offload.planner.mrc import mrc_from_trace
 from engram_offload.planner.perf import decode_step, decode_window_us, prefill_window_us
 from engram_offload.planner.placement import PLACEMENTS, evaluate, evaluate_all, tp_degrees
 
-GiB = 2**30
-A = Assumptions()
-
-GPU = GpuSpec(
-    name="test GPU", hbm_bytes=100 * GiB, hbm_bw=4e12, flops={"bf16": 1e15, "fp8": 2e15}, nvlink_bw=800e9,
-    host_link="test link", host_link_bw=64e9, host_dram_per_gpu=256 * GiB, gpus_per_server=8,
-    nvme_drives=4, nvme_iops_per_drive=1e6, nvme_bw_per_drive=10e9, nvme_capacity_per_drive=4e12,
-    price_per_hour=2.0,
-)
-MODEL = dataclasses.replace(
-    get_model("engram-27b"), name="test model", weights=(WeightGroup("dense", 20e9, "bf16"),),
-    active_params_prefill=4e9, active_params_decode=4e9, num_layers=30, kv_bytes_per_token=50_000,
-    hidden_size=4096, num_experts=0, experts_per_token=0, compute_precision="bf16",
-)
-TABLE = MODEL.engram.table_bytes
-WEIGHTS = 40e9  # 20e9 bf16 parameters
 
 
 def run(name: str, tp: int = 1, model=MODEL, gpu=GPU, a: Assumptions = A, **workload):
@@ -48,13 +32,13 @@ def test_kv_fraction_is_measured_against_all_of_hbm_not_the_usable_budget():
     # 9.5% of HBM is left: under the 10% minimum, although it is 10.6% of the usable 90%
     gpu = dataclasses.replace(GPU, hbm_bytes=hbm_for_kv_fraction(0.095))
     r = run("dram", gpu=gpu, batch=1, context=1024)
-    assert r.kv_fraction == pytest.approx(0.095)
-    assert r.hbm_free_bytes == pytest.approx(0.095 * gpu.hbm_bytes)
+    assert r.kv_fraction == approx(0.095)
+    assert r.hbm_free_bytes == approx(0.095 * gpu.hbm_bytes)
     assert not r.fits
     assert r.why_not == [f"only {r.hbm_free_bytes / GiB:.1f} GiB (9.5% of HBM) left for KV cache per GPU, "
                          "under the 10% minimum"]
     r = run("dram", gpu=dataclasses.replace(GPU, hbm_bytes=hbm_for_kv_fraction(0.105)), batch=1, context=1024)
-    assert r.kv_fraction == pytest.approx(0.105) and r.fits and r.why_not == []
+    assert r.kv_fraction == approx(0.105) and r.fits and r.why_not == []
 
 
 def test_exactly_the_minimum_kv_fraction_fits():
@@ -76,13 +60,13 @@ def test_memory_per_gpu_follows_the_placement(name, tp):
     free = max(0.0, A.gpu_memory_utilization * GPU.hbm_bytes - WEIGHTS / tp - table_in_hbm
                - A.runtime_overhead_bytes)
     assert (r.name, r.tp) == (name, tp)
-    assert r.weight_bytes_per_gpu == pytest.approx(WEIGHTS / tp)
-    assert r.table_hbm_bytes_per_gpu == pytest.approx(table_in_hbm)
-    assert r.hbm_free_bytes == pytest.approx(free)
-    assert r.kv_fraction == pytest.approx(free / GPU.hbm_bytes)
+    assert r.weight_bytes_per_gpu == approx(WEIGHTS / tp)
+    assert r.table_hbm_bytes_per_gpu == approx(table_in_hbm)
+    assert r.hbm_free_bytes == approx(free)
+    assert r.kv_fraction == approx(free / GPU.hbm_bytes)
     assert r.max_concurrent_seqs == int(free // (8192 * MODEL.kv_bytes_per_token))  # KV replicated
     assert r.bytes_per_token_per_gpu == MODEL.engram.bytes_per_token_per_gpu(tp)
-    assert r.host_bytes_per_gpu == pytest.approx({"dram": TABLE / tp, "nvme": r.cache_bytes_per_gpu}.get(name, 0))
+    assert r.host_bytes_per_gpu == approx({"dram": TABLE / tp, "nvme": r.cache_bytes_per_gpu}.get(name, 0))
 
 
 def test_kv_split_over_tp_when_not_replicated():
@@ -108,7 +92,7 @@ def test_weights_that_fill_the_budget_exactly_still_fit_the_weights_rule():
     need = WEIGHTS + A.runtime_overhead_bytes
     gpu = dataclasses.replace(GPU, hbm_bytes=need / A.gpu_memory_utilization)
     r = run("dram", 1, gpu=gpu)
-    assert r.hbm_free_bytes == pytest.approx(0.0, abs=1e-3)
+    assert r.hbm_free_bytes == approx(0.0, abs=1e-3)
     assert not any("exceed" in w for w in r.why_not) and "left for KV cache" in r.why_not[0]
 
 
@@ -146,17 +130,17 @@ def tiny_curve():
 def test_nvme_cache_is_sized_from_the_curve_and_the_dram_share():
     row = MODEL.engram.row_bytes
     r = run("nvme", 2, curve=tiny_curve(), target_hit_rate=0.9, batch=4)
-    assert r.cache_bytes_per_gpu == pytest.approx(1000 * row / 2)
-    assert r.host_bytes_per_gpu == r.cache_bytes_per_gpu and r.cache_hit_rate == pytest.approx(0.9)
+    assert r.cache_bytes_per_gpu == approx(1000 * row / 2)
+    assert r.host_bytes_per_gpu == r.cache_bytes_per_gpu and r.cache_hit_rate == approx(0.9)
     # a target the trace never reaches: cache as much of the table as DRAM allows
     r = run("nvme", 2, curve=tiny_curve(), target_hit_rate=0.95, batch=4)
     cap_rows = int(A.dram_usable_fraction * GPU.host_dram_per_gpu * 2 // row)
-    assert r.cache_bytes_per_gpu == pytest.approx(min(cap_rows, MODEL.engram.num_rows) * row / 2)
+    assert r.cache_bytes_per_gpu == approx(min(cap_rows, MODEL.engram.num_rows) * row / 2)
     # no curve: the whole table if it fits in DRAM (all hits), else the DRAM share and no estimate of hits
     assert run("nvme", 1, batch=4).cache_hit_rate == 1.0
     tight = dataclasses.replace(GPU, host_dram_per_gpu=TABLE / 4)
     r = run("nvme", 1, gpu=tight, batch=4)
-    assert r.cache_bytes_per_gpu == pytest.approx(int(A.dram_usable_fraction * TABLE / 4 // row) * row)
+    assert r.cache_bytes_per_gpu == approx(int(A.dram_usable_fraction * TABLE / 4 // row) * row)
     assert r.cache_hit_rate == 0.0
 
 
@@ -172,11 +156,11 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth():
                 + misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8) * 1e6)
     window = decode_window_us(MODEL, step)
     assert r.link_bytes_per_step == link
-    assert r.transfer_us == pytest.approx(transfer)
-    assert r.window_us == pytest.approx(window)
-    assert r.predicted_stall_us == pytest.approx(max(0.0, transfer - window))
-    assert r.step_us == pytest.approx(step.backbone_us + r.predicted_stall_us)
-    assert r.nvme_iops_needed == pytest.approx(misses / (r.step_us * 1e-6) * gpus)  # 4 GPUs of 8 used
+    assert r.transfer_us == approx(transfer)
+    assert r.window_us == approx(window)
+    assert r.predicted_stall_us == approx(max(0.0, transfer - window))
+    assert r.step_us == approx(step.backbone_us + r.predicted_stall_us)
+    assert r.nvme_iops_needed == approx(misses / (r.step_us * 1e-6) * gpus)  # 4 GPUs of 8 used
     assert r.nvme_iops_available == GPU.nvme_iops_per_server
     assert r.why_not == [] and r.fits
 
@@ -184,7 +168,7 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth():
 def test_nvme_without_misses_costs_only_the_link():
     r = run("nvme", 1, batch=8)  # the whole table cached: no misses
     link = 8 * MODEL.engram.bytes_per_token_per_gpu(1)
-    assert r.transfer_us == pytest.approx(A.host_link_latency_us
+    assert r.transfer_us == approx(A.host_link_latency_us
                                           + link / (GPU.host_link_bw * A.host_link_efficiency) * 1e6)
     assert r.nvme_iops_needed == 0.0
 
@@ -202,14 +186,14 @@ def test_decode_link_transfer_and_stall(name):
                 "remote": a.remote_latency_us + link / 0.5e7 * 1e6}[name]
     stall = max(0.0, transfer - decode_window_us(MODEL, step))
     assert r.batch == batch and r.link_bytes_per_step == link
-    assert r.transfer_us == pytest.approx(transfer)
-    assert r.predicted_stall_us == pytest.approx(stall)
+    assert r.transfer_us == approx(transfer)
+    assert r.predicted_stall_us == approx(stall)
     assert (stall > 0) == (name != "hbm")
-    assert r.step_us == pytest.approx(step.backbone_us + stall)
+    assert r.step_us == approx(step.backbone_us + stall)
     assert r.bound == step.bound
-    assert r.interactivity == pytest.approx(1e6 / r.step_us)
-    assert r.tokens_per_s_per_gpu == pytest.approx(batch * r.interactivity / tp)
-    assert r.tokens_per_dollar == pytest.approx(r.tokens_per_s_per_gpu * 3600 / 2.0)
+    assert r.interactivity == approx(1e6 / r.step_us)
+    assert r.tokens_per_s_per_gpu == approx(batch * r.interactivity / tp)
+    assert r.tokens_per_dollar == approx(r.tokens_per_s_per_gpu * 3600 / 2.0)
     assert r.link == {"hbm": "HBM", "dram": "test link", "remote": "pooled memory (network/CXL)"}[name]
     assert r.nvme_iops_needed == 0.0 and r.nvme_iops_available == 0.0
 
@@ -229,9 +213,9 @@ def test_prefill_chunk_reads_every_row_over_the_link(name):
                                                                       a.host_link_latency_us)
     transfer = lat + 4096 * MODEL.engram.bytes_per_token_per_gpu(2) / bw * 1e6
     window = prefill_window_us(MODEL, slow, 2, 4096, a)
-    assert r.prefill_window_us == pytest.approx(window)
-    assert r.prefill_transfer_us == pytest.approx(transfer)
-    assert r.prefill_stall_us == pytest.approx(max(0.0, transfer - window)) and r.prefill_stall_us > 0
+    assert r.prefill_window_us == approx(window)
+    assert r.prefill_transfer_us == approx(transfer)
+    assert r.prefill_stall_us == approx(max(0.0, transfer - window)) and r.prefill_stall_us > 0
 
 
 def test_prefill_of_a_table_in_hbm_waits_for_nothing():
@@ -257,7 +241,7 @@ def test_batch_search_takes_the_best_throughput_above_the_floor(floor):
         assert r.meets_interactivity and r.batch == max(meeting, key=lambda b: figures[b][1])
     else:  # none does: the most interactive one, flagged
         assert not r.meets_interactivity and r.batch == 1
-    assert r.interactivity == pytest.approx(figures[r.batch][0])
+    assert r.interactivity == approx(figures[r.batch][0])
 
 
 def test_batch_search_ends_at_the_kv_limit():

@@ -6,17 +6,14 @@ import dataclasses
 
 import pytest
 
-from engram_offload.planner import GpuSpec, Workload, get_model
+from made_up import GPU as MADE_UP_GPU
+from made_up import GiB
+
+from engram_offload.planner import Workload, get_model
 from engram_offload.planner.placement import PlacementResult
 from engram_offload.planner.recommend import recommend
 
-GiB = 2**30
-GPU = GpuSpec(
-    name="test GPU", hbm_bytes=100 * GiB, hbm_bw=4e12, flops={"bf16": 1e15}, nvlink_bw=800e9,
-    host_link="test link", host_link_bw=64e9, host_dram_per_gpu=256 * GiB, gpus_per_server=8,
-    nvme_drives=4, nvme_iops_per_drive=1e6, nvme_bw_per_drive=10e9, nvme_capacity_per_drive=4e12,
-    price_per_hour=2.5,
-)
+GPU = dataclasses.replace(MADE_UP_GPU, price_per_hour=2.5)
 MODEL = get_model("engram-27b")
 TABLE = MODEL.engram.table_bytes
 FIRST = MODEL.first_engram_layer
