@@ -174,3 +174,53 @@ def test_byte_sizes_in_reasons():
                        (512, "0.5 KiB")]:
         _, rec = picks([dram_choice(hbm_free_bytes=free)])
         assert f"leave {text} for KV cache" in rec.reasons[1], (free, rec.reasons[1])
+
+
+def test_the_per_dollar_objective_ranks_chooses_and_compares_by_dollars():
+    cheap = result("hbm", 8, 1.0, tokens_per_dollar=9e9)  # few tokens per GPU, many per dollar
+    fast = result("dram", 4, 200.0, tokens_per_dollar=2e5)
+    assert picks([cheap, fast], "tokens-per-dollar")[0] == ("hbm", 8)
+    # within 5% in dollars (not in tokens per GPU): the smaller TP
+    close = result("dram", 4, 1.0, tokens_per_dollar=9.6e9)
+    assert picks([cheap, close], "tokens-per-dollar")[0] == ("dram", 4)
+    # equal in everything but the score: the higher score in dollars first
+    a, b = result("dram", 2, 1.0, tokens_per_dollar=100.0), result("dram", 2, 50.0, tokens_per_dollar=96.0)
+    assert picks([b, a], "tokens-per-dollar")[1].ranking == [a, b]
+    _, rec = picks([result("hbm", 2, 100.0, tokens_per_dollar=1e6), result("dram", 2, 10.0, tokens_per_dollar=2e6)],
+                   "tokens-per-dollar")
+    assert rec.reasons[-1] == "Against the best all-HBM option (hbm at TP=2, batch 8): 2.00x on this objective."
+
+
+def test_any_stall_counts_as_a_stall():
+    assert picks([result("dram", 2, 100.0, stall=0.5), result("dram", 4, 99.0)])[0] == ("dram", 4)
+    _, rec = picks([result("dram", 2, 1.0, meets=False, inter=40.0, stall=0.5),
+                    result("dram", 8, 1.0, meets=False, inter=40.0)])
+    assert [r.tp for r in rec.ranking] == [8, 2]
+    _, rec = picks([dram_choice(prefill_stall_us=0.5)])
+    assert "A prefill chunk would wait 0.0 ms" in rec.reasons[3]
+
+
+def test_a_comparison_with_a_small_but_positive_score():
+    _, rec = picks([dram_choice(), result("hbm", 8, 0.5)])
+    assert rec.reasons[-1] == "Against the best all-HBM option (hbm at TP=8, batch 8): 1800.00x on this objective."
+
+
+def test_figures_in_reasons_are_rounded_from_the_right_units():
+    nvme = result("nvme", 2, 500.0, cache_bytes_per_gpu=GiB, cache_hit_rate=None, nvme_iops_needed=1e5,
+                  nvme_iops_available=8.75e6, tokens_per_dollar=1.75e6)
+    _, rec = picks([nvme])
+    assert "gives a 0% hit rate (test curve); misses need 100k IOPS per server of 8.8M." in rec.reasons[3]
+    assert rec.reasons[4].endswith("1.8M tokens per dollar at $2.50/GPU-hour.")
+    _, rec = picks([dram_choice(prefill_stall_us=1750.0)])
+    assert rec.reasons[3].startswith("A prefill chunk would wait 1.8 ms for its rows")
+
+
+def test_a_recommendation_as_a_plain_dict():
+    chosen = dram_choice()
+    rec = recommend(MODEL, GPU, [chosen, result("hbm", 4, 10.0)], W)  # the default objective: tokens per GPU
+    assert rec.objective == "tokens-per-gpu"
+    d = rec.to_dict()
+    assert d == {"objective": "tokens-per-gpu", "placement": "dram", "tp": 2, "batch": 16,
+                 "tokens_per_s_per_gpu": 900.0, "tokens_per_dollar": 2.5e6, "interactivity": 61.0,
+                 "ranking": [{"name": "dram", "tp": 2, "score": 900.0}, {"name": "hbm", "tp": 4, "score": 10.0}],
+                 "smallest_tp": {"hbm": 4, "dram": 2, "nvme": None, "remote": None}, "reasons": rec.reasons}
