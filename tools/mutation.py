@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def mutmut(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe), *args], cwd=work, env=env, text=True, capture_output=True)
 
 
-def report(work: Path, module: str) -> int:
+def report(work: Path, module: str, seconds: float) -> int:
     """Print the score and the survivors' diffs; returns the number of survivors."""
     listing = mutmut(work, "results", "--all", "true")
     statuses = dict(m.groups() for m in map(LINE.match, listing.stdout.splitlines()) if m)
@@ -107,7 +108,7 @@ def report(work: Path, module: str) -> int:
     survivors = sorted(n for n, s in statuses.items() if s not in KILLED and n not in unchecked)
     checked = len(statuses) - len(unchecked)
     print(f"\n{module}: {killed}/{checked} mutants killed ({100 * killed / max(checked, 1):.1f}%)"
-          f", {len(survivors)} survived, {len(unchecked)} not reached by a test")
+          f", {len(survivors)} survived, {len(unchecked)} not reached by a test, {seconds:.0f} s")
     for name, status in sorted(unchecked.items()):
         print(f"  {status}: {name}")
     for name in survivors:
@@ -130,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown module {args.module!r}; choose one of: {', '.join(MODULES)}")
     sources, tests = MODULES[args.module]
     work = prepare(args.module, sources, args.tests or tests)
+    start = time.monotonic()
     run = mutmut(work, "run", "--max-children", str(args.workers))
     if run.returncode != 0:
         print(run.stdout[-4000:] + run.stderr[-4000:])
         raise SystemExit(f"mutmut run failed for {args.module} (exit {run.returncode}); its files are in {work}")
-    report(work, args.module)
+    report(work, args.module, time.monotonic() - start)
     return 0
 
 

@@ -142,6 +142,10 @@ def test_nvme_cache_is_sized_from_the_curve_and_the_dram_share():
     r = run("nvme", 1, gpu=tight, batch=4)
     assert r.cache_bytes_per_gpu == approx(int(A.dram_usable_fraction * TABLE / 4 // row) * row)
     assert r.cache_hit_rate == 0.0
+    assert r.transfer_us > run("nvme", 1, batch=4).transfer_us + GPU.nvme_latency_us  # misses are read
+    # at TP=2 the group's two DRAM shares hold twice the rows, each GPU keeps half of them
+    r = run("nvme", 2, gpu=tight, batch=4)
+    assert r.cache_bytes_per_gpu == approx(int(A.dram_usable_fraction * TABLE / 4 * 2 // row) * row / 2)
 
 
 def test_nvme_misses_cost_latency_iops_and_bandwidth():
@@ -163,6 +167,18 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth():
     assert r.nvme_iops_needed == approx(misses / (r.step_us * 1e-6) * gpus)  # 4 GPUs of 8 used
     assert r.nvme_iops_available == GPU.nvme_iops_per_server
     assert r.why_not == [] and r.fits
+
+
+def test_nvme_with_less_than_one_miss_a_step_still_pays_for_it():
+    hot = mrc_from_trace(np.tile(np.arange(1000, dtype=np.int64), 100))  # 99% hits from 1,000 rows
+    r = run("nvme", 1, curve=hot, target_hit_rate=0.99, batch=1)
+    misses = MODEL.engram.bytes_per_token_per_gpu(1) // MODEL.engram.row_bytes * (1 - 0.99)
+    assert 0 < misses < 1
+    link = MODEL.engram.bytes_per_token_per_gpu(1)
+    assert r.transfer_us == approx(
+        A.host_link_latency_us + link / (GPU.host_link_bw * A.host_link_efficiency) * 1e6 + GPU.nvme_latency_us
+        + misses / (GPU.nvme_iops_per_server / 8) * 1e6 + A.nvme_step_overhead_us
+        + misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8) * 1e6)
 
 
 def test_nvme_without_misses_costs_only_the_link():
@@ -242,6 +258,12 @@ def test_batch_search_takes_the_best_throughput_above_the_floor(floor):
     else:  # none does: the most interactive one, flagged
         assert not r.meets_interactivity and r.batch == 1
     assert r.interactivity == approx(figures[r.batch][0])
+
+
+def test_batch_search_tries_every_power_of_two():
+    floor = fixed_batch("dram", 64)[0]  # exactly what batch 64 gets: no larger batch meets it
+    r = run("dram", 1, context=4096, min_interactivity=floor)
+    assert r.max_concurrent_seqs > 128 and r.batch == 64 and r.meets_interactivity
 
 
 def test_batch_search_ends_at_the_kv_limit():
