@@ -60,3 +60,8 @@ def test_windows_are_the_share_of_layers_before_the_first_engram_layer():
     flops = 2 * 3e9 * 8192 / 2  # prefill counts the prefill active parameters
     assert prefill_window_us(MODEL, GPU, 2, 8192, A) == approx(
         flops / (1e15 * A.flops_efficiency) * 1e6 * first / 30)
+
+
+def test_prefill_window_uses_the_models_compute_precision():
+    fp8 = dataclasses.replace(MODEL, compute_precision="fp8")
+    assert prefill_window_us(fp8, GPU, 1, 4096, A) == approx(prefill_window_us(MODEL, GPU, 1, 4096, A) / 2)
