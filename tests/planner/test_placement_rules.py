@@ -325,3 +325,11 @@ def test_a_result_converts_to_a_plain_dict():
     d = r.to_dict()
     assert d["name"] == "dram" and d["batch"] == 2 and d["why_not"] == r.why_not
     assert d["predicted_stall_us"] == r.predicted_stall_us and d["fits"] is True
+
+
+def test_evaluate_all_passes_the_assumptions_on():
+    a = dataclasses.replace(A, min_kv_fraction=0.9)  # nothing can leave 90% of HBM for KV
+    results = evaluate_all(MODEL, GPU, Workload(gpus=2, batch=1), a)
+    assert [r.fits for r in results] == [False] * 8
+    assert [r.to_dict() for r in results] == [evaluate(MODEL, GPU, n, t, Workload(gpus=2, batch=1), a).to_dict()
+                                              for n in PLACEMENTS for t in (1, 2)]
