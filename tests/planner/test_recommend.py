@@ -181,8 +181,12 @@ def test_the_per_dollar_objective_ranks_chooses_and_compares_by_dollars():
     fast = result("dram", 4, 200.0, tokens_per_dollar=2e5)
     assert picks([cheap, fast], "tokens-per-dollar")[0] == ("hbm", 8)
     # within 5% in dollars (not in tokens per GPU): the smaller TP
-    close = result("dram", 4, 1.0, tokens_per_dollar=9.6e9)
+    close = result("dram", 4, 1.0, tokens_per_dollar=8.6e9)
     assert picks([cheap, close], "tokens-per-dollar")[0] == ("dram", 4)
+    # no comparison with an option worth no tokens per dollar, however many tokens per GPU it makes
+    _, rec = picks([result("dram", 2, 1.0, tokens_per_dollar=1e6), result("hbm", 2, 1e3, tokens_per_dollar=0.0)],
+                   "tokens-per-dollar")
+    assert not any(r.startswith("Against") for r in rec.reasons)
     # equal in everything but the score: the higher score in dollars first
     a, b = result("dram", 2, 1.0, tokens_per_dollar=100.0), result("dram", 2, 50.0, tokens_per_dollar=96.0)
     assert picks([b, a], "tokens-per-dollar")[1].ranking == [a, b]
