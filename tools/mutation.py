@@ -108,7 +108,7 @@ def report(work: Path, module: str, seconds: float) -> int:
     survivors = sorted(n for n, s in statuses.items() if s not in KILLED and n not in unchecked)
     checked = len(statuses) - len(unchecked)
     print(f"\n{module}: {killed}/{checked} mutants killed ({100 * killed / max(checked, 1):.1f}%)"
-          f", {len(survivors)} survived, {len(unchecked)} not reached by a test, {seconds:.0f} s")
+          f", {len(survivors)} survived, {len(unchecked)} not reached by a test, {seconds:.0f} s", flush=True)
     for name, status in sorted(unchecked.items()):
         print(f"  {status}: {name}")
     for name in survivors:
