@@ -15,7 +15,7 @@ from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx
 from engram_offload.planner import Assumptions, Workload, smallest_feasible_tp
 from engram_offload.planner.mrc import mrc_from_trace
 from engram_offload.planner.perf import decode_step, decode_window_us, prefill_window_us
-from engram_offload.planner.placement import PLACEMENTS, evaluate, evaluate_all, tp_degrees
+from engram_offload.planner.placement import PLACEMENTS, PlacementResult, evaluate, evaluate_all, tp_degrees
 
 
 
@@ -303,6 +303,9 @@ def test_smallest_feasible_tp():
         assert smallest_feasible_tp(results, name) == (min(tps) if tps else None)
     assert fits["dram", 2] and not fits["dram", 1]  # 50 GiB: the weights alone leave too little at TP=1
     assert smallest_feasible_tp(results, "dram") == 2 and smallest_feasible_tp([], "dram") is None
+    mixed = [PlacementResult("hbm", 1, fits=True), PlacementResult("dram", 4, fits=True),
+             PlacementResult("dram", 2, fits=True), PlacementResult("dram", 1, fits=False)]
+    assert smallest_feasible_tp(mixed, "dram") == 2 and smallest_feasible_tp(mixed, "nvme") is None
 
 
 def test_unknown_placement_and_bad_workloads_are_refused():
