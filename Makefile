@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install
+.PHONY: demo test install mutation
 
 $(BIN)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,3 +22,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# Mutation testing of one core module against its own tests (docs/mutation.md); not in CI.
+#   make mutation MODULE=dedup        make mutation  (lists the modules)
+MODULE ?=
+WORKERS ?= 2
+$(BIN)/mutmut: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test,dev]'
+
+mutation: $(BIN)/mutmut
+	nice -n 19 $(BIN)/python tools/mutation.py $(MODULE) --workers $(WORKERS)

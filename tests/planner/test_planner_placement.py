@@ -76,11 +76,22 @@ def test_all_fp8_weights_would_not_fit_b300_at_tp2():
 def test_every_preset_model_and_gpu_gets_an_answer(model, gpu):
     plan = plan_for(model, gpu)
     d = plan.to_dict()
-    assert {p["name"] for p in d["placements"]} == {"hbm", "dram", "nvme", "remote"}
+    m, g, a = plan.model, plan.gpu, plan.assumptions
+    assert [(p["name"], p["tp"]) for p in d["placements"]] == [
+        (name, tp) for name in ("hbm", "dram", "nvme", "remote") for tp in (1, 2, 4, 8)]
     for p in d["placements"]:
-        for key in ("name", "tp", "fits", "hbm_free_bytes", "max_concurrent_seqs", "predicted_stall_us"):
-            assert key in p
-        assert p["predicted_stall_us"] >= 0
+        tp = p["tp"]
+        table_in_hbm = m.engram.table_bytes / tp if p["name"] == "hbm" else 0.0
+        free = max(0.0, a.gpu_memory_utilization * g.hbm_bytes - m.weight_bytes / tp - table_in_hbm
+                   - a.runtime_overhead_bytes)
+        assert p["hbm_free_bytes"] == pytest.approx(free)
+        assert p["kv_fraction"] == pytest.approx(free / g.hbm_bytes)  # of all HBM, not of the usable share
+        kv_per_seq = 32768 * m.kv_bytes_per_token / (1 if m.kv_replicated_across_tp else tp)
+        assert p["max_concurrent_seqs"] == int(free // kv_per_seq)
+        assert p["fits"] == (not p["why_not"])
+        assert p["predicted_stall_us"] == pytest.approx(max(0.0, p["transfer_us"] - p["window_us"]))
+        if p["batch"]:
+            assert p["step_us"] == pytest.approx(1e6 / p["interactivity"])
     rec = d["recommendation"]
     assert rec["reasons"]
     if rec["placement"] is not None:

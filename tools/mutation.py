@@ -1,0 +1,144 @@
+"""Mutation testing of one core module against its own tests (mutmut 3).
+
+    python tools/mutation.py dedup            # mutate src/engram_offload/dedup.py, run tests/test_dedup.py
+    python tools/mutation.py planner/placement --workers 2
+    python tools/mutation.py --list           # the modules and the tests each runs
+
+Each module runs in its own scratch folder, ``.mutation/<module>/``: links to ``src`` and
+``tests`` and a ``pyproject.toml`` whose ``[tool.mutmut]`` table is the repository's plus
+this module's files and tests. mutmut copies them into ``mutants/`` there, mutates the
+module's functions, and runs for each mutant only the tests that call the mutated function.
+The script prints the score (killed / checked) and the diff of every mutant that survived.
+
+Build the C helpers first (``make install``): the native paths are the ones tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "src/engram_offload"
+SCRATCH = ROOT / ".mutation"
+
+# module -> (its source files under the package, the tests that are its own)
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "hashing": (["hashing.py"], ["tests/test_hashing.py"]),
+    "config": (["config.py"], ["tests/test_config.py"]),
+    "rows": (["rows.py"], ["tests/test_rows.py"]),
+    "layer": (["layer.py"], ["tests/test_layer.py"]),
+    "dedup": (["dedup.py"], ["tests/test_dedup.py"]),
+    "prefetch": (["prefetch.py"], ["tests/test_prefetch.py"]),
+    "table": (["table/format.py", "table/writer.py"], ["tests/table"]),
+    "tiers/base": (["tiers/base.py"], ["tests/tiers"]),
+    "cache/policy": (["cache/policy.py"], ["tests/cache/test_policy.py", "tests/cache/test_cache_index.py"]),
+    "cache/admission": (["cache/admission.py"],
+                        ["tests/cache/test_admission.py", "tests/cache/test_cache_index.py"]),
+    "cache/index": (["cache/index.py"], ["tests/cache/test_cache_index.py", "tests/cache/test_index.py"]),
+    "cache/row_cache": (["cache/row_cache.py"], ["tests/cache"]),
+    "cache/store": (["cache/store.py"], ["tests/cache"]),
+    "bench/metrics": (["bench/metrics.py"], ["tests/bench/test_metrics.py"]),
+    "planner/mrc": (["planner/mrc.py"], ["tests/planner/test_mrc.py"]),
+    "planner/perf": (["planner/perf.py"], ["tests/planner/test_perf.py", "tests/planner/test_placement_rules.py"]),
+    "planner/placement": (["planner/placement.py"],
+                          ["tests/planner/test_placement_rules.py", "tests/planner/test_planner_placement.py"]),
+    "planner/recommend": (["planner/recommend.py"], ["tests/planner/test_recommend.py"]),
+    "planner/plan": (["planner/plan.py"], ["tests/planner"]),
+}
+
+KILLED = {"killed", "caught by type check", "timeout", "segfault"}
+LINE = re.compile(r"^\s+(\S+): (.+)$")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str, list)):
+        return json.dumps(value)  # strings, numbers and lists of them read the same in TOML
+    raise TypeError(f"cannot write {value!r} as a [tool.mutmut] setting")
+
+
+def prepare(module: str, sources: list[str], tests: list[str]) -> Path:
+    """A fresh scratch folder for ``module`` with its mutmut settings; returns it."""
+    text = (ROOT / "pyproject.toml").read_text()
+    settings = dict(tomllib.loads(text).get("tool", {}).get("mutmut", {}))
+    settings["source_paths"] = ["src"]
+    settings["only_mutate"] = [f"{PACKAGE}/{s}" for s in sources]
+    settings["pytest_add_cli_args_test_selection"] = [t for t in tests if (ROOT / t).exists()]
+    # drop the repository's own [tool.mutmut] table; the scratch one replaces it
+    text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text)
+    text += "\n[tool.mutmut]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items())
+
+    work = SCRATCH / module.replace("/", ".")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "pyproject.toml").write_text(text)
+    (work / "src").symlink_to(ROOT / "src")
+    (work / "tests").symlink_to(ROOT / "tests")
+    shared = ROOT.parent / "shared"  # the test vectors, where tests/conftest.py looks for them
+    if shared.is_dir():
+        (work / "shared").symlink_to(shared)
+    return work
+
+
+def mutmut(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("mutmut")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    return subprocess.run([str(exe), *args], cwd=work, env=env, text=True, capture_output=True)
+
+
+def report(work: Path, module: str, seconds: float) -> int:
+    """Print the score and the survivors' diffs; returns the number of survivors."""
+    listing = mutmut(work, "results", "--all", "true")
+    statuses = dict(m.groups() for m in map(LINE.match, listing.stdout.splitlines()) if m)
+    if not statuses:
+        print(listing.stdout + listing.stderr)
+        raise SystemExit(f"mutmut reported no mutants for {module}")
+    killed = sum(s in KILLED for s in statuses.values())
+    unchecked = {n: s for n, s in statuses.items() if s in ("no tests", "not checked", "skipped")}
+    survivors = sorted(n for n, s in statuses.items() if s not in KILLED and n not in unchecked)
+    checked = len(statuses) - len(unchecked)
+    print(f"\n{module}: {killed}/{checked} mutants killed ({100 * killed / max(checked, 1):.1f}%)"
+          f", {len(survivors)} survived, {len(unchecked)} not reached by a test, {seconds:.0f} s", flush=True)
+    for name, status in sorted(unchecked.items()):
+        print(f"  {status}: {name}")
+    for name in survivors:
+        print(mutmut(work, "show", name).stdout.rstrip())
+    return len(survivors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("module", nargs="?", help="a module name from --list")
+    parser.add_argument("--workers", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--tests", nargs="+", help="test files or folders to run instead of the module's own")
+    parser.add_argument("--list", action="store_true", help="list the modules and their tests")
+    args = parser.parse_args(argv)
+    if args.list or not args.module:
+        for name, (sources, tests) in MODULES.items():
+            print(f"{name:20} {' '.join(sources):38} {' '.join(tests)}")
+        return 0
+    if args.module not in MODULES:
+        parser.error(f"unknown module {args.module!r}; choose one of: {', '.join(MODULES)}")
+    sources, tests = MODULES[args.module]
+    work = prepare(args.module, sources, args.tests or tests)
+    start = time.monotonic()
+    run = mutmut(work, "run", "--max-children", str(args.workers))
+    if run.returncode != 0:
+        print(run.stdout[-4000:] + run.stderr[-4000:])
+        raise SystemExit(f"mutmut run failed for {args.module} (exit {run.returncode}); its files are in {work}")
+    report(work, args.module, time.monotonic() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
