@@ -200,7 +200,7 @@ class TableWriter:
         self.rows_written += n
         if len(self._pending):
             raw = np.concatenate([self._pending, raw])
-        rpp, rb, page = self.layout.rows_per_page, self.config.row_bytes, self.layout.page_bytes
+        rpp = self.layout.rows_per_page
         full = len(raw) // rpp
         if full:
             self._write_pages(raw[: full * rpp], full)

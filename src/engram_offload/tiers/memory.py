@@ -194,7 +194,7 @@ def load_dense_rows(
     (``ChecksumError`` naming the block); False checks nothing.
     """
     layout = header.layout
-    rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
+    rb, page = layout.row_bytes, layout.page_bytes
     nbytes = layout.num_rows * rb
     mm = mmap.mmap(-1, max(mmap.PAGESIZE, nbytes))
     huge = madvise_quietly(mm, "MADV_HUGEPAGE")

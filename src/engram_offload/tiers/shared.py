@@ -31,6 +31,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +43,9 @@ import xxhash
 from ..errors import TierError
 from ..table.format import TableHeader
 from ..table.progress import byte_progress
+from ..table.verify import BlockStreamChecker
 from .base import Tier
-from .memory import LOAD_CHUNK_BYTES, MemoryTier, _BlockChecker, check_free_memory
+from .memory import LOAD_CHUNK_BYTES, MemoryTier, check_free_memory
 
 __all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name", "table_fingerprint"]
 
@@ -125,7 +127,7 @@ def _fill_rows(header: TableHeader, dense: np.ndarray, verify: bool, progress: b
     layout = header.layout
     rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
     chunk_pages = max(1, LOAD_CHUNK_BYTES // page)
-    checker = _BlockChecker(header) if verify else None
+    checker = BlockStreamChecker(header) if verify else None
     row = 0
     # staging in its own mapping, unmapped at the end: a heap buffer this large stays resident after
     # it is freed (malloc's mmap threshold adapts), a chunk of private memory in the loader for good
@@ -212,6 +214,7 @@ class SharedTier(MemoryTier):
     def __init__(self, header: TableHeader, *, segment: str | None = None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
                  verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
         Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
+        started = time.perf_counter()
         directory = Path(shm_dir)
         if segment is not None and (not segment or Path(segment).name != segment or segment.startswith(".")):
             raise ValueError(f"segment must be a plain file name (no folders), got {segment!r}")
@@ -241,6 +244,8 @@ class SharedTier(MemoryTier):
         self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
         self.verify_reads = verify_reads
         self.huge_pages = False  # tmpfs pages
+        self.load_seconds = time.perf_counter() - started  # loading the segment, or attaching to it
+        self.verified_on_load = self.loaded and verify_reads  # this process checked the blocks
 
     def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
         """A ready segment must hold this table: same fingerprint, same size."""
