@@ -213,7 +213,7 @@ class TableWriter:
         else:
             packed = np.zeros((pages, page), np.uint8)  # [pages, page_bytes]
             packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
-        data = memoryview(packed).cast("B")
+        data = memoryview(packed).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
         if self.layout.has_page_sums:
             self._page_sums.append(page_sums(data, page))
         self._sink.write(data)
