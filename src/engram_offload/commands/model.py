@@ -7,9 +7,13 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..units import non_negative_int, positive_int, size_arg
 from . import UsageError
+
+if TYPE_CHECKING:
+    from ..model.skip import SkipPoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -185,19 +189,21 @@ def cmd_scan(args: argparse.Namespace) -> int:
     read = result.read_rows
     counts, gates = result.counts[read], result.mean_gates[read]
     steady = counts >= args.min_reads
+    correlation = rank_correlation(gates, counts)
+    top = top_rows(model, result, load_tokenizer(), args.top, args.min_reads)
     summary = {
         "model": str(model_dir), "tokens": result.evaluation.tokens, "reads": int(result.counts.sum()),
         "rows_read": int(read.size), "table_rows": result.config_rows,
-        "spearman_gate_vs_reads": rank_correlation(gates, counts),
+        "spearman_gate_vs_reads": correlation,
         f"spearman_gate_vs_reads_min{args.min_reads}": rank_correlation(gates[steady], counts[steady]),
         "mean_gate": float(result.gate_sums.sum() / max(1, result.counts.sum())),
         "rows_serving_one_ngram": float((result.distinct_ngrams[read] == 1).mean()),
-        "top": top_rows(model, result, load_tokenizer(), args.top, args.min_reads),
+        "top": top,
     }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     if args.plot:
-        plot_scan(result, args.plot, summary["spearman_gate_vs_reads"])
+        plot_scan(result, args.plot, correlation)
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
         return 0
@@ -206,7 +212,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     print(f"{summary['rows_serving_one_ngram']:.1%} of the rows read served a single n-gram (the rest collide)")
     print(f"Spearman(mean gate, reads) = {summary['spearman_gate_vs_reads']:+.3f} over every row read; "
           f"{summary[f'spearman_gate_vs_reads_min{args.min_reads}']:+.3f} over rows read >= {args.min_reads} times")
-    for name, rows in summary["top"].items():
+    for name, rows in top.items():
         print(f"\ntop n-grams {name.replace('_', ' ')}:")
         for r in rows:
             print(f"  L{r['layer']} n={r['order']} h{r['head']}  gate {r['mean_gate']:.3f}  reads {r['reads']:>6,}  "
@@ -269,7 +275,7 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_skip(curve: list[dict], baseline: list[dict], path: str) -> None:
+def _plot_skip(curve: list[SkipPoint], baseline: list[SkipPoint], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -129,7 +129,7 @@ def _convert_config(args: argparse.Namespace) -> EngramConfig:
         config = EngramConfig(
             layer_ids=tuple(layer_ids),
             max_ngram_size=args.max_ngram_size, n_heads=args.n_heads, head_dim=args.head_dim,
-            prime_starts=tuple(starts) if len(starts) > 1 else starts[0],
+            prime_starts=tuple(starts) if len(starts) > 1 else (starts[0],) * (args.max_ngram_size - 1),
             row_format=args.row_format or "fp32",
         )
     elif (Path(args.checkpoint) / "config.json").exists():

@@ -73,7 +73,7 @@ def compare_policies(trace_ids: np.ndarray, trace_gates: np.ndarray, num_rows: i
                      policies: dict[str, Callable[[int], EvictionPolicy]],
                      fractions: tuple[float, ...] = (0.01, 0.05, 0.10, 0.20)) -> list[dict[str, float | str]]:
     """One row per (cache size as a fraction of the table, policy)."""
-    out = []
+    out: list[dict[str, float | str]] = []
     for fraction in fractions:
         capacity = max(1, int(round(num_rows * fraction)))
         for name, make in policies.items():

@@ -135,7 +135,7 @@ def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     shards = (_backbone_tensors(model), _engram_tensors(model, tables))
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     total = 0
     for shard, tensors in zip(SHARDS, shards):
         tmp = root / (shard + ".tmp")

@@ -50,7 +50,7 @@ def corpus_files(roots: Iterable[str | Path] | None = None) -> list[CorpusFile]:
     files); a given root by its folder name (its ``.py``, ``.txt`` and ``.rst`` files).
     """
     if roots is None:
-        pairs = [(Path(sysconfig.get_paths()["stdlib"]), "stdlib", (".py",))]
+        pairs: list[tuple[Path, str, tuple[str, ...]]] = [(Path(sysconfig.get_paths()["stdlib"]), "stdlib", (".py",))]
         if DOCS_ROOT.is_dir():
             pairs.append((DOCS_ROOT, "docs", (".txt",)))
     else:

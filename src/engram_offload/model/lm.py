@@ -13,7 +13,7 @@ default, each layer's own fp8 table (as loaded from a checkpoint).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ class EngramLM(nn.Module):
     ``table=False`` builds the Engram layers without their fp8 tables (rows come from outside).
     """
 
+    vocab_ids: torch.Tensor  # buffer, int64 [K]
+    model_id_of: torch.Tensor  # buffer, int64 [DeepSeek vocabulary]: model id of each DeepSeek id
+
     def __init__(self, config: EngramConfig, vocab_ids: torch.Tensor, token_map: np.ndarray,
                  num_layers: int, attention_heads: int, *, table: bool = True) -> None:
         super().__init__()
@@ -94,8 +97,18 @@ class EngramLM(nn.Module):
         self.head = nn.Linear(d, self.vocab_size, bias=False)
         self.num_layers, self.attention_heads = num_layers, attention_heads
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (``nn.ModuleList`` items are plain ``Module``)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
     def engram_layers(self) -> dict[int, ProbedEngramLayer]:
-        return {i: self.layers[i].engram for i in self.config.layer_ids}
+        layers = self.decoder_layers()
+        out: dict[int, ProbedEngramLayer] = {}
+        for i in self.config.layer_ids:
+            engram = layers[i].engram
+            assert engram is not None, f"layer {i} is in config.layer_ids, so it has an Engram layer"
+            out[i] = engram
+        return out
 
     def to_model_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """DeepSeek ids ``[B, T]`` -> model ids ``[B, T]`` (0 for tokens outside the vocabulary)."""
@@ -116,7 +129,7 @@ class EngramLM(nn.Module):
             row_ids = self.row_ids(input_ids)
         hc = self.config.hc_mult
         h = self.embed(self.to_model_ids(input_ids)).unsqueeze(2).expand(-1, -1, hc, -1)  # [B, T, hc, D]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             if layer.engram is not None:
                 ids = row_ids[:, :, self.config.layer_ids.index(i)]  # [B, T, C]
                 rows = rows_for(i, ids) if rows_for is not None else layer.engram.lookup(ids)
@@ -132,4 +145,9 @@ class EngramLM(nn.Module):
 
     def gates(self) -> dict[int, torch.Tensor]:
         """The gates of the last forward, per Engram layer id: ``[B, T, hc]``."""
-        return {i: e.last_gate for i, e in self.engram_layers().items()}
+        out: dict[int, torch.Tensor] = {}
+        for i, e in self.engram_layers().items():
+            if e.last_gate is None:
+                raise RuntimeError(f"Engram layer {i} has no gates yet: run a forward before reading gates()")
+            out[i] = e.last_gate
+        return out

@@ -63,7 +63,6 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
         b, t = inputs.shape
         gates = np.stack([model.gates()[i].mean(-1).numpy() for i in c.layer_ids], axis=2)  # [B, T, L]
         flat = row_ids.numpy() + bases[:, None]  # [B, T, L, C]
-        cols = flat.shape[-1]
         per_read = np.broadcast_to(gates[..., None], flat.shape)  # [B, T, L, C]
         counts[:] += np.bincount(flat.reshape(-1), minlength=rows)
         gate_sums[:] += np.bincount(flat.reshape(-1), weights=per_read.reshape(-1).astype(np.float64), minlength=rows)

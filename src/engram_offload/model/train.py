@@ -105,21 +105,20 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
     token_map = cached_token_map()
     config = EngramConfig(
         layer_ids=s.engram_layers, max_ngram_size=s.max_ngram, n_heads=s.engram_heads, head_dim=s.head_dim,
-        prime_starts=s.prime_start, pad_id=2, hidden_size=s.hidden, hc_mult=s.hc_mult, variant="v4.1",
+        prime_starts=(s.prime_start,) * (s.max_ngram - 1), pad_id=2, hidden_size=s.hidden, hc_mult=s.hc_mult, variant="v4.1",
         row_format="fp8_e4m3_ue8m0", rms_norm_eps=1e-6, compressed_vocab_size=int(token_map.max()) + 1,
     )
     model = EngramLM(config, model_vocabulary(train_seqs, s.vocab), token_map, s.layers, s.attention_heads,
                      table=False)
-    tables = nn.ModuleDict({str(i): nn.Embedding(config.rows_per_layer[i], s.head_dim, sparse=True)
-                            for i in config.layer_ids})
+    tables = {i: nn.Embedding(config.rows_per_layer[i], s.head_dim, sparse=True) for i in config.layer_ids}
     for table in tables.values():
         nn.init.normal_(table.weight, std=s.table_init_std)
     dense = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
-    sparse = torch.optim.SparseAdam(list(tables.parameters()), lr=s.table_lr)
+    sparse = torch.optim.SparseAdam([table.weight for table in tables.values()], lr=s.table_lr)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in (dense, sparse)]
 
     def rows_for(layer_id: int, ids: torch.Tensor) -> torch.Tensor:
-        return tables[str(layer_id)](ids)  # [B, T, C, d]
+        return tables[layer_id](ids)  # [B, T, C, d]
 
     g = torch.Generator().manual_seed(s.seed)
     history: list[dict[str, float]] = []
@@ -148,7 +147,7 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
     seconds = time.perf_counter() - started
     meta = {"settings": _jsonable(asdict(s)), "train_tokens": int(stream.numel()),
             "train_files": len(train_files), "held_out_files": len(held_files), "history": history}
-    path = save_model(model, {i: tables[str(i)].weight for i in config.layer_ids}, out, extra=meta)
+    path = save_model(model, {i: tables[i].weight for i in config.layer_ids}, out, extra=meta)
     return TrainResult(path, history, int(stream.numel()), seconds)
 
 

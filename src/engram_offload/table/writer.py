@@ -200,7 +200,7 @@ class TableWriter:
         self.rows_written += n
         if len(self._pending):
             raw = np.concatenate([self._pending, raw])
-        rpp, rb, page = self.layout.rows_per_page, self.config.row_bytes, self.layout.page_bytes
+        rpp = self.layout.rows_per_page
         full = len(raw) // rpp
         if full:
             self._write_pages(raw[: full * rpp], full)
@@ -213,7 +213,7 @@ class TableWriter:
         else:
             packed = np.zeros((pages, page), np.uint8)  # [pages, page_bytes]
             packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
-        data = memoryview(packed).cast("B")
+        data = memoryview(packed).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
         if self.layout.has_page_sums:
             self._page_sums.append(page_sums(data, page))
         self._sink.write(data)

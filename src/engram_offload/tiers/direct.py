@@ -117,7 +117,7 @@ class ThreadEngine:
             (offsets[a:b].tolist(), lengths[a:b].tolist(), dest_offsets[a:b].tolist())
             for a, b in zip(bounds[:-1], bounds[1:])
         ]
-        view = memoryview(dest)
+        view = memoryview(dest)  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
         if parts == 1:
             self._run(*jobs[0], view)
             return
@@ -330,7 +330,7 @@ class DirectTier(Tier):
         self._read_spans(np.array([start], np.int64), np.array([end - start], np.int64),
                          self._block_buf, np.zeros(1, np.int64))
         self._count(reads=1, bytes_read=end - start)
-        return memoryview(self._block_buf)[: end - start]
+        return memoryview(self._block_buf)[: end - start]  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         layout = self.layout

@@ -75,7 +75,8 @@ def _open_for_load(path) -> int:
         return os.open(path, os.O_RDONLY)
     probe = aligned_empty(PAGE_BYTES)
     try:
-        os.preadv(fd, [probe], 0)  # some file systems take O_DIRECT at open and refuse it at read
+        # some file systems take O_DIRECT at open and refuse it at read
+        os.preadv(fd, [probe], 0)  # type: ignore[list-item]  # NumPy's stubs lack __buffer__
     except OSError as exc:
         os.close(fd)
         if exc.errno != errno.EINVAL:
@@ -88,7 +89,7 @@ def _read_fully(fd: int, view: np.ndarray, offset: int, path) -> None:
     done = 0
     while done < len(view):
         try:
-            got = os.preadv(fd, [view[done:]], offset + done)
+            got = os.preadv(fd, [view[done:]], offset + done)  # type: ignore[list-item]  # NumPy's stubs lack __buffer__
         except OSError as exc:
             raise TierError(f"{path}: reading {len(view) - done} bytes at offset {offset + done} while "
                             f"loading failed: {exc.strerror or exc}") from exc
@@ -224,7 +225,7 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
                 if check_pages:
                     _check_loaded_pages(header, fd, first, view)
                 if checker is not None:
-                    checker.feed(memoryview(view))
+                    checker.feed(memoryview(view))  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
                 _compact(view, first, pages, layout, dense)
                 reader.release(buf)
                 advance(len(view))
@@ -270,6 +271,7 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
+    _mm: mmap.mmap | None  # the mapping behind the rows; None once released (or pinned elsewhere)
 
     def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
                  check_memory: bool = True) -> None:

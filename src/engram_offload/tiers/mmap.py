@@ -90,7 +90,8 @@ class MmapTier(Tier):
             if _safecopy.copy_spans(self._bytes.data_ptr(), self.layout.file_bytes, offsets, lengths, dest, dests):
                 raise self._changed("shrank during a read (SIGBUS caught)")
             return
-        view = memoryview(dest).cast("B")  # bytes, whatever dest's shape
+        # bytes, whatever dest's shape
+        view = memoryview(dest).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
         for off, length, d in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
             if os.preadv(self._fd, [view[d: d + length]], off) != length:
                 raise self._changed("ended early during a read")
@@ -121,7 +122,7 @@ class MmapTier(Tier):
 
         def reread(bad: np.ndarray) -> None:  # from the file, not the mapping
             self._count(page_rereads=len(bad))
-            view = memoryview(buf)
+            view = memoryview(buf)  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
             for start, d in zip(plan.starts[bad].tolist(), plan.dests[bad].tolist()):
                 if os.preadv(self._fd, [view[d: d + page]], start) != page:
                     raise self._changed("ended early during a read")

@@ -30,6 +30,7 @@ class PinnedTier(MemoryTier):
         if self.pinned:
             self._rows = self._rows.pin_memory()
             mm, self._mm = self._mm, None
+            assert mm is not None, "MemoryTier.__init__ left the rows' mapping in _mm"
             try:
                 mm.close()
             except BufferError:

@@ -29,9 +29,9 @@ import contextlib
 import fcntl
 import mmap
 import os
-import time
 import shutil
 import struct
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +173,7 @@ class SharedTier(MemoryTier):
     def __init__(self, header: TableHeader, *, segment: str | None = None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
                  verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
         Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
+        started = time.perf_counter()
         directory = Path(shm_dir)
         if segment is not None and (not segment or Path(segment).name != segment or segment.startswith(".")):
             raise ValueError(f"segment must be a plain file name (no folders), got {segment!r}")
@@ -183,7 +184,6 @@ class SharedTier(MemoryTier):
         self.fingerprint = table_fingerprint(header)
         nbytes = _data_bytes(header)
         self.loaded = False
-        self.load_seconds = 0.0  # an attach loads nothing
         with _election(self.segment.with_name(self.segment.name + ".lock")):
             found = _read_head(self.segment)
             if found is not None and found[0] != READY:  # its loader died: the lock was free
@@ -191,9 +191,7 @@ class SharedTier(MemoryTier):
                 found = None
             if found is None:
                 _check_space(header, directory, check_memory)
-                started = time.perf_counter()
                 _load(header, self.segment, self.fingerprint, verify_reads, progress)
-                self.load_seconds = time.perf_counter() - started
                 self.loaded = True
             else:
                 self._check_segment(*found)
@@ -204,8 +202,9 @@ class SharedTier(MemoryTier):
                 else torch.empty(0, dtype=torch.uint8)
         self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
         self.verify_reads = verify_reads
-        self.verified_on_load = self.loaded and (header.page_sums is not None or verify_reads)
+        self.verified_on_load = self.loaded and (header.page_sums is not None or verify_reads)  # by this process
         self.huge_pages = False  # tmpfs pages
+        self.load_seconds = time.perf_counter() - started  # loading the segment, or attaching to it
 
     def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
         """A ready segment must hold this table: same fingerprint, same size."""
