@@ -576,17 +576,19 @@ def open_table(
         header = read_header(path)
         opened = open_tier(tier, header, **options)
     try:
-        shard_size = None if columns is None else shard_rows(header.config, columns).num_rows
+        rb, shard_size = header.layout.row_bytes, None
+        if columns is not None:  # a shard never asks for more rows than it owns
+            shard_size = shard_rows(header.config, columns).num_rows
+            cache_bytes = capped_bytes(int(cache_bytes or 0), rb, shard_size)
+            fast_cache_bytes = capped_bytes(int(fast_cache_bytes), rb, shard_size)
         device_rows = None
         if device is not None:
             device_rows = _device_rows(opened, header, torch.device(device), sync or make_sync(device),
                                        cache_bytes=int(cache_bytes or 0), fast_cache_bytes=int(fast_cache_bytes),
-                                       policy=policy, admission=bool(admission), staging_bytes=staging_bytes,
-                                       cache_rows=shard_size)
+                                       policy=policy, admission=bool(admission), staging_bytes=staging_bytes)
             fast_cache_bytes = 0  # the HBM level is the fast one
-        levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
-                              fast_cache_bytes=int(fast_cache_bytes), admission=admission,
-                              num_rows=header.layout.num_rows if shard_size is None else shard_size)
+        levels = build_levels(rb, int(cache_bytes or 0), policy, fast_cache_bytes=int(fast_cache_bytes),
+                              admission=admission, num_rows=header.layout.num_rows)
     except BaseException:
         opened.close()
         raise
@@ -613,9 +615,8 @@ def _connect(path: str | os.PathLike[str], tier: str, row_server: str | os.PathL
 
 def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, sync: DeviceSync, *,
                  cache_bytes: int, fast_cache_bytes: int, policy: str, admission: bool,
-                 staging_bytes: int, cache_rows: int | None = None) -> DeviceRows:
-    """The device branch of a store: the HBM level, and the table in place or a staging ring.
-    ``cache_rows``: the most rows the store can ever ask for (a column shard's), else the table's."""
+                 staging_bytes: int) -> DeviceRows:
+    """The device branch of a store: the HBM level, and the table in place or a staging ring."""
     num_rows, row_bytes = header.layout.num_rows, header.layout.row_bytes
     table = None
     if isinstance(tier, MemoryTier):
@@ -625,7 +626,7 @@ def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, syn
         table = DeviceTable(tier.rows, device)
     hbm = None
     if fast_cache_bytes:
-        capacity = capped_bytes(fast_cache_bytes, row_bytes, num_rows if cache_rows is None else cache_rows) // row_bytes
+        capacity = capped_bytes(fast_cache_bytes, row_bytes, num_rows) // row_bytes
         sketch = FrequencySketch(max(256, 4 * capacity)) if admission else None
         try:
             hbm = HbmRowCache(table.table if table is not None else None, capacity, device=device, policy=policy,
