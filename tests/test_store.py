@@ -200,10 +200,11 @@ def test_a_sharded_store_serves_its_columns_rows_and_refuses_others(v41_table, t
                     assert torch.equal(lease.raw, raw[torch.from_numpy(unique)])
                 others = np.setdiff1d(np.arange(config.num_rows), span)
                 outside = int(rng.choice(others))
-                for ask in (lambda: store.gather([span[0], outside]), lambda: store.read_raw([outside]),
-                            lambda: store.fetch(np.sort([span[0], outside]))):
+                asks = ((store.gather, [span[0], outside]), (store.read_raw, [outside]),
+                        (store.fetch, np.sort([span[0], outside])))
+                for method, asked in asks:
                     with pytest.raises(IndexError, match=rf"row {outside} .*columns \[{columns[0]}, {columns[1]}\)"):
-                        ask()
+                        method(asked)
                 for level in store.levels:  # the caches: sized for the shard, holding its rows only
                     assert level.capacity <= owned.num_rows and level.pinned() == 0
                     assert all(int(i) in level for i in unique) and not any(int(i) in level for i in others[:200])
