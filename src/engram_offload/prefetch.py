@@ -70,7 +70,7 @@ Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.uniq
 
 class Outputs:
     """One set of per-layer output buffers on the device, ``[T_max, C, head_dim]`` each (``C``:
-    the rank's columns),
+    the columns fetched),
     reused from step to step (fixed addresses while ``T_max`` suffices)."""
 
     def __init__(self, name: str, sync: DeviceSync, shape: tuple[int, int], layers: int,
@@ -255,9 +255,10 @@ class Step:
 
     # ------------------------------------------------------------------ the consumer's side
     def rows(self, layer_id: int, timeout: float | None = None) -> torch.Tensor:
-        """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]`` (``C``: the columns fetched), waiting for its part if
-        needed (the wait is recorded as stall). Raises ``PrefetchError`` (cause attached),
-        ``StepCancelled``, or ``TimeoutError`` after ``timeout`` seconds."""
+        """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]`` (``C``: the columns fetched),
+        waiting for its part if needed (the wait is recorded as stall). Raises
+        ``PrefetchError`` (cause attached), ``StepCancelled``, or ``TimeoutError`` after
+        ``timeout`` seconds."""
         if layer_id not in self.layer_ids:
             raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(self.layer_ids)}")
         cached = self._layer_rows.get(layer_id)
@@ -513,8 +514,9 @@ class Prefetcher:
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
-        ``[T, C, head_dim]`` of ``dtype`` (``C``: the rank's columns); see ``Step.rows``. On a device they are a view of
-        an output buffer the next step reuses: read them before ``end_step``."""
+        ``[T, C, head_dim]`` of ``dtype`` (``C``: the rank's columns); see ``Step.rows``. On a
+        device they are a view of an output buffer the next step reuses: read them before
+        ``end_step``."""
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
