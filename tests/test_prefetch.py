@@ -13,6 +13,7 @@ from engram_offload.config import EngramConfig
 from engram_offload.errors import TierError
 from engram_offload.hashing import NgramHasher
 from engram_offload.prefetch import Prefetcher, PrefetchError, StepCancelled
+from engram_offload.sharding import shard_columns, shard_rows
 
 CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32,
                       prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")
@@ -337,3 +338,75 @@ def test_a_device_prefetcher_needs_the_store_to_deliver_to_its_device(table, has
     with open_table(table, "mmap") as store:
         with pytest.raises(ValueError, match="open_table"):
             Prefetcher(store, hasher, device="meta")
+
+
+# ---------------------------------------------------------------------- column shards (tensor parallelism)
+def shard_table(tmp_path, n_heads: int, max_ngram_size: int):
+    """A table of ``(max_ngram_size - 1) * n_heads`` columns a layer, and its config."""
+    config = EngramConfig(layer_ids=(1, 3), max_ngram_size=max_ngram_size, n_heads=n_heads, head_dim=32,
+                          prime_starts=(200,) * (max_ngram_size - 1), row_format="bf16")
+    return write_table(tmp_path / "c.tbl", config, torch.randn(config.num_rows, config.head_dim)), config
+
+
+def sharded_steps(rng: np.random.Generator, sequences: int = 3, tokens: int = 12) -> list[list[np.ndarray]]:
+    """Pieces of each step: a prefill of uneven lengths, then decode tokens."""
+    ids = rng.integers(0, VOCAB, size=(sequences, tokens))
+    return [[ids[0, :5], ids[1, :3], ids[2, :6]], [ids[0, 5:8], ids[1, 3:4], ids[2, 6:7]],
+            *[[ids[i, t: t + 1] for i in range(sequences)] for t in range(8, tokens)]]
+
+
+SHARD_STORES = [
+    pytest.param("store", "mmap", {"cache_bytes": 200 * 64}, id="mmap+cache with columns"),
+    pytest.param("store", "direct", {"engine": "threads"}, id="direct with columns"),
+    pytest.param("prefetcher", "memory", {}, id="memory, columns on the Prefetcher"),
+    pytest.param("device", "mmap", {}, id="device mmap with columns"),
+]
+
+
+@pytest.mark.parametrize("where, tier, options", SHARD_STORES)
+@pytest.mark.parametrize("n_heads, max_ngram_size, world", [(7, 2, 2), (7, 2, 4), (3, 3, 4)],
+                         ids=["C7 tp2: 4+3", "C7 tp4: 2+2+2+1", "C6 tp4: 2+2+2+0"])
+def test_each_ranks_rows_are_its_column_slice_of_the_unsharded_rows(tmp_path, where, tier, options, n_heads,
+                                                                    max_ngram_size, world):
+    from engram_offload.gpu import TracingSync
+
+    path, config = shard_table(tmp_path, n_heads, max_ngram_size)
+    token_map = np.arange(VOCAB, dtype=np.int64) % 700
+    steps = sharded_steps(np.random.default_rng(world))
+    seqs = [1, 2, 3]
+    with open_table(path, "mmap") as whole, Prefetcher(whole, NgramHasher(config, token_map)) as reference:
+        want = []  # per step, per layer: [T, C, d]
+        for pieces in steps:
+            reference.begin_step(seqs, pieces)
+            want.append([reference.rows(layer, timeout=10) for layer in config.layer_ids])
+            reference.end_step()
+        for rank in range(world):
+            columns = shard_columns(config, rank, world)
+            on_store = columns if where != "prefetcher" else None
+            device = {"device": "cpu", "sync": TracingSync()} if where == "device" else {}
+            with open_table(path, tier, columns=on_store, **device, **options) as store, \
+                    Prefetcher(store, NgramHasher(config, token_map), split_min_rows=1,
+                               columns=None if on_store else columns) as pf:
+                assert pf.columns == columns
+                for pieces, rows in zip(steps, want):
+                    step = pf.begin_step(seqs, pieces)
+                    for layer, full in reversed(list(zip(config.layer_ids, rows))):
+                        got = pf.rows(layer, timeout=10)  # [T, c1 - c0, d]
+                        assert got.shape == (full.shape[0], columns[1] - columns[0], config.head_dim)
+                        assert torch.equal(got, full[:, columns[0]: columns[1]]), (rank, layer)
+                    pf.end_step(step)
+                    assert step.dedup.unique.size == 0 or shard_rows(config, columns).contains(step.dedup.unique).all()
+                assert [lv.pinned() for lv in store.levels] == [0] * len(store.levels)
+
+
+def test_the_prefetcher_takes_the_stores_columns_and_refuses_others(table, hasher):
+    columns = shard_columns(CONFIG, 0, 2)
+    with open_table(table, "mmap", columns=columns) as store:
+        for given in (None, columns):
+            with Prefetcher(store, hasher, columns=given) as pf:
+                assert pf.columns == columns
+        with pytest.raises(ValueError, match="serves columns"):
+            Prefetcher(store, hasher, columns=shard_columns(CONFIG, 1, 2))
+    with open_table(table, "mmap") as store:
+        with pytest.raises(ValueError, match="columns must satisfy"):
+            Prefetcher(store, hasher, columns=(0, CONFIG.cols_per_layer + 1))

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from engram_offload.config import EngramConfig
 from engram_offload.hashing import NgramHasher
+from engram_offload.prefetch import Prefetcher
 from engram_offload.sharding import (
     assemble_columns, shard_columns, shard_ids, shard_rows, split_columns,
 )
@@ -149,3 +150,49 @@ def test_all_gathered_shards_equal_single_process_rows(tmp_path, world, max_ngra
     table = make_random_table(tmp_path / "t.table", config, seed=3, block_size=16384)
     expected = np.concatenate(list(random_rows(config, 3)))
     mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), str(table), expected), nprocs=world)
+
+
+def _prefetch_rank_main(rank: int, world: int, init_file: str, table: str) -> None:
+    """One rank: a Prefetcher over a store of its columns, several steps, each layer's rows
+    all-gathered and compared with this process's unsharded Prefetcher."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(9)  # the same tokens on every rank
+        tokens = rng.integers(0, 1000, (2, 10))
+        steps = [[tokens[0, :6], tokens[1, :4]], *[[tokens[0, t: t + 1], tokens[1, t: t + 1]] for t in range(6, 10)]]
+        with open_table(table, "mmap") as whole:
+            config = whole.config
+            columns = shard_columns(config, rank, world)
+            with open_table(table, "direct", columns=columns, cache_bytes=64 * config.row_bytes,
+                            engine="threads") as store, \
+                    Prefetcher(store, NgramHasher(config, np.arange(1000) % 700), split_min_rows=1) as pf, \
+                    Prefetcher(whole, NgramHasher(config, np.arange(1000) % 700)) as single:
+                for pieces in steps:
+                    pf.begin_step([4, 5], pieces)
+                    single.begin_step([4, 5], pieces)
+                    for layer in config.layer_ids:
+                        mine = pf.rows(layer, timeout=10)  # [T, c, d]
+                        full = assemble_columns(mine, config.cols_per_layer)  # [T, C, d]
+                        assert torch.equal(full, single.rows(layer, timeout=10)), (rank, layer)
+                    pf.end_step()
+                    single.end_step()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gathered_prefetcher_rows_equal_single_process_rows(tmp_path):
+    """Two ranks over C = 7 columns (4 + 3), each with a store and a Prefetcher of its columns."""
+    config = sharded_config(2, 7)
+    table = make_random_table(tmp_path / "t.table", config, seed=4, block_size=16384)
+    mp.spawn(_prefetch_rank_main, args=(2, str(tmp_path / "rendezvous"), str(table)), nprocs=2)
+
+
+def test_the_package_exports_the_sharding_helpers():
+    import engram_offload
+    from engram_offload import sharding
+
+    assert engram_offload.shard_columns is sharding.shard_columns
+    assert engram_offload.assemble_columns is sharding.assemble_columns
+    assert {"shard_columns", "assemble_columns"} <= set(engram_offload.__all__)

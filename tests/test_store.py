@@ -10,6 +10,7 @@ from engram_offload import open_table, write_table
 from engram_offload.config import EngramConfig
 from engram_offload.errors import TableFormatError
 from engram_offload.rows import decode_rows, encode_rows
+from engram_offload.sharding import shard_columns, shard_rows
 from engram_offload.store import TableStore
 
 
@@ -175,3 +176,48 @@ def test_a_device_store_decodes_like_the_host_store(v41_table):
         with pytest.raises(IndexError):
             dev.read_raw([config.num_rows])
         assert "hbm:4 rows" in repr(dev)
+
+
+# ---------------------------------------------------------------------- column shards
+@pytest.mark.parametrize("tier, options", [("memory", {}), ("mmap", {"cache_bytes": 1 << 20}),
+                                           ("direct", {"cache_bytes": 1 << 20, "engine": "threads"})])
+@pytest.mark.parametrize("world", [2, 5])  # C = 24: 12 + 12; 5 + 5 + 5 + 5 + 4 (the last rank fewer)
+def test_a_sharded_store_serves_its_columns_rows_and_refuses_others(v41_table, tier, options, world):
+    path, config, raw = v41_table
+    rng = np.random.default_rng(world)
+    with open_table(path, tier, **options) as whole:
+        for rank in range(world):
+            columns = shard_columns(config, rank, world)
+            owned = shard_rows(config, columns)
+            with open_table(path, tier, columns=columns, **options) as store:
+                assert store.columns == columns and store.stats()["columns"] == list(columns)
+                span = np.concatenate([np.arange(lo, hi) for lo, hi in owned.ranges])  # every row it owns
+                ids = rng.choice(span, (7, 9))  # [7, 9] with repeats
+                assert torch.equal(store.gather(ids), whole.gather(ids))
+                assert torch.equal(store.read_raw(ids), raw[torch.from_numpy(ids.reshape(-1))])
+                unique = np.unique(ids)
+                with store.fetch(unique) as lease:
+                    assert torch.equal(lease.raw, raw[torch.from_numpy(unique)])
+                others = np.setdiff1d(np.arange(config.num_rows), span)
+                outside = int(rng.choice(others))
+                asks = ((store.gather, [span[0], outside]), (store.read_raw, [outside]),
+                        (store.fetch, np.sort([span[0], outside])))
+                for method, asked in asks:
+                    with pytest.raises(IndexError, match=rf"row {outside} .*columns \[{columns[0]}, {columns[1]}\)"):
+                        method(asked)
+                for level in store.levels:  # the caches: sized for the shard, holding its rows only
+                    assert level.capacity <= owned.num_rows and level.pinned() == 0
+                    assert all(int(i) in level for i in unique) and not any(int(i) in level for i in others[:200])
+
+
+def test_a_sharded_stores_caches_are_capped_at_the_shard(v41_table):
+    path, config, _ = v41_table
+    columns = shard_columns(config, 1, 4)
+    with open_table(path, "mmap", cache_bytes=10 << 30, fast_cache_bytes=10 << 30, columns=columns) as store:
+        assert [lv.capacity for lv in store.levels] == [shard_rows(config, columns).num_rows] * 2
+
+
+def test_bad_columns_are_refused(v41_table):
+    path, config, _ = v41_table
+    with pytest.raises(ValueError, match="columns must satisfy"):
+        open_table(path, "mmap", columns=(3, config.cols_per_layer + 1))

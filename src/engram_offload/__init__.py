@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "cached_token_map": ".tokenizer",
     "Prefetcher": ".prefetch",
     "open_table": ".store",
+    "shard_columns": ".sharding",
+    "assemble_columns": ".sharding",
     "write_table": ".table.writer",
 }
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .layer import EngramLayer
     from .prefetch import Prefetcher
     from .rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+    from .sharding import assemble_columns, shard_columns
     from .store import open_table
     from .table.writer import write_table
     from .tokenizer import cached_token_map, compress_tokenizer

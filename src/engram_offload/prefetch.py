@@ -35,6 +35,14 @@ later steps (a failed part fails every part after it; layers already delivered s
 usable). A cancelled step raises ``StepCancelled``. Rows of a step stay pinned in the
 store's caches until ``end_step`` (or until the step is cancelled), so a prefetch for the
 next step can never evict rows this step still reads.
+
+Tensor parallelism: a rank that owns the columns ``[c0, c1)`` of every layer
+(``sharding.shard_columns``) hashes every column (an n-gram's hash needs the whole n-gram and
+costs little) but keeps, fetches and returns only its own: ``rows(layer)`` is
+``[T, c1 - c0, head_dim]``, and ``sharding.assemble_columns`` all-gathers the full rows. The
+columns come from the store (a store opened with ``columns=`` serves only their rows: the
+one source of truth); ``Prefetcher(..., columns=)`` is for a store that serves every row (a
+``shared`` table, a row server), and must match the store's columns when it has some.
 """
 
 from __future__ import annotations
@@ -47,13 +55,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .cache.lease import Lease
 from .dedup import Dedup, dedup
 from .errors import PrefetchError, StepCancelled
 from .gpu.kernels import gather_rows
 from .gpu.sync import FETCH, MAIN, DeviceSync
 from .hashing import NgramHasher, SequenceHistory
-from .store import RowStore
+from .sharding import Columns, check_columns, shard_ids
+from .store import RowLease, RowStore
 
 __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 
@@ -61,7 +69,8 @@ Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.uniq
 
 
 class Outputs:
-    """One set of per-layer output buffers on the device, ``[T_max, C, head_dim]`` each,
+    """One set of per-layer output buffers on the device, ``[T_max, C, head_dim]`` each (``C``:
+    the columns fetched),
     reused from step to step (fixed addresses while ``T_max`` suffices)."""
 
     def __init__(self, name: str, sync: DeviceSync, shape: tuple[int, int], layers: int,
@@ -119,7 +128,7 @@ class Step:
         self.number = number
         self.seq_ids = seq_ids
         self.lengths = lengths  # tokens per sequence, in seq_ids order
-        self.table_ids = table_ids  # int64 [T, L, C] flat table ids
+        self.table_ids = table_ids  # int64 [T, L, C] flat table ids (C: the rank's columns)
         self.dedup = d
         self.layer_ids = layer_ids
         self.parts = parts or [(0, int(d.unique.size), tuple(range(len(layer_ids))))]
@@ -135,7 +144,7 @@ class Step:
         self._errors: list[BaseException | None] = [None] * len(self.parts)
         self._delivered = [threading.Event() for _ in self.parts]
         self._done = threading.Event()
-        self._leases: list[Lease] = []
+        self._leases: list[RowLease] = []
         self._layer_rows: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._handed_out = 0
@@ -148,6 +157,11 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return int(self.table_ids.shape[0])
+
+    @property
+    def num_columns(self) -> int:
+        """Columns of each layer this step fetches (all of them, or a rank's)."""
+        return int(self.table_ids.shape[-1])
 
     @property
     def staged(self) -> torch.Tensor | None:
@@ -175,21 +189,20 @@ class Step:
 
     def layer_positions(self, li: int) -> torch.Tensor:
         """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``."""
-        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), -1)
+        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), self.num_columns)
         return inverse[:, li].reshape(-1) - self.parts[self._part_of[li]][0]
 
     def part_ids(self, p: int) -> tuple[np.ndarray, int]:
         """Distinct ids of part ``p`` and how many ids of the step they stand for."""
         lo, hi, lis = self.parts[p]
-        cols = int(self.table_ids.shape[-1])  # table_ids: [T, L, C]
-        return self.dedup.unique[lo:hi], self.num_tokens * cols * len(lis)
+        return self.dedup.unique[lo:hi], self.num_tokens * self.num_columns * len(lis)
 
     @property
     def skipping(self) -> bool:
         """Whether parts not fetched yet should be skipped (cancelled, or an earlier part failed)."""
         return self.cancelled or self.error is not None
 
-    def deliver(self, p: int, rows: torch.Tensor | None, lease: Lease, event: object = None) -> None:
+    def deliver(self, p: int, rows: torch.Tensor | None, lease: RowLease, event: object = None) -> None:
         """Part ``p``'s decoded rows ``[hi - lo, head_dim]`` (None on a device: its layers'
         outputs hold them after ``event``), pinned by ``lease``."""
         with self._lock:
@@ -242,9 +255,10 @@ class Step:
 
     # ------------------------------------------------------------------ the consumer's side
     def rows(self, layer_id: int, timeout: float | None = None) -> torch.Tensor:
-        """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]``, waiting for its part if
-        needed (the wait is recorded as stall). Raises ``PrefetchError`` (cause attached),
-        ``StepCancelled``, or ``TimeoutError`` after ``timeout`` seconds."""
+        """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]`` (``C``: the columns fetched),
+        waiting for its part if needed (the wait is recorded as stall). Raises
+        ``PrefetchError`` (cause attached), ``StepCancelled``, or ``TimeoutError`` after
+        ``timeout`` seconds."""
         if layer_id not in self.layer_ids:
             raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(self.layer_ids)}")
         cached = self._layer_rows.get(layer_id)
@@ -266,7 +280,7 @@ class Step:
         staged = self._rows[p]
         assert staged is not None
         index = self.layer_positions(li)  # [T*C] positions in this part
-        rows = staged.index_select(0, index.to(staged.device)).view(self.num_tokens, -1, staged.shape[1])
+        rows = staged.index_select(0, index.to(staged.device)).view(self.num_tokens, self.num_columns, staged.shape[1])
         self._layer_rows[layer_id] = rows  # [T, C, d]
         return rows
 
@@ -324,6 +338,9 @@ class Prefetcher:
     dequantized there on the fetch stream (see the module doc). Two worker threads serve
     steps in order, urgent ones first, and each step's parts in order; one of them serves
     only urgent steps. Use as a context manager or call ``close``.
+
+    ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
+    store's ``columns``, else every column); see the module doc.
     """
 
     def __init__(
@@ -335,6 +352,7 @@ class Prefetcher:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
         split_min_rows: int = 512,
+        columns: Columns | None = None,
     ) -> None:
         if store.config.num_rows != hasher.config.num_rows or store.config.layer_ids != hasher.config.layer_ids:
             raise ValueError(
@@ -344,6 +362,8 @@ class Prefetcher:
         self.store = store
         self.hasher = hasher
         self.config = hasher.config
+        self.columns = _columns(store, columns, self.config.cols_per_layer)
+        num_columns = self.config.cols_per_layer if self.columns is None else self.columns[1] - self.columns[0]
         self.history = history if history is not None else hasher.new_history()
         self.dtype = dtype
         self.split_min_rows = int(split_min_rows)
@@ -355,7 +375,7 @@ class Prefetcher:
                              "through pinned staging, never a pageable copy")
         self.sync = store.sync  # None: rows are on the host (or a fast cache's device) when fetched
         self._outputs = None if self.sync is None else _OutputPool(
-            self.sync, (self.config.cols_per_layer, self.config.head_dim), len(self.config.layer_ids), dtype,
+            self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
             self.device)
         self._cv = threading.Condition()
         self._urgent: deque[Step] = deque()  # steps whose rows are needed now
@@ -418,7 +438,7 @@ class Prefetcher:
                     self.failures += 1
                 step.fail(p, exc)
 
-    def _to_layer_outputs(self, step: Step, p: int, lease: Lease) -> object:
+    def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:
         """Dequantize part ``p``'s raw rows into each of its layers' outputs on the fetch
         stream, one gather per layer; returns the event after which they are there."""
         sync, outputs = self.sync, step.outputs
@@ -473,6 +493,8 @@ class Prefetcher:
         else:
             rows = self.hasher.hash_pieces(self.history, seq_ids, arrays, dead)  # [T, L, C]
         table_ids = self.hasher.table_ids(rows)  # [T, L, C]
+        if self.columns is not None:
+            table_ids = shard_ids(table_ids, self.columns)  # [T, L, c1 - c0]
         d = dedup(table_ids)
         outputs = None
         if self._outputs is not None:
@@ -492,8 +514,9 @@ class Prefetcher:
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
-        ``[T, C, head_dim]`` of ``dtype``; see ``Step.rows``. On a device they are a view of
-        an output buffer the next step reuses: read them before ``end_step``."""
+        ``[T, C, head_dim]`` of ``dtype`` (``C``: the rank's columns); see ``Step.rows``. On a
+        device they are a view of an output buffer the next step reuses: read them before
+        ``end_step``."""
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
@@ -556,3 +579,15 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _columns(store: RowStore, columns: Columns | None, num_columns: int) -> Columns | None:
+    """The Prefetcher's column shard: the store's, or ``columns`` over a store of every row."""
+    own = store.columns
+    if columns is None:
+        return own
+    columns = check_columns(columns, num_columns)
+    if own is not None and own != columns:
+        raise ValueError(f"the store serves columns {own}, not {columns}: drop columns= (the Prefetcher "
+                         "takes the store's) or open the table with these columns")
+    return columns

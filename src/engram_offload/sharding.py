@@ -22,7 +22,7 @@ import torch
 
 from .config import EngramConfig
 
-__all__ = ["ShardRows", "assemble_columns", "shard_columns", "shard_ids", "shard_rows", "split_columns"]
+__all__ = ["Columns", "ShardRows", "assemble_columns", "check_columns", "require_in_shard", "shard_columns", "shard_ids", "shard_rows", "split_columns"]
 
 Columns = tuple[int, int]  # [c0, c1): a rank's columns of every layer
 
@@ -52,7 +52,8 @@ def shard_columns(config: EngramConfig, rank: int, world: int) -> Columns:
     return column_range(config.cols_per_layer, rank, world)
 
 
-def _check_columns(columns: Columns, num_columns: int) -> Columns:
+def check_columns(columns: Columns, num_columns: int) -> Columns:
+    """``columns`` as two ints; ``ValueError`` unless ``0 <= c0 <= c1 <= num_columns``."""
     c0, c1 = (int(c) for c in columns)
     if not 0 <= c0 <= c1 <= num_columns:
         raise ValueError(f"columns must satisfy 0 <= c0 <= c1 <= {num_columns}, got {columns}")
@@ -64,7 +65,7 @@ def shard_ids(table_ids: Any, columns: Columns) -> Any:
 
     The slice is made contiguous, so later reshapes and dedup see the rank's ids only.
     """
-    c0, c1 = _check_columns(columns, int(table_ids.shape[-1]))
+    c0, c1 = check_columns(columns, int(table_ids.shape[-1]))
     part = table_ids[..., c0:c1]
     return part.contiguous() if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
 
@@ -115,9 +116,19 @@ class ShardRows:
         return local - (ends[layer] - sizes[layer]) + self.ranges[layer, 0]
 
 
+def require_in_shard(shard: ShardRows, columns: Columns, ids: np.ndarray) -> None:
+    """``IndexError`` naming ``columns`` for the first of ``ids`` outside ``shard``'s rows."""
+    inside = shard.contains(ids)
+    if not inside.all():
+        bad = int(np.asarray(ids)[np.flatnonzero(~inside)[0]])
+        raise IndexError(f"row {bad} is not in the rows of this rank's columns [{columns[0]}, {columns[1]}) "
+                         f"({shard.ranges.tolist()}): fetch only the rank's columns (sharding.shard_ids), "
+                         "or open the table without columns=")
+
+
 def shard_rows(config: EngramConfig, columns: Columns) -> ShardRows:
     """The flat row ranges of ``columns``' heads in every layer (contiguous per layer)."""
-    c0, c1 = _check_columns(columns, config.cols_per_layer)
+    c0, c1 = check_columns(columns, config.cols_per_layer)
     ranges = []
     for layer_id, base in zip(config.layer_ids, config.layer_row_bases):
         offsets = config.head_offsets(layer_id)

@@ -18,6 +18,14 @@ over UVA; any other tier's rows are read on the host through the DRAM levels int
 staging buffers and copied on a side stream. A ``Lease``'s rows are then on the device, ready
 after ``lease.ready``; ``gather`` and ``read_raw`` return rows ready on the caller's stream.
 Without a device nothing of this runs.
+
+With ``columns`` (``open_table(..., columns=(c0, c1))``, a tensor-parallel rank's column
+shard, ``sharding.shard_columns``) the store serves only the rows of those columns' heads
+(``sharding.shard_rows``): any other id raises ``IndexError``, so its caches hold only the
+shard's rows and two ranks never cache the same row.
+
+With ``row_server`` (``open_table(path, tier, row_server=socket)``) there is no local store:
+the result is a ``rowserver.RowClient`` of the machine's row server, another ``RowStore``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, overload
 
 import numpy as np
 import torch
@@ -44,11 +52,15 @@ from .gpu.device_table import DeviceTable
 from .gpu.hbm_cache import HbmRowCache
 from .gpu.sync import MAIN, DeviceSync, make_sync
 from .rows import decode_rows
+from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from .table.format import TableHeader, read_header
 from .tiers import Tier, as_row_ids, open_tier
 from .tiers.memory import MemoryTier
 
-__all__ = ["Lease", "RowSource", "RowStore", "TableStore", "open_table"]
+if TYPE_CHECKING:
+    from .rowserver.client import RowClient
+
+__all__ = ["Lease", "RowLease", "RowSource", "RowStore", "TableStore", "open_table"]
 
 _EMPTY = np.empty(0, np.int64)
 EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode
@@ -70,6 +82,19 @@ class RowSource(Protocol):
     def close(self) -> None: ...
 
 
+class RowLease(Protocol):
+    """What ``RowStore.fetch`` returns: a ``Lease`` here, a ``rowserver.RemoteLease`` from a row server."""
+
+    ids: np.ndarray  # int64 [u]: the sorted distinct ids fetched
+    raw: torch.Tensor  # uint8 [u, row_bytes]
+    ready: object  # the device event after which raw holds the rows (None: it does now)
+
+    @property
+    def pinned_rows(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
 class RowStore(Protocol):
     """What a consumer (the prefetcher, the benchmarks, the wiring) needs of a store."""
 
@@ -82,7 +107,11 @@ class RowStore(Protocol):
     @property
     def num_rows(self) -> int: ...
 
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease: ...
+    @property
+    def columns(self) -> Columns | None:
+        """The column shard ``[c0, c1)`` whose rows alone it serves (None: every row)."""
+
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> RowLease: ...
 
     def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
@@ -107,11 +136,12 @@ class _Served:
 class TableStore:
     """Rows of one table through ``levels`` (row caches, fastest first; may be empty) in front
     of ``tier``; with ``device_rows``, delivered to its device (the HBM level, if any, above
-    ``levels``). Thread-safe; use as a context manager."""
+    ``levels``). With ``columns``, only the rows of that column shard (see the module doc).
+    Thread-safe; use as a context manager."""
 
     def __init__(self, tier: RowSource, config: EngramConfig, levels: Sequence[RowCache] = (), *,
                  promote: bool = True, header: TableHeader | None = None,
-                 device_rows: DeviceRows | None = None) -> None:
+                 device_rows: DeviceRows | None = None, columns: Columns | None = None) -> None:
         if tier.row_bytes != config.row_bytes:
             raise ValueError(f"the tier's rows are {tier.row_bytes} bytes, the config's {config.row_bytes}")
         for level in levels:
@@ -141,6 +171,8 @@ class TableStore:
         native = native_hitpath()
         self._sorted_in_range = native.sorted_in_range if native is not None else None
         self._first_into = bool(self.levels) and self.levels[0].device.type == "cpu"
+        self.columns = None if columns is None else check_columns(columns, config.cols_per_layer)
+        self._shard: ShardRows | None = None if self.columns is None else shard_rows(config, self.columns)
 
     # ------------------------------------------------------------------ the table
     @property
@@ -210,6 +242,8 @@ class TableStore:
         and the device event after which the rows are there (None: they are now)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
+        if self._shard is not None and self.columns is not None:
+            require_in_shard(self._shard, self.columns, ids)
         t_start = time.perf_counter()
         u = ids.size
         ready = None
@@ -385,7 +419,8 @@ class TableStore:
         table = self.header
         return {"store": store, "levels": levels + [tier_level], "tier": self.tier.stats(),
                 "table": str(table.path) if table is not None else None,
-                "table_bytes": table.layout.file_bytes if table is not None else None}
+                "table_bytes": table.layout.file_bytes if table is not None else None,
+                "columns": list(self.columns) if self.columns is not None else None}
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -404,7 +439,8 @@ class TableStore:
         levels = ([self.hbm] if self.hbm is not None else []) + self.levels
         names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in levels) or "no cache"
         where = f"{str(self.header.path)!r}, " if self.header is not None else ""
-        return f"TableStore({where}[{names}] over {type(self.tier).__name__}, rows={self.num_rows:,})"
+        shard = f", columns={self.columns}" if self.columns is not None else ""
+        return f"TableStore({where}[{names}] over {type(self.tier).__name__}, rows={self.num_rows:,}{shard})"
 
 
 # ---------------------------------------------------------------------- fetch helpers
@@ -465,6 +501,20 @@ def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: 
     return slots
 
 
+@overload
+def open_table(path: str | os.PathLike[str], tier: str = ..., *, cache_bytes: int | None = ..., policy: str = ...,
+               fast_cache_bytes: int = ..., admission: bool | None = ..., device: str | torch.device | None = ...,
+               sync: DeviceSync | None = ..., staging_bytes: int = ..., columns: Columns | None = ...,
+               row_server: None = ..., **options: Any) -> TableStore: ...
+
+
+@overload
+def open_table(path: str | os.PathLike[str], tier: str = ..., *, cache_bytes: int | None = ..., policy: str = ...,
+               fast_cache_bytes: int = ..., admission: bool | None = ..., device: str | torch.device | None = ...,
+               sync: DeviceSync | None = ..., staging_bytes: int = ..., columns: Columns | None = ...,
+               row_server: str | os.PathLike[str], **options: Any) -> RowClient: ...
+
+
 def open_table(
     path: str | os.PathLike[str],
     tier: str = "mmap",
@@ -476,8 +526,10 @@ def open_table(
     device: str | torch.device | None = None,
     sync: DeviceSync | None = None,
     staging_bytes: int = STAGING_BYTES,
+    columns: Columns | None = None,
+    row_server: str | os.PathLike[str] | None = None,
     **options: Any,
-) -> TableStore:
+) -> TableStore | RowClient:
     """Open a table file on a tier (``memory``, ``pinned``, ``shared``, ``mmap``, ``direct``,
     ``remote``). ``shared`` is ``memory`` with one copy per machine: the first process loads
     the table into shared memory, the others attach to it read-only.
@@ -491,14 +543,28 @@ def open_table(
 
     ``cache_bytes`` puts a DRAM row cache of that size in front of the tier (and
     ``fast_cache_bytes`` a fast cache above it, on the GPU when there is one), evicting by
-    ``policy`` (``lru`` or ``lfu``); each is capped at the table's size.
+    ``policy`` (``lru`` or ``lfu``); each is capped at the table's size (at the shard's
+    with ``columns``).
 
     ``device`` makes the store deliver rows to that device, ordered by ``sync`` (default:
     CUDA streams for a CUDA device, else immediate): the fast cache is then an HBM row cache
     on the device, a ``memory``/``pinned`` table is read in place over UVA (it is in DRAM
     already, so ``cache_bytes`` is refused), and other tiers' rows come through pinned
     staging buffers of ``staging_bytes``.
+
+    ``columns=(c0, c1)`` (``shard_columns(config, rank, world)``): a tensor-parallel rank's
+    store, serving only the rows of those columns' heads (others raise ``IndexError``); its
+    caches hold those rows only. A resident tier (``memory``, ``pinned``, ``shared``) still
+    loads the whole table: for one copy a machine, use ``shared``.
+
+    ``row_server`` (the socket of ``rowserver.start_row_server``): connect to the machine's
+    row server instead of opening the file, and return its ``RowClient`` (a ``RowStore``).
+    The server owns the tier and the cache, so ``tier`` must be the server's and no cache,
+    device or tier option is taken; ``columns`` still applies (checked in the client).
     """
+    if row_server is not None:
+        return _connect(path, tier, row_server, columns, cache_bytes=cache_bytes, fast_cache_bytes=fast_cache_bytes,
+                        device=device, sync=sync, **options)
     if str(path).startswith("redis://"):
         if tier != "remote":
             raise ValueError(f"{path} is a pool URL: open it with tier='remote'")
@@ -510,19 +576,41 @@ def open_table(
         header = read_header(path)
         opened = open_tier(tier, header, **options)
     try:
+        rb, shard_size = header.layout.row_bytes, None
+        if columns is not None:  # a shard never asks for more rows than it owns
+            shard_size = shard_rows(header.config, columns).num_rows
+            cache_bytes = capped_bytes(int(cache_bytes or 0), rb, shard_size)
+            fast_cache_bytes = capped_bytes(int(fast_cache_bytes), rb, shard_size)
         device_rows = None
         if device is not None:
             device_rows = _device_rows(opened, header, torch.device(device), sync or make_sync(device),
                                        cache_bytes=int(cache_bytes or 0), fast_cache_bytes=int(fast_cache_bytes),
                                        policy=policy, admission=bool(admission), staging_bytes=staging_bytes)
             fast_cache_bytes = 0  # the HBM level is the fast one
-        levels = build_levels(header.layout.row_bytes, int(cache_bytes or 0), policy,
-                              fast_cache_bytes=int(fast_cache_bytes), admission=admission,
-                              num_rows=header.layout.num_rows)
+        levels = build_levels(rb, int(cache_bytes or 0), policy, fast_cache_bytes=int(fast_cache_bytes),
+                              admission=admission, num_rows=header.layout.num_rows)
     except BaseException:
         opened.close()
         raise
-    return TableStore(opened, header.config, levels, header=header, device_rows=device_rows)
+    return TableStore(opened, header.config, levels, header=header, device_rows=device_rows, columns=columns)
+
+
+def _connect(path: str | os.PathLike[str], tier: str, row_server: str | os.PathLike[str],
+             columns: Columns | None, **local: Any) -> RowClient:
+    """``open_table``'s ``row_server`` branch: the machine's row server, after checking that
+    nothing asks for a local tier, cache or device."""
+    from .rowserver.client import RowClient
+
+    given = sorted(name for name, value in local.items() if value)
+    if given:
+        raise ValueError(f"the row server owns the tier and the cache: drop {', '.join(given)} (size the "
+                         "server's cache with start_row_server(..., cache_bytes=))")
+    client = RowClient(row_server, table=path, columns=columns)
+    if client.tier != tier:
+        client.close()
+        raise ValueError(f"the row server at {row_server} reads the table on the {client.tier} tier, not "
+                         f"{tier}: pass tier={client.tier!r}")
+    return client
 
 
 def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, sync: DeviceSync, *,

@@ -15,7 +15,10 @@ import torch
 
 from engram_offload.dedup import dedup
 from engram_offload.errors import EngramError, TierError
+from engram_offload.hashing import NgramHasher
+from engram_offload.prefetch import Prefetcher
 from engram_offload.rowserver import RowClient, RowServer, start_row_server
+from engram_offload.sharding import shard_columns
 from engram_offload.store import open_table
 from engram_offload.table import make_random_table, random_rows
 from tiny_tables import tiny_config
@@ -192,3 +195,63 @@ def test_a_server_of_another_table_is_refused(table, server, tmp_path):
         assert client.table == str(path)
     with pytest.raises(TierError, match="serves .*t.table, not .*other.table"):
         RowClient(server, table=other)
+
+
+# ---------------------------------------------------------------------- behind open_table, under a Prefetcher
+def test_open_table_with_a_row_server_is_a_row_store_for_the_prefetcher(table, server):
+    """A Prefetcher over the server's RowClient hands out the rows of one over a local store,
+    keeps the step's rows pinned in the server's cache until end_step, then lets them go."""
+    path, _ = table
+    config = tiny_config("fp8_e4m3_ue8m0", 64)
+    token_map = np.arange(1000, dtype=np.int64) % 700
+    tokens = np.random.default_rng(3).integers(0, 1000, (2, 10))
+    steps = [[tokens[0, :6], tokens[1, :4]], *[[tokens[0, t: t + 1], tokens[1, t: t + 1]] for t in range(6, 10)]]
+    with open_table(path, "direct", row_server=server) as client, open_table(path, "mmap") as local, \
+            Prefetcher(client, NgramHasher(config, token_map), split_min_rows=1) as remote, \
+            Prefetcher(local, NgramHasher(config, token_map)) as here:
+        assert isinstance(client, RowClient) and client.tier == "direct"
+        for pieces in steps:
+            step = remote.begin_step([7, 8], pieces)
+            here.begin_step([7, 8], pieces)
+            for layer in config.layer_ids:
+                assert torch.equal(remote.rows(layer, timeout=10), here.rows(layer, timeout=10))
+            assert step.wait_done(10)
+            held = client.stats()["server"]
+            assert held["leases_held"] == len(step.parts) and sum(held["pinned_slots"]) == step.dedup.unique.size
+            remote.end_step(step)
+            here.end_step()
+            released = client.stats()["server"]
+            assert released["leases_held"] == 0 and sum(released["pinned_slots"]) == 0
+
+
+def test_a_row_client_with_columns_fetches_only_its_shard(table, server):
+    path, _ = table
+    config = tiny_config("fp8_e4m3_ue8m0", 64)
+    token_map = np.arange(1000, dtype=np.int64) % 700
+    tokens = np.random.default_rng(4).integers(0, 1000, (2, 6))
+    columns = shard_columns(config, 1, 2)
+    with open_table(path, "direct", row_server=server, columns=columns) as client, \
+            open_table(path, "mmap") as local, \
+            Prefetcher(client, NgramHasher(config, token_map)) as remote, \
+            Prefetcher(local, NgramHasher(config, token_map)) as here:
+        assert remote.columns == columns
+        remote.begin_step([1, 2], list(tokens))
+        here.begin_step([1, 2], list(tokens))
+        for layer in config.layer_ids:
+            assert torch.equal(remote.rows(layer, timeout=10), here.rows(layer, timeout=10)[:, columns[0]: columns[1]])
+        remote.end_step()
+        here.end_step()
+        before = client.stats()["client"]["round_trips"]
+        with pytest.raises(IndexError, match=r"columns \[2, 4\)"):
+            client.read_raw([0])  # the first head of layer 1: column 0, not this rank's
+        assert client.stats()["client"]["round_trips"] == before + 1  # refused without asking the server
+
+
+def test_open_table_with_a_row_server_refuses_local_options(table, server):
+    path, _ = table
+    with pytest.raises(ValueError, match="drop cache_bytes"):
+        open_table(path, "direct", row_server=server, cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="engine"):
+        open_table(path, "direct", row_server=server, engine="threads")
+    with pytest.raises(ValueError, match="on the direct tier, not mmap"):
+        open_table(path, "mmap", row_server=server)

@@ -5,6 +5,10 @@
 The ids go into the connection's shared buffer, one small message asks for them, and the
 server's reply means the rows are in the buffer; the client copies them out before its next
 request. ``start_row_server`` starts the server process and waits until it answers.
+
+``open_table(path, tier, row_server=socket)`` opens one. With ``columns`` the client asks only
+for the rows of that column shard (others raise ``IndexError`` before any round trip); the
+server's one cache serves every rank, so TP ranks' disjoint rows are cached once anyway.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..config import EngramConfig
 from ..dedup import dedup
 from ..errors import ChecksumError, EngramError, TableFormatError, TierError
 from ..rows import decode_rows
+from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from ..table.format import read_header
 from ..tiers import as_row_ids
 from ..tiers.shared import table_fingerprint
@@ -40,6 +45,8 @@ _RAISED_AS = {cls.__name__: cls for cls in (IndexError, ValueError, TypeError, C
 class RemoteLease:
     """Rows of distinct ids (``raw: uint8 [u, row_bytes]``, the client's own copy) and the
     server-side leases that keep them pinned in the shared cache until ``release``."""
+
+    ready: object = None  # rows are in ``raw`` (on the host) when fetch returns
 
     def __init__(self, ids: np.ndarray, raw: torch.Tensor, client: "RowClient", numbers: list[int]) -> None:
         self.ids = ids
@@ -75,10 +82,12 @@ class RowClient:
     """A connection to the row server at ``socket_path``; thread-safe (one request at a time).
 
     ``table``: the table file this rank expects; a server serving another table (another
-    fingerprint) is refused with a ``TierError``.
+    fingerprint) is refused with a ``TierError``. ``columns``: this rank's column shard, the
+    only rows it may fetch (None: every row).
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str], table: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str], table: str | os.PathLike[str] | None = None, *,
+                 columns: Columns | None = None) -> None:
         self.socket_path = str(socket_path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -105,10 +114,14 @@ class RowClient:
         self._rb = int(hello["row_bytes"])
         self.max_rows = int(hello["max_rows"])
         self.table = hello["table"]
+        self.tier = str(hello.get("tier", "direct"))  # the server's tier
+        self.columns = None if columns is None else check_columns(columns, self._config.cols_per_layer)
+        self._shard: ShardRows | None = None if self.columns is None else shard_rows(self._config, self.columns)
         self._ids = np.frombuffer(self._buffer, np.int64, count=self.max_rows)  # [max_rows]
         self._rows = np.frombuffer(self._buffer, np.uint8, count=self.max_rows * self._rb,
                                    offset=hello["rows_offset"]).reshape(-1, self._rb)  # [max_rows, row_bytes]
         self.device = torch.device("cpu")
+        self.sync = None  # rows are in host memory when a fetch returns
         self._lock = threading.RLock()  # a lease collected during a request may release from within it
         self._round_trips = 0
         self.closed = False
@@ -155,6 +168,8 @@ class RowClient:
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
         server's lease numbers (empty unless ``hold``)."""
+        if self._shard is not None and self.columns is not None:
+            require_in_shard(self._shard, self.columns, ids)
         out = np.empty((ids.size, self._rb), np.uint8)  # [u, row_bytes]
         numbers: list[int] = []
         requested = ids.size if requested is None else int(requested)
@@ -177,13 +192,12 @@ class RowClient:
         """Send a request, wait for its reply -> (value, extra, payload); raise a server error."""
         if self.closed:
             raise ValueError("this row client is closed: connect again")
+        cause: OSError | None = None
         try:
             self._sock.send(message)
             reply = self._sock.recv(p.MAX_MESSAGE)
         except OSError as exc:
             reply, cause = b"", exc
-        else:
-            cause = None
         if not reply:
             raise TierError(f"the row server at {self.socket_path} closed the connection"
                             f"{f' ({cause})' if cause else ''}: restart it and reconnect") from cause
@@ -253,7 +267,8 @@ def start_row_server(table: str | os.PathLike[str], socket_path: str | os.PathLi
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise EngramError(f"the row server exited ({server.returncode}): {server.stderr.read().strip()}")
+            said = server.stderr.read().strip() if server.stderr is not None else ""
+            raise EngramError(f"the row server exited ({server.returncode}): {said}")
         if Path(socket_path).exists():
             try:
                 RowClient(socket_path).close()

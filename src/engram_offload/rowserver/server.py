@@ -110,6 +110,7 @@ class RowServer:
             rows_view = np.frombuffer(buffer, np.uint8, count=self.max_rows * rb, offset=rows_offset).reshape(-1, rb)
             hello = {"config": self.store.config.to_dict(), "num_rows": self.store.num_rows, "row_bytes": rb,
                      "max_rows": self.max_rows, "rows_offset": rows_offset, "buffer_bytes": nbytes,
+                     "tier": getattr(self.store.tier, "name", type(self.store.tier).__name__),
                      "table": str(self.store.header.path) if self.store.header is not None else None,
                      "fingerprint": table_fingerprint(self.store.header) if self.store.header is not None else None}
             socket.send_fds(conn, [p.encode(p.HELLO, payload=hello)], [fd])
@@ -177,7 +178,7 @@ class RowServer:
         """The store's stats (every rank's fetches together) plus ``server``: connections,
         leases held, rows served, pinned slots per cache level."""
         with self._state:
-            server = {"connections": len(self._connections), "leases_held": self._leases_held,
+            server: dict[str, Any] = {"connections": len(self._connections), "leases_held": self._leases_held,
                       "rows_served": self._served, "max_rows": self.max_rows}
         server["pinned_slots"] = [level.pinned() for level in self.store.levels]
         return {**self.store.stats(), "server": server}
