@@ -152,7 +152,9 @@ def test_a_killed_node_fails_over_or_raises_and_serves_after_republish(tables, f
     options = dict(pool=pool.url, retries=2, timeout_s=0.5, retry_backoff_s=0.01)
     with RemoteTier(header, fallback=path, **options) as guarded, RemoteTier(header, **options) as bare:
         assert np.array_equal(read(guarded, ids), expected) and np.array_equal(read(bare, ids), expected)
-        victim = pool.nodes[1]
+        with PoolClient(pool.url) as client:  # a node holding extents but not the table's manifest
+            meta = client.address(client.node_of(PoolLayout(header, EXTENT_ROWS).header_key))
+        victim = next(node for node in pool.nodes if f"127.0.0.1:{node.port}" != meta)
         victim.kill()
         start = time.monotonic()
         assert np.array_equal(read(guarded, ids), expected)  # the lost nodes' rows from the fallback
