@@ -97,6 +97,8 @@ def run_writer(signal_name: str, out, limit_bytes: int | None = None) -> subproc
     import resource
 
     def limit():
+        # as from a terminal: a test run started in the background inherits SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if limit_bytes:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
