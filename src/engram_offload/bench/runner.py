@@ -231,11 +231,11 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     _check_run(tier, state)
     torch.set_num_threads(settings.threads)
     republished = None
-    if tier == "remote" and state == "cold":  # before make_cold: publishing reads the file
-        republished = publish(settings.table, _tier_options(tier, settings)["pool"], fresh=True,
+    if tier == "remote":  # before make_cold: publishing reads the file (a no-op when it is there)
+        republished = publish(settings.table, _tier_options(tier, settings)["pool"], fresh=state == "cold",
                               progress=False, on_step=on_step)
     cold_method = make_cold(settings.table, drop_all=settings.drop_all_caches)
-    if republished is not None:
+    if state == "cold" and republished is not None:
         cold_method = [f"pool table dropped and published again ({republished['seconds']:.1f} s)", *cold_method]
     options = _cache_options(tier, settings)
     config = read_header(settings.table).config
