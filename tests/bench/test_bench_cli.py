@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
+from redis_servers import redis_single, skip_without_redis  # noqa: F401 (fixture)
 from engram_offload.cli import main
+from engram_offload.pool.layout import fingerprint
+from engram_offload.pool.publish import pool_status
+from engram_offload.table import read_header
 
 KEYS = {"tier", "cache_state", "concurrency", "throughput_tok_s", "interactivity_tok_s_per_user", "p90_itl_ms",
         "stall_fraction", "hit_rate", "budget_enforced"}
@@ -114,3 +119,45 @@ def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
     assert main(["bench", "--table", str(tmp_path / "t.table"), "--no-progress", *flags]) == 2  # a usage error: exit status 2, no traceback
     err = capsys.readouterr().err
     assert err.splitlines() == [f"engram-offload bench: error: {message} (see engram-offload bench --help)"]
+
+
+def _remote_bench(table, out, *extra):
+    return main(["bench", "--table", str(table), "--tiers", "memory,direct,remote", "--cache-states", "cold,warm",
+                 "--concurrency", "2", "--seconds", "0.4", "--warmup-seconds", "0.3", "--dram-budget", "20%",
+                 "--corpus", "stdlib", "--corpus-tokens", "20000", "--hidden", "32", "--layers", "16",
+                 "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16", "--turns", "2",
+                 "--max-step-tokens", "32", "--out", str(out), "--no-progress", *extra])
+
+
+def test_the_remote_tier_runs_like_direct_on_a_pool_of_its_own(tiny_table, tmp_path, capsys):
+    skip_without_redis()
+    out = tmp_path / "out"
+    assert _remote_bench(tiny_table, out) == 0
+    doc = json.loads((out / "results.json").read_text())
+    by = {(r["tier"], r["cache_state"]): r for r in doc["runs"]}
+    assert set(by) == {(t, s) for t in ("memory", "direct", "remote") for s in ("cold", "warm")}
+    for state in ("cold", "warm"):
+        remote = by[("remote", state)]
+        assert KEYS <= set(remote) and remote["tokens"] > 0 and remote["throughput_tok_s"] > 0
+        assert remote["budget_enforced"] is True and "in the pool" in remote["budget_method"]
+        assert remote["cache_bytes"] == by[("direct", state)]["cache_bytes"] > 0
+        assert 0 <= remote["hit_rate"] <= 1 and remote["tier_rows_per_token"] > 0
+    assert by[("remote", "cold")]["cold_method"].startswith("pool table dropped and published again")
+    assert by[("remote", "warm")]["warmup"]["tokens"] > 0
+    assert by[("remote", "warm")]["hit_rate"] > by[("remote", "cold")]["hit_rate"]
+    assert any(c["tier"] == "remote" and c["vs"] == "memory" for c in doc["comparisons"])
+    # the loopback pool the benchmark started is gone
+    port = int(doc["settings"]["pool"].rsplit(":", 1)[1])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    err = capsys.readouterr().err
+    assert "publishing the table to a loopback pool of 1 server(s)" in err
+
+
+def test_the_remote_tier_reads_a_given_pool_and_leaves_the_table_there(tiny_table, tmp_path, redis_single):
+    out = tmp_path / "out"
+    assert _remote_bench(tiny_table, out, "--pool", redis_single.url, "--tiers", "remote") == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert {r["tier"] for r in doc["runs"]} == {"remote"} and doc["settings"]["pool"] == redis_single.url
+    [table] = pool_status(redis_single.url)["tables"]
+    assert table["complete"] and table["fingerprint"] == fingerprint(read_header(tiny_table))

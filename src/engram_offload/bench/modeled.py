@@ -31,9 +31,10 @@ from .engine import RowsFor, StepShape
 
 __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
 
-# The planner's placement each tier stands for: the table whole in host DRAM, or on NVMe
-# behind a DRAM cache (mmap's is the page cache).
-PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "nvme"}
+# The planner's placement each tier stands for: the table whole in host DRAM, on NVMe
+# behind a DRAM cache (mmap's is the page cache), or in a pool (the planner's remote
+# placement has no DRAM cache in front: its prediction is the all-miss one).
+PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "nvme", "remote": "remote"}
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     styles = {"cold": ":", "warm": "-", "mixed": "--"}
-    markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^"}
+    markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^", "remote": "v"}
     lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         if r.get("interactivity_tok_s_per_user") is None:

@@ -26,7 +26,10 @@ run then also carries the planner's prediction for the same steps (``predicted_*
 
 DRAM budget: the ``direct`` store holds its row caches (at most ``--cache-bytes``, itself
 at most the budget) and reads with O_DIRECT, which bypasses the page cache: enforced by
-construction. The ``mmap`` baseline lives in the page cache, so its runs go to a child
+construction. The ``remote`` store holds the same row caches in front of a Redis pool
+(``settings.pool``; ``bench.remote``): the rest of the table is in the pool's servers, not
+in this process. Its cold runs read from a freshly published copy (dropped, then published
+again) with empty row caches. The ``mmap`` baseline lives in the page cache, so its runs go to a child
 process in a memory cgroup, where the machine allows one, whose limit is kept at the
 process's own memory (charged since it joined) plus the budget: the page cache it may
 hold is the budget. ``memory`` holds the whole
@@ -58,10 +61,11 @@ from .corpus import Corpus
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
+from .remote import publish
 from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from .workload import RequestStream, WorkloadShape
 
-__all__ = ["BACKBONES", "BenchSettings", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
+__all__ = ["BACKBONES", "BenchSettings", "CACHED_TIERS", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
            "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
@@ -76,7 +80,7 @@ class BenchSettings:
     table: str
     seconds: float = 3.0
     warmup_seconds: float = 3.0
-    cache_bytes: int = 0  # the direct tier's DRAM row cache
+    cache_bytes: int = 0  # the DRAM row cache of the cached tiers (direct, remote)
     fast_cache_bytes: int = 0
     policy: str = "lfu"
     dram_budget: int | None = None
@@ -95,10 +99,14 @@ class BenchSettings:
     model: str | None = None  # its planner model (default: the table's layout)
     nvme_iops: float | None = None  # this machine's NVMe reads/s for the planner's prediction (default: the server's)
     nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
+    pool: str | None = None  # the remote tier's pool URL (redis://host:port[,...])
 
     def to_dict(self) -> dict[str, Any]:
+        from ..pool.client import redact
+
         d = asdict(self)
         d["shape"] = asdict(self.shape)
+        d["pool"] = redact(self.pool) if self.pool else None
         return d
 
 
@@ -135,11 +143,23 @@ def _check_run(tier: str, state: str) -> None:
         raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
 
 
+CACHED_TIERS = ("direct", "remote")  # the tiers served through DRAM row caches (the others are baselines)
+
+
 def _cache_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
-    """The row caches of a run: only the direct tier has them (the others are the baselines)."""
-    if tier != "direct" or not (settings.cache_bytes or settings.fast_cache_bytes):
+    """The row caches of a run: only the cached tiers have them."""
+    if tier not in CACHED_TIERS or not (settings.cache_bytes or settings.fast_cache_bytes):
         return {}
     return dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes, policy=settings.policy)
+
+
+def _tier_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
+    """What the tier itself needs to open: the pool's URL for ``remote``."""
+    if tier != "remote":
+        return {}
+    if settings.pool is None:
+        raise ValueError("a remote run needs a pool: give --pool redis://host:port, or let bench start one")
+    return {"pool": settings.pool}
 
 
 @dataclass
@@ -210,7 +230,13 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     backbone is built, just before the table is opened (the capped child joins its cgroup there)."""
     _check_run(tier, state)
     torch.set_num_threads(settings.threads)
+    republished = None
+    if tier == "remote":  # before make_cold: publishing reads the file (a no-op when it is there)
+        republished = publish(settings.table, _tier_options(tier, settings)["pool"], fresh=state == "cold",
+                              progress=False, on_step=on_step)
     cold_method = make_cold(settings.table, drop_all=settings.drop_all_caches)
+    if state == "cold" and republished is not None:
+        cold_method = [f"pool table dropped and published again ({republished['seconds']:.1f} s)", *cold_method]
     options = _cache_options(tier, settings)
     config = read_header(settings.table).config
     model = build_backbone(config, settings, token_map.size)
@@ -218,7 +244,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     if before_open is not None:
         before_open()
     t_open = time.perf_counter()
-    with open_table(settings.table, tier, **options) as store:
+    with open_table(settings.table, tier, **options, **_tier_options(tier, settings)) as store:
         open_seconds = time.perf_counter() - t_open
         served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step)
     if budget_note is None:
@@ -246,14 +272,14 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     """The planner's stall and NVMe reads for the run's own steps, beside the measured ones:
     with its own inputs (``predicted_*``: the hit rate its Zipf curve gives the DRAM held,
     4 KiB per read), and with the run's measured ones (``predicted_*_at_measured_hit``,
-    direct only: the hit rate and the bytes per device read)."""
+    cached tiers on NVMe only: the hit rate and the bytes per device read)."""
     from ..planner.plan import curve_for
 
     run = served.run
     gpu = model.gpu
     if settings.nvme_iops is not None:
         gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s)
-    held = settings.cache_bytes if tier == "direct" else settings.dram_budget
+    held = settings.cache_bytes if tier in CACHED_TIERS else settings.dram_budget
     planner_hit = None
     if PLACEMENT_OF_TIER[tier] == "nvme":
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
@@ -278,7 +304,8 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         "predicted_stall_fraction": own["stall_fraction"],
         "predicted_iops": own["nvme_iops"],
     }
-    measured_hit = served.after["store"]["hit_rate"] if _cache_options(tier, settings) else None
+    on_nvme = PLACEMENT_OF_TIER[tier] == "nvme"  # the planner's remote placement has no row cache
+    measured_hit = served.after["store"]["hit_rate"] if on_nvme and _cache_options(tier, settings) else None
     if measured_hit is not None:
         read_bytes = served.after["tier"].get("bytes_read", 0) - served.before["tier"].get("bytes_read", 0)
         a = replace(model.assumptions, nvme_read_bytes=read_bytes / reads) if reads else model.assumptions
@@ -295,9 +322,11 @@ def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:
         return False, "no budget given"
     if is_resident(tier):
         return False, "the whole table is in DRAM (the unconstrained reference)"
+    held = settings.cache_bytes + settings.fast_cache_bytes
     if tier == "direct":
-        held = settings.cache_bytes + settings.fast_cache_bytes
         return held <= settings.dram_budget, f"row caches {held} B <= budget; O_DIRECT bypasses the page cache"
+    if tier == "remote":
+        return held <= settings.dram_budget, f"row caches {held} B <= budget; the rest of the table is in the pool"
     return False, "page cache not capped"
 
 

@@ -13,8 +13,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
 
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import format_bytes, parse_size
@@ -69,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"fraction of the preset's table size to make (default {DEFAULT_SCALE})")
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
-    r.add_argument("--tiers", default="memory,direct,mmap", help="comma list of memory, pinned, direct, mmap (default memory,direct,mmap)")
+    r.add_argument("--tiers", default="memory,direct,mmap",
+                   help="comma list of memory, pinned, direct, mmap, remote (default memory,direct,mmap)")
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
@@ -78,9 +80,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
     m = p.add_argument_group("memory")
     m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
-    m.add_argument("--cache-bytes", default=None, help="the direct tier's DRAM row cache (default: the whole budget)")
+    m.add_argument("--cache-bytes", default=None,
+                   help="the DRAM row cache of the direct and remote tiers (default: the whole budget)")
     m.add_argument("--fast-cache-bytes", default="0", help="a fast cache above it (GPU memory when there is one; default 0)")
     m.add_argument("--policy", default="lfu", help="row cache eviction policy (default lfu)")
+    q = p.add_argument_group("pool (the remote tier)")
+    q.add_argument("--pool", default=None, metavar="URL",
+                   help="the Redis pool the remote tier reads from, redis://host:port[,host:port...]; the table "
+                   "is published to it before the remote runs (default: a loopback pool started for the run "
+                   "and stopped at its end)")
+    q.add_argument("--pool-nodes", type=positive_int, default=1,
+                   help="servers of the loopback pool (default 1; more: a Redis Cluster)")
     w = p.add_argument_group("workload")
     w.add_argument("--corpus", action="append", default=None, metavar="DIR",
                    help="measured corpus: stdlib, docs, zipf or a folder of text files; repeatable (default stdlib)")
@@ -212,7 +222,7 @@ class _Plan:
 
 def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     """Check the options and find (or make) the table: everything ``bench`` needs to run."""
-    from ..bench.runner import CACHE_STATES, BenchSettings, check_budget
+    from ..bench.runner import CACHE_STATES, CACHED_TIERS, BenchSettings, check_budget
     from ..bench.workload import WorkloadShape
     from ..table.format import read_header
     from ..tiers import TIERS
@@ -227,8 +237,9 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     table_bytes = header.layout.num_rows * header.layout.row_bytes
     budget = None if args.dram_budget.lower() == "none" else parse_size(args.dram_budget, table_bytes)
     cache_bytes = parse_size(args.cache_bytes, table_bytes) if args.cache_bytes else (budget or 0)
-    if "direct" in tiers and cache_bytes == 0 and budget is None:
-        print("note: direct runs without a row cache (no --dram-budget and no --cache-bytes)", file=sys.stderr)
+    for tier in CACHED_TIERS:
+        if tier in tiers and cache_bytes == 0 and budget is None:
+            print(f"note: {tier} runs without a row cache (no --dram-budget and no --cache-bytes)", file=sys.stderr)
     settings = BenchSettings(
         table=str(table), seconds=args.seconds,
         warmup_seconds=args.seconds if args.warmup_seconds is None else args.warmup_seconds,
@@ -240,7 +251,7 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
         drop_all_caches=args.drop_all_caches,
         backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
-        nvme_bytes_per_s=args.nvme_bytes_per_s,
+        nvme_bytes_per_s=args.nvme_bytes_per_s, pool=args.pool,
     )
     check_budget(settings)
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
@@ -272,7 +283,7 @@ def _describe(plan: _Plan, args: argparse.Namespace, measured_all: Any, corpora:
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     runs = len(plan.tiers) * len(plan.states) * len(plan.concurrency) * args.repeats
     return (f"table {plan.table} ({format_bytes(plan.table_bytes)}, layout {plan.header.config.name}); "
-            f"DRAM budget {budget}, direct row cache {format_bytes(plan.settings.cache_bytes)} ({args.policy}); "
+            f"DRAM budget {budget}, row cache {format_bytes(plan.settings.cache_bytes)} ({args.policy}); "
             f"corpus {measured_all.name} ({corpora.measured.tokens:,} measured + {corpora.warm.tokens:,} "
             f"warm-up tokens), mixed warm-up {corpora.mixed.name}; {runs} runs of {args.seconds:g} s "
             f"(corpora ready in {seconds:.1f} s)")
@@ -302,6 +313,25 @@ def _document(plan: _Plan, args: argparse.Namespace, corpora: Any, runs: list[di
     }
 
 
+@contextmanager
+def _remote_pool(plan: _Plan, args: argparse.Namespace, show: bool) -> Iterator[Any]:
+    """The sweep's settings, with the pool of the remote runs (``--pool``, or a loopback one
+    started here and stopped on exit) holding the table, published now with progress."""
+    if "remote" not in plan.tiers:
+        yield plan.settings
+        return
+    from ..bench.remote import bench_pool, publish
+    from ..pool.client import redact
+
+    with bench_pool(args.pool, args.pool_nodes) as url:
+        where = redact(url) if args.pool else f"a loopback pool of {args.pool_nodes} server(s) at {url}"
+        print(f"publishing the table to {where} for the remote runs", file=sys.stderr, flush=True)
+        done = publish(str(plan.table), url, progress=show)
+        print(f"  table {done['fingerprint']}: {done['extents']} extents, {done['sent']} sent, "
+              f"{done['skipped']} already there ({done['seconds']:.1f} s)", file=sys.stderr, flush=True)
+        yield replace(plan.settings, pool=url)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.report import (comparisons, comparisons_table, frontier_plot, markdown_table, stall_limits,
                                 stall_limits_table, write_json)
@@ -314,9 +344,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     measured_all, corpora = _corpora(args)
     token_map = cached_token_map()
     print(_describe(plan, args, measured_all, corpora, time.perf_counter() - t0), file=sys.stderr)
-    with _Progress(show) as progress:
-        runs = run_sweep(plan.settings, plan.tiers, plan.states, plan.concurrency, corpora, token_map,
-                         repeats=args.repeats, progress=progress.run, on_step=progress.step)
+    with _remote_pool(plan, args, show) as settings:
+        with _Progress(show) as progress:
+            runs = run_sweep(settings, plan.tiers, plan.states, plan.concurrency, corpora, token_map,
+                             repeats=args.repeats, progress=progress.run, on_step=progress.step)
+        plan.settings = settings
     ratios = comparisons(runs)
     limits = stall_limits(runs)
     out = Path(args.out)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 
-from ..planner import OBJECTIVES, custom_model, get_gpu, get_model, make_plan
+from ..planner import DEFAULT_ASSUMPTIONS, OBJECTIVES, custom_model, get_gpu, get_model, make_plan
 from ..planner.hardware import GPUS
 from ..planner.models import MODELS
 from ..planner.mrc import load_trace
@@ -39,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
     p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (overrides the preset)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    r = p.add_argument_group("pooled tier (the remote placement)")
+    r.add_argument("--pool-rtt-us", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.remote_latency_us,
+                   help="one round trip to the pool, per step (default "
+                   f"{DEFAULT_ASSUMPTIONS.remote_latency_us:g}: one 264-byte GETRANGE measured on loopback)")
+    r.add_argument("--pool-gbps", type=positive_float, default=DEFAULT_ASSUMPTIONS.remote_bw * 8 / 1e9,
+                   help="the pool's row bandwidth per GPU, Gb/s (default "
+                   f"{DEFAULT_ASSUMPTIONS.remote_bw * 8 / 1e9:.2f}: 808k rows/s of 264 B, measured on loopback with "
+                   "one client and one Redis master; rows/s grows with the number of masters)")
     c = p.add_argument_group("custom model (with --config)")
     c.add_argument("--total-params", type=positive_float, help="backbone parameters, without the Engram table (e.g. 552e9)")
     c.add_argument("--active-params", type=positive_float, help="active parameters per token in decode")
@@ -68,7 +77,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     workload = Workload(context=args.context, batch=args.batch, gpus=args.gpus,
                         min_interactivity=args.min_interactivity,
                         target_hit_rate=args.target_hit_rate, curve=curve, curve_label=label)
-    return make_plan(model, gpu, workload, args.objective)
+    assumptions = replace(DEFAULT_ASSUMPTIONS, remote_latency_us=args.pool_rtt_us, remote_bw=args.pool_gbps * 1e9 / 8)
+    return make_plan(model, gpu, workload, args.objective, assumptions)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

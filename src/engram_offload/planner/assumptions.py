@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Assumptions", "DEFAULT_ASSUMPTIONS"]
+__all__ = ["Assumptions", "DEFAULT_ASSUMPTIONS", "POOL_ROWS_PER_S", "POOL_ROW_BYTES"]
 
 GiB = 2**30
+POOL_ROWS_PER_S = 808e3  # loopback, one client, one Redis master (issue 15)
+POOL_ROW_BYTES = 264  # DeepSeek-V4.1-Flash's packed row
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,14 @@ class Assumptions:
     # mmap prototype did this on the CPU between GPU segments.
     nvme_read_bytes: int = 4096
     nvme_step_overhead_us: float = 50.0
-    # A pooled remote tier (CXL memory or an RDMA memory pool): per-GPU bandwidth of
-    # one 400 Gb/s port, and one round trip.
-    remote_bw: float = 50e9
-    remote_latency_us: float = 5.0
+    # The pooled remote tier (a table published to Redis, the ``remote`` tier), measured
+    # on loopback with one client and one master: 808k rows/s of 264 B through pipelined
+    # GETRANGE (issue 15's measurement) is 1.7 Gb/s; rows/s grows with the number of
+    # masters (the nodes are read in parallel), so a cluster of N masters gives up to N
+    # times this. One round trip: the median of one pipelined 264-byte GETRANGE on
+    # loopback, 18 us (docs/planner.md). ``plan --pool-gbps/--pool-rtt-us`` override them.
+    remote_bw: float = POOL_ROWS_PER_S * POOL_ROW_BYTES  # bytes/s
+    remote_latency_us: float = 18.0
     # Tokens per prefill chunk when checking the prefill prefetch window.
     prefill_chunk_tokens: int = 8192
 

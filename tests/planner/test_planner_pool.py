@@ -1,0 +1,61 @@
+"""``plan --pool-rtt-us/--pool-gbps``: the remote placement's round trip and bandwidth."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engram_offload.cli import main
+from engram_offload.planner.assumptions import DEFAULT_ASSUMPTIONS, POOL_ROW_BYTES, POOL_ROWS_PER_S
+
+BATCH, TP = 64, 2
+
+
+def remote(capsys, *flags: str) -> tuple[dict, int]:
+    """The remote placement at TP=2 and a fixed batch, and the bytes per token per GPU."""
+    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "2", "--batch", str(BATCH),
+                 "--json", *flags]) == 0
+    d = json.loads(capsys.readouterr().out)
+    [r] = [p for p in d["placements"] if p["name"] == "remote" and p["tp"] == TP]
+    return r, d["bytes_per_token_per_gpu"][str(TP)]
+
+
+def expected_stall(rtt_us: float, gbps: float, bytes_per_token: int, window_us: float) -> float:
+    """The decode step's stall: one round trip plus the step's rows at the pool's bandwidth,
+    beyond the prefetch window."""
+    transfer = rtt_us + BATCH * bytes_per_token / (gbps * 1e9 / 8) * 1e6
+    return max(0.0, transfer - window_us)
+
+
+def test_the_defaults_are_the_loopback_measurements(capsys):
+    assert DEFAULT_ASSUMPTIONS.remote_bw == POOL_ROWS_PER_S * POOL_ROW_BYTES == 808e3 * 264
+    assert DEFAULT_ASSUMPTIONS.remote_latency_us == 18.0
+    r, bpt = remote(capsys)
+    assert r["predicted_stall_us"] == pytest.approx(expected_stall(18.0, 808e3 * 264 * 8 / 1e9, bpt, r["window_us"]))
+    assert r["predicted_stall_us"] > 0  # 1.7 Gb/s does not keep up with a step of 64 tokens
+
+
+@pytest.mark.parametrize("rtt, gbps", [(18.0, 1.0), (18.0, 4.0), (200.0, 4.0), (0.0, 0.5)])
+def test_the_flags_set_the_stall_the_formula_gives(capsys, rtt, gbps):
+    r, bpt = remote(capsys, "--pool-rtt-us", str(rtt), "--pool-gbps", str(gbps))
+    assert r["transfer_us"] == pytest.approx(rtt + BATCH * bpt / (gbps * 1e9 / 8) * 1e6)
+    assert r["predicted_stall_us"] == pytest.approx(expected_stall(rtt, gbps, bpt, r["window_us"]))
+
+
+def test_more_bandwidth_and_a_shorter_round_trip_shorten_the_stall_by_the_formula(capsys):
+    slow, bpt = remote(capsys, "--pool-rtt-us", "100", "--pool-gbps", "1")
+    faster, _ = remote(capsys, "--pool-rtt-us", "100", "--pool-gbps", "2")
+    nearer, _ = remote(capsys, "--pool-rtt-us", "40", "--pool-gbps", "1")
+    rows_us_at_1gbps = BATCH * bpt / (1e9 / 8) * 1e6
+    assert slow["predicted_stall_us"] > 0
+    assert slow["predicted_stall_us"] - faster["predicted_stall_us"] == pytest.approx(rows_us_at_1gbps / 2)
+    assert slow["predicted_stall_us"] - nearer["predicted_stall_us"] == pytest.approx(60.0)
+    # the other placements do not depend on the pool
+    assert slow["window_us"] == faster["window_us"] == nearer["window_us"]
+
+
+@pytest.mark.parametrize("flags", [["--pool-gbps", "0"], ["--pool-rtt-us", "-1"], ["--pool-gbps", "fast"]])
+def test_bad_pool_figures_are_usage_errors(capsys, flags):
+    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", *flags]) == 2
+    assert f"argument {flags[0]}" in capsys.readouterr().err
