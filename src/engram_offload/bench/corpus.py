@@ -127,12 +127,13 @@ def load_corpus(spec: str, tokenizer: Any = None, *, max_tokens: int | None = No
         files = _text_files(root, {".py"})
         source = f"CPython {platform.python_version()} standard library"
     elif spec == "docs":
-        root = docs_root()
-        if root is None:
+        docs_dir = docs_root()
+        if docs_dir is None:
             raise FileNotFoundError(
                 "the 'docs' corpus needs the Python documentation sources (Debian: apt-get install "
                 "python3.11-doc); or pass --corpus DIR with any folder of text files"
             )
+        root = docs_dir
         files = _text_files(root, {".txt"})
         source = str(root)
     else:

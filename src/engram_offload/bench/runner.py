@@ -178,7 +178,7 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
            on_step: Callable[[str, float], Any] | None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement."""
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
-        def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
+        def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
                                  lookahead_tokens=settings.lookahead_tokens)
@@ -334,14 +334,15 @@ def _child(tier: str, state: str, concurrency: int, settings: BenchSettings, cor
            token_map: np.ndarray, cap_path: str, cap_version: str, limit: int, note: str,
            out: Any) -> None:
     """Entry of the capped child: join the cgroup, run, send the figures (or the error) back."""
-    assert settings.dram_budget is not None
+    budget = settings.dram_budget
+    assert budget is not None  # only a run with a DRAM budget starts a capped child
     cap = MemoryCap(Path(cap_path), cap_version, limit)
     stop = None
 
     def join() -> None:
         nonlocal stop
         cap.join()
-        stop = cap.cap_page_cache(settings.dram_budget)
+        stop = cap.cap_page_cache(budget)
 
     try:
         result = execute_run(tier, state, concurrency, settings, corpora, token_map,
@@ -433,8 +434,8 @@ def combine_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = dict(results[0])
     for key, value in results[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            values = [r.get(key) for r in results]
-            if any(v is None for v in values):
+            values = [r[key] for r in results if r.get(key) is not None]
+            if len(values) < len(results):
                 out[key] = None
             elif any(v != value for v in values):
                 out[key] = float(np.median(values))  # else: the same in every repeat, kept as is

@@ -10,6 +10,7 @@ change often: pass ``--price``. Sources are also tabulated in ``docs/planner.md`
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypedDict
 
 __all__ = ["GpuSpec", "GPUS", "get_gpu", "PCIE_GEN5_X16", "PCIE_GEN6_X16"]
 
@@ -63,15 +64,24 @@ class GpuSpec:
         return replace(self, price_per_hour=price)
 
 
-_DGX_HOPPER_STORAGE = dict(  # DGX H100/H200: 8x 3.84 TB U.2 NVMe data drives (DGX H100 user guide)
+class _ServerStorage(TypedDict):
+    """The NVMe fields of a ``GpuSpec`` that a server family shares, splatted into each spec."""
+
+    nvme_drives: int
+    nvme_iops_per_drive: float
+    nvme_bw_per_drive: float
+    nvme_capacity_per_drive: float
+
+
+_DGX_HOPPER_STORAGE = _ServerStorage(  # DGX H100/H200: 8x 3.84 TB U.2 NVMe data drives (DGX H100 user guide)
     nvme_drives=8, nvme_iops_per_drive=1.4e6, nvme_bw_per_drive=6.9 * GB,  # Gen4 U.2, e.g. Kioxia CM6
     nvme_capacity_per_drive=3.84 * TB,
 )
-_DGX_BLACKWELL_STORAGE = dict(  # DGX B200/B300: 8x 3.84 TB NVMe data drives (DGX B200/B300 user guides)
+_DGX_BLACKWELL_STORAGE = _ServerStorage(  # DGX B200/B300: 8x 3.84 TB NVMe data drives (DGX B200/B300 user guides)
     nvme_drives=8, nvme_iops_per_drive=2.5e6, nvme_bw_per_drive=13 * GB,  # Gen5, e.g. Samsung PM1743
     nvme_capacity_per_drive=3.84 * TB,
 )
-_NVL72_TRAY_STORAGE = dict(  # NVL72 compute tray (4 GPUs): 4x E1.S Gen5 assumed (tray allows up to 8)
+_NVL72_TRAY_STORAGE = _ServerStorage(  # NVL72 compute tray (4 GPUs): 4x E1.S Gen5 assumed (tray allows up to 8)
     nvme_drives=4, nvme_iops_per_drive=2.5e6, nvme_bw_per_drive=13 * GB,
     nvme_capacity_per_drive=3.84 * TB,
 )

@@ -245,7 +245,8 @@ def custom_model(
         name = name or path.parent.name or path.stem
     else:
         data = dict(config)
-    text = data.get("text_config") if isinstance(data.get("text_config"), Mapping) else data
+    text_config = data.get("text_config")
+    text: Mapping[str, Any] = text_config if isinstance(text_config, Mapping) else data
     engram = EngramConfig.from_hf_config(data)
     missing = [flag for flag, v in (("--total-params", total_params),
                                     ("--active-params", active_params_decode)) if v is None]
@@ -256,6 +257,8 @@ def custom_model(
             f"a custom model needs {', '.join(missing)} (config.json does not state them), "
             "e.g. --total-params 552e9 --active-params 16e9 --kv-bytes-per-token 1736"
         )
+    assert total_params is not None and active_params_decode is not None  # in `missing` otherwise
+    assert kv_bytes_per_token is not None
     layers = int(num_layers or text.get("num_hidden_layers", 0))
     if layers <= 0:
         raise ValueError("config.json lacks num_hidden_layers; pass --layers")

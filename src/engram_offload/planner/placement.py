@@ -18,7 +18,7 @@ from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .hardware import GpuSpec
 from .mrc import MissRatioCurve
 from .models import ModelSpec
-from .perf import decode_step, decode_window_us, prefill_window_us
+from .perf import StepTime, decode_step, decode_window_us, prefill_window_us
 
 __all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time",
            "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
@@ -219,16 +219,29 @@ def step_stall_us(due: Fetch, total: Fetch, offsets_us: list[float], step_us: fl
     return max(latency, total.transfer_us - step_us)
 
 
+@dataclass(frozen=True)
+class _DecodePoint:
+    """One decode step at one batch size: backbone time plus the Engram fetch around it."""
+
+    step: StepTime
+    window_us: float
+    link_bytes: float
+    transfer_us: float
+    stall_us: float
+    step_us: float
+    iops: float
+
+
 def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
-            a: Assumptions, r: PlacementResult) -> dict[str, float]:
+            a: Assumptions, r: PlacementResult) -> _DecodePoint:
     step = decode_step(model, gpu, tp, batch, w.context, a)
     window = decode_window_us(model, step)
     fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a)
     stall = max(0.0, fetch.transfer_us - window)
     step_us = step.backbone_us + stall
     iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
-    return dict(step=step, window=window, link_bytes=fetch.link_bytes, transfer=fetch.transfer_us,
-                stall=stall, step_us=step_us, iops=iops)
+    return _DecodePoint(step=step, window_us=window, link_bytes=fetch.link_bytes,
+                        transfer_us=fetch.transfer_us, stall_us=stall, step_us=step_us, iops=iops)
 
 
 def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,
@@ -242,11 +255,11 @@ def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workl
     r.link = {"hbm": "HBM", "dram": gpu.host_link, "nvme": f"NVMe -> DRAM cache -> {gpu.host_link}",
               "remote": "pooled memory (network/CXL)"}[name]
     _memory(model, gpu, tp, name, w, a, r)
-    best: tuple[float, int, dict[str, float]] | None = None
-    fallback: tuple[float, int, dict[str, float]] | None = None
+    best: tuple[float, int, _DecodePoint] | None = None
+    fallback: tuple[float, int, _DecodePoint] | None = None
     for batch in _batches(r.max_concurrent_seqs, w.batch):
         d = _decode(model, gpu, tp, name, batch, w, a, r)
-        inter = 1e6 / d["step_us"]
+        inter = 1e6 / d.step_us
         tput = batch * inter / tp
         if fallback is None or inter > fallback[0]:
             fallback = (inter, batch, d)
@@ -256,17 +269,17 @@ def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workl
     if chosen is not None:
         _, batch, d = chosen
         r.batch = batch
-        r.link_bytes_per_step = d["link_bytes"]
-        r.transfer_us = d["transfer"]
-        r.window_us = d["window"]
-        r.predicted_stall_us = d["stall"]
-        r.step_us = d["step_us"]
-        r.bound = d["step"].bound
-        r.interactivity = 1e6 / d["step_us"]
+        r.link_bytes_per_step = d.link_bytes
+        r.transfer_us = d.transfer_us
+        r.window_us = d.window_us
+        r.predicted_stall_us = d.stall_us
+        r.step_us = d.step_us
+        r.bound = d.step.bound
+        r.interactivity = 1e6 / d.step_us
         r.tokens_per_s_per_gpu = batch * r.interactivity / tp
         r.tokens_per_dollar = r.tokens_per_s_per_gpu * 3600 / gpu.price_per_hour
         r.meets_interactivity = best is not None
-        r.nvme_iops_needed = d["iops"]
+        r.nvme_iops_needed = d.iops
         if name == "nvme":
             r.nvme_iops_available = gpu.nvme_iops_per_server
             if r.nvme_iops_needed > r.nvme_iops_available:
