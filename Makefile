@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install mutation
+.PHONY: demo test install lint mutation
 
 $(BIN)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# Lint and types over the package (run by .ci/run before the tests).
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src
+	$(BIN)/mypy
 
 # Mutation testing of one core module against its own tests (docs/mutation.md); not in CI.
 #   make mutation MODULE=dedup        make mutation  (lists the modules)
