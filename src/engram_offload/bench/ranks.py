@@ -43,7 +43,7 @@ from .workload import Request, RequestStream
 __all__ = ["RANK_TIERS", "RankRole", "RankRequests", "AssembledRows", "execute_ranked_run"]
 
 RANK_TIERS = ("memory", "pinned", "shared", "direct")  # resident ones become one shared copy
-PER_RANK = ("throughput_tok_s", "rows_per_s", "stall_fraction", "hit_rate", "pss_bytes")
+PER_RANK = ("tokens", "throughput_tok_s", "rows_per_s", "stall_fraction", "hit_rate", "pss_bytes")
 
 
 class RankRequests:

@@ -73,6 +73,7 @@ __all__ = ["BACKBONES", "BenchSettings", "CACHED_TIERS", "Corpora", "CACHE_STATE
 
 CACHE_STATES = ("cold", "warm", "mixed")
 BACKBONES = ("cpu", "modeled")
+RANKS_TIMEOUT_S = 600.0  # a run of several ranks: loading the table, then the run's own seconds
 CGROUP_ALLOWANCE = 256 << 20  # first limit above the budget, until the process's own memory is measured
 
 
@@ -431,7 +432,7 @@ def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], conc
         if ranks > 1:
             from .ranks import execute_ranked_run
 
-            timeout = 600 + 4 * (settings.seconds + settings.warmup_seconds)
+            timeout = RANKS_TIMEOUT_S + 4 * (settings.seconds + settings.warmup_seconds)
             result = execute_ranked_run(t, s, c, settings, corpora, token_map, ranks, tp, timeout)
         elif t == "mmap" and settings.dram_budget is not None:
             timeout = 120 + 4 * (settings.seconds + settings.warmup_seconds)

@@ -93,7 +93,7 @@ def dram_per_machine(plan: Plan, args: argparse.Namespace) -> list[MachineDram]:
     """Host DRAM per machine of every placement at ``--dp`` replicas."""
     shared = args.dp > 1 if args.shared_host_copy is None else args.shared_host_copy
     server = args.dp > 1 if args.row_server is None else args.row_server
-    return [machine_dram(plan.model, r, args.dp, shared, server) for r in plan.placements]
+    return [machine_dram(r, args.dp, shared, server) for r in plan.placements]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -119,7 +119,7 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
     )
     t = Table(show_lines=False)
     for col in ("placement", "TP", "fits", "KV GiB/GPU", "seqs", "KiB/tok/GPU", "batch",
-                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB per machine"):
+                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB/machine"):
         t.add_column(col, justify="left" if col in ("placement", "fits", "cache") else "right")
     why: list[str] = []
     for i, r in enumerate(plan.placements):

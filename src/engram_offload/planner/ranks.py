@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .models import ModelSpec
 from .placement import PlacementResult
 
 __all__ = ["BUFFERED_STEPS", "MachineDram", "machine_dram"]
@@ -37,8 +36,7 @@ class MachineDram:
         return asdict(self)
 
 
-def machine_dram(model: ModelSpec, r: PlacementResult, dp: int, shared_host_copy: bool,
-                 row_server: bool) -> MachineDram:
+def machine_dram(r: PlacementResult, dp: int, shared_host_copy: bool, row_server: bool) -> MachineDram:
     """The host DRAM a machine needs for ``dp`` replicas of placement ``r`` (see the module)."""
     if dp < 1:
         raise ValueError(f"--dp must be >= 1, got {dp}")
