@@ -184,7 +184,7 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
     (``rank``: one of several rank processes, ``bench.ranks``)."""
     columns = None if rank is None else rank.columns
     with Prefetcher(store, hasher, dtype=torch.float32, columns=columns) as prefetcher:
-        def engine_for(backbone: EngramBackbone | None) -> ServingEngine:
+        def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher if rank is None else rank.exchange(prefetcher),
                                  concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
