@@ -93,10 +93,10 @@ def _tp_rank_main(rank: int, world: int, init_file: str, path: str) -> None:
         role = RankRole(rank, world, world, path, config, group=dist.new_group([0, 1]))
         assert role.columns == shard_columns(config, rank, world)
         shape = WorkloadShape("agent", prompt=40, answer=6, turns=2, tool=20)
-        with open_table(path, "mmap") as plain, open_table(path, "memory") as store, \
-                Prefetcher(store, hasher, columns=role.columns) as pf:
+        with open_table(path, "mmap") as plain, open_table(path, "memory", columns=role.columns) as store, \
+                Prefetcher(store, hasher) as pf:
             model = RowsModel(config.layer_ids)
-            engine = RecordingEngine(model, role.exchange(pf), concurrency=3, max_step_tokens=16,
+            engine = RecordingEngine(role.exchange(model), pf, concurrency=3, max_step_tokens=16,
                                      lookahead_tokens=0)
             run = engine.run(role.requests(RequestStream(corpus(), shape, seed=2)), seconds=60,
                              max_steps=30 + 10 * rank, agree=role.agree)

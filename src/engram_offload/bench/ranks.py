@@ -10,8 +10,9 @@ through a file store. Each rank runs the ordinary run (``runner.execute_run``) w
   ``--cache-bytes``; every rank is a client);
 - the requests: ranks ``r`` with the same data-parallel index ``r // tp`` serve the
   requests ``i`` with ``i % dp == r // tp`` of the same stream (``dp = N / tp``);
-- the columns (``tp`` > 1): rank ``r`` fetches the columns ``shard_columns(config, r % tp, tp)``
-  and the Engram layers get the full ``[T, C, d]`` from ``assemble_columns`` over its tensor
+- the columns (``tp`` > 1): rank ``r`` opens the table with the columns
+  ``shard_columns(config, r % tp, tp)``, so its Prefetcher fetches only those, and the model's
+  Engram layers get the full ``[T, C, d]`` from ``assemble_columns`` over its tensor
   parallel group. The ranks of a group run the same steps: lookahead is off (no schedule
   that depends on when rows arrive) and they agree before each step whether to go on;
 - the figures: between two barriers every rank reads its PSS (and rank 0 the row server's),
@@ -37,7 +38,7 @@ import torch
 from ..config import EngramConfig
 from ..sharding import Columns, assemble_columns, shard_columns
 from ..table.format import read_header
-from .engine import EngineRun
+from .engine import BackboneStep, EngineRun, RowsFor, StepShape
 from .workload import Request, RequestStream
 
 __all__ = ["RANK_TIERS", "RankRole", "RankRequests", "AssembledRows", "execute_ranked_run"]
@@ -62,17 +63,16 @@ class RankRequests:
 
 
 class AssembledRows:
-    """A Prefetcher whose ``rows`` are every column's ``[T, C, d]``, all-gathered over
-    ``group`` from each rank's ``[T, c1 - c0, d]``; everything else is the Prefetcher's."""
+    """A ``StepModel`` whose Engram layers get every column's ``[T, C, d]``, all-gathered
+    over ``group`` from this rank's ``[T, c1 - c0, d]`` (the engine's ``rows_for``)."""
 
-    def __init__(self, prefetcher: Any, num_columns: int, group: Any) -> None:
-        self._prefetcher, self._columns, self._group = prefetcher, num_columns, group
+    def __init__(self, model: Any, config: EngramConfig, group: Any) -> None:
+        self.model = BackboneStep(model, config.cols_per_layer, config.head_dim) \
+            if isinstance(model, torch.nn.Module) else model
+        self.columns, self.group = config.cols_per_layer, group
 
-    def rows(self, layer_id: int, step: Any = None, **options: Any) -> torch.Tensor:
-        return assemble_columns(self._prefetcher.rows(layer_id, step, **options), self._columns, self._group)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._prefetcher, name)
+    def run_step(self, shape: StepShape, rows_for: RowsFor) -> None:
+        self.model.run_step(shape, lambda layer_id: assemble_columns(rows_for(layer_id), self.columns, self.group))
 
 
 class _ServerStore:
@@ -117,8 +117,9 @@ class RankRole:
     def requests(self, stream: RequestStream) -> Any:
         return RankRequests(stream, self.rank // self.tp, self.world // self.tp)
 
-    def exchange(self, prefetcher: Any) -> Any:
-        return prefetcher if self.tp == 1 else AssembledRows(prefetcher, self.config.cols_per_layer, self.group)
+    def exchange(self, model: Any) -> Any:
+        """The model, its Engram layers fed every column when this rank holds only some."""
+        return model if self.tp == 1 else AssembledRows(model, self.config, self.group)
 
     def agree(self, more: bool) -> bool:
         """Go on only while every rank of the tensor-parallel group goes on."""
@@ -134,8 +135,8 @@ class RankRole:
         from ..store import open_table
 
         if tier == "direct":
-            return _ServerStore(open_table(self.table, "direct", row_server=self.row_server))
-        return open_table(self.table, "shared")
+            return _ServerStore(open_table(self.table, "direct", row_server=self.row_server, columns=self.columns))
+        return open_table(self.table, "shared", columns=self.columns)
 
     def measure(self, run: EngineRun) -> dict[str, Any]:
         """This rank's PSS (and rank 0: the row server's), read while every rank holds its table."""

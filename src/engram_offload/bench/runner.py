@@ -182,11 +182,9 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
            on_step: Callable[[str, float], Any] | None, rank: RankRole | None = None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement
     (``rank``: one of several rank processes, ``bench.ranks``)."""
-    columns = None if rank is None else rank.columns
-    with Prefetcher(store, hasher, dtype=torch.float32, columns=columns) as prefetcher:
+    with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
-            return ServingEngine(backbone, prefetcher if rank is None else rank.exchange(prefetcher),
-                                 concurrency=concurrency,
+            return ServingEngine(backbone, prefetcher, concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
                                  lookahead_tokens=settings.lookahead_tokens)
 
@@ -206,7 +204,8 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
         store.reset_stats()
         before = store.stats()
         stream = _requests(RequestStream(corpora.measured, settings.shape, settings.seed), rank)
-        run = engine_for(model).run(stream, settings.seconds, on_step=progress("measure"),
+        run = engine_for(model if rank is None else rank.exchange(model)).run(
+            stream, settings.seconds, on_step=progress("measure"),
                                     agree=None if rank is None else rank.agree)
         return _Measured(warmup, run, stream, before, store.stats())
 
