@@ -313,9 +313,12 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ the loop
     def run(self, stream: RequestStream, seconds: float, *,
-            on_step: Callable[[float], Any] | None = None, max_steps: int | None = None) -> EngineRun:
+            on_step: Callable[[float], Any] | None = None, max_steps: int | None = None,
+            agree: Callable[[bool], bool] | None = None) -> EngineRun:
         """Serve requests from ``stream`` for ``seconds`` (or ``max_steps``); in-flight
-        requests at the end are counted with what they did, then their histories released."""
+        requests at the end are counted with what they did, then their histories released.
+        ``agree`` turns this process's "go on" into the one its tensor-parallel group agrees
+        on before each step, so that ranks that exchange rows run the same steps."""
         run = EngineRun()
         self._run = run
         active: list[Request] = []
@@ -323,8 +326,13 @@ class ServingEngine:
         start = time.perf_counter()
         deadline = start + seconds
         now = start
+
+        def go_on() -> bool:
+            more = now < deadline and (max_steps is None or run.steps < max_steps)
+            return more if agree is None else agree(more)
+
         try:
-            while now < deadline and (max_steps is None or run.steps < max_steps):
+            while go_on():
                 while len(active) < self.concurrency:
                     r = stream.next()
                     r.turn_started = now

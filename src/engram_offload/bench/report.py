@@ -164,3 +164,24 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     finally:
         plt.close(fig)
     return path
+
+
+def ranks_table(runs: list[dict[str, Any]], table_bytes: int, budget: int | None) -> str:
+    """Per-rank figures of runs served by several ranks, and the machine's DRAM they used
+    (summed PSS of the ranks and the row server) beside the table's size and the budget."""
+    gib = 2**30
+    lines = [f"table {table_bytes / gib:.2f} GiB, budget " + (f"{budget / gib:.2f} GiB" if budget is not None else "none"),
+             "", "| tier | state | conc | rank | tok/s | rows/s | stall | hit rate | PSS GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for r in run.get("per_rank", []):
+            lines.append(f"| {run['tier']} | {run['cache_state']} | {run['concurrency']} | {r['rank']} | "
+                         f"{_cell(r['throughput_tok_s'], '{:,.0f}')} | {_cell(r['rows_per_s'], '{:,.0f}')} | "
+                         f"{_cell(r['stall_fraction'], '{:.1%}')} | {_cell(r['hit_rate'], '{:.1%}')} | "
+                         f"{r['pss_bytes'] / gib:.2f} |")
+        if "dram_used_bytes" in run:
+            lines.append(f"| {run['tier']} | {run['cache_state']} | {run['concurrency']} | all {run['ranks']} | "
+                         f"{_cell(run['throughput_tok_s'], '{:,.0f}')} | | | | "
+                         f"{run['dram_used_bytes'] / gib:.2f} (with the row server's "
+                         f"{run['server_pss_bytes'] / gib:.2f}) |")
+    return "\n".join(lines)

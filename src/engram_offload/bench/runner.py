@@ -44,7 +44,7 @@ import queue as queue_module
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -65,11 +65,15 @@ from .remote import publish
 from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from .workload import RequestStream, WorkloadShape
 
+if TYPE_CHECKING:
+    from .ranks import RankRole
+
 __all__ = ["BACKBONES", "BenchSettings", "CACHED_TIERS", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
            "check_budget", "combine_repeats", "execute_capped_run", "execute_run", "run_sweep"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
 BACKBONES = ("cpu", "modeled")
+RANKS_TIMEOUT_S = 600.0  # a run of several ranks: loading the table, then the run's own seconds
 CGROUP_ALLOWANCE = 256 << 20  # first limit above the budget, until the process's own memory is measured
 
 
@@ -175,8 +179,9 @@ class _Measured:
 
 def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
            corpora: Corpora, model: EngramBackbone | ModeledBackbone, hasher: NgramHasher,
-           on_step: Callable[[str, float], Any] | None) -> _Measured:
-    """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement."""
+           on_step: Callable[[str, float], Any] | None, rank: RankRole | None = None) -> _Measured:
+    """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement
+    (``rank``: one of several rank processes, ``bench.ranks``)."""
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,
@@ -191,15 +196,22 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
         if warm is not None and not is_resident(tier):
             # a replay of the warm-up requests' row accesses (no backbone): fills the caches
             # as serving them would, in a fraction of the time
-            w = engine_for(None).run(RequestStream(warm, settings.shape, settings.seed + 1),
-                                     settings.warmup_seconds, on_step=progress("warm-up"))
+            w = engine_for(None).run(_requests(RequestStream(warm, settings.shape, settings.seed + 1), rank),
+                                     settings.warmup_seconds, on_step=progress("warm-up"),
+                                     agree=None if rank is None else rank.agree)
             warmup = {"corpus": warm.name, "seconds": w.seconds, "tokens": w.tokens,
                       "hit_rate": store.stats()["store"]["hit_rate"] if store.levels else None}
         store.reset_stats()
         before = store.stats()
-        stream = RequestStream(corpora.measured, settings.shape, settings.seed)
-        run = engine_for(model).run(stream, settings.seconds, on_step=progress("measure"))
+        stream = _requests(RequestStream(corpora.measured, settings.shape, settings.seed), rank)
+        run = engine_for(model if rank is None else rank.exchange(model)).run(
+            stream, settings.seconds, on_step=progress("measure"),
+                                    agree=None if rank is None else rank.agree)
         return _Measured(warmup, run, stream, before, store.stats())
+
+
+def _requests(stream: RequestStream, rank: RankRole | None) -> RequestStream:
+    return stream if rank is None else rank.requests(stream)
 
 
 def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
@@ -225,9 +237,10 @@ def _device_reads(served: _Measured) -> int:
 def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
                 token_map: np.ndarray, *, budget_note: tuple[bool, str] | None = None,
                 on_step: Callable[[str, float], Any] | None = None,
-                before_open: Callable[[], Any] | None = None) -> dict[str, Any]:
+                before_open: Callable[[], Any] | None = None, rank: RankRole | None = None) -> dict[str, Any]:
     """One run in this process; returns its figures. ``before_open`` is called once the
-    backbone is built, just before the table is opened (the capped child joins its cgroup there)."""
+    backbone is built, just before the table is opened (the capped child joins its cgroup there).
+    ``rank``: this process is one of several ranks (``bench.ranks``), which opens the table."""
     _check_run(tier, state)
     torch.set_num_threads(settings.threads)
     republished = None
@@ -244,9 +257,12 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     if before_open is not None:
         before_open()
     t_open = time.perf_counter()
-    with open_table(settings.table, tier, **options, **_tier_options(tier, settings)) as store:
+    opened = open_table(settings.table, tier, **options, **_tier_options(tier, settings)) if rank is None \
+        else rank.open(tier, options)
+    with opened as store:
         open_seconds = time.perf_counter() - t_open
-        served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step)
+        served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step, rank)
+        rank_figures = {} if rank is None else rank.measure(served.run)
     if budget_note is None:
         budget_note = _budget_note(tier, settings)
     figures = _predicted(model, tier, served, settings, config) if isinstance(model, ModeledBackbone) else {}
@@ -264,6 +280,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         "open_seconds": open_seconds,
         "cache_bytes": settings.cache_bytes if options else 0,
         **figures,
+        **rank_figures,
     }
 
 
@@ -399,10 +416,12 @@ def execute_capped_run(tier: str, state: str, concurrency: int, settings: BenchS
 def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], concurrency: list[int],
               corpora: Corpora, token_map: np.ndarray, repeats: int = 1,
               progress: Callable[[str, int, int], Any] | None = None,
-              on_step: Callable[[str, float], Any] | None = None) -> list[dict[str, Any]]:
+              on_step: Callable[[str, float], Any] | None = None, ranks: int = 1,
+              tp: int = 1) -> list[dict[str, Any]]:
     """Every (tier, state, concurrency) ``repeats`` times, tiers side by side at each point
     (repeats outermost, so slow drift of the machine hits every tier alike); returns one
-    entry per point with the median of each figure (``combine_repeats``)."""
+    entry per point with the median of each figure (``combine_repeats``). ``ranks`` > 1:
+    each run is served by that many processes, ``tp`` to a column-split group (``bench.ranks``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     plan = [(r, c, s, t) for r in range(repeats) for c in concurrency for s in states for t in tiers]
@@ -410,7 +429,12 @@ def run_sweep(settings: BenchSettings, tiers: list[str], states: list[str], conc
     for i, (r, c, s, t) in enumerate(plan):
         if progress is not None:
             progress(f"{t} {s} x{c}" + (f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""), i, len(plan))
-        if t == "mmap" and settings.dram_budget is not None:
+        if ranks > 1:
+            from .ranks import execute_ranked_run
+
+            timeout = RANKS_TIMEOUT_S + 4 * (settings.seconds + settings.warmup_seconds)
+            result = execute_ranked_run(t, s, c, settings, corpora, token_map, ranks, tp, timeout)
+        elif t == "mmap" and settings.dram_budget is not None:
             timeout = 120 + 4 * (settings.seconds + settings.warmup_seconds)
             result = execute_capped_run(t, s, c, settings, corpora, token_map, timeout)
         else:

@@ -78,6 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--repeats", type=positive_int, default=1, help="run every point this many times; medians reported (default 1)")
     r.add_argument("--warmup-seconds", type=seconds_or_zero, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
     r.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
+    r.add_argument("--ranks", type=positive_int, default=1,
+                   help="rank processes serving each run (default 1): resident tiers share one copy of the table "
+                   "(tier shared), direct goes through one row server; with --tp, groups of --tp ranks split the "
+                   "columns (docs/ranks.md)")
     m = p.add_argument_group("memory")
     m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
     m.add_argument("--cache-bytes", default=None,
@@ -109,7 +113,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cpu: a small real transformer computed on this machine's cores (default); modeled: "
                    "sleep a GPU's roofline step time (--gpu, --tp), leaving the cores to the fetch path")
     b.add_argument("--gpu", default="b300", help="the modeled backbone's GPU, as in 'plan' (default b300)")
-    b.add_argument("--tp", type=positive_int, default=1, help="the modeled backbone's tensor-parallel degree (default 1)")
+    b.add_argument("--tp", type=positive_int, default=1,
+                   help="the modeled backbone's tensor-parallel degree, and with --ranks the ranks that split "
+                   "each layer's columns (default 1)")
     b.add_argument("--model", default=None,
                    help="the modeled backbone's planner model (default: the table's layout, e.g. deepseek-v4.1-flash)")
     b.add_argument("--nvme-iops", type=_number(float, 0, low_open=True, what="a rate"), default=None,
@@ -228,6 +234,12 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     from ..tiers import TIERS
 
     tiers = _list(args.tiers, tuple(TIERS), "tiers")
+    if args.ranks > 1:
+        from ..bench.ranks import RANK_TIERS
+
+        _list(args.tiers, RANK_TIERS, "tiers (with --ranks)")
+        if args.ranks % args.tp:
+            raise ValueError(f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})")
     states = _list(args.cache_states, CACHE_STATES, "cache-states")
     concurrency = _concurrency(args.concurrency)
     table = Path(args.table) if args.table else default_table(args.preset, args.scale, args.seed, show)
@@ -347,7 +359,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with _remote_pool(plan, args, show) as settings:
         with _Progress(show) as progress:
             runs = run_sweep(settings, plan.tiers, plan.states, plan.concurrency, corpora, token_map,
-                             repeats=args.repeats, progress=progress.run, on_step=progress.step)
+                             repeats=args.repeats, progress=progress.run, on_step=progress.step,
+                             ranks=args.ranks, tp=args.tp)
         plan.settings = settings
     ratios = comparisons(runs)
     limits = stall_limits(runs)
@@ -359,6 +372,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
                                     f"budget {budget}")
     print(markdown_table(runs))
+    if args.ranks > 1:
+        from ..bench.report import ranks_table
+
+        print()
+        print(ranks_table(runs, plan.table_bytes, plan.budget))
     if ratios:
         print()
         print(comparisons_table(ratios))

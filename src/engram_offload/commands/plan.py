@@ -13,6 +13,7 @@ from ..planner.models import MODELS
 from ..planner.mrc import load_trace
 from ..planner.placement import Workload
 from ..planner.plan import Plan, curve_for
+from ..planner.ranks import MachineDram, machine_dram
 from ..units import fraction, non_negative_float, positive_float, positive_int, unit_interval
 from .core import load_hf_config
 
@@ -40,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
     p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (overrides the preset)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d = p.add_argument_group("ranks on one machine (host DRAM per machine)")
+    d.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas on one machine (default 1)")
+    d.add_argument("--shared-host-copy", action=argparse.BooleanOptionalAction, default=None,
+                   help="the replicas share one host copy of the table (tier=shared; default: yes when --dp > 1)")
+    d.add_argument("--row-server", action=argparse.BooleanOptionalAction, default=None,
+                   help="one row server a machine holds the DRAM row cache for every replica (default: yes when "
+                   "--dp > 1)")
     r = p.add_argument_group("pooled tier (the remote placement)")
     r.add_argument("--pool-rtt-us", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.remote_latency_us,
                    help="one round trip to the pool, per step (default "
@@ -81,16 +89,24 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return make_plan(model, gpu, workload, args.objective, assumptions)
 
 
+def dram_per_machine(plan: Plan, args: argparse.Namespace) -> list[MachineDram]:
+    """Host DRAM per machine of every placement at ``--dp`` replicas."""
+    shared = args.dp > 1 if args.shared_host_copy is None else args.shared_host_copy
+    server = args.dp > 1 if args.row_server is None else args.row_server
+    return [machine_dram(r, args.dp, shared, server) for r in plan.placements]
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    machine = dram_per_machine(plan, args)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps({**plan.to_dict(), "dram_per_machine": [m.to_dict() for m in machine]}, indent=2))
         return 0
-    print_plan(plan)
+    print_plan(plan, machine)
     return 0
 
 
-def print_plan(plan: Plan) -> None:
+def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -103,10 +119,10 @@ def print_plan(plan: Plan) -> None:
     )
     t = Table(show_lines=False)
     for col in ("placement", "TP", "fits", "KV GiB/GPU", "seqs", "KiB/tok/GPU", "batch",
-                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache"):
+                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB/machine"):
         t.add_column(col, justify="left" if col in ("placement", "fits", "cache") else "right")
     why: list[str] = []
-    for r in plan.placements:
+    for i, r in enumerate(plan.placements):
         cache = ""
         if r.name == "nvme" and r.cache_hit_rate is not None:
             cache = f"{r.cache_bytes_per_gpu / GiB:.1f} GiB, {r.cache_hit_rate:.0%} hit"
@@ -121,9 +137,16 @@ def print_plan(plan: Plan) -> None:
             dash(f"{r.transfer_us:.0f}"), dash(f"{r.window_us:.0f}"),
             dash(f"{r.predicted_stall_us:.0f}"), dash(f"{r.interactivity:.0f}"),
             dash(f"{r.tokens_per_s_per_gpu:,.0f}"), cache,
+            dash(f"{machine[i].total_bytes / GiB:.1f}") if machine else "-",
         )
         why.extend(f"{r.name} TP={r.tp}: {reason}" for reason in r.why_not)
     console.print(t)
+    if machine:
+        m = machine[0]
+        console.print(f"  [dim]DRAM per machine at --dp {m.dp}: host copy x {1 if m.shared_host_copy else m.dp} "
+                      f"({'shared' if m.shared_host_copy else 'one a replica'}) + row cache x "
+                      f"{1 if m.row_server else m.dp} ({'one row server' if m.row_server else 'one a replica'}) "
+                      f"+ step buffers x {m.dp}[/]")
     for line in why:
         console.print(f"  [dim]{line}[/]")
     rec = plan.recommendation
