@@ -201,3 +201,26 @@ def test_image_tokens_are_dead_by_default_in_pieces_and_decode_steps():
                                                               [t == IMAGE for t in seqs[1]]))
     with pytest.raises(ValueError, match="a dead mask of 3 entries for a piece of 10 tokens"):
         hasher.hash_pieces(hasher.new_history(), [0], [seqs[0]], dead=[[True, False, True]])
+
+
+def test_decode_steps_return_to_the_fast_path_once_image_tokens_leave_the_window(monkeypatch):
+    """A dead token slows only the steps whose n-grams still reach it (N-1 steps), not every
+    later step of every sequence; the rows stay those of the whole sequences."""
+    hasher = NgramHasher(WITH_IMAGES, TOKEN_MAP)
+    history = hasher.new_history()
+    seqs = {0: [5, 6, IMAGE], 1: [1, 2, 3]}
+    got = {s: [hasher.hash_pieces(history, [s], [seqs[s]])] for s in seqs}
+    slow_steps = []
+    real = hasher.hash_pieces
+    monkeypatch.setattr(hasher, "hash_pieces", lambda *a, **k: slow_steps.append(1) or real(*a, **k))
+    window = WITH_IMAGES.max_ngram_size - 1
+    for t in range(window + 3):
+        tokens = [10 + t, 20 + t]
+        out = hasher.hash_decode(history, [0, 1], tokens)
+        for s in seqs:
+            seqs[s].append(tokens[s])
+            got[s].append(out[s:s + 1])
+    assert len(slow_steps) == window  # while the image is among the last N-1 tokens, then never
+    for s, ids in seqs.items():
+        expected = reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids, [t == IMAGE for t in ids])
+        assert np.array_equal(torch.cat(got[s]).numpy(), expected), s

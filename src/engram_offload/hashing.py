@@ -234,9 +234,10 @@ class NgramHasher:
         tokens = _as_numpy_ids(token_ids).reshape(-1)
         if tokens.size != len(seq_ids):
             raise ValueError(f"{tokens.size} token ids for {len(seq_ids)} sequences")
-        if history.any_dead or self.dead_mask(tokens) is not None:
-            return self.hash_pieces(history, seq_ids, tokens.reshape(-1, 1))
         slots = history.slots_for(seq_ids)
+        if self.dead_mask(tokens) is not None or (history.any_dead and history.dead[slots].any()):
+            # a dead token among these n-grams (the last N-1 tokens): the general path
+            return self.hash_pieces(history, seq_ids, tokens.reshape(-1, 1))
         comp = self.compress(tokens)
         remembered = history.tokens[slots]  # [S, N-1], oldest first
         windows = np.empty((tokens.size, self._max_n), np.int64)
