@@ -24,9 +24,10 @@ import torch
 from ..errors import TierError
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
-from ..table.verify import BlockStreamChecker, bad_pages, page_checksum_error
+from ..table.verify import BlockStreamChecker
 from ._buffers import aligned_empty, madvise_quietly
 from .base import Tier
+from .pagecheck import check_pages, run_of_pages
 
 __all__ = ["MemoryTier", "check_free_memory", "load_dense_rows", "mem_available"]
 
@@ -209,8 +210,8 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
     segment), checking as ``load_dense_rows`` says."""
     layout = header.layout
     page = layout.page_bytes
-    check_pages = verify is not False and header.page_sums is not None
-    checker = BlockStreamChecker(header) if verify and not check_pages else None
+    pages_checked = verify is not False and header.page_sums is not None
+    checker = BlockStreamChecker(header) if verify and not pages_checked else None
     prefaulter = _Prefaulter(dense)
     try:
         fd = _open_for_load(header.path)
@@ -222,7 +223,7 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
         with byte_progress(f"{what} {header.path.name}", layout.data_bytes, progress) as advance:
             for first, pages, buf in reader:
                 view = buf[: pages * page]
-                if check_pages:
+                if pages_checked:
                     _check_loaded_pages(header, fd, first, view)
                 if checker is not None:
                     checker.feed(memoryview(view))  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
@@ -238,12 +239,14 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
 def _check_loaded_pages(header: TableHeader, fd: int, first: int, view: np.ndarray) -> None:
     """Pages ``first..`` held in ``view`` against their checksums; a bad one is read again."""
     page = header.layout.page_bytes
-    pages = np.arange(first, first + len(view) // page)
-    for i in bad_pages(header, pages, view).tolist():
-        one = view[i * page: (i + 1) * page]
-        _read_fully(fd, one, header.layout.data_offset + int(pages[i]) * page, header.path)
-        if bad_pages(header, pages[i: i + 1], one).size:
-            raise page_checksum_error(header, int(pages[i]))
+    plan = run_of_pages(first, len(view) // page, header.layout)
+
+    def reread(bad: np.ndarray) -> None:
+        for i in bad.tolist():
+            at = int(plan.dests[i])
+            _read_fully(fd, view[at: at + page], int(plan.starts[i]), header.path)
+
+    check_pages(header, plan, view, reread)
 
 
 def _compact(view: np.ndarray, first: int, pages: int, layout, dense: np.ndarray) -> None:

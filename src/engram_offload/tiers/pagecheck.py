@@ -16,7 +16,7 @@ import numpy as np
 from ..table.format import TableLayout, TableHeader
 from ..table.verify import bad_pages, page_checksum_error
 
-__all__ = ["PagePlan", "plan_pages", "check_pages"]
+__all__ = ["PagePlan", "plan_pages", "run_of_pages", "check_pages"]
 
 
 class PagePlan(NamedTuple):
@@ -36,6 +36,14 @@ def plan_pages(offsets: np.ndarray, layout: TableLayout) -> PagePlan:
     dests = np.arange(len(pages), dtype=np.int64) * page
     positions = dests[which] + (offsets - starts[which])
     return PagePlan(pages, starts, dests, len(pages) * page, positions)
+
+
+def run_of_pages(first: int, count: int, layout: TableLayout) -> PagePlan:
+    """Pages ``first..first+count-1`` read back to back (a load chunk); no requested rows."""
+    page = layout.page_bytes
+    pages = np.arange(first, first + count, dtype=np.int64)
+    dests = np.arange(count, dtype=np.int64) * page
+    return PagePlan(pages, layout.data_offset + pages * page, dests, count * page, np.empty(0, np.int64))
 
 
 def check_pages(header: TableHeader, plan: PagePlan, buf: np.ndarray,
