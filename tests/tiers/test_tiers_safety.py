@@ -22,7 +22,7 @@ from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.table.format import TableLayout, encode_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.direct import DEFAULT_RINGS
-from engram_offload.tiers.memory import mem_available
+from engram_offload.machine import available_memory_bytes
 from tiny_tables import tiny_config
 from tier_cases import direct_io_refused, read, skip_unavailable, uring_available
 
@@ -182,7 +182,7 @@ def sparse_table(path: Path, config) -> Path:
 
 @pytest.mark.parametrize("tier", ["memory", "pinned"])
 def test_resident_tiers_refuse_a_table_larger_than_free_memory(tmp_path, tier):
-    available = mem_available()
+    available = available_memory_bytes()
     if available is None:
         pytest.skip("no MemAvailable in /proc/meminfo")
     start = max(10**6, available // 100)  # ~16 rows of ~100 bytes per start: about 16x MemAvailable

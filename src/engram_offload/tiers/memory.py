@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import TierError
+from ..machine import available_memory_bytes
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker
@@ -29,33 +30,20 @@ from ._buffers import aligned_empty, madvise_quietly
 from .base import Tier
 from .pagecheck import check_pages, run_of_pages
 
-__all__ = ["MemoryTier", "check_free_memory", "load_dense_rows", "mem_available"]
+__all__ = ["MemoryTier", "check_free_memory", "load_dense_rows"]
 
 LOAD_CHUNK_BYTES = 16 << 20
 LOAD_BUFFERS = 3  # one being read, one being checked and copied, one spare
 PREFAULT_STEP_BYTES = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PREFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1)))
-MEMINFO = "/proc/meminfo"
-
-
-def mem_available() -> int | None:
-    """Bytes the kernel can hand out without swapping (``MemAvailable``), or None if unknown."""
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def check_free_memory(header: TableHeader, what: str, copies: int = 1) -> None:
     """``TierError`` when loading ``copies`` of ``header``'s rows would need more than
     ``MemAvailable``."""
     need = copies * header.layout.num_rows * header.layout.row_bytes
-    available = mem_available()
+    available = available_memory_bytes()
     if available is not None and need > available:
         held = " (two copies while the rows are pinned)" if copies == 2 else ""
         raise TierError(
