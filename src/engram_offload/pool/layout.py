@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ..config import EngramConfig
 from ..errors import TableFormatError
@@ -43,10 +42,8 @@ MAX_EXTENT_BYTES = 512 << 20  # Redis's largest string
 
 
 def fingerprint(header: TableHeader) -> str:
-    """16 hex digits naming a table: its header JSON and its block checksums."""
-    digest = xxhash.xxh3_64(header.layout.header_json())
-    digest.update(np.ascontiguousarray(header.block_digests, dtype="<u8").tobytes())
-    return digest.hexdigest()
+    """16 hex digits naming a table in the pool: ``TableHeader.fingerprint``."""
+    return f"{header.fingerprint():016x}"
 
 
 @dataclass(frozen=True)

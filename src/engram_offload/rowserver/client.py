@@ -33,7 +33,6 @@ from ..rows import decode_rows
 from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from ..table.format import read_header
 from ..tiers import as_row_ids
-from ..tiers.shared import table_fingerprint
 from . import protocol as p
 
 __all__ = ["RemoteLease", "RowClient", "start_row_server"]
@@ -105,7 +104,7 @@ class RowClient:
             self._buffer = mmap.mmap(fds[0], hello["buffer_bytes"])
         finally:
             os.close(fds[0])
-        if table is not None and table_fingerprint(read_header(table)) != hello["fingerprint"]:
+        if table is not None and read_header(table).fingerprint() != hello["fingerprint"]:
             self._sock.close()
             raise TierError(f"the row server at {self.socket_path} serves {hello['table']}, not {table} (their "
                             "headers or checksums differ): start a server for this table on another socket")

@@ -32,7 +32,6 @@ import numpy as np
 
 from ..errors import EngramError
 from ..store import TableStore, open_table
-from ..tiers.shared import table_fingerprint
 from ..units import size_arg
 from . import protocol as p
 
@@ -112,7 +111,7 @@ class RowServer:
                      "max_rows": self.max_rows, "rows_offset": rows_offset, "buffer_bytes": nbytes,
                      "tier": getattr(self.store.tier, "name", type(self.store.tier).__name__),
                      "table": str(self.store.header.path) if self.store.header is not None else None,
-                     "fingerprint": table_fingerprint(self.store.header) if self.store.header is not None else None}
+                     "fingerprint": self.store.header.fingerprint() if self.store.header is not None else None}
             socket.send_fds(conn, [p.encode(p.HELLO, payload=hello)], [fd])
             os.close(fd)
             fd = -1

@@ -228,6 +228,13 @@ class TableHeader:
     def config(self) -> EngramConfig:
         return self.layout.config
 
+    def fingerprint(self) -> int:
+        """xxh3_64 of the header JSON and the block checksums: equal tables, equal prints
+        (the name of a table's shared segment, row server and pool keys)."""
+        h = xxhash.xxh3_64(self.layout.header_json())
+        h.update(np.ascontiguousarray(self.block_digests, "<u8").tobytes())
+        return h.intdigest()
+
 
 def read_header(path: str | os.PathLike[str]) -> TableHeader:
     """Open ``path`` as a table: check magic, version, header, size and trailer.

@@ -38,14 +38,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 
 from ..errors import TierError
 from ..table.format import TableHeader
 from .base import Tier
 from .memory import MemoryTier, check_free_memory, load_rows_into
 
-__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name", "table_fingerprint"]
+__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name"]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 MAGIC = b"ENGRAMSH"
@@ -57,16 +56,9 @@ DATA_OFFSET = 4096
 MAX_PATH = DATA_OFFSET - HEAD.size
 
 
-def table_fingerprint(header: TableHeader) -> int:
-    """xxh3_64 of the table's header JSON and block checksums: equal tables, equal prints."""
-    h = xxhash.xxh3_64(header.layout.header_json())
-    h.update(np.ascontiguousarray(header.block_digests, "<u8").tobytes())
-    return h.intdigest()
-
-
 def segment_name(header: TableHeader) -> str:
     """The default segment name of a table: ``engram-<fingerprint in hex>``."""
-    return f"engram-{table_fingerprint(header):016x}"
+    return f"engram-{header.fingerprint():016x}"
 
 
 def _data_bytes(header: TableHeader) -> int:
@@ -181,7 +173,7 @@ class SharedTier(MemoryTier):
             raise TierError(f"the shared tier keeps its segment in {directory}, which is not a directory: "
                             "pass shm_dir= a tmpfs folder")
         self.segment = directory / (segment or segment_name(header))
-        self.fingerprint = table_fingerprint(header)
+        self.fingerprint = header.fingerprint()
         nbytes = _data_bytes(header)
         self.loaded = False
         with _election(self.segment.with_name(self.segment.name + ".lock")):
