@@ -34,6 +34,7 @@ __all__ = [
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
     "dequantize_fp8_blocks",
+    "ue8m0_exponents",
     "ue8m0_scales",
 ]
 
@@ -97,6 +98,17 @@ def _check_fp8_dim(head_dim: int) -> None:
         )
 
 
+def ue8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """Per-block scale exponents ``e`` for block maxima ``amax``: the smallest power of two
+    ``2**e`` with ``amax / 2**e <= 448``; ``-127`` (scale byte 0) for an all-zero block."""
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax/448 = m * 2**e, m in [0.5, 1)
+    # ceil(log2(amax/448)): e, except e-1 when the ratio is an exact power of two.
+    exp = exponent - (mantissa == 0.5).to(exponent.dtype)
+    # byte 0 decodes to a scale of 0.0 (vLLM), so a non-zero block takes at least byte 1
+    exp = exp.clamp(1 - UE8M0_BIAS, UE8M0_BIAS)
+    return torch.where(amax > 0, exp, torch.full_like(exp, -UE8M0_BIAS))
+
+
 def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize float rows ``[n, d]`` to (fp8 values ``[n, d]``, ue8m0 scale bytes ``[n, d/32]``).
 
@@ -105,13 +117,7 @@ def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, d = x.shape
     _check_fp8_dim(d)
     blocks = x.detach().to(torch.float32).reshape(n, d // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1)  # [n, d/32]
-    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax/448 = m * 2**e, m in [0.5, 1)
-    # ceil(log2(amax/448)): e, except e-1 when the ratio is an exact power of two.
-    exp = exponent - (mantissa == 0.5).to(exponent.dtype)
-    # byte 0 decodes to a scale of 0.0 (vLLM), so a non-zero block takes at least byte 1
-    exp = exp.clamp(1 - UE8M0_BIAS, UE8M0_BIAS)  # [n, d/32]
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -UE8M0_BIAS))
+    exp = ue8m0_exponents(blocks.abs().amax(dim=-1))  # [n, d/32]
     scaled = torch.ldexp(blocks, (-exp).unsqueeze(-1).to(torch.float32))
     values = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(n, d).to(torch.float8_e4m3fn)
     scales = (exp + UE8M0_BIAS).to(torch.uint8)

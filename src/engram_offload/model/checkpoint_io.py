@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from ..checkpoint import INDEX_FILE, CheckpointIndex, engram_suffix
 from ..config import EngramConfig
-from ..rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0
+from ..rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue8m0_exponents
 from ..tokenizer import cached_token_map
 from .lm import EngramLM, ProbedEngramLayer
 
@@ -54,10 +54,7 @@ def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     bo, bi = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
     padded = F.pad(weight.detach().float(), (0, bi * FP8_BLOCK - cols, 0, bo * FP8_BLOCK - rows))
     blocks = padded.reshape(bo, FP8_BLOCK, bi, FP8_BLOCK)  # [bo, 32, bi, 32]
-    amax = blocks.abs().amax(dim=(1, 3))  # [bo, bi]
-    mantissa, exponent = torch.frexp(amax / FP8_MAX)
-    exp = (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(1 - UE8M0_BIAS, UE8M0_BIAS)
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -UE8M0_BIAS))  # [bo, bi]
+    exp = ue8m0_exponents(blocks.abs().amax(dim=(1, 3)))  # [bo, bi]
     scaled = torch.ldexp(blocks, (-exp)[:, None, :, None].to(torch.float32))
     values = scaled.clamp(-FP8_MAX, FP8_MAX).reshape(bo * FP8_BLOCK, bi * FP8_BLOCK)[:rows, :cols]
     return values.contiguous().to(torch.float8_e4m3fn), (exp + UE8M0_BIAS).to(torch.uint8)
