@@ -60,6 +60,7 @@ from .errors import PrefetchError, StepCancelled
 from .gpu.kernels import gather_rows
 from .gpu.sync import FETCH, MAIN, DeviceSync
 from .hashing import NgramHasher, SequenceHistory
+from .rowcopy import move_rows
 from .sharding import Columns, check_columns, shard_ids
 from .store import RowLease, RowStore
 
@@ -280,7 +281,9 @@ class Step:
         staged = self._rows[p]
         assert staged is not None
         index = self.layer_positions(li)  # [T*C] positions in this part
-        rows = staged.index_select(0, index.to(staged.device)).view(self.num_tokens, self.num_columns, staged.shape[1])
+        rows = torch.empty((index.numel(), staged.shape[1]), dtype=staged.dtype, device=staged.device)  # [T*C, d]
+        move_rows(staged.view(torch.uint8), index.numpy(), rows.view(torch.uint8), None)
+        rows = rows.view(self.num_tokens, self.num_columns, staged.shape[1])
         self._layer_rows[layer_id] = rows  # [T, C, d]
         return rows
 

@@ -43,7 +43,7 @@ import torch
 from .cache.admission import FrequencySketch
 from .cache.lease import Lease, Pins
 from .cache.levels import build_levels, capped_bytes
-from .cache.row_cache import RowCache, native_hitpath, wide_view
+from .cache.row_cache import RowCache, native_hitpath
 from .cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from .config import EngramConfig
 from .dedup import dedup
@@ -51,6 +51,7 @@ from .gpu.delivery import STAGING_BYTES, DeviceRows
 from .gpu.device_table import DeviceTable
 from .gpu.hbm_cache import HbmRowCache
 from .gpu.sync import MAIN, DeviceSync, make_sync
+from .rowcopy import move_rows
 from .rows import decode_rows
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from .table.format import TableHeader, read_header
@@ -355,7 +356,7 @@ class TableStore:
         """Rows ``ids[positions]`` from the tier into ``out[positions]`` (``out`` on any device)."""
         buf = torch.empty((positions.size, self._rb), dtype=torch.uint8)  # [misses, row_bytes]
         self._read_tier(ids[positions], buf)
-        wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), wide_view(buf.to(out.device)))
+        move_rows(buf, None, out, positions)
 
     def _fill(self, ids: np.ndarray, out: torch.Tensor, missed: np.ndarray, served: list[_Served],
               hold: bool) -> Pins:
@@ -446,8 +447,9 @@ class TableStore:
 # ---------------------------------------------------------------------- fetch helpers
 def _in_order(raw: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
     """Raw rows of distinct ids ``[u, row_bytes]`` -> the caller's order ``[n, row_bytes]``."""
-    index = torch.from_numpy(inverse).to(raw.device)
-    return wide_view(raw).index_select(0, index).view(torch.uint8)
+    out = torch.empty((inverse.size, raw.shape[1]), dtype=torch.uint8, device=raw.device)  # [n, row_bytes]
+    move_rows(raw, inverse, out, None)
+    return out
 
 
 def _release(served: list[_Served]) -> None:
@@ -469,15 +471,7 @@ def _split_hits(level: RowCache, slots: np.ndarray, nhit: int, remaining: np.nda
 
 def _copy_from(level: RowCache, slots: np.ndarray, positions: np.ndarray | None, out: torch.Tensor) -> None:
     """Rows in ``level``'s pinned ``slots`` -> ``out[positions]`` (None: all of ``out``, in order)."""
-    index = torch.from_numpy(slots).to(level.device)
-    if positions is None and level.device == out.device:
-        torch.index_select(wide_view(level.data), 0, index, out=wide_view(out))  # one copy, no scatter
-        return
-    rows = wide_view(level.data).index_select(0, index).to(out.device)
-    if positions is None:
-        wide_view(out).copy_(rows)
-    else:
-        wide_view(out).index_copy_(0, torch.from_numpy(positions).to(out.device), rows)
+    move_rows(level.data, slots, out, positions)
 
 
 def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: np.ndarray,
@@ -492,8 +486,7 @@ def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: 
         return _EMPTY
     slots = slots[kept]
     try:
-        index = torch.from_numpy(positions[kept]).to(out.device)
-        level.write(slots, wide_view(out).index_select(0, index).view(torch.uint8))
+        level.write(slots, out, positions[kept])
     except BaseException:
         level.abandon(slots)
         raise

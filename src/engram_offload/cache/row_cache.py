@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from .._native import native_disabled
+from ..rowcopy import move_rows
 from .admission import FrequencySketch
 from .index import DirectIndex, RowIndex, make_index
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .stats import LevelStats
 
-__all__ = ["RowCache", "native_hitpath", "wide_view"]
+__all__ = ["RowCache", "native_hitpath"]
 
 
 # Per-slot state the hit path writes (policy stamp and count, pins), one 32-byte record per
@@ -62,16 +63,6 @@ def native_hitpath():
     except ImportError:
         return None
     return _hitpath
-
-
-def wide_view(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, row_bytes]`` viewed with the widest integer dtype that divides a row
-    (int64 for 264-byte rows): row copies then move 8 bytes per element, not 1."""
-    rb = rows.shape[-1]
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rb % size == 0 and rows.is_contiguous():
-            return rows.view(dtype)
-    return rows
 
 
 class RowCache:
@@ -239,9 +230,7 @@ class RowCache:
         if self._gather_rows is not None and out.device.type == "cpu" and out.is_contiguous():
             self.read_into(slots, out.numpy())
             return
-        index = torch.from_numpy(slots).to(self.device)
-        rows = wide_view(self.data).index_select(0, index).view(torch.uint8)
-        out.copy_(rows, non_blocking=False)
+        move_rows(self.data, slots, out, None)
 
     def read_into(self, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy pinned slots ``[k]`` of a CPU cache into the NumPy array ``out uint8 [k, row_bytes]``."""
@@ -312,11 +301,13 @@ class RowCache:
             out[want] = slots
         return out
 
-    def write(self, slots: np.ndarray, rows: torch.Tensor) -> None:
-        """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]``."""
+    def write(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray | None = None) -> None:
+        """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]``, or with
+        ``positions`` (``[k]``) the rows ``rows[positions]``."""
         if slots.size:
-            index = torch.from_numpy(slots).to(self.device)
-            wide_view(self.data).index_copy_(0, index, wide_view(rows.to(self.device).contiguous()))
+            if rows.device != self.device:
+                rows = rows.to(self.device)
+            move_rows(rows, positions, self.data, slots)
 
     def publish(self, slots: np.ndarray, keep_pinned: bool = False) -> None:
         """Make written slots visible to lookups; unpin unless ``keep_pinned``."""

@@ -8,10 +8,11 @@ import threading
 import numpy as np
 import torch
 
+from ..rowcopy import move_rows
+
 __all__ = ["ThreadBuffers", "aligned_empty", "gather_at", "madvise_quietly"]
 
 ALIGN = mmap.PAGESIZE
-GATHER_SLICE = 1024
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -51,11 +52,5 @@ def madvise_quietly(mm: mmap.mmap, advice_name: str) -> bool:
 def gather_at(src: torch.Tensor, byte_offsets: np.ndarray, out: torch.Tensor) -> torch.Tensor:
     """Copy the ``row_bytes``-long byte runs of ``src`` (uint8 ``[N]``) starting at
     ``byte_offsets`` (int64 ``[n]``) into ``out`` (uint8 ``[n, row_bytes]``)."""
-    rb = out.shape[1]
-    windows = src.as_strided((src.numel() - rb + 1, rb), (1, 1))  # [N - rb + 1, rb], overlapping
-    index = torch.from_numpy(byte_offsets)
-    # index_select over overlapping windows parallelises badly for large n: go in slices.
-    for start in range(0, len(index), GATHER_SLICE):
-        stop = start + GATHER_SLICE
-        torch.index_select(windows, 0, index[start:stop], out=out[start:stop])
+    move_rows(src, byte_offsets, out, None, src_byte_offsets=True)
     return out

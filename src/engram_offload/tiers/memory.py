@@ -23,6 +23,7 @@ import torch
 
 from ..errors import TierError
 from ..machine import available_memory_bytes
+from ..rowcopy import move_rows
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker
@@ -252,7 +253,7 @@ def _compact(view: np.ndarray, first: int, pages: int, layout, dense: np.ndarray
 
 
 class MemoryTier(Tier):
-    """All rows in host memory; a read is one ``index_select``.
+    """All rows in host memory; a read is one row gather (``rowcopy.move_rows``).
 
     Options: ``verify_reads`` (None, the default: check a version-2 table's page checksums
     while loading; True: also a version-1 table's block checksums; False: no check),
@@ -284,7 +285,7 @@ class MemoryTier(Tier):
         return self._rows
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        torch.index_select(self._rows, 0, torch.from_numpy(ids), out=out)
+        move_rows(self._rows, ids, out, None)
         self._count(bytes_read=len(ids) * self.row_bytes)
 
     def stats(self) -> dict:

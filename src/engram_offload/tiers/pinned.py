@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..rowcopy import move_rows
 from ..table.format import TableHeader
 from .memory import MemoryTier
 
@@ -56,7 +57,7 @@ class PinnedTier(MemoryTier):
             staging = torch.empty((max(len(ids), 1024), self.row_bytes), dtype=torch.uint8, pin_memory=True)
             self._staging.buf = staging
         rows = staging[: len(ids)]  # [n, row_bytes] pinned
-        torch.index_select(self._rows, 0, torch.from_numpy(ids), out=rows)
+        move_rows(self._rows, ids, rows, None)
         out.copy_(rows, non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()  # staging is reused next call
         self._count(bytes_read=len(ids) * self.row_bytes)
