@@ -66,4 +66,14 @@ ext_modules.append(
     )
 )
 
+# fp8 row decode by table lookup (NumPy is the fallback).
+ext_modules.append(
+    Extension(
+        "engram_offload._rowdecode",
+        sources=["src/engram_offload/_rowdecode.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
+        optional=True,
+    )
+)
+
 setup(ext_modules=ext_modules)

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from ._native import native_disabled
 
 __all__ = [
     "ROW_FORMATS",
@@ -188,12 +191,24 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
+def _native_decode() -> Any:
+    """The C decoder (``_rowdecode.decode_fp8``), or None (not built, or ``native_disabled``)."""
+    if native_disabled():
+        return None
+    try:
+        from . import _rowdecode  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _rowdecode.decode_fp8
+
+
 def _decode_fp8(raw: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """fp8 rows by table lookup: one gather of ``(scale << 8) | value`` per element.
 
     Same values as ``dequantize_fp8_ue8m0`` (about 3x faster on a CPU: no float pow, no
     intermediate float32 tensors). NumPy on the CPU (single-threaded, so it leaves the
-    cores to the model when it runs in a prefetch worker), torch elsewhere.
+    cores to the model when it runs in a prefetch worker): the C helper ``_rowdecode`` (a
+    256-entry slice of the table per 32-value block), else NumPy; torch elsewhere.
     """
     n = raw.shape[0]
     blocks = head_dim // FP8_BLOCK
@@ -202,11 +217,15 @@ def _decode_fp8(raw: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.T
         values = raw[:, :head_dim].reshape(n, blocks, FP8_BLOCK).to(torch.int32)
         index = (raw[:, head_dim:].to(torch.int32) << 8).unsqueeze(-1) | values  # [n, blocks, 32]
         return table.to(raw.device)[index.reshape(n, head_dim)]
+    out = torch.empty((n, head_dim), dtype=dtype)
+    _, bits = _BITS[table.element_size()]  # move the values' bits as plain integers
+    native = _native_decode()
+    if native is not None:
+        native(raw.numpy(), head_dim, table.view(bits).numpy(), out.view(bits).numpy())
+        return out
     a = raw.numpy()
     index = np.left_shift(a[:, head_dim:], 8, dtype=np.uint16)[:, :, None]  # [n, blocks, 1]
     index = np.bitwise_or(index, a[:, :head_dim].reshape(n, blocks, FP8_BLOCK))  # [n, blocks, 32]
-    out = torch.empty((n, head_dim), dtype=dtype)
-    _, bits = _BITS[table.element_size()]  # gather the values' bits as plain integers
     np.take(table.view(bits).numpy(), index.reshape(n, head_dim), out=out.view(bits).numpy(), mode="wrap")
     return out
 

@@ -1,0 +1,112 @@
+/*
+ * Native decode of fp8_e4m3_ue8m0 rows (SPEC row formats), with the GIL released for
+ * large batches.
+ *
+ * decode_fp8(raw, head_dim, table, out)
+ *   raw    uint8 [n, head_dim + head_dim / 32]: 32-value blocks of float8_e4m3fn bytes, then
+ *          one ue8m0 scale byte per block
+ *   table  2- or 4-byte elements [65536]: the decoded value of (scale << 8) | fp8 byte, as
+ *          the reference dequantizer computes it (rows._fp8_table), so a lookup is bit-exact
+ *   out    [n, head_dim] of the table's element size (written)
+ *
+ * Each block reads one 256-entry slice of the table (its scale's), which stays in L1: a
+ * lookup per value, no float arithmetic.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32
+#define NOGIL_MIN_ROWS 256
+
+static void decode16(const uint8_t *raw, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb, const uint16_t *table,
+                     uint16_t *out) {
+    Py_ssize_t blocks = d / BLOCK;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const uint8_t *row = raw + r * rb;
+        uint16_t *o = out + r * d;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            const uint16_t *slice = table + ((Py_ssize_t)row[d + b] << 8);
+            const uint8_t *v = row + b * BLOCK;
+            for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
+        }
+    }
+}
+
+static void decode32(const uint8_t *raw, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb, const uint32_t *table,
+                     uint32_t *out) {
+    Py_ssize_t blocks = d / BLOCK;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const uint8_t *row = raw + r * rb;
+        uint32_t *o = out + r * d;
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            const uint32_t *slice = table + ((Py_ssize_t)row[d + b] << 8);
+            const uint8_t *v = row + b * BLOCK;
+            for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
+        }
+    }
+}
+
+static PyObject *decode_fp8(PyObject *module, PyObject *args) {
+    PyObject *raw_o, *table_o, *out_o;
+    Py_ssize_t d;
+    if (!PyArg_ParseTuple(args, "OnOO", &raw_o, &d, &table_o, &out_o)) return NULL;
+    if (d <= 0 || d % BLOCK) {
+        PyErr_Format(PyExc_ValueError, "decode_fp8: head_dim must be a positive multiple of %d, got %zd", BLOCK, d);
+        return NULL;
+    }
+    Py_buffer raw, table, out;
+    if (PyObject_GetBuffer(raw_o, &raw, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(table_o, &table, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&raw);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&raw);
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t rb = d + d / BLOCK;
+    Py_ssize_t n = raw.len / rb;
+    Py_ssize_t esize = table.len / 65536;
+    if (raw.len != n * rb) {
+        PyErr_Format(PyExc_ValueError, "decode_fp8: raw holds %zd bytes, not whole %zd-byte rows", raw.len, rb);
+        goto done;
+    }
+    if (table.len != 65536 * esize || (esize != 2 && esize != 4)) {
+        PyErr_SetString(PyExc_ValueError, "decode_fp8: table must hold 65536 values of 2 or 4 bytes");
+        goto done;
+    }
+    if (out.len != n * d * esize) {
+        PyErr_Format(PyExc_ValueError, "decode_fp8: out holds %zd bytes, expected %zd (%zd rows of %zd values)",
+                     out.len, n * d * esize, n, d);
+        goto done;
+    }
+    {
+        PyThreadState *ts = n >= NOGIL_MIN_ROWS ? PyEval_SaveThread() : NULL;
+        if (esize == 2)
+            decode16((const uint8_t *)raw.buf, n, d, rb, (const uint16_t *)table.buf, (uint16_t *)out.buf);
+        else
+            decode32((const uint8_t *)raw.buf, n, d, rb, (const uint32_t *)table.buf, (uint32_t *)out.buf);
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"decode_fp8", decode_fp8, METH_VARARGS,
+     "decode_fp8(raw, head_dim, table, out): fp8_e4m3_ue8m0 rows -> values by table lookup."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowdecode", "Native decode of fp8 rows.", -1, methods};
+
+PyMODINIT_FUNC PyInit__rowdecode(void) { return PyModule_Create(&module); }

@@ -1,0 +1,66 @@
+"""The native fp8 row decoder: bit-exact with the reference dequantizer, every byte and scale."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.rows import _native_decode, decode_rows, dequantize_fp8_ue8m0
+
+FMT = "fp8_e4m3_ue8m0"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _every_pair_rows() -> torch.Tensor:
+    """Rows covering every (scale byte, fp8 byte) pair: 256 rows of 256 values, 8 scales each."""
+    head_dim = 256
+    values = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # [256 rows, 256 values]
+    scales = torch.arange(256 * 8, dtype=torch.int64).remainder(256).to(torch.uint8).view(256, 8)
+    rows = torch.empty((256, head_dim + 8), dtype=torch.uint8)
+    rows[:, :head_dim] = values.roll(shifts=7, dims=1)
+    rows[:, head_dim:] = scales
+    return rows
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_decode_is_bit_exact_with_the_reference_and_the_numpy_path(monkeypatch, dtype):
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows()
+    native = decode_rows(raw, FMT, 256, dtype)
+    reference = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], dtype)
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    fallback = decode_rows(raw, FMT, 256, dtype)
+    assert torch.equal(_bits(native), _bits(reference))  # NaNs, infs and zeros included, by their bits
+    assert torch.equal(_bits(native), _bits(fallback))
+
+
+def test_native_decode_of_many_rows_and_none():
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(rng.integers(0, 256, (1000, 64 + 2), dtype=np.uint8))  # head_dim 64: the GIL-free size
+    got = decode_rows(raw, FMT, 64)
+    want = dequantize_fp8_ue8m0(raw[:, :64].contiguous().view(torch.float8_e4m3fn), raw[:, 64:], torch.float32)
+    assert torch.equal(_bits(got), _bits(want))
+    assert decode_rows(raw[:0], FMT, 64).shape == (0, 64)
+
+
+def test_native_decode_refuses_mismatched_buffers():
+    decode = _native_decode()
+    if decode is None:
+        pytest.skip("the C decoder is not built")
+    table = np.zeros(65536, np.int32)
+    with pytest.raises(ValueError, match="whole 66-byte rows"):
+        decode(np.zeros(67, np.uint8), 64, table, np.zeros(64, np.int32))
+    with pytest.raises(ValueError, match="expected 256"):
+        decode(np.zeros(66, np.uint8), 64, table, np.zeros(63, np.int32))
+    with pytest.raises(ValueError, match="65536 values"):
+        decode(np.zeros(66, np.uint8), 64, np.zeros(100, np.int32), np.zeros(64, np.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode(np.zeros(66, np.uint8), 48, table, np.zeros(64, np.int32))
