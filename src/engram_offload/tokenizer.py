@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+
+from .atomic import atomic_path
 
 __all__ = [
     "compress_tokenizer",
@@ -151,13 +152,8 @@ def cached_token_map(path: str | Path | None = None, cache_dir: str | Path | Non
         pass
     token_map = compress_tokenizer(source)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_path(target) as tmp, open(tmp, "wb") as f:
             np.save(f, token_map, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
     except OSError:
         pass  # a read-only cache only costs time
     return token_map

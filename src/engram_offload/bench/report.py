@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from ..atomic import atomic_path
 
 __all__ = ["STALL_LIMIT", "comparisons", "comparisons_table", "frontier_plot", "markdown_table", "stall_limits",
            "stall_limits_table", "write_json"]
@@ -104,25 +104,10 @@ def stall_limits_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, *body])
 
 
-@contextmanager
-def _atomic_target(path: Path, suffix: str = "") -> Iterator[str]:
-    """A temporary file beside ``path`` to write; renamed onto ``path`` when the block ends
-    well, removed when it fails, so a reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     """Write atomically (temporary file, then rename)."""
     path = Path(path)
-    with _atomic_target(path) as tmp, open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         json.dump(document, f, indent=2, default=str)
         f.write("\n")
     return path
@@ -159,7 +144,7 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     ax.legend(fontsize=8)
     fig.tight_layout()
     try:
-        with _atomic_target(path, suffix=".png") as tmp:
+        with atomic_path(path, suffix=".png") as tmp:
             fig.savefig(tmp)
     finally:
         plt.close(fig)

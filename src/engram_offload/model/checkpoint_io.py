@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from ..atomic import atomic_path, write_bytes_atomic
 from ..checkpoint import INDEX_FILE, CheckpointIndex, engram_suffix
 from ..config import EngramConfig
 from ..rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue8m0_exponents
@@ -114,15 +115,6 @@ def _engram_tensors(model: EngramLM, tables: dict[int, torch.Tensor]) -> dict[st
     return out
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str | os.PathLike[str],
                extra: dict[str, Any] | None = None) -> Path:
     """Write ``model`` (with its float Engram ``tables``, per layer id) into ``directory``.
@@ -135,16 +127,15 @@ def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str 
     weight_map: dict[str, str] = {}
     total = 0
     for shard, tensors in zip(SHARDS, shards):
-        tmp = root / (shard + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, root / shard)
+        with atomic_path(root / shard) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
         weight_map.update((name, shard) for name in tensors)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomic(root / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
-    _write_atomic(root / "config.json", (json.dumps(model_config_json(model), indent=2) + "\n").encode())
+    write_bytes_atomic(root / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+    write_bytes_atomic(root / "config.json", (json.dumps(model_config_json(model), indent=2) + "\n").encode())
     if extra is not None:
-        _write_atomic(root / "training.json", (json.dumps(extra, indent=2, sort_keys=True) + "\n").encode())
+        write_bytes_atomic(root / "training.json", (json.dumps(extra, indent=2, sort_keys=True) + "\n").encode())
     return root
 
 

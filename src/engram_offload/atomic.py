@@ -1,0 +1,66 @@
+"""Files written whole or not at all: a temporary file beside the target, synced, renamed.
+
+A reader never sees a half-written file, and after the rename returns the new file
+survives a crash: the file's bytes are synced before the rename, the directory after it.
+Table files have their own writer (``table.writer``: their temporary names say which
+process writes them, so a dead writer's leftovers can be cleaned); everything else the
+package writes (token maps, checkpoints, benchmark reports, plots) goes through here.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["atomic_path", "write_bytes_atomic"]
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
+    """A fresh temporary path beside ``path`` for the caller to write (by any means); when
+    the block ends well it is synced and renamed onto ``path``, when it fails it is removed.
+    ``suffix``: the temporary name's ending (some writers choose the format by it)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (see ``atomic_path``); returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a directory that cannot be opened (some network file systems): the rename stands
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
