@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 
@@ -178,6 +179,10 @@ def test_pinned_gathers_to_the_gpu(tables):
     path, expected = tables[("fp32", 64)]
     with open_tier("pinned", read_header(path)) as t:
         assert t.stats()["pinned"] is True and t.rows.is_pinned()
+        mapping = t._mm  # registered in place: the rows are still the loaded mapping, no pinned copy
+        assert mapping is not None
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        assert base <= t.rows.data_ptr() < base + len(mapping)
         ids = np.array([5, 0, 5, t.num_rows - 1], np.int64)
         out = torch.empty((4, t.row_bytes), dtype=torch.uint8, device="cuda")
         t.read_rows(ids, out)

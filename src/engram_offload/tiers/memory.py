@@ -40,16 +40,14 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PREFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1)))
 
 
-def check_free_memory(header: TableHeader, what: str, copies: int = 1) -> None:
-    """``TierError`` when loading ``copies`` of ``header``'s rows would need more than
-    ``MemAvailable``."""
-    need = copies * header.layout.num_rows * header.layout.row_bytes
+def check_free_memory(header: TableHeader, what: str) -> None:
+    """``TierError`` when loading ``header``'s rows would need more than ``MemAvailable``."""
+    need = header.layout.num_rows * header.layout.row_bytes
     available = available_memory_bytes()
     if available is not None and need > available:
-        held = " (two copies while the rows are pinned)" if copies == 2 else ""
         raise TierError(
             f"{header.path}: the {what} tier loads the whole table into RAM: it needs "
-            f"{need / 2**30:,.2f} GiB{held} and {available / 2**30:,.2f} GiB is available (MemAvailable); "
+            f"{need / 2**30:,.2f} GiB and {available / 2**30:,.2f} GiB is available (MemAvailable); "
             "use the mmap or direct tier, free memory, or pass check_memory=False to load anyway"
         )
 
@@ -269,15 +267,11 @@ class MemoryTier(Tier):
                  check_memory: bool = True) -> None:
         super().__init__(header)
         if check_memory:
-            check_free_memory(header, self.name, self._load_copies())
+            check_free_memory(header, self.name)
         started = time.perf_counter()
         self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress)
         self.load_seconds = time.perf_counter() - started
         self.verified_on_load = verify_reads is not False and (header.page_sums is not None or bool(verify_reads))
-
-    def _load_copies(self) -> int:
-        """Copies of the rows held at once while opening."""
-        return 1
 
     @property
     def rows(self) -> torch.Tensor:

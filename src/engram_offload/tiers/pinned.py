@@ -1,6 +1,7 @@
 """``pinned`` tier: rows in page-locked host memory, gathered straight to the GPU.
 
-With CUDA, the dense rows are pinned, so device copies are asynchronous DMA and an
+With CUDA, the dense rows are page-locked where they were loaded (``cudaHostRegister``,
+no second copy of the table), so device copies are asynchronous DMA and an
 ``out`` tensor on the GPU is filled by a host gather into a pinned staging buffer and
 one non-blocking copy. Without CUDA there is nothing to pin for: the tier warns, reports
 ``pinned: False`` in its stats, and behaves exactly as the memory tier.
@@ -28,14 +29,15 @@ class PinnedTier(MemoryTier):
                  check_memory: bool = True) -> None:
         super().__init__(header, verify_reads=verify_reads, progress=progress, check_memory=check_memory)
         self.pinned = torch.cuda.is_available()
+        self._registration = None
         if self.pinned:
-            self._rows = self._rows.pin_memory()
-            mm, self._mm = self._mm, None
-            assert mm is not None, "MemoryTier.__init__ left the rows' mapping in _mm"
+            from ..gpu.hostmem import register_host
+
             try:
-                mm.close()
-            except BufferError:
-                pass
+                self._registration = register_host(self._rows)  # page-locked in place: no second copy
+            except BaseException:
+                self.close()
+                raise
         else:
             warnings.warn(
                 "pinned tier: CUDA is not available, so rows are kept in ordinary memory and "
@@ -45,8 +47,11 @@ class PinnedTier(MemoryTier):
             )
         self._staging = threading.local()
 
-    def _load_copies(self) -> int:
-        return 2 if torch.cuda.is_available() else 1  # pin_memory() copies the loaded rows
+    def _release(self) -> None:
+        registration, self._registration = getattr(self, "_registration", None), None
+        if registration is not None:
+            registration.close()  # before the memory under it is unmapped
+        super()._release()
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         if not out.is_cuda:
