@@ -183,7 +183,8 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
         step = pending.popleft()
         rows = [prefetcher.rows(layer, step) for layer in layers]  # [T, C, head_dim] each
         if check and len(phase.samples) < CHECK_STEPS and phase.steps % CHECK_EVERY == 0:
-            phase.samples.append((step.table_ids.clone(), torch.stack(rows, 1).clone()))  # [T, L, C(, d)]
+            # the ids [T, L, C] and their rows [T, L, C, head_dim]
+            phase.samples.append((step.table_ids.clone(), torch.stack(rows, 1)))
         prefetcher.end_step(step)
         now = time.perf_counter()
         phase.steps += 1
@@ -195,7 +196,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
     phase.cpu_seconds = time.process_time() - cpu0
     phase.stats = store.stats()
     tier_after = phase.stats["tier"]
-    phase.tier_delta = {k: tier_after.get(k, 0) - tier_before.get(k, 0) for k in ("reads", "bytes_read", "rows")}
+    phase.tier_delta = {k: tier_after.get(k, 0) - tier_before.get(k, 0) for k in ("reads", "bytes_read")}
     return phase
 
 
