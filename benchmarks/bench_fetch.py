@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     table = Path(args.table)
     layout = read_header(table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
+    if not cache_bytes:
+        p.error("--cache-bytes must be > 0: the CPU of a hit row is measured on cached rows")
     load_start = os.getloadavg()
     corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
     runs: dict[str, list] = {"fio": [], "prefetcher": []}
@@ -83,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         "misses_per_s_vs_fio_iops": med["misses_per_s"] / med["fio_iops"],
         "cpu_us_per_miss_vs_fio_cpu_us_per_read": med["cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
         "cpu_us_per_hit": med["cpu_us_per_hit"],
+        # each repeat's ratio to the fio run just before it: steadier when the machine's load changes
+        "misses_per_s_vs_fio_iops_paired_median": statistics.median(
+            r["misses_per_s"] / f["iops"] for r, f in zip(runs["prefetcher"], runs["fio"])),
+        "cpu_us_per_miss_vs_fio_paired_median": statistics.median(
+            r["cpu_us_per_miss"] / f["cpu_us_per_read"] for r, f in zip(runs["prefetcher"], runs["fio"])),
     }
     result = {
         "benchmark": "bench_fetch",
