@@ -1,6 +1,8 @@
-"""Measuring a tier: random-row throughput, reads per second, CPU per read; cold starts.
+"""Measuring a tier: random-row throughput, reads per second, CPU per read; cold starts; or
+real-text decode steps through a ``Prefetcher`` (``bench.prefetch_bench``).
 
-``run_tier_bench`` is shared by the ``bench-tier`` command and ``benchmarks/bench_tier.py``.
+``run_tier_bench`` is shared by the ``bench-tier`` command, ``benchmarks/bench_tier.py`` and
+``benchmarks/bench_fetch.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from ..store import TableStore, open_table
 from .cold import make_cold
+from .corpus import Corpus
 
 __all__ = ["run_tier_bench"]
 
@@ -59,10 +62,10 @@ class _Callers:
             self.latencies.extend(mine)
 
 
-def _check(seconds: float, batch: int, queue_depth: int, callers: int | None) -> None:
+def _check(seconds: float, counts: dict[str, int | None]) -> None:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"seconds must be a finite number > 0, got {seconds}")
-    for name, value in (("batch", batch), ("queue_depth", queue_depth), ("callers", callers)):
+    for name, value in counts.items():
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
@@ -119,9 +122,17 @@ def run_tier_bench(
     callers: int | None = None,
     cache_bytes: int = 0,
     policy: str = "lru",
+    prefetcher: bool = False,
+    sequences: int = 32,
+    run_ahead: int = 2,
+    corpus: str | Corpus = "stdlib",
+    corpus_tokens: int = 300_000,
+    warm_seconds: float | None = None,
+    check: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
-    """Gather uniformly random rows for ``seconds``; return the figures as a dict.
+    """Gather uniformly random rows for ``seconds`` (or, with ``prefetcher``, real-text decode
+    steps); return the figures as a dict.
 
     ``direct``: one caller, ``queue_depth`` reads in flight in the tier. ``mmap``: page
     faults are synchronous, so ``queue_depth`` caller threads fault concurrently.
@@ -131,8 +142,24 @@ def run_tier_bench(
     (and ``drop_all_caches`` the whole machine's page cache, where permitted).
     ``cache_bytes`` puts a DRAM row cache evicting by ``policy`` in front of the tier; the
     store's ``stats()`` (hit rate per level) are then returned as ``cache``.
+
+    ``prefetcher``: instead of random gathers, decode steps of ``sequences`` sequences of
+    ``corpus`` (a name for ``load_corpus``, its first ``corpus_tokens`` tokens, or a loaded
+    ``Corpus``) through a ``Prefetcher`` from one caller, ``run_ahead`` steps in flight; a
+    cold phase of ``seconds``, then (with a cache) a warm phase of ``warm_seconds`` (default
+    half of ``seconds``) that measures the CPU of a hit row, hence of a missed one: see
+    ``bench.prefetch_bench``. ``check`` compares a sample of the rows with the mmap tier's.
     """
-    _check(seconds, batch, queue_depth, callers)
+    if prefetcher:
+        if callers is not None:
+            raise ValueError("the prefetcher runs from one caller (run_ahead keeps its queue full): drop callers")
+        _check(seconds, {"queue_depth": queue_depth, "sequences": sequences, "run_ahead": run_ahead,
+                         "corpus_tokens": corpus_tokens})
+        return _prefetcher_bench(table, tier, seconds=seconds, warm_seconds=warm_seconds, queue_depth=queue_depth,
+                                 cold=cold, drop_all_caches=drop_all_caches, engine=engine, seed=seed,
+                                 cache_bytes=cache_bytes, policy=policy, sequences=sequences, run_ahead=run_ahead,
+                                 corpus=corpus, corpus_tokens=corpus_tokens, check=check, options=options)
+    _check(seconds, {"batch": batch, "queue_depth": queue_depth, "callers": callers})
     cold_method = make_cold(table, drop_all=drop_all_caches) if cold else []
     if callers is None:
         callers = queue_depth if tier == "mmap" else 1
@@ -146,6 +173,7 @@ def run_tier_bench(
         "engine": after["tier"].get("engine", tier),
         "table": str(Path(table)),
         "table_bytes": after["table_bytes"],
+        "mode": "random",
         "cold": cold,
         "cold_method": cold_method,
         "seconds": wall,
@@ -158,4 +186,39 @@ def run_tier_bench(
         "cache_bytes": cache_bytes,
         "policy": policy if cache_bytes else None,
         "cache": after if cache_bytes else None,
+    }
+
+
+def _prefetcher_bench(table: str | os.PathLike[str], tier: str, *, seconds: float, warm_seconds: float | None,
+                      queue_depth: int, cold: bool, drop_all_caches: bool, engine: str, seed: int,
+                      cache_bytes: int, policy: str, sequences: int, run_ahead: int, corpus: str | Corpus,
+                      corpus_tokens: int, check: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """``run_tier_bench(..., prefetcher=True)``: the text first, then the cold start, then the phases."""
+    from .prefetch_bench import load_text, run_prefetch_phases
+
+    if warm_seconds is None:
+        warm_seconds = seconds / 2
+    _check(warm_seconds, {})
+    text, token_map = load_text(corpus, corpus_tokens, seed)
+    cold_method = make_cold(table, drop_all=drop_all_caches) if cold else []
+    with open_table(table, tier, **_tier_options(tier, engine, queue_depth, cache_bytes, policy, options)) as store:
+        figures = run_prefetch_phases(store, str(table), text, token_map, seconds=seconds,
+                                      warm_seconds=warm_seconds, sequences=sequences, run_ahead=run_ahead,
+                                      seed=seed, check=check)
+        tier_stats = store.stats()["tier"]
+    return {
+        "tier": tier,
+        "engine": tier_stats.get("engine", tier),
+        "table": str(Path(table)),
+        "table_bytes": figures["cache"]["table_bytes"],
+        "mode": "prefetcher",
+        "cold": cold,
+        "cold_method": cold_method,
+        "queue_depth": queue_depth,
+        "caller_threads": 1,
+        "load_bytes_per_s": _load_rate(tier_stats),
+        "cache_bytes": cache_bytes,
+        "policy": policy if cache_bytes else None,
+        **figures,
+        "cache": figures["cache"] if cache_bytes else None,
     }

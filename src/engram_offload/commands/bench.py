@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
+from . import UsageError
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import format_bytes, parse_size
 
@@ -394,18 +395,62 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads")
     parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
     parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
-    parser.add_argument("--seconds", type=positive_seconds, default=10.0, help="seconds to measure (default 10)")
+    parser.add_argument("--seconds", type=positive_seconds, default=10.0,
+                        help="seconds to measure (default 10; with --prefetcher the cold phase, then half as long warm)")
     parser.add_argument("--queue-depth", type=positive_int, default=DEFAULT_QUEUE_DEPTH,
                         help=f"reads in flight (direct) or concurrent reader threads (mmap) (default {DEFAULT_QUEUE_DEPTH})")
-    parser.add_argument("--batch", type=positive_int, default=1024, help="rows per gather call (default 1024)")
-    parser.add_argument("--callers", type=positive_int, help="caller threads (default: 1; mmap: the queue depth)")
+    parser.add_argument("--batch", type=positive_int,
+                        help=f"rows per random gather call (default {RANDOM_BATCH}; not with --prefetcher)")
+    parser.add_argument("--callers", type=positive_int,
+                        help="caller threads of random gathers (default: 1; mmap: the queue depth; not with --prefetcher)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-bytes", default="0",
                         help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
                         "table (10%%); default none")
     parser.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    steps = parser.add_argument_group(
+        "decode steps (--prefetcher)",
+        "real-text decode steps through a Prefetcher from one caller instead of random gathers: a cold "
+        "phase for --seconds, then, with --cache-bytes, a warm phase (every row a hit) that measures "
+        "the CPU of a hit row, and so of a missed one")
+    steps.add_argument("--prefetcher", action="store_true",
+                       help="fetch the rows of real-text decode steps through the Prefetcher (begin_step, "
+                       "rows of every Engram layer, end_step)")
+    steps.add_argument("--sequences", type=positive_int,
+                       help=f"sequences decoding one token each per step (default {PREFETCH_SEQUENCES})")
+    steps.add_argument("--run-ahead", type=positive_int,
+                       help=f"steps in flight: step N+1 is begun before step N is consumed (default {PREFETCH_RUN_AHEAD})")
+    steps.add_argument("--corpus", help="the text: stdlib, docs or a folder of text files (default stdlib)")
+    steps.add_argument("--corpus-tokens", type=positive_int,
+                       help=f"tokens of the corpus to use (default {PREFETCH_CORPUS_TOKENS:,})")
+    steps.add_argument("--check", action="store_true",
+                       help="compare the rows of a sample of steps with the mmap tier's rows of the same ids")
     parser.set_defaults(func=cmd_bench_tier)
+
+
+RANDOM_BATCH = 1024
+PREFETCH_SEQUENCES = 32
+PREFETCH_RUN_AHEAD = 2
+PREFETCH_CORPUS_TOKENS = 300_000
+_PREFETCH_ONLY = ("sequences", "run_ahead", "corpus", "corpus_tokens", "check")
+
+
+def _tier_bench_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """``run_tier_bench``'s mode arguments; a flag of the other mode is a usage error."""
+    if not args.prefetcher:
+        given = [f"--{name.replace('_', '-')}" for name in _PREFETCH_ONLY if getattr(args, name) not in (None, False)]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise UsageError(f"{', '.join(given)} only {verb} to decode steps: add --prefetcher")
+        return {"batch": args.batch or RANDOM_BATCH, "callers": args.callers}
+    for flag, value, instead in (("--batch", args.batch, "--sequences (sequences per decode step)"),
+                                 ("--callers", args.callers, "--run-ahead (steps in flight from the one caller)")):
+        if value is not None:
+            raise UsageError(f"{flag} is for random gathers; with --prefetcher give {instead}")
+    return {"prefetcher": True, "sequences": args.sequences or PREFETCH_SEQUENCES,
+            "run_ahead": args.run_ahead or PREFETCH_RUN_AHEAD, "corpus": args.corpus or "stdlib",
+            "corpus_tokens": args.corpus_tokens or PREFETCH_CORPUS_TOKENS, "check": args.check}
 
 
 def cmd_bench_tier(args: argparse.Namespace) -> int:
@@ -413,14 +458,14 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
     from ..cache.policy import POLICIES
     from ..table.format import read_header
 
+    mode = _tier_bench_mode(args)
     layout = read_header(args.table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
     if cache_bytes and args.policy not in POLICIES:
         raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
-    result = run_tier_bench(args.table, args.tier, seconds=args.seconds, batch=args.batch,
-                            queue_depth=args.queue_depth, cold=args.cold, drop_all_caches=args.drop_all_caches,
-                            engine=args.engine, seed=args.seed, callers=args.callers, cache_bytes=cache_bytes,
-                            policy=args.policy)
+    result = run_tier_bench(args.table, args.tier, seconds=args.seconds, queue_depth=args.queue_depth,
+                            cold=args.cold, drop_all_caches=args.drop_all_caches, engine=args.engine,
+                            seed=args.seed, cache_bytes=cache_bytes, policy=args.policy, **mode)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -430,12 +475,31 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
 
 def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_bytes: int) -> None:
     cold = f"cold ({', '.join(result['cold_method'])})" if args.cold else "warm"
-    print(f"{result['tier']} [{result['engine']}] {cold}, batch {args.batch}, queue depth {args.queue_depth}")
-    print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
-          f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
-    print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
-          f"p99 {result['batch_ms_p99']:.2f} ms")
+    if result["mode"] == "prefetcher":
+        print(f"{result['tier']} [{result['engine']}] {cold}, Prefetcher: {result['sequences']} sequences per "
+              f"decode step, {result['run_ahead']} steps in flight, queue depth {args.queue_depth}, "
+              f"corpus {result['corpus']['name']}")
+        print(f"  {result['rows_per_s']:,.0f} rows/s, {result['misses_per_s']:,.0f} missed rows/s "
+              f"(hit rate {result['hit_rate']:.1%}), {result['reads_per_s']:,.0f} reads/s, "
+              f"{result['tokens_per_s']:,.0f} tokens/s")
+        per_hit, per_miss = result["cpu_us_per_hit"], result["cpu_us_per_miss"]
+        print(f"  CPU per missed row {_us(per_miss)}, per hit row {_us(per_hit)}, hashing and dedup "
+              f"{result['hash_dedup_cpu_us_per_token']:.2f} us per token; step p50 {result['step_ms_p50']:.2f} ms, "
+              f"p99 {result['step_ms_p99']:.2f} ms")
+        if result["check"] is not None:
+            print(f"  checked {result['check']['rows']:,} rows of {result['check']['steps']} steps against the "
+                  f"{result['check']['reference']} tier: equal")
+    else:
+        print(f"{result['tier']} [{result['engine']}] {cold}, batch {result['batch']}, queue depth {args.queue_depth}")
+        print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
+              f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
+        print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
+              f"p99 {result['batch_ms_p99']:.2f} ms")
     if result["cache"] is not None:
         from ..cache.report import format_stats_table
 
         print(format_stats_table(result["cache"], title=f"{args.tier} + {cache_bytes:,} B {args.policy} cache"))
+
+
+def _us(value: float | None) -> str:
+    return "n/a (no cache)" if value is None else f"{value:.2f} us"

@@ -1,0 +1,118 @@
+"""The fetch loop beside fio: a Prefetcher over a cold direct table with a 10% DRAM cache,
+and fio's 4 KiB random reads at queue depth 128 on the same file, in one run.
+
+    nice python benchmarks/bench_fetch.py --table T --seconds 5 --repeats 3
+
+Each repeat runs ``fio --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=128``
+(the file's pages evicted first), then ``run_tier_bench(T, "direct", prefetcher=True,
+cold=True, cache_bytes=10% of the table)``: real-text decode steps (the same corpus,
+tokenized once) through the Prefetcher from one caller with its run-ahead, a cold phase then
+a warm phase that measures the CPU of a hit row (see ``engram_offload.bench.prefetch_bench``).
+Medians of the repeats; the ratios against the targets:
+
+- missed rows/s >= 0.8x fio's reads/s;
+- CPU per missed row <= 1.2x fio's CPU per read (fio's usr+sys over its reads);
+- CPU per hit row <= 0.3 us.
+
+The process's environment (``OMP_WAIT_POLICY`` included: torch's OpenMP pool spin-waits
+after parallel ops by default) is recorded with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from bench_tier import fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
+
+from engram_offload.bench.prefetch_bench import load_text
+from engram_offload.bench.tier_bench import run_tier_bench
+from engram_offload.table import read_header
+from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
+from engram_offload.units import parse_size
+
+TARGETS = {"misses_vs_fio_min": 0.8, "cpu_per_miss_vs_fio_max": 1.2, "cpu_us_per_hit_max": 0.3}
+FIGURES = ("rows_per_s", "misses_per_s", "hit_rate", "reads_per_s", "tokens_per_s", "cpu_us_per_miss",
+           "cpu_us_per_hit", "cpu_us_per_row", "hash_dedup_cpu_us_per_token", "step_ms_p50", "step_ms_p99")
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", required=True, help="a table file (format v2); it is only read")
+    p.add_argument("--seconds", type=float, default=5.0, help="seconds of each fio run and cold phase (default 5)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported (default 3)")
+    p.add_argument("--cache-bytes", default="10%", help="the DRAM row cache (default 10%% of the table)")
+    p.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
+                   help=f"the direct tier's reads in flight per ring (default {DEFAULT_QUEUE_DEPTH})")
+    p.add_argument("--fio-queue-depth", type=int, default=128, help="fio's --iodepth (default 128)")
+    p.add_argument("--sequences", type=int, default=32, help="sequences per decode step (default 32)")
+    p.add_argument("--run-ahead", type=int, default=2, help="steps in flight (default 2)")
+    p.add_argument("--corpus", default="stdlib", help="the text (default stdlib)")
+    p.add_argument("--corpus-tokens", type=int, default=300_000, help="tokens of the corpus (default 300,000)")
+    p.add_argument("--out", default="benchmarks/results/fetch.json")
+    args = p.parse_args(argv)
+    table = Path(args.table)
+    layout = read_header(table).layout
+    cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
+    if not cache_bytes:
+        p.error("--cache-bytes must be > 0: the CPU of a hit row is measured on cached rows")
+    load_start = os.getloadavg()
+    corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
+    runs: dict[str, list] = {"fio": [], "prefetcher": []}
+    for rep in range(args.repeats):
+        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
+        fio = fio_randread(table, args.seconds, args.fio_queue_depth)
+        if fio is None:
+            print("fio not found (apt-get install fio): the ratios need it", file=sys.stderr)
+            return 1
+        runs["fio"].append(fio)
+        runs["prefetcher"].append(run_tier_bench(
+            table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
+            cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
+            corpus=corpus))
+    med = {f"fio_{k}": median_of(runs["fio"], k) for k in ("iops", "cpu_us_per_read")}
+    med.update({k: median_of(runs["prefetcher"], k) for k in FIGURES})
+    med["warm_hit_rate"] = statistics.median(r["warm"]["hit_rate"] for r in runs["prefetcher"])
+    ratios = {
+        "misses_per_s_vs_fio_iops": med["misses_per_s"] / med["fio_iops"],
+        "cpu_us_per_miss_vs_fio_cpu_us_per_read": med["cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
+        "cpu_us_per_hit": med["cpu_us_per_hit"],
+        # each repeat's ratio to the fio run just before it: steadier when the machine's load changes
+        "misses_per_s_vs_fio_iops_paired_median": statistics.median(
+            r["misses_per_s"] / f["iops"] for r, f in zip(runs["prefetcher"], runs["fio"])),
+        "cpu_us_per_miss_vs_fio_paired_median": statistics.median(
+            r["cpu_us_per_miss"] / f["cpu_us_per_read"] for r, f in zip(runs["prefetcher"], runs["fio"])),
+    }
+    result = {
+        "benchmark": "bench_fetch",
+        "command": "python benchmarks/bench_fetch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "table": str(table), "table_bytes": table.stat().st_size,
+        "params": {"repeats": args.repeats, "seconds": args.seconds, "cache_bytes": cache_bytes,
+                   "queue_depth": args.queue_depth, "fio_queue_depth": args.fio_queue_depth,
+                   "sequences": args.sequences, "run_ahead": args.run_ahead,
+                   "corpus": {"name": corpus.name, "tokens": corpus.tokens, "source": corpus.source}},
+        "targets": TARGETS,
+        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "method": runs["prefetcher"][0]["method"],
+        "median": med,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"median": med, "ratios": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
