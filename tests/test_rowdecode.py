@@ -64,3 +64,23 @@ def test_native_decode_refuses_mismatched_buffers():
         decode(np.zeros(66, np.uint8), 64, np.zeros(100, np.int32), np.zeros(64, np.int32))
     with pytest.raises(ValueError, match="multiple of 32"):
         decode(np.zeros(66, np.uint8), 48, table, np.zeros(64, np.int32))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "fp32", "bf16", "int8"])
+def test_decode_with_an_index_equals_decoding_the_gathered_rows(monkeypatch, native, fmt):
+    from engram_offload.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(40, 64), fmt)  # [40, row_bytes]
+    index = np.array([39, 0, 7, 7, 12], np.int64)
+    for dtype in DTYPES:
+        got = decode_rows(raw, fmt, 64, dtype, index=index)
+        want = decode_rows(raw[torch.from_numpy(index)], fmt, 64, dtype)
+        assert got.shape == (5, 64) and torch.equal(_bits(got), _bits(want))
+    with pytest.raises(IndexError, match="outside"):
+        decode_rows(raw, fmt, 64, index=np.array([0, 40], np.int64))
+    assert decode_rows(raw, fmt, 64, index=np.zeros(0, np.int64)).shape == (0, 64)

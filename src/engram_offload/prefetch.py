@@ -60,7 +60,6 @@ from .errors import PrefetchError, StepCancelled
 from .gpu.kernels import gather_rows
 from .gpu.sync import FETCH, MAIN, DeviceSync
 from .hashing import NgramHasher, SequenceHistory
-from .rowcopy import move_rows
 from .sharding import Columns, check_columns, shard_ids
 from .store import RowLease, RowStore
 
@@ -141,12 +140,12 @@ class Step:
         self.first_part_seconds = 0.0  # until the first part was
         self.started = time.perf_counter()
         self._part_of = {li: p for p, (_, _, lis) in enumerate(self.parts) for li in lis}
-        self._rows: list[torch.Tensor | None] = [None] * len(self.parts)  # [hi - lo, head_dim] each
         self._errors: list[BaseException | None] = [None] * len(self.parts)
         self._delivered = [threading.Event() for _ in self.parts]
         self._done = threading.Event()
         self._leases: list[RowLease] = []
-        self._layer_rows: dict[int, torch.Tensor] = {}
+        self._layer_rows: dict[int, torch.Tensor] = {}  # the layers rows() returned
+        self._decoded: dict[int, torch.Tensor] = {}  # on the host: every delivered layer's rows [T, C, d]
         self._lock = threading.Lock()
         self._handed_out = 0
         self._parts_left = len(self.parts)
@@ -163,15 +162,6 @@ class Step:
     def num_columns(self) -> int:
         """Columns of each layer this step fetches (all of them, or a rank's)."""
         return int(self.table_ids.shape[-1])
-
-    @property
-    def staged(self) -> torch.Tensor | None:
-        """Rows of every id of ``dedup.unique`` ``[u, head_dim]`` once all parts are in (else
-        None; always None on a device, where rows go straight to ``layer_outputs``)."""
-        rows = self._rows
-        if any(r is None for r in rows):
-            return None
-        return rows[0] if len(rows) == 1 else torch.cat(rows)  # type: ignore[arg-type]
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -203,15 +193,16 @@ class Step:
         """Whether parts not fetched yet should be skipped (cancelled, or an earlier part failed)."""
         return self.cancelled or self.error is not None
 
-    def deliver(self, p: int, rows: torch.Tensor | None, lease: RowLease, event: object = None) -> None:
-        """Part ``p``'s decoded rows ``[hi - lo, head_dim]`` (None on a device: its layers'
-        outputs hold them after ``event``), pinned by ``lease``."""
+    def deliver(self, p: int, rows: dict[int, torch.Tensor] | None, lease: RowLease, event: object = None) -> None:
+        """Part ``p``'s decoded rows, ``{layer id: [T, C, head_dim]}`` for each of its layers
+        (None on a device: its layers' outputs hold them after ``event``), pinned by ``lease``."""
         with self._lock:
             if self.cancelled:
                 lease.release()
             else:
                 self._leases.append(lease)
-            self._rows[p] = rows
+            if rows is not None:
+                self._decoded.update(rows)
             self._events[p] = event
         self._finish_part(p)
 
@@ -278,13 +269,8 @@ class Step:
             ) from error
         if self.outputs is not None:
             return self._device_rows(layer_id, li, p)
-        staged = self._rows[p]
-        assert staged is not None
-        index = self.layer_positions(li)  # [T*C] positions in this part
-        rows = torch.empty((index.numel(), staged.shape[1]), dtype=staged.dtype, device=staged.device)  # [T*C, d]
-        move_rows(staged.view(torch.uint8), index.numpy(), rows.view(torch.uint8), None)
-        rows = rows.view(self.num_tokens, self.num_columns, staged.shape[1])
-        self._layer_rows[layer_id] = rows  # [T, C, d]
+        rows = self._decoded[layer_id]  # [T, C, d], decoded by the worker
+        self._layer_rows[layer_id] = rows
         return rows
 
     def _device_rows(self, layer_id: int, li: int, p: int) -> torch.Tensor:
@@ -431,7 +417,7 @@ class Prefetcher:
                 ids, requested = step.part_ids(p)
                 lease = self.store.fetch(ids, hold=True, requested=requested)
                 if step.outputs is None:
-                    step.deliver(p, self.store.decode(lease.raw, self.dtype), lease)
+                    step.deliver(p, self._decode_layers(step, p, lease), lease)
                 else:
                     step.deliver(p, None, lease, self._to_layer_outputs(step, p, lease))
             except BaseException as exc:  # kept for the caller; the worker carries on
@@ -440,6 +426,13 @@ class Prefetcher:
                 with self._lock:
                     self.failures += 1
                 step.fail(p, exc)
+
+    def _decode_layers(self, step: Step, p: int, lease: RowLease) -> dict[int, torch.Tensor]:
+        """Part ``p``'s rows decoded straight into each of its layers' order (one gather and
+        decode per layer, no decoded copy of the part in between): ``{layer id: [T, C, d]}``."""
+        shape = (step.num_tokens, step.num_columns, self.config.head_dim)
+        return {step.layer_ids[li]: self.store.decode(lease.raw, self.dtype, index=step.layer_positions(li).numpy())
+                .view(shape) for li in step.parts[p][2]}
 
     def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:
         """Dequantize part ``p``'s raw rows into each of its layers' outputs on the fetch

@@ -118,7 +118,8 @@ class RowStore(Protocol):
 
     def read_raw(self, row_ids: Any) -> torch.Tensor: ...
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None) -> torch.Tensor: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -211,9 +212,11 @@ class TableStore:
         rows = self.decode(raw, dtype)  # [u, head_dim]
         return rows.index_select(0, torch.from_numpy(d.inverse).to(rows.device)).reshape(*shape, -1)
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device)."""
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype)
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None) -> torch.Tensor:
+        """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device);
+        with ``index`` (int64 ``[k]``) the rows ``raw[index]``, ``[k, head_dim]``."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index)
 
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).

@@ -54,6 +54,11 @@ def test_cold_direct_with_a_cache_reports_consistent_figures(table, capsys):
     cold_cpu = r["cpu_us_per_hit"] * r["hits"] + r["cpu_us_per_miss"] * r["misses"]
     assert cold_cpu == pytest.approx(r["cpu_seconds"] * 1e6)  # the method, as stated
     assert r["cpu_us_per_hit"] > 0 and r["hash_dedup_cpu_us_per_token"] > 0
+    # the fetch loop's share: the workers' CPU, split the same way, never more than the process's
+    assert r["fetch_cpu_us_per_hit"] == pytest.approx(warm["fetch_cpu_seconds"] / warm["rows"] * 1e6)
+    fetch_cpu = r["fetch_cpu_us_per_hit"] * r["hits"] + r["fetch_cpu_us_per_miss"] * r["misses"]
+    assert fetch_cpu == pytest.approx(r["fetch_cpu_seconds"] * 1e6)
+    assert 0 < r["fetch_cpu_seconds"] <= r["cpu_seconds"] and warm["fetch_cpu_seconds"] <= warm["cpu_seconds"]
     assert r["step_ms_p99"] >= r["step_ms_p50"] > 0
     assert r["check"]["equal"] and r["check"]["rows"] > 0 and r["check"]["reference"] == "mmap"
     assert "cpu_us_per_miss" in r["method"]

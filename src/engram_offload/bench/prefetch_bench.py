@@ -113,6 +113,7 @@ class PrefetchPhase:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     begin_cpu_seconds: float = 0.0  # the caller thread's CPU in begin_step (hashing, dedup)
+    caller_cpu_seconds: float = 0.0  # the caller thread's CPU over the phase (hashing, dedup, layer rows)
     step_periods: list[float] = field(default_factory=list)  # seconds between consecutive ends
     fetch_seconds: list[float] = field(default_factory=list)  # each step's begin -> all rows fetched
     stall_seconds: float = 0.0
@@ -132,6 +133,12 @@ class PrefetchPhase:
     def hit_rate(self) -> float:
         return float(self.stats["store"]["hit_rate"])
 
+    @property
+    def fetch_cpu_seconds(self) -> float:
+        """The fetch loop's CPU: the Prefetcher's workers (cache lookups, reads, fills, decode),
+        i.e. the process's CPU less the caller thread's."""
+        return max(self.cpu_seconds - self.caller_cpu_seconds, 0.0)
+
     def summary(self) -> dict[str, Any]:
         """The phase's figures as plain values."""
         wall, rows, misses = self.seconds, self.rows, self.misses
@@ -145,6 +152,8 @@ class PrefetchPhase:
             "reads": self.tier_delta.get("reads", 0), "reads_per_s": self.tier_delta.get("reads", 0) / wall,
             "bytes_read": self.tier_delta.get("bytes_read", 0),
             "cpu_us_per_row": self.cpu_seconds / max(rows, 1) * 1e6,
+            "fetch_cpu_seconds": self.fetch_cpu_seconds,
+            "fetch_cpu_us_per_row": self.fetch_cpu_seconds / max(rows, 1) * 1e6,
             "hash_dedup_cpu_us_per_token": self.begin_cpu_seconds / max(self.tokens, 1) * 1e6,
             "step_ms_p50": float(np.percentile(periods, 50)), "step_ms_p99": float(np.percentile(periods, 99)),
             "fetch_ms_p50": float(np.percentile(fetches, 50)), "fetch_ms_p99": float(np.percentile(fetches, 99)),
@@ -163,7 +172,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
     store.reset_stats()
     tier_before = store.stats()["tier"]
     pending: deque[Step] = deque()
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0, caller0 = time.process_time(), time.perf_counter(), time.thread_time()
     stop_at, last_end = t0 + seconds, t0
     begun = 0
     while True:
@@ -194,6 +203,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
         last_end = now
     phase.seconds = time.perf_counter() - t0
     phase.cpu_seconds = time.process_time() - cpu0
+    phase.caller_cpu_seconds = time.thread_time() - caller0
     phase.stats = store.stats()
     tier_after = phase.stats["tier"]
     phase.tier_delta = {k: tier_after.get(k, 0) - tier_before.get(k, 0) for k in ("reads", "bytes_read")}
@@ -233,11 +243,17 @@ def _check_rows(table: str, phases: Sequence[PrefetchPhase]) -> dict[str, Any]:
     return {"reference": "mmap", "steps": sum(len(p.samples) for p in phases), "rows": checked, "equal": True}
 
 
+def _us(seconds: float | None) -> float | None:
+    return seconds * 1e6 if seconds is not None else None
+
+
 METHOD = ("cold phase: real-text decode steps through the Prefetcher, process CPU over the phase; "
           "warm phase: steps whose rows fit in half the cache fetched once, then replayed (all hits): "
           "cpu_us_per_hit = warm CPU / warm rows; cpu_us_per_miss = (cold CPU - cold hits x cpu_us_per_hit) "
           "/ cold misses. Rows are distinct rows per step (the store's unique rows); misses are rows read "
-          "from the tier. Both per-row costs include hashing, dedup, decode and the consumer's gather.")
+          "from the tier. Both per-row costs include hashing, dedup, decode and the consumer's gather; "
+          "fetch_cpu_us_per_hit/miss are the same split of the fetch loop's CPU alone (the Prefetcher's "
+          "workers: cache lookups, reads, fills, decode), the process's CPU less the caller thread's.")
 
 
 def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map: np.ndarray, *,
@@ -256,14 +272,18 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
             warm = _drive(prefetcher, replay, warm_seconds, run_ahead, check)
     figures = cold.summary()
     cpu_per_hit = warm.cpu_seconds / max(warm.rows, 1) if warm is not None else None
-    cpu_per_miss = None
+    fetch_per_hit = warm.fetch_cpu_seconds / max(warm.rows, 1) if warm is not None else None
+    cpu_per_miss = fetch_per_miss = None
     if cold.misses:
-        hits_cpu = (cold.rows - cold.misses) * (cpu_per_hit or 0.0)
-        cpu_per_miss = (cold.cpu_seconds - hits_cpu) / cold.misses
+        hits = cold.rows - cold.misses
+        cpu_per_miss = (cold.cpu_seconds - hits * (cpu_per_hit or 0.0)) / cold.misses
+        fetch_per_miss = (cold.fetch_cpu_seconds - hits * (fetch_per_hit or 0.0)) / cold.misses
     return {
         **figures,
-        "cpu_us_per_miss": cpu_per_miss * 1e6 if cpu_per_miss is not None else None,
-        "cpu_us_per_hit": cpu_per_hit * 1e6 if cpu_per_hit is not None else None,
+        "cpu_us_per_miss": _us(cpu_per_miss),
+        "cpu_us_per_hit": _us(cpu_per_hit),
+        "fetch_cpu_us_per_miss": _us(fetch_per_miss),
+        "fetch_cpu_us_per_hit": _us(fetch_per_hit),
         "method": METHOD,
         "sequences": sequences,
         "run_ahead": run_ahead,

@@ -486,6 +486,8 @@ def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_b
         print(f"  CPU per missed row {_us(per_miss)}, per hit row {_us(per_hit)}, hashing and dedup "
               f"{result['hash_dedup_cpu_us_per_token']:.2f} us per token; step p50 {result['step_ms_p50']:.2f} ms, "
               f"p99 {result['step_ms_p99']:.2f} ms")
+        print(f"  the fetch loop alone (the Prefetcher's workers): {_us(result['fetch_cpu_us_per_miss'])} CPU per "
+              f"missed row, {_us(result['fetch_cpu_us_per_hit'])} per hit row")
         if result["check"] is not None:
             print(f"  checked {result['check']['rows']:,} rows of {result['check']['steps']} steps against the "
                   f"{result['check']['reference']} tier: equal")

@@ -161,8 +161,9 @@ class RowClient:
         rows = self.decode(raw, dtype)  # [u, head_dim]
         return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*(d.shape or (1,)), -1)
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype)
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None) -> torch.Tensor:
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
