@@ -102,10 +102,16 @@ class _Runs:
     @cached_property
     def pos(self) -> np.ndarray:
         """Byte position of every run in the data (int64 ``[runs]``)."""
-        order = self.order if self.order is not None else np.arange(len(self.ext))
-        nbytes = self.rows[order] * self.stride
-        pos = np.empty(len(order), np.int64)
-        pos[order] = np.cumsum(nbytes) - nbytes
+        n = len(self.ext)
+        if self.order is None and not self.merged:
+            return np.arange(0, n * self.stride, self.stride)
+        order = self.order if self.order is not None else np.arange(n)
+        pos = np.empty(n, np.int64)
+        if self.merged:
+            nbytes = self.rows[order] * self.stride
+            pos[order] = np.cumsum(nbytes) - nbytes
+        else:
+            pos[order] = np.arange(0, n * self.stride, self.stride)
         return pos
 
 
@@ -213,21 +219,7 @@ class RemoteTier(Tier):
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
             gaps = np.diff(uniq)
-        ext = self._starts.searchsorted(uniq, side="right") - 1
-        q = uniq - self._starts[ext]  # row within its extent
-        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
-        run_of = None
-        if joins.any():
-            starts_run = np.empty(len(uniq), bool)
-            starts_run[0] = True
-            np.logical_not(joins, out=starts_run[1:])
-            first = np.flatnonzero(starts_run)
-            last = np.empty_like(first)
-            last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
-            run_of = np.cumsum(starts_run) - 1
-            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, stride)
-        else:
-            runs = _Runs(ext, q, None, stride)
+        runs, run_of, q = self._runs(uniq, gaps)
         addresses, node_of = self._topology
         if len(addresses) == 1:
             order, nodes = None, None
@@ -237,24 +229,38 @@ class RemoteTier(Tier):
             nodes = run_node[order]
         runs.place(order)
         data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
-        rows_in_order = inverse is None and len(addresses) == 1 and len(data) == len(ids) * stride
-        wanted = None if rows_in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
+        in_order = order is None and len(data) == len(uniq) * stride  # data row i holds uniq[i]
+        wanted = None if in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
         bad = bad_row_sums(data, self.row_bytes, stride)
         if bad.size and wanted is not None and len(wanted) * stride != len(data):
             bad = bad[np.isin(bad, wanted)]  # rows between merged ones were not asked for
         if bad.size:
             data = self._reread(bad, runs, data)
-        rows = data.reshape(-1, stride)[:, : self.row_bytes]  # [data rows, row_bytes], strided
-        dest = out.numpy()  # numpy copies: torch's would wake its thread pool for every fetch
-        if wanted is None:
-            dest[:] = rows  # the rows arrived in the caller's order
-        else:
-            index = wanted if inverse is None else wanted[inverse]  # data row of each output row
-            if out.is_contiguous():
-                np.take(rows, index, axis=0, out=dest)
-            else:
-                dest[:] = rows[index]
+        if inverse is not None:
+            wanted = inverse if wanted is None else wanted[inverse]  # data row of each output row
+        self._copy_rows(data, wanted, out)
         self._count(reads=len(runs.ext), bytes_read=len(data))
+
+    def _runs(self, uniq: np.ndarray, gaps: np.ndarray) -> tuple["_Runs", np.ndarray | None, np.ndarray]:
+        """The ranges to read for sorted distinct ids ``uniq`` (``gaps``: their differences):
+        (runs, the run of each id or None when one run each, each id's row within its extent).
+
+        Neighbouring rows of one extent merge into one range, but only when that saves at
+        least 1/16 of the commands: for scattered ids, a few merges cost more numpy calls
+        than the commands they save."""
+        ext = self._starts.searchsorted(uniq, side="right") - 1
+        q = uniq - self._starts[ext]  # row within its extent
+        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
+        if np.count_nonzero(joins) * 16 < len(uniq):
+            return _Runs(ext, q, None, self.stride), None, q
+        starts_run = np.empty(len(uniq), bool)
+        starts_run[0] = True
+        np.logical_not(joins, out=starts_run[1:])
+        first = np.flatnonzero(starts_run)
+        last = np.empty_like(first)
+        last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
+        run_of = np.cumsum(starts_run) - 1
+        return _Runs(ext[first], q[first], q[last] - q[first] + 1, self.stride), run_of, q
 
     def _data_rows(self, runs: "_Runs", run_of: np.ndarray | None, q: np.ndarray) -> np.ndarray:
         """The data row of each distinct id (``run_of``: its run, None when one run each;
@@ -262,6 +268,18 @@ class RemoteTier(Tier):
         if run_of is None:
             return runs.pos // self.stride
         return runs.pos[run_of] // self.stride + (q - runs.q0[run_of])
+
+    def _copy_rows(self, data: np.ndarray, index: np.ndarray | None, out: torch.Tensor) -> None:
+        """``out[i]`` = the row of data row ``index[i]`` (None: data row ``i``), without its
+        checksum. NumPy copies: torch's would wake its thread pool on every fetch."""
+        rows = data.reshape(-1, self.stride)[:, : self.row_bytes]  # [data rows, row_bytes], strided
+        dest = out.numpy()
+        if index is None:
+            dest[:] = rows
+        elif out.is_contiguous():  # "clip": the indices are ours; "raise" buffers the copy (10x slower)
+            np.take(rows, index, axis=0, out=dest, mode="clip")
+        else:
+            dest[:] = rows[index]
 
     def _jobs(self, order: np.ndarray | None, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
               contiguous: bool = False) -> list[_Job]:
