@@ -3,12 +3,12 @@
 ``publish_table`` streams the table file once, checking each block against its
 checksum (and, in table format version 2, each page against its page checksum), cuts
 the rows into extents (``layout.PoolLayout``), each row followed by its checksum
-computed from those verified bytes, and writes each extent that the pool lacks: ``SET`` the extent, then record its xxh3_64 in the manifest. An
-extent already present with the right length and manifest digest is skipped, so an
-interrupted publish resumes where it stopped. The ``complete`` marker is written last,
-after every extent's length and digest has been checked, and readers refuse a table
-without it. A table in the pool under an older pool layout version is dropped and
-published afresh.
+computed from those verified bytes, and writes each extent that the pool lacks:
+``SET`` the extent, then record its xxh3_64 in the manifest. An extent already present
+with the right length and manifest digest is skipped, so an interrupted publish resumes
+where it stopped. The ``complete`` marker is written last, after every extent's length
+and digest has been checked, and readers refuse a table without it. A table in the
+pool under an older pool layout version is dropped and published afresh.
 """
 
 from __future__ import annotations
