@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": {k: v for k, v in vars(args).items() if k not in ("table", "out")},
         "targets": TARGETS,
         "machine": {**machine, "loadavg_after": os.getloadavg()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's OpenMP pool spins unless PASSIVE
         "pools": results,
     }
     if args.out:
