@@ -12,6 +12,8 @@ Per step, 1,536 distinct uniformly random rows are read (issue 15's measurement)
     all of a node's replies in one ``gets()`` (the remote tier's way): the floor for a
     Python client;
 (c) ``remote``: ``RemoteTier.read_rows`` on the same ids (grouping, encoding, checks).
+The raw clients read what the remote tier reads: each row with the checksum stored after
+it (pool layout 2), which they do not check.
 All run in this process, alternating repeat by repeat, on their own sockets; rows/s is
 rows over wall time, client CPU per row is this process's CPU time over rows. Targets
 (issue 15): remote >= 0.8x the raw rows/s and <= 1.5x its CPU per row. Loopback servers start on free ports; the table is
@@ -48,16 +50,16 @@ TARGETS = {"rows_per_s_ratio_min": 0.8, "cpu_per_row_ratio_max": 1.5}
 
 def raw_requests(playout: PoolLayout, client: PoolClient, steps: list[np.ndarray]) -> list[list[tuple]]:
     """Per step: (node address, encoded pipeline, replies expected) for each node."""
-    rb = playout.header.layout.row_bytes
+    stride = playout.stride  # a row and its checksum: the bytes the remote tier reads
     ext_node = np.array([client.node_of(k) for k in playout.keys])
     out = []
     for ids in steps:
         ext = playout.extent_of(ids)
-        offsets = (ids - playout.starts[ext]) * rb
+        offsets = (ids - playout.starts[ext]) * stride
         per_node: dict[int, list[bytes]] = {}
         for e, off in zip(ext.tolist(), offsets.tolist()):
             per_node.setdefault(int(ext_node[e]), []).append(
-                encode_command("GETRANGE", playout.keys[e], off, off + rb - 1))
+                encode_command("GETRANGE", playout.keys[e], off, off + stride - 1))
         out.append([(client.address(n), b"".join(reqs), len(reqs)) for n, reqs in per_node.items()])
     return out
 
@@ -138,7 +140,7 @@ def bench_pool(table: Path, nodes: int, args: argparse.Namespace, directory: Pat
             requests = raw_requests(tier.pool_layout, client, steps)
             conns = {client.address(i): RawNode(*client.nodes[i]) for i in range(len(client.nodes))}
             rows = args.rows * args.steps
-            out_raw = np.empty(args.rows * header.layout.row_bytes, np.uint8)
+            out_raw = np.empty(args.rows * tier.stride, np.uint8)
             out_tier = torch.empty((args.rows, header.layout.row_bytes), dtype=torch.uint8)
             run_raw(conns, requests[:5], out_raw, False), run_tier(tier, steps[:5], out_tier)  # warm up
             runs = {"raw": [], "raw_array": [], "remote": []}
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": {k: v for k, v in vars(args).items() if k not in ("table", "out")},
         "targets": TARGETS,
         "machine": {**machine, "loadavg_after": os.getloadavg()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's OpenMP pool spins unless PASSIVE
         "pools": results,
     }
     if args.out:

@@ -18,9 +18,9 @@ import xxhash
 from redis_servers import fresh_pool, redis_cluster, redis_single, skip_without_redis  # noqa: F401 (fixtures)
 from tier_cases import FORMATS
 from tiny_tables import tiny_config
-from engram_offload.errors import TierError
+from engram_offload.errors import ChecksumError, TierError
 from engram_offload.pool.client import PoolClient, PoolError
-from engram_offload.pool.layout import PoolLayout, fingerprint
+from engram_offload.pool.layout import PoolLayout, PoolLayoutError, fingerprint
 from engram_offload.pool.publish import drop_table, pool_status, publish_table
 from engram_offload.pool.servers import free_port_base
 from engram_offload.table import make_random_table, read_header
@@ -98,6 +98,16 @@ def test_open_by_fingerprint_without_the_file(tables, redis_cluster):
         open_pool_table(f"{redis_cluster.url}/0123456789abcdef")
 
 
+def test_a_version_1_table_opens_by_fingerprint_without_the_file(tmp_path, redis_single):
+    path = make_random_table(tmp_path / "v1.tbl", tiny_config("int8", 64), seed=5, block_size=16384, version=1)
+    result = publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    with open_pool_table(f"{redis_single.url}/{result['fingerprint']}") as remote, \
+            open_tier("memory", read_header(path)) as memory:
+        assert remote.header.layout.version == 1
+        ids = np.arange(remote.num_rows)
+        assert np.array_equal(read(remote, ids), read(memory, ids))
+
+
 def test_a_file_that_is_not_the_named_table_is_refused(tables, second_table, redis_single):
     path, _ = tables[("bf16", 80)]
     publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
@@ -141,6 +151,141 @@ def test_a_missing_extent_raises_naming_it(tables, fresh_pool):
             read(remote, [int(remote.pool_layout.starts[7]) + 1])
         assert remote.stats()["retries"] == 1
         read(remote, [int(remote.pool_layout.starts[8])])  # other extents still serve
+
+
+def flip_in_pool(url: str, key: str, offset: int) -> bytes:
+    """Flip one byte of ``key``'s value at ``offset`` in the pool; return the byte it held."""
+    with PoolClient(url) as client:
+        old = client.call("GETRANGE", key, offset, offset)
+        client.call("SETRANGE", key, offset, bytes([old[0] ^ 0x5A]))
+    return old
+
+
+def restore_in_pool(url: str, key: str, offset: int, old: bytes) -> None:
+    with PoolClient(url) as client:
+        client.call("SETRANGE", key, offset, old)
+
+
+@pytest.mark.parametrize("where", ["row", "checksum"])
+def test_a_row_altered_in_the_pool_raises_naming_it_or_comes_from_the_fallback(tables, fresh_pool, where):
+    pool = fresh_pool(3)
+    path, expected = tables[("bf16", 80)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    options = dict(pool=pool.url, retries=1, retry_backoff_s=0)
+    with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
+        playout = bare.pool_layout
+        extent, within = 5, 40
+        row = int(playout.starts[extent]) + within
+        key = playout.keys[extent]
+        offset = within * playout.stride + (7 if where == "row" else header.layout.row_bytes + 2)
+        flip_in_pool(pool.url, key, offset)
+        with PoolClient(pool.url) as client:
+            node = client.address(client.node_of(key))
+        for ids in ([row], np.arange(row - 30, row + 30), np.arange(header.layout.num_rows)):  # one row, merged ranges
+            with pytest.raises(TierError, match=f"pool node {node}: row {row} of extent {key} failed its checksum"):
+                read(bare, ids)
+            assert np.array_equal(read(guarded, ids), expected[ids])
+        assert bare.stats()["checksum_rereads"] == 3 and bare.stats()["checksum_failures"] == 3
+        assert guarded.stats()["fallback_rows"] == 3
+        others = np.delete(np.arange(header.layout.num_rows), row)
+        assert np.array_equal(read(bare, others), expected[others])
+
+
+def test_a_row_altered_in_the_pool_is_caught_without_the_native_helper(tables, fresh_pool, monkeypatch):
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    pool = fresh_pool(1)
+    path, expected = tables[("int8", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=0) as remote:
+        flip_in_pool(pool.url, remote.pool_layout.keys[0], 3 * remote.stride + 1)
+        with pytest.raises(TierError, match=f"row 3 of extent {remote.pool_layout.keys[0]} failed its checksum"):
+            read(remote, [1, 3, 900])
+        assert np.array_equal(read(remote, [1, 2, 900]), expected[[1, 2, 900]])
+
+
+def test_a_transient_bad_row_is_read_again_and_served(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url) as remote:
+        key, offset = remote.pool_layout.keys[2], 10 * remote.stride + 5
+        old = flip_in_pool(pool.url, key, offset)
+        real_fetch, fetches = remote._fetch, []
+
+        def fetch_then_restore(jobs):
+            got = real_fetch(jobs)
+            if not fetches:  # the bad byte came back once; the pool is whole again for the re-read
+                restore_in_pool(pool.url, key, offset, old)
+            fetches.append(len(jobs))
+            return got
+
+        remote._fetch = fetch_then_restore
+        ids = np.arange(remote.num_rows)
+        assert np.array_equal(read(remote, ids), expected)
+        assert fetches == [1, 1]  # the request, then the one bad row again
+        stats = remote.stats()
+        assert stats["checksum_rereads"] == 1 and stats.get("checksum_failures", 0) == 0
+
+
+def as_layout_version_1(url: str, path) -> None:
+    """Rewrite a published table as pool layout version 1 wrote it: bare rows, no checksums."""
+    import json
+
+    playout = PoolLayout(read_header(path), EXTENT_ROWS)
+    rb = playout.header.layout.row_bytes
+    with PoolClient(url) as client:
+        for key in playout.keys:
+            rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride)
+            client.call("SET", key, rows[:, :rb].tobytes())
+        record = json.loads(client.call("GET", playout.header_key))
+        record["pool_layout"] = 1
+        del record["row_checksum"]
+        client.call("SET", playout.header_key, json.dumps(record, sort_keys=True).encode())
+
+
+def test_a_pool_of_the_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp16", 48)]
+    header = read_header(path)
+    fp = fingerprint(header)
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    as_layout_version_1(pool.url, path)
+    for opening in (lambda: RemoteTier(header, pool=pool.url), lambda: open_pool_table(f"{pool.url}/{fp}")):
+        with pytest.raises(PoolLayoutError, match="pool layout version 1 .*rows without checksums.*publish the "
+                           "table again"):
+            opening()
+    [status] = pool_status(pool.url)["tables"]
+    assert status["pool_layout"] == 1 and not status["complete"] and "publish the table again" in status["problems"][0]
+    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert "pool layout v1, INCOMPLETE: " in capsys.readouterr().out
+    result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert result["sent"] == result["extents"]  # every old extent replaced
+    assert pool_status(pool.url)["tables"][0]["pool_layout"] == 2
+    with RemoteTier(header, pool=pool.url) as remote:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)
+
+
+def test_publishing_a_damaged_file_fails_and_leaves_no_complete_table(tables, fresh_pool, tmp_path):
+    pool = fresh_pool(1)
+    source, _ = tables[("bf16", 80)]
+    path = tmp_path / "damaged.tbl"
+    path.write_bytes(source.read_bytes())
+    header = read_header(path)
+    layout = header.layout
+    page = layout.num_pages - 3
+    with open(path, "r+b") as f:  # one byte of a row in a late page: many extents go out first
+        f.seek(layout.data_offset + page * layout.page_bytes + 2 * layout.row_bytes + 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumError, match=f"data page {page} "):
+        publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with PoolClient(pool.url) as client:
+        assert client.call("GET", PoolLayout(header, EXTENT_ROWS).complete_key) is None
+    assert not pool_status(pool.url)["tables"][0]["complete"]
+    with pytest.raises(PoolError, match="not completely published"):
+        RemoteTier(header, pool=pool.url)
 
 
 def test_a_killed_node_fails_over_or_raises_and_serves_after_republish(tables, fresh_pool):
@@ -207,7 +352,7 @@ def test_cli_publish_status_drop(tables, fresh_pool, capsys):
     assert f"table {fp} is in the pool" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
     out = capsys.readouterr().out
-    assert f"table {fp}: " in out and out.rstrip().endswith("rows, complete")
+    assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v2, complete")
     assert pool_cli(["pool", "drop", fp, "--redis", pool.url]) == 0
     assert "keys deleted" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0

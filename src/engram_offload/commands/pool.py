@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     pub = cmds.add_parser("publish", help="load a table into the pool (resumes an interrupted publish)",
                           description="Stream a table into the pool, extent by extent, checking every block "
-                          "of the file; extents already there with the right checksum are skipped, and the "
+                          "(and page) of the file and storing a checksum with every row; extents already there with the right checksum are skipped, and the "
                           "table is marked complete only when every extent is in.")
     pub.add_argument("table", metavar="TABLE")
     _add_url(pub)
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     stat = cmds.add_parser("status", help="the pool's nodes and tables",
                            description="List the pool's nodes (memory used) and every table in it, "
-                           "with whether it is complete.")
+                           "with its pool layout version and whether it is complete.")
     _add_url(stat)
     stat.add_argument("--json", action="store_true", help="print JSON")
     stat.set_defaults(func=cmd_status)
@@ -92,7 +92,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for t in status["tables"]:
         state = "complete" if t["complete"] else "INCOMPLETE: " + "; ".join(t["problems"])
         print(f"table {t['fingerprint']}: {t['rows']:,} rows of {t['row_bytes']} bytes ({t['row_format']}), "
-              f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, {state}")
+              f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
+              f"pool layout v{t['pool_layout']}, {state}")
     return 0
 
 

@@ -2,9 +2,11 @@
 
 Rows are cut along the table's natural extents: per layer, per (order, head) in the
 order of ``EngramConfig.head_sizes``, each head's rows are split into extents of at most
-``extent_rows`` rows. One string key per extent holds its rows back to back in the
-table's packed row format, so row ``r`` of an extent starting at row ``s`` lies at byte
-``(r - s) * row_bytes``::
+``extent_rows`` rows. One string key per extent holds its rows back to back, each row in
+the table's packed row format followed by its checksum (the low 32 bits of XXH3-64 of
+the row, little-endian: ``ROW_SUM_BYTES``), so row ``r`` of an extent starting at row
+``s`` lies at byte ``(r - s) * stride`` with ``stride = row_bytes + 4``, and one
+``GETRANGE`` reads a row with its checksum::
 
     <fp>:engram:l<L>:h<H>:e<k>      extent k of head H (order * n_heads + head) of layer L
     {<fp>}:engram:header            JSON: pool layout version, extent_rows, the table header
@@ -17,6 +19,9 @@ braces, so Redis Cluster hashes the whole key and spreads a table's extents over
 16,384 slots and so over the nodes; the meta keys share the hash tag ``{<fp>}`` and sit
 together in one slot. Every key of a table starts with its fingerprint, so dropping a
 table never touches another's.
+
+Pool layout versions: 1 held bare rows (no per-row checksums); 2 (this one) adds them.
+A pool of another version is refused with a request to publish the table again.
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ import numpy as np
 from ..config import EngramConfig
 from ..errors import TableFormatError
 from ..table.format import TableHeader, TableLayout
+from ..table.pagesum import CHECKSUM_NAME, row_sums
+from .client import PoolError
 
-__all__ = ["POOL_LAYOUT_VERSION", "DEFAULT_EXTENT_ROWS", "MAX_EXTENT_BYTES", "PoolLayout",
-           "fingerprint", "header_from_record"]
+__all__ = ["POOL_LAYOUT_VERSION", "ROW_SUM_BYTES", "ROW_CHECKSUM", "DEFAULT_EXTENT_ROWS", "MAX_EXTENT_BYTES",
+           "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums"]
 
-POOL_LAYOUT_VERSION = 1
+POOL_LAYOUT_VERSION = 2
+ROW_SUM_BYTES = 4  # after every row: u32 little-endian, the low 32 bits of its XXH3-64
+ROW_CHECKSUM = CHECKSUM_NAME
 DEFAULT_EXTENT_ROWS = 1 << 18
 MAX_EXTENT_BYTES = 512 << 20  # Redis's largest string
 
@@ -56,15 +65,20 @@ class PoolLayout:
     def __post_init__(self) -> None:
         if self.extent_rows < 1:
             raise ValueError(f"extent_rows must be >= 1, got {self.extent_rows}")
-        if self.extent_rows * self.header.layout.row_bytes > MAX_EXTENT_BYTES:
+        if self.extent_rows * self.stride > MAX_EXTENT_BYTES:
             raise ValueError(
-                f"extents of {self.extent_rows:,} rows of {self.header.layout.row_bytes} bytes exceed "
+                f"extents of {self.extent_rows:,} rows of {self.stride} bytes (with their checksums) exceed "
                 f"Redis's {MAX_EXTENT_BYTES >> 20} MiB string limit: choose fewer extent rows"
             )
 
     @cached_property
     def fingerprint(self) -> str:
         return fingerprint(self.header)
+
+    @property
+    def stride(self) -> int:
+        """Bytes per row in an extent: the packed row, then its checksum."""
+        return self.header.layout.row_bytes + ROW_SUM_BYTES
 
     @cached_property
     def _extents(self) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -102,7 +116,7 @@ class PoolLayout:
         return np.searchsorted(self.starts, ids, side="right") - 1
 
     def extent_bytes(self, extent: int) -> int:
-        return int(self.counts[extent]) * self.header.layout.row_bytes
+        return int(self.counts[extent]) * self.stride
 
     # -- meta keys ---------------------------------------------------------------------
     @property
@@ -121,6 +135,7 @@ class PoolLayout:
         """The JSON stored under ``header_key``: enough to open the table without its file."""
         return json.dumps({
             "pool_layout": POOL_LAYOUT_VERSION,
+            "row_checksum": ROW_CHECKSUM,
             "fingerprint": self.fingerprint,
             "extent_rows": self.extent_rows,
             "table": self.header.layout.header_dict(),
@@ -132,17 +147,51 @@ def meta_key(fp: str, what: str) -> str:
     return f"{{{fp}}}:engram:{what}"
 
 
-def header_from_record(record: bytes, where: str) -> tuple[TableHeader, int]:
-    """(the table header, extent_rows) from a stored header record; ``where`` names it in errors."""
+def rows_with_sums(rows: np.ndarray) -> np.ndarray:
+    """Rows ``[n, row_bytes]`` -> the pool's rows ``[n, row_bytes + 4]``: each row, then its checksum."""
+    rows = np.ascontiguousarray(rows)
+    n, rb = rows.shape
+    packed = np.empty((n, rb + ROW_SUM_BYTES), np.uint8)
+    packed[:, :rb] = rows
+    packed[:, rb:] = row_sums(rows, rb, rb).astype("<u4").view(np.uint8).reshape(n, ROW_SUM_BYTES)
+    return packed
+
+
+class PoolLayoutError(PoolError):
+    """The table in the pool was published with another pool layout version."""
+
+
+def stored_layout_version(record: bytes) -> int | None:
+    """The pool layout version of a stored header record (None when unreadable)."""
+    try:
+        version = json.loads(record)["pool_layout"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) else None
+
+
+def layout_version_problem(where: str, version: int | None) -> str:
+    """Why a table stored with pool layout ``version`` (not this one) cannot be read."""
+    return (f"{where} was published with pool layout version {version}"
+            f"{' (rows without checksums)' if version == 1 else ''}; this engram-offload reads version "
+            f"{POOL_LAYOUT_VERSION}: publish the table again (engram-offload pool publish TABLE --redis URL)")
+
+
+def header_from_record(record: bytes, where: str, *, any_version: bool = False) -> tuple[TableHeader, int]:
+    """(the table header, extent_rows) from a stored header record; ``where`` names it in errors.
+
+    A record of another pool layout version raises ``PoolLayoutError`` unless
+    ``any_version`` (``pool status`` lists such tables)."""
+    version = stored_layout_version(record)
+    if version is None:
+        raise TableFormatError(f"{where}: unreadable table header in the pool (no pool layout version)")
+    if version != POOL_LAYOUT_VERSION and not any_version:
+        raise PoolLayoutError(layout_version_problem(where, version))
     try:
         meta: dict[str, Any] = json.loads(record)
-        if meta["pool_layout"] != POOL_LAYOUT_VERSION:
-            raise TableFormatError(
-                f"{where} has pool layout version {meta['pool_layout']}; this engram-offload reads "
-                f"version {POOL_LAYOUT_VERSION}: publish the table again"
-            )
         table = meta["table"]
-        layout = TableLayout(EngramConfig(**table["config"]), int(table["block_size"]), int(table["data_offset"]))
+        layout = TableLayout(EngramConfig(**table["config"]), int(table["block_size"]), int(table["data_offset"]),
+                             int(table["version"]))
         digests = np.frombuffer(bytes.fromhex(meta["block_digests"]), "<u8").copy()
         header = TableHeader(Path(meta["fingerprint"]), layout, digests)
         extent_rows = int(meta["extent_rows"])

@@ -1,12 +1,14 @@
 """Loading a table into a Redis pool, listing the pool, dropping a table from it.
 
 ``publish_table`` streams the table file once, checking each block against its
-checksum, cuts the rows into extents (``layout.PoolLayout``) and writes each extent
-that the pool lacks: ``SET`` the extent, then record its xxh3_64 in the manifest. An
-extent already present with the right length and manifest digest is skipped, so an
-interrupted publish resumes where it stopped. The ``complete`` marker is written last,
-after every extent's length and digest has been checked, and readers refuse a table
-without it.
+checksum (and, in table format version 2, each page against its page checksum), cuts
+the rows into extents (``layout.PoolLayout``), each row followed by its checksum
+computed from those verified bytes, and writes each extent that the pool lacks:
+``SET`` the extent, then record its xxh3_64 in the manifest. An extent already present
+with the right length and manifest digest is skipped, so an interrupted publish resumes
+where it stopped. The ``complete`` marker is written last, after every extent's length
+and digest has been checked, and readers refuse a table without it. A table in the
+pool under an older pool layout version is dropped and published afresh.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import xxhash
 
 from ..table.format import TableHeader, read_header
 from ..table.progress import byte_progress
-from ..table.verify import checksum_error
+from ..table.verify import bad_pages, checksum_error, page_checksum_error
 from .client import PoolClient, PoolError
-from .layout import DEFAULT_EXTENT_ROWS, PoolLayout, header_from_record, meta_key
+from .layout import (DEFAULT_EXTENT_ROWS, POOL_LAYOUT_VERSION, PoolLayout, header_from_record,
+                     layout_version_problem, meta_key, rows_with_sums, stored_layout_version)
 
 __all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete"]
 
@@ -43,7 +46,8 @@ FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
 
 
 def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterator[np.ndarray]:
-    """The table's rows in order, as flat uint8 chunks of whole rows, each block verified."""
+    """The table's rows in order, as uint8 chunks ``[rows, row_bytes]``, each block (and
+    each page, where the format has page checksums) verified."""
     layout = header.layout
     rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
     chunk_pages = max(1, (READ_CHUNK_BYTES // layout.block_size) * layout.block_size // page)
@@ -56,6 +60,10 @@ def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterat
             view = memoryview(staging)[: pages * page]
             if f.readinto(view) != len(view):
                 raise EOFError(f"{header.path} ended early while publishing; the file changed under us")
+            if header.page_sums is not None:
+                bad = bad_pages(header, np.arange(first_page, first_page + pages), view)
+                if bad.size:
+                    raise page_checksum_error(header, first_page + int(bad[0]), reread=False)
             start = first_page * page
             for i in range(0, len(view), layout.block_size):  # chunks start on block boundaries
                 block = (start + i) // layout.block_size
@@ -65,16 +73,16 @@ def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterat
             take = min(len(rows), rows_left)
             rows_left -= take
             advance(len(view))
-            yield rows[:take].reshape(-1)
+            yield rows[:take]
 
 
 def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tuple[int, memoryview]]:
     """(extent index, its bytes) in order; the bytes are valid until the next item."""
-    sizes = (playout.counts * playout.header.layout.row_bytes).tolist()
+    sizes = (playout.counts * playout.stride).tolist()
     buf = np.empty(max(sizes), np.uint8)
     extent, filled = 0, 0
-    for flat in _dense_chunks(playout.header, advance):
-        pos = 0
+    for rows in _dense_chunks(playout.header, advance):
+        flat, pos = rows_with_sums(rows).reshape(-1), 0
         while pos < len(flat):
             take = min(sizes[extent] - filled, len(flat) - pos)
             buf[filled: filled + take] = flat[pos: pos + take]
@@ -119,7 +127,7 @@ def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
         return [f"the manifest lacks {len(missing)} of {playout.num_extents} extents"]
     if marker != _complete_record(playout, manifest):
         return ["the complete marker does not match the manifest (another publish under way?)"]
-    expected = playout.counts * playout.header.layout.row_bytes
+    expected = playout.counts * playout.stride
     lengths = _lengths(client, playout)
     wrong = np.flatnonzero(lengths != expected)
     return [f"extent {playout.keys[int(e)]} holds {int(lengths[e]):,} bytes, expected {int(expected[e]):,}"
@@ -143,6 +151,9 @@ def publish_table(
     playout = PoolLayout(read_header(path), extent_rows)
     with PoolClient(url, timeout=timeout) as client:
         stored = client.call("GET", playout.header_key)
+        if stored is not None and stored_layout_version(stored) != POOL_LAYOUT_VERSION:
+            _drop_keys(client, playout.fingerprint)  # another layout's extents: start afresh
+            stored = None
         if stored is not None:
             _, rows = header_from_record(stored, f"pool table {playout.fingerprint}")
             if rows != extent_rows:
@@ -201,15 +212,19 @@ def pool_status(url: str | Sequence[str], timeout: float = 10.0) -> dict[str, An
         tables = []
         for key in sorted(set(client.scan("{*}:engram:header"))):
             fp = key.decode()[1:17]
-            playout = read_pool_table(client, fp)
-            problems = check_complete(client, playout)
+            record = client.call("GET", key)
+            header, extent_rows = header_from_record(record, f"table {fp}", any_version=True)
+            playout = PoolLayout(header, extent_rows)
+            version = stored_layout_version(record)
+            problems = (check_complete(client, playout) if version == POOL_LAYOUT_VERSION
+                        else [layout_version_problem(f"table {fp}", version)])
             layout = playout.header.layout
             tables.append({
-                "fingerprint": fp, "complete": not problems, "problems": problems,
+                "fingerprint": fp, "pool_layout": version, "complete": not problems, "problems": problems,
                 "extents": playout.num_extents, "extent_rows": playout.extent_rows,
                 "manifest_extents": int(client.call("HLEN", playout.manifest_key)),
                 "rows": layout.num_rows, "row_format": layout.row_format, "row_bytes": layout.row_bytes,
-                "bytes": layout.num_rows * layout.row_bytes,
+                "bytes": layout.num_rows * playout.stride,
             })
     return {"cluster": client.cluster, "nodes": nodes, "tables": tables}
 
@@ -226,12 +241,17 @@ def drop_table(url: str | Sequence[str], fp: str, timeout: float = 30.0) -> int:
     if not FINGERPRINT.match(fp):
         raise ValueError(f"{fp!r} is not a table fingerprint (16 hex digits; see pool status)")
     with PoolClient(url, timeout=timeout) as client:
-        deleted = int(client.call("DEL", meta_key(fp, "complete")))  # first: readers stop at once
-        extents = sorted(set(client.scan(f"{fp}:engram:*")))
-        meta = sorted(set(client.scan(f"{{{fp}}}:engram:*")))
-        keys = [k.decode() for k in extents + meta]
-        replies = client.execute([("DEL", k) for k in keys])
-        bad = next((r for r in replies if isinstance(r, Exception)), None)
-        if bad is not None:
-            raise PoolError(f"DEL failed while dropping {fp}: {bad}")
+        return _drop_keys(client, fp)
+
+
+def _drop_keys(client: PoolClient, fp: str) -> int:
+    """Delete the complete marker (first: readers stop at once), then every other key of table ``fp``."""
+    deleted = int(client.call("DEL", meta_key(fp, "complete")))
+    extents = sorted(set(client.scan(f"{fp}:engram:*")))
+    meta = sorted(set(client.scan(f"{{{fp}}}:engram:*")))
+    keys = [k.decode() for k in extents + meta]
+    replies = client.execute([("DEL", k) for k in keys])
+    bad = next((r for r in replies if isinstance(r, Exception)), None)
+    if bad is not None:
+        raise PoolError(f"DEL failed while dropping {fp}: {bad}")
     return deleted + int(sum(replies))

@@ -6,6 +6,14 @@
  *   data   bytes-like, len = pages * page_bytes
  *   out    writable uint32 [pages] (written)
  *
+ * row_sums(data, length, stride, out)
+ *   the same checksum of each row: data[i*stride : i*stride+length] for i < len(data)/stride
+ *   out    writable uint32 [rows] (written)
+ *
+ * count_bad_rows(data, length, stride) -> int
+ *   rows whose checksum differs from the little-endian u32 stored right after them
+ *   (at data[i*stride+length]; stride >= length + 4): the pool's rows with inline sums
+ *
  * XXH3 comes from the vendored single-header xxHash (xxhash.h beside this file, BSD
  * 2-clause), inlined; it is the same function the xxhash Python package computes, which
  * is the fallback when this helper is not built. On x86-64 CPUs with AVX2 the loop of
@@ -59,12 +67,73 @@ done:
     return result;
 }
 
+/* The rows of a buffer of n rows of `length` bytes at `stride`: checks the arguments. */
+static int row_shape(Py_buffer *data, Py_ssize_t length, Py_ssize_t stride, Py_ssize_t trailer, Py_ssize_t *rows) {
+    if (length <= 0 || stride < length + trailer || data->len % stride) {
+        PyErr_Format(PyExc_ValueError,
+                     "data of %zd bytes is not a whole number of %zd-byte strides holding a %zd-byte row "
+                     "(and %zd bytes after it)", data->len, stride, length, trailer);
+        return -1;
+    }
+    *rows = data->len / stride;
+    return 0;
+}
+
+static PyObject *row_sums(PyObject *self, PyObject *args) {
+    Py_buffer data, out;
+    Py_ssize_t length, stride, rows;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &data, &length, &stride, &out)) return NULL;
+    PyObject *result = NULL;
+    if (row_shape(&data, length, stride, 0, &rows) < 0) goto done;
+    if (out.len != rows * (Py_ssize_t)sizeof(uint32_t)) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd (uint32 per row)", out.len,
+                     rows * (Py_ssize_t)sizeof(uint32_t));
+        goto done;
+    }
+    const uint8_t *src = data.buf;
+    uint32_t *dst = out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < rows; i++) dst[i] = (uint32_t)XXH3_64bits(src + i * stride, (size_t)length);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *count_bad_rows(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t length, stride, rows, bad = 0;
+    if (!PyArg_ParseTuple(args, "y*nn", &data, &length, &stride)) return NULL;
+    if (row_shape(&data, length, stride, 4, &rows) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    const uint8_t *src = data.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const uint8_t *row = src + i * stride, *sum = row + length;
+        uint32_t stored = (uint32_t)sum[0] | (uint32_t)sum[1] << 8 | (uint32_t)sum[2] << 16 | (uint32_t)sum[3] << 24;
+        bad += (uint32_t)XXH3_64bits(row, (size_t)length) != stored;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyLong_FromSsize_t(bad);
+}
+
 static PyObject *uses_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(avx2); }
 
 static PyMethodDef methods[] = {
     {"page_sums", page_sums, METH_VARARGS,
      "page_sums(data, page_bytes, out, portable=False): low 32 bits of XXH3-64 of each page into out "
      "(uint32); portable skips the AVX2 loop."},
+    {"row_sums", row_sums, METH_VARARGS,
+     "row_sums(data, length, stride, out): low 32 bits of XXH3-64 of each row (length bytes at stride) "
+     "into out (uint32)."},
+    {"count_bad_rows", count_bad_rows, METH_VARARGS,
+     "count_bad_rows(data, length, stride): rows whose checksum differs from the little-endian u32 "
+     "stored right after them."},
     {"uses_avx2", uses_avx2, METH_NOARGS, "Whether the AVX2 loop is used."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,18 +1,21 @@
 """``remote`` tier: rows read from a table published in a Redis pool (Redis Cluster or one server).
 
-The table lies in the pool as extents of packed rows (``engram_offload.pool.layout``).
+The table lies in the pool as extents of packed rows, each followed by its checksum
+(``engram_offload.pool.layout``).
 Per request, the distinct ids are sorted, grouped by extent into runs (neighbouring rows
 of one extent merge into one range when the gap is small), and the runs grouped by the
 node owning their extent's slot. Each node gets ONE pipeline of ``GETRANGE`` commands,
 encoded from per-extent key prefixes and per-offset argument tables built at open; all
 nodes' pipelines are sent before any reply is read, so the nodes work in parallel.
-Replies are parsed by ``hiredis``, checked (every byte asked for came back), and the
-rows gathered into ``out`` in the caller's order.
+Replies are parsed by ``hiredis``, checked (every byte asked for came back, and every
+row against its checksum, in C), and the rows gathered into ``out`` in the caller's order.
 
 Failures are never silent: a node that is down or times out, an error reply, or a
 missing or short extent is retried ``retries`` times (re-reading the slot map between
 tries), then the rows are read from the ``fallback`` tier when one is configured, else
-``TierError`` names the node, the extent and what went wrong.
+``TierError`` names the node, the extent and what went wrong. A row that fails its
+checksum is read once more; failing again, it takes the same way (fallback, else
+``TierError`` naming the node, the extent and the row). A wrong row is never returned.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import torch
 
 from ..errors import TierError
 from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
-from ..pool.layout import PoolLayout, fingerprint
+from ..pool.layout import PoolLayout, fingerprint, rows_with_sums
 from ..pool.publish import check_complete, read_pool_table
 from ..table.format import TableHeader, read_header
+from ..table.pagesum import bad_row_sums
 from .base import Tier
 
 __all__ = ["RemoteTier", "open_pool_table"]
@@ -40,11 +44,10 @@ DEFAULT_MERGE_GAP_BYTES = 512
 
 
 @lru_cache(maxsize=4)
-def _offset_args(row_bytes: int, rows: int) -> np.ndarray:
-    """GETRANGE's start and end arguments, RESP encoded, for one row at each extent position
-    (object array ``[rows]`` of bytes)."""
-    return _object_array([_range_args(start, start + row_bytes - 1)
-                          for start in range(0, rows * row_bytes, row_bytes)])
+def _offset_args(stride: int, rows: int) -> np.ndarray:
+    """GETRANGE's start and end arguments, RESP encoded, for one row (and its checksum) at
+    each extent position (object array ``[rows]`` of bytes)."""
+    return _object_array([_range_args(start, start + stride - 1) for start in range(0, rows * stride, stride)])
 
 
 def _range_args(start: int, end: int) -> bytes:
@@ -72,13 +75,14 @@ class _Job:
 
 class _Runs:
     """Ranges of neighbouring rows of one extent: extent, first row in it, rows (None: one
-    row each); and (after ``place``) each range's byte position in the fetched data."""
+    row each); and (after ``place``) each range's byte position in the fetched data, where
+    each row takes ``stride`` bytes (the row and its checksum)."""
 
-    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray | None, row_bytes: int) -> None:
-        self.ext, self.q0, self.row_bytes = ext, q0, row_bytes
+    def __init__(self, ext: np.ndarray, q0: np.ndarray, rows: np.ndarray | None, stride: int) -> None:
+        self.ext, self.q0, self.stride = ext, q0, stride
         self.merged = rows is not None
         self.rows = rows if rows is not None else np.ones(len(ext), np.int64)
-        self.nbytes = (int(rows.sum()) if rows is not None else len(ext)) * row_bytes
+        self.nbytes = (int(rows.sum()) if rows is not None else len(ext)) * stride
         self.order: np.ndarray | None = None
 
     def place(self, order: np.ndarray | None) -> None:
@@ -87,13 +91,27 @@ class _Runs:
         self.order = order
         self.__dict__.pop("pos", None)
 
+    def row_ids(self, starts: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(table row id, data row) of every row of the runs ``sel``; ``starts``: the
+        extents' first rows."""
+        counts = self.rows[sel]
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids = np.repeat(starts[self.ext[sel]] + self.q0[sel], counts) + within
+        return ids, np.repeat(self.pos[sel] // self.stride, counts) + within
+
     @cached_property
     def pos(self) -> np.ndarray:
         """Byte position of every run in the data (int64 ``[runs]``)."""
-        order = self.order if self.order is not None else np.arange(len(self.ext))
-        nbytes = self.rows[order] * self.row_bytes
-        pos = np.empty(len(order), np.int64)
-        pos[order] = np.cumsum(nbytes) - nbytes
+        n = len(self.ext)
+        if self.order is None and not self.merged:
+            return np.arange(0, n * self.stride, self.stride)
+        order = self.order if self.order is not None else np.arange(n)
+        pos = np.empty(n, np.int64)
+        if self.merged:
+            nbytes = self.rows[order] * self.stride
+            pos[order] = np.cumsum(nbytes) - nbytes
+        else:
+            pos[order] = np.arange(0, n * self.stride, self.stride)
         return pos
 
 
@@ -136,14 +154,15 @@ class RemoteTier(Tier):
         except BaseException:
             self.close()
             raise
-        playout, rb = self.pool_layout, self.row_bytes
+        playout = self.pool_layout
+        self.stride = playout.stride  # bytes per row in the pool: the row, then its checksum
         self.fingerprint = playout.fingerprint
         self._starts = playout.starts
         self._prefix = _object_array([b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n" % (len(k), k.encode())
                                       for k in playout.keys])
-        self._args = _offset_args(rb, int(playout.counts.max()))
+        self._args = _offset_args(self.stride, int(playout.counts.max()))
         self._slots = np.array([key_slot(k) for k in playout.keys], np.int32)
-        self._merge_rows = 1 + max(0, merge_gap_bytes) // rb
+        self._merge_rows = 1 + max(0, merge_gap_bytes) // self.stride
         self._topology_lock = threading.Lock()
         self._set_topology()
 
@@ -193,28 +212,14 @@ class RemoteTier(Tier):
     # -- reading ------------------------------------------------------------------------
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         # Few numpy calls on the way: at 1,536 rows a request, each call's fixed cost counts.
-        rb = self.row_bytes
+        stride = self.stride
         gaps = np.diff(ids)
         if len(ids) < 2 or gaps.min() > 0:
             uniq, inverse = ids, None  # already distinct and sorted
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
             gaps = np.diff(uniq)
-        ext = self._starts.searchsorted(uniq, side="right") - 1
-        q = uniq - self._starts[ext]  # row within its extent
-        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
-        run_of = None
-        if joins.any():
-            starts_run = np.empty(len(uniq), bool)
-            starts_run[0] = True
-            np.logical_not(joins, out=starts_run[1:])
-            first = np.flatnonzero(starts_run)
-            last = np.empty_like(first)
-            last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
-            run_of = np.cumsum(starts_run) - 1
-            runs = _Runs(ext[first], q[first], q[last] - q[first] + 1, rb)
-        else:
-            runs = _Runs(ext, q, None, rb)
+        runs, run_of, q = self._runs(uniq, gaps)
         addresses, node_of = self._topology
         if len(addresses) == 1:
             order, nodes = None, None
@@ -224,17 +229,57 @@ class RemoteTier(Tier):
             nodes = run_node[order]
         runs.place(order)
         data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
-        if inverse is None and len(addresses) == 1 and len(data) == out.numel():
-            out.numpy().reshape(-1)[:] = data  # the rows arrived in the caller's order
-        else:
-            index = runs.pos // rb if run_of is None else runs.pos[run_of] // rb + (q - runs.q0[run_of])
-            index = index if inverse is None else index[inverse]  # data row of each output row
-            rows = data.reshape(-1, rb)
-            if out.is_contiguous():  # numpy: torch's parallel copy stalls on busy cores
-                np.take(rows, index, axis=0, out=out.numpy())
-            else:
-                out.copy_(torch.from_numpy(rows[index]))
+        in_order = order is None and len(data) == len(uniq) * stride  # data row i holds uniq[i]
+        wanted = None if in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
+        bad = bad_row_sums(data, self.row_bytes, stride)
+        if bad.size and wanted is not None and len(wanted) * stride != len(data):
+            bad = bad[np.isin(bad, wanted)]  # rows between merged ones were not asked for
+        if bad.size:
+            data = self._reread(bad, runs, data)
+        if inverse is not None:
+            wanted = inverse if wanted is None else wanted[inverse]  # data row of each output row
+        self._copy_rows(data, wanted, out)
         self._count(reads=len(runs.ext), bytes_read=len(data))
+
+    def _runs(self, uniq: np.ndarray, gaps: np.ndarray) -> tuple["_Runs", np.ndarray | None, np.ndarray]:
+        """The ranges to read for sorted distinct ids ``uniq`` (``gaps``: their differences):
+        (runs, the run of each id or None when one run each, each id's row within its extent).
+
+        Neighbouring rows of one extent merge into one range, but only when that saves at
+        least 1/16 of the commands: for scattered ids, a few merges cost more numpy calls
+        than the commands they save."""
+        ext = self._starts.searchsorted(uniq, side="right") - 1
+        q = uniq - self._starts[ext]  # row within its extent
+        joins = (gaps <= self._merge_rows) & (ext[1:] == ext[:-1])  # row i+1 extends row i's range
+        if np.count_nonzero(joins) * 16 < len(uniq):
+            return _Runs(ext, q, None, self.stride), None, q
+        starts_run = np.empty(len(uniq), bool)
+        starts_run[0] = True
+        np.logical_not(joins, out=starts_run[1:])
+        first = np.flatnonzero(starts_run)
+        last = np.empty_like(first)
+        last[:-1], last[-1] = first[1:] - 1, len(uniq) - 1
+        run_of = np.cumsum(starts_run) - 1
+        return _Runs(ext[first], q[first], q[last] - q[first] + 1, self.stride), run_of, q
+
+    def _data_rows(self, runs: "_Runs", run_of: np.ndarray | None, q: np.ndarray) -> np.ndarray:
+        """The data row of each distinct id (``run_of``: its run, None when one run each;
+        ``q``: its row within its extent)."""
+        if run_of is None:
+            return runs.pos // self.stride
+        return runs.pos[run_of] // self.stride + (q - runs.q0[run_of])
+
+    def _copy_rows(self, data: np.ndarray, index: np.ndarray | None, out: torch.Tensor) -> None:
+        """``out[i]`` = the row of data row ``index[i]`` (None: data row ``i``), without its
+        checksum. NumPy copies: torch's would wake its thread pool on every fetch."""
+        rows = data.reshape(-1, self.stride)[:, : self.row_bytes]  # [data rows, row_bytes], strided
+        dest = out.numpy()
+        if index is None:
+            dest[:] = rows
+        elif out.is_contiguous():  # "clip": the indices are ours; "raise" buffers the copy (10x slower)
+            np.take(rows, index, axis=0, out=dest, mode="clip")
+        else:
+            dest[:] = rows[index]
 
     def _jobs(self, order: np.ndarray | None, nodes: np.ndarray | None, addresses: list[str], runs: "_Runs",
               contiguous: bool = False) -> list[_Job]:
@@ -242,7 +287,7 @@ class RemoteTier(Tier):
         node (``nodes``: the node of each, or None when one node serves them all).
         ``contiguous``: each node's runs lie back to back in the data, in order (so its
         bytes land with one copy)."""
-        rb = self.row_bytes
+        stride = self.stride
         if order is None:
             order, ext, q0, rows = np.arange(len(runs.ext)), runs.ext, runs.q0, runs.rows
         else:
@@ -252,8 +297,8 @@ class RemoteTier(Tier):
         request[1::2] = self._args[q0]
         if runs.merged:
             for i in np.flatnonzero(rows > 1).tolist():  # merged runs: one longer range
-                start = int(q0[i]) * rb
-                request[2 * i + 1] = _range_args(start, start + int(rows[i]) * rb - 1)
+                start = int(q0[i]) * stride
+                request[2 * i + 1] = _range_args(start, start + int(rows[i]) * stride - 1)
         if nodes is None:
             bounds, firsts = [0, len(order)], [0]
         else:
@@ -267,7 +312,8 @@ class RemoteTier(Tier):
                 dest = None
             else:  # in its own order, the data starts with the first (and only) node's bytes
                 dest = 0 if runs.order is None else int(runs.pos[order[a]])
-            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), count * rb, dest))
+            jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), count * stride,
+                             dest))
         return jobs
 
     def _connection(self, address: str) -> NodeConnection:
@@ -325,7 +371,7 @@ class RemoteTier(Tier):
         for reply in replies:
             if isinstance(reply, Exception):
                 return f"error reply {str(reply)!r}"
-            if not isinstance(reply, bytes) or len(reply) % self.row_bytes or not reply:
+            if not isinstance(reply, bytes) or len(reply) % self.stride or not reply:
                 got = f"{len(reply)} bytes" if isinstance(reply, bytes) and reply else "nothing"
                 return (f"got {got} for a range of whole rows: the extent is missing or foreign "
                         "(the node lost its data? publish the table again)")
@@ -360,21 +406,47 @@ class RemoteTier(Tier):
             nodes = node_of[runs.ext[failed]]
             order = np.argsort(nodes, kind="stable")
             done, failures = self._fetch(self._jobs(failed[order], nodes[order], addresses, runs))
-        self._serve_fallback(failed, why, runs, data)
+        self._serve_fallback(*runs.row_ids(self._starts, failed), f"{why}, after {self.retries} retries", data)
         return data
 
-    def _serve_fallback(self, failed: np.ndarray, why: str, runs: "_Runs", data: np.ndarray) -> None:
-        """Fill the ``failed`` runs of ``data`` from the fallback tier, or raise."""
+    def _reread(self, bad: np.ndarray, runs: "_Runs", data: np.ndarray) -> np.ndarray:
+        """``data`` with its rows at positions ``bad`` (their checksums failed) read once
+        more; rows failing again come from the fallback tier, or raise ``TierError``."""
+        ids, slots = runs.row_ids(self._starts, np.arange(len(runs.ext)))
+        row_of = np.empty_like(ids)
+        row_of[slots] = ids  # the table row of every data row
+        ids = row_of[bad]
+        order = np.argsort(ids)
+        ids, bad = ids[order], bad[order]
+        self._count(checksum_rereads=len(ids))
+        ext = self._starts.searchsorted(ids, side="right") - 1
+        again = _Runs(ext, ids - self._starts[ext], None, self.stride)
+        addresses, node_of = self._topology
+        nodes = node_of[ext]
+        by_node = np.argsort(nodes, kind="stable")
+        again.place(by_node)
+        got = self._fetch_with_retries(self._jobs(by_node, nodes[by_node], addresses, again, contiguous=True), again)
+        got = got.reshape(-1, self.stride)[again.pos // self.stride]  # [bad rows, stride] in ``ids`` order
+        data = data if data.flags.writeable else data.copy()
+        data.reshape(-1, self.stride)[bad] = got
+        still = bad_row_sums(got, self.row_bytes, self.stride)
+        if still.size:
+            self._count(checksum_failures=len(still))
+            first = int(still[0])
+            why = (f"pool node {addresses[int(nodes[first])]}: row {int(ids[first])} of extent "
+                   f"{self.pool_layout.keys[int(ext[first])]} failed its checksum, and again when read once "
+                   f"more ({len(still)} row(s) so: the pool's copy is damaged, publish the table again)")
+            self._serve_fallback(ids[still], bad[still], why, data)
+        return data
+
+    def _serve_fallback(self, ids: np.ndarray, slots: np.ndarray, why: str, data: np.ndarray) -> None:
+        """Fill data rows ``slots`` with table rows ``ids`` (and their checksums) from the
+        fallback tier, or raise ``TierError`` saying ``why``."""
         if self._fallback is None:
             raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
-                            f"after {self.retries} retries, and no fallback tier is configured")
-        rb = self.row_bytes
-        counts = runs.rows[failed]
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        ids = np.repeat(self._starts[runs.ext[failed]] + runs.q0[failed], counts) + within
-        got = self._fallback.read_rows(ids, torch.empty((len(ids), rb), dtype=torch.uint8)).numpy()
-        slots = np.repeat(runs.pos[failed] // rb, counts) + within
-        data.reshape(-1, rb)[slots] = got
+                            "and no fallback tier is configured")
+        got = self._fallback.read_rows(ids, torch.empty((len(ids), self.row_bytes), dtype=torch.uint8)).numpy()
+        data.reshape(-1, self.stride)[slots] = rows_with_sums(got)
         self._count(fallback_rows=len(ids), fallback_requests=1)
 
     # -- bookkeeping --------------------------------------------------------------------
