@@ -38,6 +38,22 @@
  *         - on any failure, reads already in flight are drained before the
  *           call returns, so the kernel never writes into dest afterwards.
  *
+ *   Ring.read_rows(fd, ids, out, data_offset, page_bytes, rows_per_page, row_bytes,
+ *                  num_rows, page_sums=None, retries=3, wait_batch=-1, damage=0)
+ *       -> (reads, pages_checked, page_rereads, bad_page)
+ *       Rows `ids` (int64 [n], any order) of a paged table (format version 2:
+ *       row i at data_offset + (i / rows_per_page) * page_bytes
+ *       + (i % rows_per_page) * row_bytes) into `out` (n * row_bytes bytes,
+ *       C-contiguous), in id order.  Each distinct page is read whole into
+ *       one of the ring's page slots (page-aligned, one per read in flight),
+ *       with the failure semantics of read(); when page_sums (uint32 per page)
+ *       is given, the page's XXH3-64 low 32 bits are compared with it (as
+ *       table/_pagesum.c) and a page that differs is read once more; a page
+ *       that differs twice halts the batch (bad_page; its rows are not
+ *       copied; the caller raises).  Ids out of range (IndexError) and an
+ *       `out` too small (ValueError) are refused before any I/O.  damage: a
+ *       test hook flipping a byte of the first `damage` pages read.
+ *
  *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
  *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken
  */
