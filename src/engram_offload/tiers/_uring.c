@@ -54,8 +54,11 @@
  *       `out` too small (ValueError) are refused before any I/O.  damage: a
  *       test hook flipping a byte of the first `damage` pages read.
  *
+ *       The page slots are registered with the ring (IORING_REGISTER_BUFFERS)
+ *       where RLIMIT_MEMLOCK allows, and read with READ_FIXED (Ring.fixed_pages).
+ *
  *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
- *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken
+ *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken, Ring.fixed_pages
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -68,6 +71,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL
@@ -78,6 +82,9 @@
 #endif
 #ifndef __NR_io_uring_enter
 #define __NR_io_uring_enter 426
+#endif
+#ifndef __NR_io_uring_register
+#define __NR_io_uring_register 427
 #endif
 
 /* Flags newer than some installed headers; the kernel rejects unknown ones
@@ -109,6 +116,11 @@
 static int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
 {
     return (int)syscall(__NR_io_uring_setup, entries, p);
+}
+
+static int sys_io_uring_register(int fd, unsigned opcode, const void *arg, unsigned nr_args)
+{
+    return (int)syscall(__NR_io_uring_register, fd, opcode, arg, nr_args);
 }
 
 static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete,
@@ -165,6 +177,7 @@ typedef struct {
     int broken; /* io_uring_enter failed mid-batch; the ring is unusable */
     char *pages;       /* read_rows: one page-aligned buffer per slot (allocated on first use) */
     size_t page_bytes; /* the size of each */
+    int pages_fixed;   /* `pages` is registered with the ring: reads into it use READ_FIXED */
     uint64_t transient[MAX_ERRNO / 64]; /* bit e: retry a read failing with errno e */
 } ring_t;
 
@@ -308,6 +321,7 @@ struct batch {
     char *dest;
     const int64_t *dest_offsets;
     char *slot_bufs;    /* instead of dest: read into slot_bufs + slot * length */
+    int fixed;          /* slot_bufs is the ring's registered buffer 0 */
     done_fn on_done;    /* optional */
     void *ctx;          /* on_done's state */
     int retries;
@@ -345,7 +359,8 @@ static inline void prep_read(ring_t *r, const batch_t *b, unsigned slot)
     int64_t i = s->index;
 
     memset(sqe, 0, sizeof(*sqe));
-    sqe->opcode = IORING_OP_READ;
+    /* A registered buffer (index 0) spares the kernel pinning the pages of every read. */
+    sqe->opcode = b->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ;
     sqe->fd = b->fd;
     sqe->off = (uint64_t)(b->offsets[i] + s->done);
     sqe->addr = (uint64_t)(uintptr_t)(s->buf + s->done);
@@ -901,16 +916,27 @@ static int64_t rows_plan(rows_t *c, int64_t n, int64_t data_offset, int64_t page
     return m;
 }
 
-/* The ring's page slots (one page per read in flight), page-aligned for O_DIRECT. */
+/* The ring's page slots (one page per read in flight), page-aligned for O_DIRECT, and
+ * registered with the ring where the kernel allows (RLIMIT_MEMLOCK may not: then plain
+ * reads). */
 static char *ring_pages(ring_t *r, int64_t page_bytes)
 {
+    struct iovec iov;
     if (r->pages && r->page_bytes == (size_t)page_bytes)
         return r->pages;
+    if (r->pages_fixed)
+        sys_io_uring_register(r->ring_fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
     free(r->pages);
     r->pages = NULL;
+    r->pages_fixed = 0;
     if (posix_memalign((void **)&r->pages, 4096, (size_t)r->queue_depth * (size_t)page_bytes))
         r->pages = NULL;
     r->page_bytes = r->pages ? (size_t)page_bytes : 0;
+    if (r->pages) {
+        iov.iov_base = r->pages;
+        iov.iov_len = r->page_bytes * r->queue_depth;
+        r->pages_fixed = sys_io_uring_register(r->ring_fd, IORING_REGISTER_BUFFERS, &iov, 1) == 0;
+    }
     return r->pages;
 }
 
@@ -999,6 +1025,7 @@ static PyObject *Ring_read_rows(RingObject *self, PyObject *args, PyObject *kwds
         PyErr_NoMemory();
         goto done;
     }
+    b.fixed = self->ring.pages_fixed;
     b.offsets = offsets;
     b.on_done = rows_page_done;
     b.ctx = &c;
@@ -1051,6 +1078,11 @@ static PyObject *Ring_get_n_retries(RingObject *self, void *closure)
     return PyLong_FromLongLong(self->n_retries);
 }
 
+static PyObject *Ring_get_fixed_pages(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(self->open && self->ring.pages_fixed);
+}
+
 static PyObject *Ring_get_broken(RingObject *self, void *closure)
 {
     return PyBool_FromLong(self->open && self->ring.broken);
@@ -1076,6 +1108,8 @@ static PyGetSetDef Ring_getset[] = {
     {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
     {"n_enter", (getter)Ring_get_n_enter, NULL, "io_uring_enter calls made by read()", NULL},
     {"n_retries", (getter)Ring_get_n_retries, NULL, "reads reissued by read()", NULL},
+    {"fixed_pages", (getter)Ring_get_fixed_pages, NULL,
+     "read_rows reads into page slots registered with the ring (READ_FIXED)", NULL},
     {"broken", (getter)Ring_get_broken, NULL, "io_uring_enter failed: make a new Ring", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
