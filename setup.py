@@ -18,7 +18,10 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "engram_offload.tiers._uring",
-            sources=["src/engram_offload/tiers/_uring.c"],
+            # read_rows checks pages with the table's checksum: XXH3 from the vendored
+            # xxhash.h, and the AVX2 loop of the page-checksum helper where the CPU has it.
+            sources=["src/engram_offload/tiers/_uring.c", "src/engram_offload/table/_pagesum_avx2.c"],
+            include_dirs=["src/engram_offload/table"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-parameter"],
             optional=True,
         )

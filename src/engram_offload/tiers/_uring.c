@@ -38,8 +38,27 @@
  *         - on any failure, reads already in flight are drained before the
  *           call returns, so the kernel never writes into dest afterwards.
  *
+ *   Ring.read_rows(fd, ids, out, data_offset, page_bytes, rows_per_page, row_bytes,
+ *                  num_rows, page_sums=None, retries=3, wait_batch=-1, damage=0)
+ *       -> (reads, pages_checked, page_rereads, bad_page)
+ *       Rows `ids` (int64 [n], any order) of a paged table (format version 2:
+ *       row i at data_offset + (i / rows_per_page) * page_bytes
+ *       + (i % rows_per_page) * row_bytes) into `out` (n * row_bytes bytes,
+ *       C-contiguous), in id order.  Each distinct page is read whole into
+ *       one of the ring's page slots (page-aligned, one per read in flight),
+ *       with the failure semantics of read(); when page_sums (uint32 per page)
+ *       is given, the page's XXH3-64 low 32 bits are compared with it (as
+ *       table/_pagesum.c) and a page that differs is read once more; a page
+ *       that differs twice halts the batch (bad_page; its rows are not
+ *       copied; the caller raises).  Ids out of range (IndexError) and an
+ *       `out` too small (ValueError) are refused before any I/O.  damage: a
+ *       test hook flipping a byte of the first `damage` pages read.
+ *
+ *       The page slots are registered with the ring (IORING_REGISTER_BUFFERS)
+ *       where RLIMIT_MEMLOCK allows, and read with READ_FIXED (Ring.fixed_pages).
+ *
  *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
- *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken
+ *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken, Ring.fixed_pages
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -52,13 +71,20 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
 
 #ifndef __NR_io_uring_setup
 #define __NR_io_uring_setup 425
 #endif
 #ifndef __NR_io_uring_enter
 #define __NR_io_uring_enter 426
+#endif
+#ifndef __NR_io_uring_register
+#define __NR_io_uring_register 427
 #endif
 
 /* Flags newer than some installed headers; the kernel rejects unknown ones
@@ -92,6 +118,11 @@ static int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
     return (int)syscall(__NR_io_uring_setup, entries, p);
 }
 
+static int sys_io_uring_register(int fd, unsigned opcode, const void *arg, unsigned nr_args)
+{
+    return (int)syscall(__NR_io_uring_register, fd, opcode, arg, nr_args);
+}
+
 static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete,
                               unsigned flags)
 {
@@ -108,6 +139,7 @@ static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete,
 typedef struct {
     int64_t index;   /* which of the n reads this is */
     int64_t done;    /* bytes already transferred (short reads) */
+    char *buf;       /* where the read lands */
     int32_t tries;   /* error retries spent */
 } slot_t;
 
@@ -143,6 +175,9 @@ typedef struct {
     unsigned *free_slots;
     unsigned n_free;
     int broken; /* io_uring_enter failed mid-batch; the ring is unusable */
+    char *pages;       /* read_rows: one page-aligned buffer per slot (allocated on first use) */
+    size_t page_bytes; /* the size of each */
+    int pages_fixed;   /* `pages` is registered with the ring: reads into it use READ_FIXED */
     uint64_t transient[MAX_ERRNO / 64]; /* bit e: retry a read failing with errno e */
 } ring_t;
 
@@ -158,6 +193,7 @@ static void ring_destroy(ring_t *r)
         close(r->ring_fd);
     free(r->slots);
     free(r->free_slots);
+    free(r->pages);
     memset(r, 0, sizeof(*r));
     r->ring_fd = -1;
 }
@@ -269,7 +305,14 @@ static int ring_setup(ring_t *r, unsigned queue_depth, long long flags)
 /* The batch read loop (runs without the GIL)                                */
 /* ------------------------------------------------------------------------ */
 
-typedef struct {
+typedef struct batch batch_t;
+
+/* Called (without the GIL) when a read of a batch is complete, unless the batch is
+ * failing.  Returns 1 to read the same range again from the start, 0 to free its slot;
+ * it may halt the batch (no new reads issued; those in flight are drained). */
+typedef int (*done_fn)(batch_t *b, const slot_t *s);
+
+struct batch {
     int fd;
     int64_t n;
     const int64_t *offsets;
@@ -277,11 +320,16 @@ typedef struct {
     int64_t length;
     char *dest;
     const int64_t *dest_offsets;
+    char *slot_bufs;    /* instead of dest: read into slot_bufs + slot * length */
+    int fixed;          /* slot_bufs is the ring's registered buffer 0 */
+    done_fn on_done;    /* optional */
+    void *ctx;          /* on_done's state */
     int retries;
     unsigned wait_batch; /* completions to wait for per io_uring_enter */
 
     /* outcome */
     int err;            /* 0, or a positive errno */
+    int halted;         /* on_done stopped the batch (not an I/O error) */
     int eof;            /* the failure was a read returning 0 (end of file) */
     int64_t err_index;  /* which read failed */
     int64_t err_done;   /* bytes it had transferred */
@@ -289,7 +337,7 @@ typedef struct {
     int enter_failed;   /* the failure came from io_uring_enter itself */
     int64_t n_enter;    /* statistics: io_uring_enter calls */
     int64_t n_retries;  /* statistics: reads reissued (short reads, retried errors) */
-} batch_t;
+};
 
 static inline int64_t batch_len(const batch_t *b, int64_t i)
 {
@@ -311,10 +359,11 @@ static inline void prep_read(ring_t *r, const batch_t *b, unsigned slot)
     int64_t i = s->index;
 
     memset(sqe, 0, sizeof(*sqe));
-    sqe->opcode = IORING_OP_READ;
+    /* A registered buffer (index 0) spares the kernel pinning the pages of every read. */
+    sqe->opcode = b->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ;
     sqe->fd = b->fd;
     sqe->off = (uint64_t)(b->offsets[i] + s->done);
-    sqe->addr = (uint64_t)(uintptr_t)(b->dest + b->dest_offsets[i] + s->done);
+    sqe->addr = (uint64_t)(uintptr_t)(s->buf + s->done);
     sqe->len = (uint32_t)(batch_len(b, i) - s->done);
     sqe->user_data = slot;
     /* Publish the SQE before the tail moves. */
@@ -331,6 +380,11 @@ static int64_t batch_check(const batch_t *b, int64_t dest_len)
             return i;
     }
     return -1;
+}
+
+static inline int batch_failing(const batch_t *b)
+{
+    return b->err || b->halted;
 }
 
 static void batch_fail(batch_t *b, const slot_t *s, int err, int eof)
@@ -359,7 +413,7 @@ static void batch_run(ring_t *r, batch_t *b)
             unsigned slot = (unsigned)cqe->user_data;
             int res = cqe->res;
             slot_t *s = &r->slots[slot];
-            int resubmit = 0;
+            int resubmit = 0, again = 0;
             head++;
             inflight--;
 
@@ -367,6 +421,8 @@ static void batch_run(ring_t *r, batch_t *b)
                 s->done += res;
                 /* Short read: ask for the rest (unless we are failing). */
                 resubmit = s->done < batch_len(b, s->index);
+                if (!resubmit && b->on_done && !batch_failing(b))
+                    again = b->on_done(b, s);
             } else if (res == 0) {
                 /* Zero bytes before the length was complete: end of file. */
                 batch_fail(b, s, EIO, 1);
@@ -377,7 +433,12 @@ static void batch_run(ring_t *r, batch_t *b)
                 else
                     resubmit = 1;
             }
-            if (resubmit && !b->err) {
+            if (again && !batch_failing(b)) {
+                s->done = 0; /* the whole range once more (not a retry of a failure) */
+                prep_read(r, b, slot);
+                inflight++;
+                unsubmitted++;
+            } else if (resubmit && !batch_failing(b)) {
                 b->n_retries++;
                 prep_read(r, b, slot);
                 inflight++;
@@ -389,7 +450,7 @@ static void batch_run(ring_t *r, batch_t *b)
         __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
 
         /* 2. Fill free slots with new requests. */
-        while (!b->err && r->n_free > 0 && next < b->n) {
+        while (!batch_failing(b) && r->n_free > 0 && next < b->n) {
             int64_t i = next++;
             unsigned slot;
             if (batch_len(b, i) == 0)
@@ -398,6 +459,8 @@ static void batch_run(ring_t *r, batch_t *b)
             r->slots[slot].index = i;
             r->slots[slot].done = 0;
             r->slots[slot].tries = 0;
+            r->slots[slot].buf = b->slot_bufs ? b->slot_bufs + (size_t)slot * (size_t)b->length
+                                              : b->dest + b->dest_offsets[i];
             prep_read(r, b, slot);
             inflight++;
             unsubmitted++;
@@ -568,6 +631,68 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* Whether a batch may start on this ring; sets the Python error when not. */
+static int ring_usable(RingObject *self, const char *what)
+{
+    if (!self->open) {
+        PyErr_Format(PyExc_ValueError, "%s on a closed Ring", what);
+        return 0;
+    }
+    if (self->ring.broken) {
+        PyErr_SetString(PyExc_OSError, "the ring failed earlier; create a new one");
+        return 0;
+    }
+    if (self->busy) {
+        PyErr_Format(PyExc_RuntimeError, "Ring.%s is not reentrant: one call at a time per Ring", what);
+        return 0;
+    }
+    return 1;
+}
+
+static unsigned default_wait_batch(const RingObject *self, int wait_batch)
+{
+    if (wait_batch > 0)
+        return (unsigned)wait_batch;
+    /* Default: wait for a quarter of the queue per syscall. */
+    return self->ring.queue_depth / 4 > 0 ? self->ring.queue_depth / 4 : 1;
+}
+
+/* Runs a prepared batch with the GIL released and adds up its statistics. */
+static void ring_run(RingObject *self, batch_t *b)
+{
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    batch_run(&self->ring, b);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    self->n_enter += b->n_enter;
+    self->n_retries += b->n_retries;
+}
+
+/* Sets OSError for a batch that failed with an errno (b->err != 0). */
+static void raise_batch_error(const batch_t *b)
+{
+    PyObject *exc_args;
+    const char *what = b->enter_failed ? "io_uring_enter failed during batch"
+                                       : (b->eof ? "end of file" : strerror(b->err));
+    int64_t i = b->err_index;
+    if (b->enter_failed) {
+        exc_args = Py_BuildValue("(is)", b->err, what);
+    } else {
+        /* The sentence of tiers.policy.failure_message. */
+        PyObject *msg = PyUnicode_FromFormat(
+            "read of %lld bytes at file offset %lld failed after %lld bytes "
+            "and %d retries: %s",
+            (long long)batch_len(b, i), (long long)b->offsets[i],
+            (long long)b->err_done, b->err_tries, what);
+        exc_args = msg ? Py_BuildValue("(iN)", b->err, msg) : NULL;
+    }
+    if (exc_args) {
+        PyErr_SetObject(PyExc_OSError, exc_args);
+        Py_DECREF(exc_args);
+    }
+}
+
 static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"fd", "offsets", "lengths", "dest", "dest_offsets",
@@ -584,19 +709,8 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
                                      &lengths_obj, &dest_obj, &doffs_obj, &retries,
                                      &wait_batch))
         return NULL;
-    if (!self->open) {
-        PyErr_SetString(PyExc_ValueError, "read on a closed Ring");
+    if (!ring_usable(self, "read"))
         return NULL;
-    }
-    if (self->ring.broken) {
-        PyErr_SetString(PyExc_OSError, "the ring failed earlier; create a new one");
-        return NULL;
-    }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "Ring.read is not reentrant: one call at a time per Ring");
-        return NULL;
-    }
     if (retries < 0)
         retries = 0;
 
@@ -635,13 +749,7 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
     b.offsets = (const int64_t *)offs.buf;
     b.dest_offsets = (const int64_t *)doffs.buf;
     b.dest = (char *)dest.buf;
-    if (wait_batch <= 0) {
-        /* Default: wait for a quarter of the queue per syscall. */
-        wait_batch = (int)(self->ring.queue_depth / 4);
-        if (wait_batch < 1)
-            wait_batch = 1;
-    }
-    b.wait_batch = (unsigned)wait_batch;
+    b.wait_batch = default_wait_batch(self, wait_batch);
 
     bad = batch_check(&b, (int64_t)dest.len);
     if (bad >= 0) {
@@ -654,34 +762,9 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
         goto done;
     }
 
-    self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    batch_run(&self->ring, &b);
-    Py_END_ALLOW_THREADS
-    self->busy = 0;
-    self->n_enter += b.n_enter;
-    self->n_retries += b.n_retries;
-
+    ring_run(self, &b);
     if (b.err) {
-        PyObject *exc_args;
-        const char *what = b.enter_failed ? "io_uring_enter failed during batch"
-                                          : (b.eof ? "end of file" : strerror(b.err));
-        int64_t i = b.err_index;
-        if (b.enter_failed) {
-            exc_args = Py_BuildValue("(is)", b.err, what);
-        } else {
-            /* The sentence of tiers.policy.failure_message. */
-            PyObject *msg = PyUnicode_FromFormat(
-                "read of %lld bytes at file offset %lld failed after %lld bytes "
-                "and %d retries: %s",
-                (long long)batch_len(&b, i), (long long)b.offsets[i],
-                (long long)b.err_done, b.err_tries, what);
-            exc_args = msg ? Py_BuildValue("(iN)", b.err, msg) : NULL;
-        }
-        if (exc_args) {
-            PyErr_SetObject(PyExc_OSError, exc_args);
-            Py_DECREF(exc_args);
-        }
+        raise_batch_error(&b);
         goto done;
     }
     result = Py_None;
@@ -692,6 +775,276 @@ done:
     if (doffs.obj) PyBuffer_Release(&doffs);
     if (lens.obj) PyBuffer_Release(&lens);
     if (dest.obj) PyBuffer_Release(&dest);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rows of a paged table: read whole pages, check them, copy rows out        */
+/* ------------------------------------------------------------------------ */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* table/_pagesum_avx2.c, compiled into this extension as well */
+void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst);
+static int use_avx2(void) { return __builtin_cpu_supports("avx2"); }
+#else
+static void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst) {}
+static int use_avx2(void) { return 0; }
+#endif
+static int avx2;
+
+/* The table's page checksum: the low 32 bits of XXH3-64 (seed 0), as table/_pagesum.c. */
+static uint32_t page_sum(const uint8_t *page, size_t len)
+{
+    uint32_t sum;
+    if (avx2) {
+        engram_page_sums_avx2(page, len, 1, &sum);
+        return sum;
+    }
+    return (uint32_t)XXH3_64bits(page, len);
+}
+
+typedef struct {
+    const int64_t *ids;       /* [n] requested rows, in the caller's order */
+    const int64_t *order;     /* [n] positions grouped by page; NULL: ids are already */
+    const int64_t *first;     /* [m + 1] page j serves order[first[j] .. first[j+1]) */
+    const int64_t *pages;     /* [m] distinct data pages, ascending */
+    const uint32_t *sums;     /* the table's page checksums; NULL: no check */
+    char *out;                /* [n, row_bytes] */
+    int64_t row_bytes, rows_per_page;
+    int damage;               /* test hook: flip a byte of this many pages as they arrive */
+    uint8_t *reread;          /* [m] page j was read again */
+
+    /* outcome */
+    int64_t checked, rereads, bad_page;
+} rows_t;
+
+/* A page arrived: check it (once more from the medium if it differs), then copy its rows. */
+static int rows_page_done(batch_t *b, const slot_t *s)
+{
+    rows_t *c = (rows_t *)b->ctx;
+    int64_t j = s->index;
+    uint8_t *page = (uint8_t *)s->buf;
+
+    if (c->damage > 0) {
+        c->damage--;
+        page[5] ^= 0xFF;
+    }
+    if (c->sums) {
+        if (!c->reread[j])
+            c->checked++;
+        if (page_sum(page, (size_t)b->length) != c->sums[c->pages[j]]) {
+            if (!c->reread[j]) {
+                c->reread[j] = 1;
+                c->rereads++;
+                return 1;
+            }
+            c->bad_page = c->pages[j];
+            b->halted = 1;
+            return 0;
+        }
+    }
+    for (int64_t k = c->first[j]; k < c->first[j + 1]; k++) {
+        int64_t pos = c->order ? c->order[k] : k;
+        memcpy(c->out + pos * c->row_bytes,
+               page + (c->ids[pos] % c->rows_per_page) * c->row_bytes, (size_t)c->row_bytes);
+    }
+    return 0;
+}
+
+typedef struct {
+    int64_t page, pos;
+} page_pos_t;
+
+static int page_pos_cmp(const void *a, const void *b)
+{
+    const page_pos_t *x = a, *y = b;
+    if (x->page != y->page)
+        return x->page < y->page ? -1 : 1;
+    return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+/* Groups the rows by page: fills c->pages, c->first, c->order (kept NULL when the ids
+ * never go back to an earlier page) and file offsets[m]; returns m, or -1 (no memory).
+ * Arrays are malloc'ed into *mem (freed by the caller). */
+static int64_t rows_plan(rows_t *c, int64_t n, int64_t data_offset, int64_t page_bytes,
+                         int64_t **offsets, void **mem)
+{
+    const int64_t *ids = c->ids, rpp = c->rows_per_page;
+    int sorted = 1;
+    int64_t m = 0, *pages, *first, *order = NULL;
+    char *block;
+
+    for (int64_t i = 1; i < n && sorted; i++)
+        sorted = ids[i] / rpp >= ids[i - 1] / rpp;
+    /* pages[n], first[n + 1], offsets[n], order[n] (unsorted only), reread[n] */
+    block = malloc((size_t)n * 8 * (sorted ? 3 : 4) + 8 + (size_t)n);
+    if (!block)
+        return -1;
+    *mem = block;
+    pages = (int64_t *)block;
+    first = pages + n;
+    *offsets = first + n + 1;
+    if (!sorted) {
+        page_pos_t *pp = malloc((size_t)n * sizeof(page_pos_t));
+        if (!pp)
+            return -1;
+        order = *offsets + n;
+        for (int64_t i = 0; i < n; i++) {
+            pp[i].page = ids[i] / rpp;
+            pp[i].pos = i;
+        }
+        qsort(pp, (size_t)n, sizeof(page_pos_t), page_pos_cmp);
+        for (int64_t k = 0; k < n; k++)
+            order[k] = pp[k].pos;
+        free(pp);
+    }
+    for (int64_t k = 0; k < n; k++) {
+        int64_t p = ids[order ? order[k] : k] / rpp;
+        if (m == 0 || pages[m - 1] != p) {
+            pages[m] = p;
+            first[m] = k;
+            (*offsets)[m] = data_offset + p * page_bytes;
+            m++;
+        }
+    }
+    first[m] = n;
+    c->pages = pages;
+    c->first = first;
+    c->order = order;
+    c->reread = (uint8_t *)(*offsets + (sorted ? n : 2 * n));
+    memset(c->reread, 0, (size_t)n);
+    return m;
+}
+
+/* The ring's page slots (one page per read in flight), page-aligned for O_DIRECT, and
+ * registered with the ring where the kernel allows (RLIMIT_MEMLOCK may not: then plain
+ * reads). */
+static char *ring_pages(ring_t *r, int64_t page_bytes)
+{
+    struct iovec iov;
+    if (r->pages && r->page_bytes == (size_t)page_bytes)
+        return r->pages;
+    if (r->pages_fixed)
+        sys_io_uring_register(r->ring_fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+    free(r->pages);
+    r->pages = NULL;
+    r->pages_fixed = 0;
+    if (posix_memalign((void **)&r->pages, 4096, (size_t)r->queue_depth * (size_t)page_bytes))
+        r->pages = NULL;
+    r->page_bytes = r->pages ? (size_t)page_bytes : 0;
+    if (r->pages) {
+        iov.iov_base = r->pages;
+        iov.iov_len = r->page_bytes * r->queue_depth;
+        r->pages_fixed = sys_io_uring_register(r->ring_fd, IORING_REGISTER_BUFFERS, &iov, 1) == 0;
+    }
+    return r->pages;
+}
+
+static PyObject *Ring_read_rows(RingObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "ids", "out", "data_offset", "page_bytes", "rows_per_page",
+                             "row_bytes", "num_rows", "page_sums", "retries", "wait_batch",
+                             "damage", NULL};
+    int fd, retries = 3, wait_batch = -1, damage = 0;
+    long long data_offset, page_bytes, rows_per_page, row_bytes, num_rows;
+    PyObject *ids_obj, *out_obj, *sums_obj = Py_None;
+    Py_buffer ids = {0}, out = {0}, sums = {0};
+    rows_t c;
+    batch_t b;
+    int64_t n, num_pages, *offsets = NULL;
+    void *mem = NULL;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOLLLLL|Oiii", kwlist, &fd, &ids_obj, &out_obj,
+                                     &data_offset, &page_bytes, &rows_per_page, &row_bytes,
+                                     &num_rows, &sums_obj, &retries, &wait_batch, &damage))
+        return NULL;
+    if (!ring_usable(self, "read_rows"))
+        return NULL;
+    if (data_offset < 0 || page_bytes <= 0 || page_bytes > MAX_READ_LEN || rows_per_page < 1 ||
+        row_bytes < 1 || row_bytes > page_bytes / rows_per_page || num_rows < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "bad page layout: data_offset %lld, page_bytes %lld, rows_per_page %lld, "
+                     "row_bytes %lld, num_rows %lld", data_offset, page_bytes, rows_per_page,
+                     row_bytes, num_rows);
+        return NULL;
+    }
+    memset(&c, 0, sizeof(c));
+    memset(&b, 0, sizeof(b));
+    c.bad_page = -1;
+    num_pages = (num_rows + rows_per_page - 1) / rows_per_page;
+
+    if (get_int64_buffer(ids_obj, &ids, "ids") < 0)
+        goto done;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        out.obj = NULL;
+        goto done;
+    }
+    n = ids.len / 8;
+    if (out.len / row_bytes < n) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes: %lld rows of %lld bytes need %lld",
+                     out.len, (long long)n, row_bytes, (long long)n * row_bytes);
+        goto done;
+    }
+    if (sums_obj != Py_None) {
+        if (PyObject_GetBuffer(sums_obj, &sums, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            sums.obj = NULL;
+            goto done;
+        }
+        if (sums.itemsize != 4 || sums.len / 4 < num_pages) {
+            PyErr_Format(PyExc_ValueError, "page_sums must hold a uint32 for each of the %lld pages",
+                         (long long)num_pages);
+            goto done;
+        }
+        c.sums = (const uint32_t *)sums.buf;
+    }
+    c.ids = (const int64_t *)ids.buf;
+    for (int64_t i = 0; i < n; i++) {
+        if (c.ids[i] < 0 || c.ids[i] >= num_rows) {
+            PyErr_Format(PyExc_IndexError,
+                         "row id %lld (at position %lld) is out of range: the table has %lld rows",
+                         (long long)c.ids[i], (long long)i, num_rows);
+            goto done;
+        }
+    }
+    if (n == 0) {
+        result = Py_BuildValue("(iiii)", 0, 0, 0, -1);
+        goto done;
+    }
+    c.out = (char *)out.buf;
+    c.row_bytes = row_bytes;
+    c.rows_per_page = rows_per_page;
+    c.damage = damage;
+
+    b.fd = fd;
+    b.retries = retries < 0 ? 0 : retries;
+    b.length = page_bytes;
+    b.n = rows_plan(&c, n, data_offset, page_bytes, &offsets, &mem);
+    b.slot_bufs = b.n >= 0 ? ring_pages(&self->ring, page_bytes) : NULL;
+    if (!b.slot_bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    b.fixed = self->ring.pages_fixed;
+    b.offsets = offsets;
+    b.on_done = rows_page_done;
+    b.ctx = &c;
+    b.wait_batch = default_wait_batch(self, wait_batch);
+
+    ring_run(self, &b);
+    if (b.err) {
+        raise_batch_error(&b);
+        goto done;
+    }
+    /* reads issued (rereads included), pages checked, pages read again, the bad page or -1 */
+    result = Py_BuildValue("(LLLL)", (long long)(b.n + c.rereads), (long long)c.checked,
+                           (long long)c.rereads, (long long)c.bad_page);
+
+done:
+    free(mem);
+    if (ids.obj) PyBuffer_Release(&ids);
+    if (out.obj) PyBuffer_Release(&out);
+    if (sums.obj) PyBuffer_Release(&sums);
     return result;
 }
 
@@ -725,6 +1078,11 @@ static PyObject *Ring_get_n_retries(RingObject *self, void *closure)
     return PyLong_FromLongLong(self->n_retries);
 }
 
+static PyObject *Ring_get_fixed_pages(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(self->open && self->ring.pages_fixed);
+}
+
 static PyObject *Ring_get_broken(RingObject *self, void *closure)
 {
     return PyBool_FromLong(self->open && self->ring.broken);
@@ -734,6 +1092,11 @@ static PyMethodDef Ring_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Ring_read, METH_VARARGS | METH_KEYWORDS,
      "read(fd, offsets, lengths, dest, dest_offsets, retries=3, wait_batch=-1)\n"
      "Reads lengths[i] bytes at offsets[i] into dest[dest_offsets[i]:]."},
+    {"read_rows", (PyCFunction)(void (*)(void))Ring_read_rows, METH_VARARGS | METH_KEYWORDS,
+     "read_rows(fd, ids, out, data_offset, page_bytes, rows_per_page, row_bytes, num_rows,\n"
+     "          page_sums=None, retries=3, wait_batch=-1, damage=0)\n"
+     "Rows ids of a paged table into out [n, row_bytes]: whole pages read, checked against\n"
+     "page_sums, rows copied out. -> (reads, pages_checked, page_rereads, bad_page or -1)."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "Unmaps the ring and closes it."},
     {NULL, NULL, 0, NULL},
 };
@@ -745,6 +1108,8 @@ static PyGetSetDef Ring_getset[] = {
     {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
     {"n_enter", (getter)Ring_get_n_enter, NULL, "io_uring_enter calls made by read()", NULL},
     {"n_retries", (getter)Ring_get_n_retries, NULL, "reads reissued by read()", NULL},
+    {"fixed_pages", (getter)Ring_get_fixed_pages, NULL,
+     "read_rows reads into page slots registered with the ring (READ_FIXED)", NULL},
     {"broken", (getter)Ring_get_broken, NULL, "io_uring_enter failed: make a new Ring", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -795,6 +1160,7 @@ static struct PyModuleDef uring_module = {
 PyMODINIT_FUNC PyInit__uring(void)
 {
     PyObject *m;
+    avx2 = use_avx2();
     if (PyType_Ready(&RingType) < 0)
         return NULL;
     m = PyModule_Create(&uring_module);

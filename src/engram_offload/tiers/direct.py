@@ -6,7 +6,11 @@ against its checksum before a row of it is returned (``tiers.pagecheck``: a bad 
 read once more, then ``ChecksumError``), whichever engine read it. A version-1 table has
 nothing to check a page against: each read is the smallest 512-byte-aligned span covering
 that page's requested rows (a lone 264-byte row costs at most 1 KiB). Pages or spans are
-read into a page-aligned buffer, then rows are copied out.
+read into a page-aligned buffer, then rows are copied out. With the ``uring`` engine, a
+version-2 table's rows are read in one native call per request
+(``UringReader.read_rows``: pages read, checked, re-read once, rows copied out, the GIL
+released throughout); ``ENGRAM_OFFLOAD_NO_NATIVE`` or ``native_rows=False`` keeps the
+Python steps above.
 
 Engines: ``uring`` (the native io_uring helper, ``engram_offload.tiers.uring``, many
 reads in flight per system call, a small pool of rings shared by all caller threads) and
@@ -28,9 +32,10 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from .._native import native_disabled
 from ..errors import TierError
 from ..table.format import PAGE_BYTES, SECTOR_BYTES, TableHeader
-from ..table.verify import BlockVerifier
+from ..table.verify import BlockVerifier, page_checksum_error
 from ._buffers import ThreadBuffers, aligned_empty, gather_at
 from .base import Tier
 from .pagecheck import check_pages, plan_pages
@@ -216,6 +221,15 @@ class UringEngine:
         finally:
             self._give_back(reader)
 
+    def read_rows(self, ids: np.ndarray, out: np.ndarray, header: TableHeader, verify: bool):
+        """Rows ``ids`` of a version-2 table into ``out`` (uint8 ``[n, row_bytes]``) in one
+        native call: ``uring.UringReader.read_rows``, whose ``RowsRead`` it returns."""
+        reader = self._take()
+        try:
+            return reader.read_rows(ids, out, header.layout, header.page_sums if verify else None)
+        finally:
+            self._give_back(reader)
+
     def _take(self):
         with self._pool:
             self._pool.wait_for(lambda: self._idle or len(self._made) < self.rings)
@@ -252,8 +266,9 @@ class DirectTier(Tier):
     rings shared by the caller threads), ``retries`` (per read), ``verify_reads`` (check
     each block's checksum the first time a read touches it), ``verify_pages`` (check every
     page read against its checksum, version-2 tables; on by default, off only to measure
-    what the check costs), ``pread`` (the ``os.preadv``-like function of the threads
-    engine; a fault-injection hook).
+    what the check costs), ``native_rows`` (read a version-2 table's rows in one native
+    call with the ``uring`` engine; off: the Python steps, as the ``threads`` engine),
+    ``pread`` (the ``os.preadv``-like function of the threads engine; a fault-injection hook).
     """
 
     name = "direct"
@@ -269,10 +284,12 @@ class DirectTier(Tier):
         verify_pages: bool = True,
         pread: Pread | None = None,
         rings: int = DEFAULT_RINGS,
+        native_rows: bool = True,
     ) -> None:
         super().__init__(header)
         self.whole_pages = header.page_sums is not None  # version 2: read pages whole
         self.verify_pages = verify_pages and self.whole_pages
+        self.native_rows = native_rows
         if engine not in ENGINES:
             raise ValueError(f"unknown direct engine {engine!r}; choose one of: {', '.join(ENGINES)}")
         if queue_depth < 1:
@@ -321,7 +338,10 @@ class DirectTier(Tier):
             self._engine.read(offsets, lengths, dest, dest_offsets)
         except OSError as exc:
             batch = f" (one of a batch of {len(offsets)} reads)" if len(offsets) > 1 else ""
-            raise TierError(f"{self.header.path}: {exc.strerror or exc}{batch}") from exc
+            raise self._read_failed(exc, batch) from exc
+
+    def _read_failed(self, exc: OSError, context: str) -> TierError:
+        return TierError(f"{self.header.path}: {exc.strerror or exc}{context}")
 
     def _read_block(self, block: int) -> memoryview:
         start, end = self.layout.block_range(block)
@@ -334,9 +354,12 @@ class DirectTier(Tier):
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         layout = self.layout
-        offsets = layout.row_offsets(ids)
         if self._verifier is not None:
-            self._verifier.ensure(offsets)
+            self._verifier.ensure(layout.row_offsets(ids))
+        if self.whole_pages and self._reads_rows_natively():
+            self._read_rows_natively(ids, out)
+            return
+        offsets = layout.row_offsets(ids)
         if self.whole_pages:
             self._read_pages(offsets, out)
             return
@@ -363,6 +386,26 @@ class DirectTier(Tier):
             self._count(pages_checked=len(plan.pages))
             check_pages(self.header, plan, buf, reread)
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
+
+    def _reads_rows_natively(self) -> bool:
+        return self.native_rows and isinstance(self._engine, UringEngine) and not native_disabled()
+
+    def _read_rows_natively(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        """Pages read, checked (``verify_pages``) and rows copied out in one native call."""
+        assert isinstance(self._engine, UringEngine)
+        direct_out = out.device.type == "cpu" and out.is_contiguous()
+        dest = out if direct_out else torch.empty(out.shape, dtype=torch.uint8)  # [n, row_bytes]
+        try:
+            got = self._engine.read_rows(ids, dest.numpy(), self.header, self.verify_pages)
+        except OSError as exc:
+            raise self._read_failed(exc, f" (reading the pages of {len(ids)} rows)") from exc
+        page = self.layout.page_bytes
+        self._count(reads=got.reads, bytes_read=got.reads * page, pages_checked=got.pages_checked,
+                    page_rereads=got.page_rereads)
+        if got.bad_page >= 0:
+            raise page_checksum_error(self.header, got.bad_page)
+        if not direct_out:
+            out.copy_(dest)
 
     def stats(self) -> dict:
         verified = self._verifier.blocks_verified if self._verifier else 0
