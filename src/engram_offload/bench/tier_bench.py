@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..store import TableStore, open_table
+from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from .cold import make_cold
 from .corpus import Corpus
 
@@ -114,7 +115,7 @@ def run_tier_bench(
     *,
     seconds: float = 10.0,
     batch: int = 1024,
-    queue_depth: int = 64,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
     cold: bool = False,
     drop_all_caches: bool = False,
     engine: str = "auto",

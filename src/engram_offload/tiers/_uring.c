@@ -12,7 +12,7 @@
  *       Creates and destroys a one-entry ring.  Raises OSError when io_uring
  *       is unusable (old kernel, seccomp filter, kernel.io_uring_disabled).
  *
- *   Ring(queue_depth=64, setup_flags=-1, transient=())
+ *   Ring(queue_depth=128, setup_flags=-1, transient=())
  *       One submission/completion ring.  setup_flags=-1 picks the best flag
  *       set the kernel accepts (see ring_setup()).  transient: the errnos a
  *       failed read is retried for (the caller's retry policy; others fail
@@ -551,7 +551,7 @@ static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"queue_depth", "setup_flags", "transient", NULL};
-    int queue_depth = 64;
+    int queue_depth = 128;
     long long flags = -1;
     PyObject *transient = NULL;
     uint64_t mask[MAX_ERRNO / 64] = {0};
@@ -1119,7 +1119,7 @@ static PyTypeObject RingType = {
     .tp_name = "engram_offload.tiers._uring.Ring",
     .tp_basicsize = sizeof(RingObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Ring(queue_depth=64, setup_flags=-1, transient=()): an io_uring for batched reads.",
+    .tp_doc = "Ring(queue_depth=128, setup_flags=-1, transient=()): an io_uring for batched reads.",
     .tp_new = Ring_new,
     .tp_init = (initproc)Ring_init,
     .tp_dealloc = (destructor)Ring_dealloc,

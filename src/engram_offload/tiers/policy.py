@@ -19,8 +19,9 @@ import errno
 
 __all__ = ["DEFAULT_QUEUE_DEPTH", "DEFAULT_RETRIES", "TRANSIENT_ERRNOS", "failure_message", "is_transient"]
 
-DEFAULT_QUEUE_DEPTH = 64
-"""Reads kept in flight per ring (or threads of the threads engine); saturates an NVMe namespace."""
+DEFAULT_QUEUE_DEPTH = 128
+"""Reads kept in flight per ring (or threads of the threads engine): fio's reference depth for random
+4 KiB reads, which a single caller needs to keep an NVMe namespace busy across its batches."""
 
 DEFAULT_RETRIES = 3
 """Extra attempts of a read failing with a transient error."""
