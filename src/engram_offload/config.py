@@ -103,10 +103,11 @@ def check_config_fields(fields: Any) -> None:
     starts = fields.get("prime_starts")
     for start in starts if isinstance(starts, list) else [starts]:
         check_int("a prime-search start", start, *PRIME_START_RANGE)
-    heads = len(layer_ids) * (fields.get("max_ngram_size", 2) - 1) * fields.get("n_heads", 1)
+    orders, n_heads = fields.get("max_ngram_size", 2) - 1, fields.get("n_heads", 1)
+    heads = len(layer_ids) * orders * n_heads
     if heads > MAX_TOTAL_HEADS:
         raise ValueError(
-            f"{len(layer_ids)} layers x {fields['max_ngram_size'] - 1} orders x {fields['n_heads']} "
+            f"{len(layer_ids)} layers x {orders} orders x {n_heads} "
             f"heads = {heads:,} hashed heads, more than the {MAX_TOTAL_HEADS:,} supported"
         )
     eps = fields.get("rms_norm_eps", 1e-6)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..atomic import fsync_dir
 from ..config import EngramConfig
 from ..rows import encode_rows
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableLayout, encode_header
@@ -183,6 +184,7 @@ class TableWriter:
         self._progress = byte_progress(f"writing {self.path.name}", self.layout.data_bytes, progress)
         self._advance = self._progress.__enter__()
         self._done = False
+        self._aborted = False  # abort() ran: close() must not pretend a file was written
 
     def write(self, rows: torch.Tensor | np.ndarray) -> None:
         """Append rows (float ``[n, head_dim]`` or raw ``uint8 [n, row_bytes]``)."""
@@ -221,6 +223,9 @@ class TableWriter:
 
     def close(self) -> Path:
         """Finish the file (pad, trailer, fsync) and rename it into place; returns the path."""
+        if self._aborted:
+            raise ValueError(f"this writer of {self.path} was aborted and wrote no file: write the table "
+                             "again with a new TableWriter")
         if self._done:
             return self.path
         if self.rows_written != self.config.num_rows:
@@ -242,7 +247,7 @@ class TableWriter:
             os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self._tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except BaseException:
             self.abort()
             raise
@@ -254,7 +259,7 @@ class TableWriter:
         """Discard the temporary file; the target path is left as it was."""
         if self._done:
             return
-        self._done = True
+        self._done = self._aborted = True
         self._progress.__exit__(None, None, None)
         self._f.close()
         self._tmp.unlink(missing_ok=True)
@@ -267,14 +272,6 @@ class TableWriter:
             self.close()
         else:
             self.abort()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _chunks(rows: RowSource) -> Iterator[torch.Tensor | np.ndarray]:
