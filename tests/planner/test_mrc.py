@@ -91,12 +91,21 @@ def test_load_trace_npy_and_text(tmp_path):
 
 
 @pytest.mark.parametrize("s", [0.8, 1.0, 1.2])
-def test_zipf_binning_tracks_the_exact_ranks(s):
+@pytest.mark.parametrize("bins", [512, 2048])
+def test_zipf_binning_tracks_the_exact_ranks(s, bins):
+    # 100 exact ranks, the other 19,900 in log-spaced bins: within a millionth everywhere
     exact = ZipfMRC(s, 20_000, exact_ranks=20_000)
-    binned = ZipfMRC(s, 20_000, exact_ranks=100, bins=512)
-    for rows in (50, 500, 5_000, 15_000):
-        assert abs(binned.hit_ratio(rows) - exact.hit_ratio(rows)) < 2e-3, rows
-    assert abs(binned.rows_for_hit_rate(0.5) - exact.rows_for_hit_rate(0.5)) <= 0.01 * exact.rows_for_hit_rate(0.5)
+    binned = ZipfMRC(s, 20_000, exact_ranks=100, bins=bins)
+    for rows in (0.5, 1, 3, 10, 50, 500, 5_000, 15_000, 19_995):
+        assert abs(binned.hit_ratio(rows) - exact.hit_ratio(rows)) < 1e-6, rows
+    assert abs(binned.rows_for_hit_rate(0.5) - exact.rows_for_hit_rate(0.5)) <= 1
+
+
+def test_zipf_binning_from_the_second_rank():
+    exact = ZipfMRC(1.0, 500, exact_ranks=500)
+    binned = ZipfMRC(1.0, 500, exact_ranks=1, bins=64)
+    for rows in (1, 10, 100, 400):
+        assert abs(binned.hit_ratio(rows) - exact.hit_ratio(rows)) < 0.01, rows
 
 
 def test_zipf_heads_are_independent_copies():
