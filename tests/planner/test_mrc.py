@@ -1,3 +1,4 @@
+import math
 from pathlib import Path
 
 import numpy as np
@@ -206,9 +207,11 @@ def test_traces_of_any_shape_are_read_in_order():
     ids = np.array([[1, 2, 3], [1, 2, 2]], dtype=np.int64)
     assert stack_distances(ids).tolist() == [-1, -1, -1, 2, 2, 0]
     assert lru_hits_bruteforce(ids, 3) == 3 and lru_hits_bruteforce(ids.ravel(), 3) == 3
-    assert mrc_from_trace(ids).distances.tolist() == [0.0, 2.0, 2.0]
-    assert mrc_from_trace(ids).accesses == 6
+    curve = mrc_from_trace(ids)
+    assert curve.distances.tolist() == [0.0, 2.0, 2.0]
+    assert (curve.accesses, curve.trace_length, curve.distinct_ids) == (6, 6, 3)
     assert shards_sample(ids, 0.5).tolist() == shards_sample(ids.ravel(), 0.5).tolist()
+    assert shards_sample(ids, 1.0).tolist() == [1, 2, 3, 1, 2, 2]
     assert shards_mrc(ids, 0.5).trace_length == 6
 
 
@@ -325,6 +328,17 @@ def test_the_exact_limit_is_inclusive_and_sampling_has_a_floor():
 # ---------------------------------------------------------------- Zipf curves
 
 
+@pytest.mark.parametrize("heads", [1, 3])
+def test_a_uniform_popularity_hits_in_proportion_to_the_cache(heads):
+    # s = 0: every row equally likely, so an LRU cache of C of the m rows hits C / m of the time
+    z = ZipfMRC(0.0, 1_000, heads=heads)
+    m = z.total_rows
+    for rows in (0.25, 0.5, 1, 7, 100, m - 1):
+        assert z.hit_ratio(rows) == pytest.approx(rows / m, rel=1e-9), rows
+    for h in (0.0001, 0.01, 0.5, 0.999):  # C = h * m, rounded up (one more where the root rounds over)
+        assert math.ceil(h * m - 1e-6) <= z.rows_for_hit_rate(h) <= math.ceil(h * m - 1e-6) + 1, h
+
+
 def test_an_integer_exponent_is_the_same_curve():
     assert ZipfMRC(1, 5_000).hit_ratio(100) == ZipfMRC(1.0, 5_000).hit_ratio(100)
     assert ZipfMRC(2, 500, exact_ranks=50).rows_for_hit_rate(0.9) == ZipfMRC(2.0, 500, exact_ranks=50).rows_for_hit_rate(0.9)
@@ -383,9 +397,14 @@ def test_a_text_trace_names_the_first_token_that_is_not_an_id(tmp_path, text, ba
 def test_a_text_trace_holds_64_bit_ids(tmp_path):
     (tmp_path / "t.txt").write_text(f"{2**63 - 1} {-(2**63)}\t0\n")
     assert load_trace(tmp_path / "t.txt").tolist() == [2**63 - 1, -(2**63), 0]
-    (tmp_path / "big.txt").write_text(f"1 {2**63}")
-    with pytest.raises(ValueError, match=rf"^{tmp_path / 'big.txt'}: row id {2**63} does not fit in 64 bits \(int64\)$"):
-        load_trace(tmp_path / "big.txt")
+    for big in (2**63, -(2**63) - 1):
+        (tmp_path / "big.txt").write_text(f"1 {big}")
+        with pytest.raises(ValueError) as e:
+            load_trace(tmp_path / "big.txt")
+        assert str(e.value) == f"{tmp_path / 'big.txt'}: row id {big} does not fit in 64 bits (int64)"
+    (tmp_path / "empty.txt").write_text(" \n")
+    empty = load_trace(tmp_path / "empty.txt")
+    assert empty.dtype == np.int64 and empty.size == 0
 
 
 def test_a_missing_trace_says_what_to_give(tmp_path):
