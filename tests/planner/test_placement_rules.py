@@ -148,9 +148,11 @@ def test_nvme_cache_is_sized_from_the_curve_and_the_dram_share():
     assert r.cache_bytes_per_gpu == approx(int(A.dram_usable_fraction * TABLE / 4 * 2 // row) * row / 2)
 
 
-def test_nvme_misses_cost_latency_iops_and_bandwidth():
+@pytest.mark.parametrize("drive_bw, bound", [(10e9, "iops"), (0.1e9, "bandwidth")])
+def test_nvme_misses_cost_latency_iops_and_bandwidth(drive_bw, bound):
     batch, tp, gpus = 16, 2, 4
-    r = run("nvme", tp, curve=tiny_curve(), target_hit_rate=0.9, batch=batch, gpus=gpus)
+    gpu = dataclasses.replace(GPU, nvme_bw_per_drive=drive_bw)
+    r = run("nvme", tp, gpu=gpu, curve=tiny_curve(), target_hit_rate=0.9, batch=batch, gpus=gpus)
     step = decode_step(MODEL, GPU, tp, batch, 32768, A)
     bpt = MODEL.engram.bytes_per_token_per_gpu(tp)
     misses = batch * (bpt // MODEL.engram.row_bytes) * (1 - 0.9)
@@ -158,9 +160,10 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth():
     # latencies once a step; the link and the drives in proportion to the rows, where a drive's
     # IOPS and its bandwidth bound the same reads: the slower of the two counts
     fixed = A.host_link_latency_us + GPU.nvme_latency_us + A.nvme_step_overhead_us
-    rows = (link / (GPU.host_link_bw * A.host_link_efficiency)
-            + max(misses / (GPU.nvme_iops_per_server / 8),
-                  misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8))) * 1e6
+    by_iops = misses / (GPU.nvme_iops_per_server / 8)  # the server's drives shared by its 8 GPUs
+    by_bw = misses * A.nvme_read_bytes / (drive_bw * GPU.nvme_drives / 8)
+    assert (by_iops > by_bw) == (bound == "iops")
+    rows = (link / (GPU.host_link_bw * A.host_link_efficiency) + max(by_iops, by_bw)) * 1e6
     window = decode_window_us(MODEL, step)
     assert r.link_bytes_per_step == link
     assert r.transfer_us == approx(fixed + rows)
