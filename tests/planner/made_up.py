@@ -30,3 +30,15 @@ WEIGHTS = 40e9  # 20e9 bf16 parameters
 def approx(expected, **tolerance):
     """Equal up to rounding (the default 1e-6 would let a unit off by one in a million pass)."""
     return pytest.approx(expected, **({"rel": 1e-9} | tolerance))
+
+
+def decode_stall(fixed_us: float, rows_us: float, step_us: float, model=MODEL) -> float:
+    """A decode step's Engram stall from first principles. The rows are fetched from forward
+    entry one Engram layer after another, an equal share each, the fixed cost before the
+    first: layer k's rows are in at ``fixed + (k + 1) / L * rows``. The GPU reaches Engram
+    layer ``l`` at ``l / num_layers`` of the step plus what it has stalled so far, so the
+    step stalls by the largest lateness of any layer's rows (or not at all)."""
+    layers = sorted(model.engram.layer_ids)
+    late = [fixed_us + rows_us * (k + 1) / len(layers) - step_us * layer / model.num_layers
+            for k, layer in enumerate(layers)]
+    return max(0.0, *late)

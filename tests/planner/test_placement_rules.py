@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx
+from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx, decode_stall
 
 from engram_offload.planner import Assumptions, Workload, smallest_feasible_tp
 from engram_offload.planner.mrc import mrc_from_trace
@@ -148,27 +148,66 @@ def test_nvme_cache_is_sized_from_the_curve_and_the_dram_share():
     assert r.cache_bytes_per_gpu == approx(int(A.dram_usable_fraction * TABLE / 4 * 2 // row) * row / 2)
 
 
-def test_nvme_misses_cost_latency_iops_and_bandwidth():
+@pytest.mark.parametrize("drive_bw, bound", [(10e9, "iops"), (0.1e9, "bandwidth")])
+def test_nvme_misses_cost_latency_iops_and_bandwidth(drive_bw, bound):
     batch, tp, gpus = 16, 2, 4
-    r = run("nvme", tp, curve=tiny_curve(), target_hit_rate=0.9, batch=batch, gpus=gpus)
+    gpu = dataclasses.replace(GPU, nvme_bw_per_drive=drive_bw)
+    r = run("nvme", tp, gpu=gpu, curve=tiny_curve(), target_hit_rate=0.9, batch=batch, gpus=gpus)
     step = decode_step(MODEL, GPU, tp, batch, 32768, A)
     bpt = MODEL.engram.bytes_per_token_per_gpu(tp)
     misses = batch * (bpt // MODEL.engram.row_bytes) * (1 - 0.9)
     link = batch * bpt
-    # a drive's IOPS and its bandwidth bound the same reads: the slower of the two counts
-    transfer = (A.host_link_latency_us + link / (GPU.host_link_bw * A.host_link_efficiency) * 1e6
-                + GPU.nvme_latency_us + A.nvme_step_overhead_us
-                + max(misses / (GPU.nvme_iops_per_server / 8),
-                      misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8)) * 1e6)
+    # latencies once a step; the link and the drives in proportion to the rows, where a drive's
+    # IOPS and its bandwidth bound the same reads: the slower of the two counts
+    fixed = A.host_link_latency_us + GPU.nvme_latency_us + A.nvme_step_overhead_us
+    by_iops = misses / (GPU.nvme_iops_per_server / 8)  # the server's drives shared by its 8 GPUs
+    by_bw = misses * A.nvme_read_bytes / (drive_bw * GPU.nvme_drives / 8)
+    assert (by_iops > by_bw) == (bound == "iops")
+    rows = (link / (GPU.host_link_bw * A.host_link_efficiency) + max(by_iops, by_bw)) * 1e6
     window = decode_window_us(MODEL, step)
     assert r.link_bytes_per_step == link
-    assert r.transfer_us == approx(transfer)
+    assert r.transfer_us == approx(fixed + rows)
     assert r.window_us == approx(window)
-    assert r.predicted_stall_us == approx(max(0.0, transfer - window))
+    assert r.predicted_stall_us == approx(decode_stall(fixed, rows, step.backbone_us))
     assert r.step_us == approx(step.backbone_us + r.predicted_stall_us)
     assert r.nvme_iops_needed == approx(misses / (r.step_us * 1e-6) * gpus)  # 4 GPUs of 8 used
     assert r.nvme_iops_available == GPU.nvme_iops_per_server
     assert r.why_not == [] and r.fits
+
+
+def test_drives_short_of_iops_stall_the_step_and_are_never_asked_for_more_than_they_give():
+    # 100 reads/s a drive: a step's misses take far longer than its backbone time
+    starved = dataclasses.replace(GPU, nvme_iops_per_drive=1e2)
+    r = run("nvme", 1, gpu=starved, curve=tiny_curve(), target_hit_rate=0.9, batch=16, gpus=8)
+    fast = run("nvme", 1, curve=tiny_curve(), target_hit_rate=0.9, batch=16, gpus=8)
+    misses = 16 * (MODEL.engram.bytes_per_token_per_gpu(1) // MODEL.engram.row_bytes) * (1 - 0.9)
+    reads_us = misses / (starved.nvme_iops_per_server / 8) * 1e6
+    step = decode_step(MODEL, GPU, 1, 16, 32768, A).backbone_us
+    assert reads_us > 10 * step
+    assert r.predicted_stall_us > reads_us - step and r.interactivity < fast.interactivity / 10
+    # the step is charged the reads at the drives' rate, so it reads at most that rate:
+    # the shortfall is a stall (and a low interactivity), not a placement that does not fit
+    assert r.nvme_iops_needed == approx(misses / (r.step_us * 1e-6) * 8)
+    assert r.nvme_iops_needed <= r.nvme_iops_available == starved.nvme_iops_per_server
+    assert r.fits and r.why_not == []
+
+
+@pytest.mark.parametrize("times_window, late", [(1.9, None), (5.0, "first"), (20.0, "second")])
+def test_each_engram_layer_waits_only_for_its_own_rows(times_window, late):
+    # the test model's Engram layers are 2 and 15 of 30: at 2/30 and 15/30 of the step
+    batch = 8
+    step = decode_step(MODEL, GPU, 1, batch, 4096, A).backbone_us
+    first, second = step * 2 / 30, step * 15 / 30
+    fixed = A.host_link_latency_us
+    rows = times_window * first - fixed  # the link's share of the transfer
+    link = batch * MODEL.engram.bytes_per_token_per_gpu(1)
+    gpu = dataclasses.replace(GPU, host_link_bw=link * 1e6 / (rows * A.host_link_efficiency))
+    r = run("dram", 1, gpu=gpu, batch=batch, context=4096)
+    assert r.window_us == approx(first) and r.transfer_us == approx(times_window * first)
+    # half the rows (and the latency) are due at the first layer, all of them at the second
+    assert r.predicted_stall_us == approx({None: 0.0, "first": fixed + rows / 2 - first,
+                                           "second": fixed + rows - second}[late])
+    assert r.step_us == approx(step + r.predicted_stall_us)
 
 
 def test_nvme_with_less_than_one_miss_a_step_still_pays_for_it():
@@ -200,12 +239,12 @@ def test_decode_link_transfer_and_stall(name):
     r = run(name, tp, gpu=slow, a=a, batch=batch, context=1024)
     step = decode_step(MODEL, slow, tp, batch, 1024, a)
     link = 0.0 if name == "hbm" else batch * MODEL.engram.bytes_per_token_per_gpu(tp)
-    transfer = {"hbm": 0.0,
-                "dram": a.host_link_latency_us + link / (1e7 * a.host_link_efficiency) * 1e6,
-                "remote": a.remote_latency_us + link / 0.5e7 * 1e6}[name]
-    stall = max(0.0, transfer - decode_window_us(MODEL, step))
+    fixed, rows = {"hbm": (0.0, 0.0),
+                   "dram": (a.host_link_latency_us, link / (1e7 * a.host_link_efficiency) * 1e6),
+                   "remote": (a.remote_latency_us, link / 0.5e7 * 1e6)}[name]
+    stall = decode_stall(fixed, rows, step.backbone_us)
     assert r.batch == batch and r.link_bytes_per_step == link
-    assert r.transfer_us == approx(transfer)
+    assert r.transfer_us == approx(fixed + rows)
     assert r.predicted_stall_us == approx(stall)
     assert (stall > 0) == (name != "hbm")
     assert r.step_us == approx(step.backbone_us + stall)

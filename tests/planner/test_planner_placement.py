@@ -1,16 +1,22 @@
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
+from made_up import decode_stall
 
+from engram_offload.config import EngramConfig
 from engram_offload.planner import (
     DEFAULT_ASSUMPTIONS, GPUS, MODELS, Workload, get_gpu, get_model, make_plan,
     smallest_feasible_tp,
 )
 from engram_offload.planner.models import PRECISION_BYTES
+from engram_offload.planner.perf import decode_step
 from engram_offload.planner.placement import evaluate_all
 from engram_offload.planner.plan import curve_for
 
 KiB, GiB = 1024, 2**30
+RELEASED_CONFIG = Path(__file__).resolve().parents[1] / "data" / "deepseek-v4.1-flash-config.json"
 
 
 def plan_for(model="deepseek-v4.1-flash", gpu="b300", **kw):
@@ -29,17 +35,34 @@ def test_v41_flash_table_and_per_token_bytes():
     assert tp4 and all(p["bytes_per_token_per_gpu"] == 3168 for p in tp4)
 
 
+def test_v41_flash_follows_the_released_config():
+    data = json.loads(RELEASED_CONFIG.read_text())
+    text = data["text_config"]
+    m = get_model("deepseek-v4.1-flash")
+    assert m.num_layers == text["num_hidden_layers"] == 40
+    assert m.hidden_size == text["hidden_size"] == m.engram.hidden_size
+    assert m.engram == EngramConfig.from_hf_config(data)
+    assert m.first_engram_layer == min(text["engram_layer_ids"])
+    assert data["quantization_config"]["expert_dtype"] == "fp4"
+
+
 def test_v41_flash_weights_follow_the_fp4_fp8_checkpoint():
     m = get_model("deepseek-v4.1-flash")
-    assert m.total_params == pytest.approx(552e9)
+    assert m.total_params == pytest.approx(552e9, rel=1e-12)
     assert m.active_params_prefill == 8e9 and m.active_params_decode == 16e9
-    assert {g.precision for g in m.weights if g.routed} == {"fp4"}
-    # hidden 5,120 as the released config.json: bf16 embedding and head 2 * 129,280 * 5,120
-    assert m.hidden_size == 5120 == m.engram.hidden_size
-    assert next(g for g in m.weights if g.name == "embedding and head").params == 1_323_827_200
+    assert (m.num_experts, m.experts_per_token) == (384, 6)
+    [routed] = [g for g in m.weights if g.routed]
+    assert routed.precision == "fp4"
+    # every layer's 384 experts: gate, up and down projections of hidden x 2,304
+    assert routed.params == m.num_layers * m.num_experts * 3 * m.hidden_size * 2304 == 543_581_798_400
+    # bf16 embedding and head 2 * 129,280 * 5,120; the rest of the 552B in FP8
+    embed = next(g for g in m.weights if g.name == "embedding and head")
+    assert (embed.params, embed.precision) == (1_323_827_200, "bf16")
     assert PRECISION_BYTES["fp4"] == 0.53125
-    # 552B with 97.4% routed experts at 4.25 bits, the rest FP8 (embeddings bf16): ~301 GB
-    assert 295e9 < m.weight_bytes < 305e9
+    rest = 552e9 - routed.params - embed.params
+    assert m.weight_bytes == pytest.approx(routed.params * 0.53125 + rest * (1 + 4 / 128**2) + embed.params * 2,
+                                           rel=1e-12)
+    assert 298e9 < m.weight_bytes < 299e9
     # the whole system: backbone plus table parameters, "748B" in the article
     total = m.total_params + m.engram.num_rows * m.engram.head_dim
     assert round(total / 1e9) == 749 or round(total / 1e9) == 748
@@ -52,7 +75,7 @@ def test_b300_smallest_tp_is_4_in_hbm_and_2_in_dram():
     hbm2 = next(r for r in results if r.name == "hbm" and r.tp == 2)
     assert not hbm2.fits and "left for KV cache" in hbm2.why_not[0]
     dram1 = next(r for r in results if r.name == "dram" and r.tp == 1)
-    assert any("exceed" in w for w in dram1.why_not)  # 301 GB of weights > one 288 GB GPU
+    assert any("exceed" in w for w in dram1.why_not)  # 298.5 GB of weights > one 288 GB GPU
 
 
 @pytest.mark.parametrize("kv_fraction", [0.02, 0.05, 0.10, 0.20, 0.35])
@@ -89,7 +112,12 @@ def test_every_preset_model_and_gpu_gets_an_answer(model, gpu):
         kv_per_seq = 32768 * m.kv_bytes_per_token / (1 if m.kv_replicated_across_tp else tp)
         assert p["max_concurrent_seqs"] == int(free // kv_per_seq)
         assert p["fits"] == (not p["why_not"])
-        assert p["predicted_stall_us"] == pytest.approx(max(0.0, p["transfer_us"] - p["window_us"]))
+        # each Engram layer waits for its own rows: never longer than if all of them were due at
+        # the first Engram layer, never shorter than all of them being due at the last
+        first, last = min(m.engram.layer_ids), max(m.engram.layer_ids)
+        assert p["predicted_stall_us"] <= max(0.0, p["transfer_us"] - p["window_us"]) + 1e-9
+        assert p["predicted_stall_us"] >= max(0.0, p["transfer_us"] - p["window_us"] * last / first) - 1e-9
+        assert p["nvme_iops_needed"] <= p["nvme_iops_available"] or p["name"] != "nvme"
         if p["batch"]:
             assert p["step_us"] == pytest.approx(1e6 / p["interactivity"])
     rec = d["recommendation"]
@@ -105,8 +133,12 @@ def test_dram_stall_appears_when_the_link_is_slow():
     results = evaluate_all(m, slow, Workload(curve=curve_for(m)[0], batch=256))
     dram = next(r for r in results if r.name == "dram" and r.tp == 4)
     assert dram.link_bytes_per_step == 256 * 3168
+    a = DEFAULT_ASSUMPTIONS
+    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6
+    step = decode_step(m, slow, 4, 256, 32768, a).backbone_us
+    assert dram.transfer_us == pytest.approx(a.host_link_latency_us + rows_us, rel=1e-9)
     assert dram.predicted_stall_us > 0
-    assert dram.predicted_stall_us == pytest.approx(dram.transfer_us - dram.window_us)
+    assert dram.predicted_stall_us == pytest.approx(decode_stall(a.host_link_latency_us, rows_us, step, m), rel=1e-9)
 
 
 def test_nvme_cache_follows_the_target_hit_rate():

@@ -23,9 +23,10 @@ def remote(capsys, *flags: str) -> tuple[dict, int]:
 
 def expected_stall(rtt_us: float, gbps: float, bytes_per_token: int, window_us: float) -> float:
     """The decode step's stall: one round trip plus the step's rows at the pool's bandwidth,
-    beyond the prefetch window."""
-    transfer = rtt_us + BATCH * bytes_per_token / (gbps * 1e9 / 8) * 1e6
-    return max(0.0, transfer - window_us)
+    Engram layer 1's half of the rows due at layer 1 (after ``window_us``), all of them at
+    layer 14 (14 times as far into the step)."""
+    rows_us = BATCH * bytes_per_token / (gbps * 1e9 / 8) * 1e6
+    return max(0.0, rtt_us + rows_us / 2 - window_us, rtt_us + rows_us - 14 * window_us)
 
 
 def test_the_defaults_are_the_loopback_measurements(capsys):
@@ -49,7 +50,8 @@ def test_more_bandwidth_and_a_shorter_round_trip_shorten_the_stall_by_the_formul
     nearer, _ = remote(capsys, "--pool-rtt-us", "40", "--pool-gbps", "1")
     rows_us_at_1gbps = BATCH * bpt / (1e9 / 8) * 1e6
     assert slow["predicted_stall_us"] > 0
-    assert slow["predicted_stall_us"] - faster["predicted_stall_us"] == pytest.approx(rows_us_at_1gbps / 2)
+    # layer 1 waits for its half of the rows, which take half as long at twice the bandwidth
+    assert slow["predicted_stall_us"] - faster["predicted_stall_us"] == pytest.approx(rows_us_at_1gbps / 4)
     assert slow["predicted_stall_us"] - nearer["predicted_stall_us"] == pytest.approx(60.0)
     # the other placements do not depend on the pool
     assert slow["window_us"] == faster["window_us"] == nearer["window_us"]

@@ -112,7 +112,7 @@ def test_the_reasons_for_a_dram_choice():
         "dram at TP=2: weights 20.0 GiB per GPU leave 50.0 GiB for KV cache, 1,234 sequences of 4,096 tokens "
         "per replica.",
         "Each decode step moves 16 x 2,560 B = 40.0 KiB per GPU over test link in about 123 us; the layers "
-        f"before Engram layer {FIRST} take 457 us: no stall.",
+        f"before Engram layer {FIRST} take 457 us, and each Engram layer waits only for its own rows: no stall.",
         "At batch 16: 900 tokens/s per GPU, 61 tokens/s per user (meets the 50 floor), 2.5M tokens per dollar "
         "at $2.50/GPU-hour.",
         "Against the best all-HBM option (hbm at TP=4, batch 8): 1.12x on this objective.",
@@ -124,7 +124,8 @@ def test_the_reasons_for_a_stalling_dram_choice_with_a_prefill_wait():
     _, rec = picks(results)
     assert rec.reasons[0] == f"The {TABLE / GiB:.1f} GiB table does not fit in HBM at any TP up to 8."
     assert rec.reasons[2].endswith("= 3.0 MiB per GPU over test link in about 123 us; the layers before Engram "
-                                   f"layer {FIRST} take 457 us: a 13 us stall per step.")
+                                   f"layer {FIRST} take 457 us, and each Engram layer waits only for its own "
+                                   "rows: a 13 us stall per step.")
     assert rec.reasons[3] == ("A prefill chunk would wait 2.3 ms for its rows unless they are fetched a chunk ahead "
                               "(prompt tokens are known in advance).")
 

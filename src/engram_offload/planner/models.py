@@ -135,18 +135,20 @@ class ModelSpec:
 #   (huggingface.co/deepseek-ai/DeepSeek-V4-Flash, "FP4 + FP8 mixed"); the
 #   DeepSeek-V4-Flash-FP4-FP8 packages on Hugging Face list routed experts as MXFP4 and
 #   dense/shared tensors as FP8 e4m3 B128. Assumed unchanged in V4.1.
-# Split between routed experts and the rest: ASSUMED at V4-Flash's ratio. V4-Flash
-#   (config.json: 43 layers, 256 routed experts, hidden 4096, moe_intermediate 2048) has
-#   43*256*3*4096*2048 = 277.0B routed of 284.4B, i.e. 2.6% non-routed; 2.6% of 552B = 14.4B,
-#   of which the bf16 embedding and head are 2 * 129,280 * 5,120 = 1.32B (V4.1's hidden size).
-# Hidden size 5,120: the released V4.1-Flash config.json (text_config.hidden_size), as in
-#   the "deepseek-v4.1-flash" Engram preset.
-# Layers 43, 256 experts top-6: ASSUMED equal to V4-Flash (config.json).
+# Geometry: the released V4.1-Flash config.json (text_config): 40 layers
+#   (num_hidden_layers), hidden 5,120 (hidden_size, as in the "deepseek-v4.1-flash" Engram
+#   preset), 384 routed experts (n_routed_experts) of which 6 a token (num_experts_per_tok),
+#   each three matrices of 5,120 x 2,304 (moe_intermediate_size).
+# Routed parameters: every layer MoE, as in V4-Flash (ASSUMED):
+#   40 * 384 * 3 * 5,120 * 2,304 = 543.6B of the 552B; the other 8.4B are attention, shared
+#   experts and router (FP8) and the bf16 embedding and head, 2 * 129,280 * 5,120 = 1.32B.
 # KV bytes per token: V4-Pro holds 1M tokens in 9.62 GiB (bf16, 61 layers; DeepSeek-V4
-#   report) = 161.5 B/token/layer; at 43 layers 6,944 B/token; V4.1 "one quarter" -> 1,736.
-#   One latent KV head (num_key_value_heads = 1), so every TP rank keeps the whole cache.
-_V41_NONROUTED = 552e9 * (1 - 276.98 / 284.44)
+#   report) = 161.5 B/token/layer; its predecessor V4-Flash (43 layers) 6,944 B/token; V4.1
+#   "one quarter" of that -> 1,736. One latent KV head (num_key_value_heads = 1), so every
+#   TP rank keeps the whole cache.
+_V41_LAYERS, _V41_EXPERTS, _V41_TOP_K, _V41_MOE_INTERMEDIATE = 40, 384, 6, 2304
 _V41_ENGRAM = EngramConfig.from_name("deepseek-v4.1-flash")
+_V41_ROUTED = _V41_LAYERS * _V41_EXPERTS * 3 * _V41_ENGRAM.hidden_size * _V41_MOE_INTERMEDIATE
 _V41_EMBED = 2 * 129_280 * _V41_ENGRAM.hidden_size
 
 MODELS: dict[str, ModelSpec] = {
@@ -154,23 +156,23 @@ MODELS: dict[str, ModelSpec] = {
         name="deepseek-v4.1-flash",
         engram=_V41_ENGRAM,
         weights=(
-            WeightGroup("routed experts", 552e9 - _V41_NONROUTED, "fp4", routed=True),
-            WeightGroup("attention, shared experts, router", _V41_NONROUTED - _V41_EMBED, "fp8"),
+            WeightGroup("routed experts", _V41_ROUTED, "fp4", routed=True),
+            WeightGroup("attention, shared experts, router", 552e9 - _V41_ROUTED - _V41_EMBED, "fp8"),
             WeightGroup("embedding and head", _V41_EMBED, "bf16"),
         ),
         active_params_prefill=8e9,
         active_params_decode=16e9,
-        num_layers=43,
+        num_layers=_V41_LAYERS,
         kv_bytes_per_token=9.62 * 2**30 / 2**20 / 61 * 43 / 4,
         hidden_size=_V41_ENGRAM.hidden_size,
         kv_replicated_across_tp=True,
-        num_experts=256,
-        experts_per_token=6,
+        num_experts=_V41_EXPERTS,
+        experts_per_token=_V41_TOP_K,
         compute_precision="fp8",
         notes=(
             "routed experts FP4 (e2m1 + ue8m0/32), other weights FP8 (e4m3, 128x128 scales): V4 model card",
-            "non-routed share 2.6%, 43 layers, 256 experts top-6: assumed equal to DeepSeek-V4-Flash",
-            "KV 1,736 B/token: V4-Pro 9.62 GiB per 1M tokens scaled to 43 layers, then / 4 (V4.1 claim)",
+            "40 layers, 384 routed experts top-6 of 3 x 5,120 x 2,304: released config.json; every layer MoE: assumed",
+            "KV 1,736 B/token: V4-Pro 9.62 GiB per 1M tokens scaled to V4-Flash's 43 layers, then / 4 (V4.1 claim)",
         ),
     ),
 }

@@ -232,14 +232,20 @@ def load_trace(path: str | Path) -> np.ndarray:
         if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{path}: the .npy array holds {arr.dtype}; row ids must be integers (int64)")
         return arr.reshape(-1).astype(np.int64, copy=False)
-    text = path.read_bytes().split()
+    return np.array([_row_id(token, path) for token in path.read_bytes().split()], dtype=np.int64)
+
+
+def _row_id(token: bytes, path: Path) -> int:
+    """One row id of a text trace: a 64-bit signed integer."""
     try:
-        return np.array([int(t) for t in text], dtype=np.int64)
+        value = int(token)
     except ValueError:
-        bad = next(t for t in text if not t.lstrip(b"-").isdigit())
         raise ValueError(
-            f"{path}: {bad[:40]!r} is not an integer; a text trace holds row ids separated by whitespace"
+            f"{path}: {token[:40]!r} is not an integer; a text trace holds row ids separated by whitespace"
         ) from None
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{path}: row id {value} does not fit in 64 bits (int64)")
+    return value
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ larger of its memory time (weights its tokens touch plus KV read, over HBM bandw
 its compute time (2 FLOPs per active parameter per token: decode and prefill tokens have
 their own active counts), plus the all-reduces TP adds. A decode step is one without
 prefill tokens. Layers are taken as equal shares of a step, so the time from forward
-entry to an Engram layer is that layer's share; the prefetch window is the time before the
-first Engram layer (rows are requested at forward entry, so embedding and those layers
-hide them).
+entry to an Engram layer is that layer's share (rows are requested at forward entry, so
+embedding and the layers before an Engram layer hide its rows); the prefetch window is
+the time before the first Engram layer.
 """
 
 from __future__ import annotations

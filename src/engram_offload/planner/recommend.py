@@ -141,7 +141,7 @@ def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[st
             f"Each decode step moves {c.batch} x {c.bytes_per_token_per_gpu:,} B = "
             f"{_fmt_bytes(c.link_bytes_per_step)} per GPU over {c.link} in about "
             f"{c.transfer_us:.0f} us; the layers before Engram layer {model.first_engram_layer} "
-            f"take {c.window_us:.0f} us: {verdict}."
+            f"take {c.window_us:.0f} us, and each Engram layer waits only for its own rows: {verdict}."
         )
         if c.prefill_stall_us > 0:
             out.append(
