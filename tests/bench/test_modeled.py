@@ -30,9 +30,9 @@ def test_a_step_lasts_the_planners_roofline_split_at_the_engram_layers(decode, p
     segments = model.segments_us(shape)
     assert model.step_time(shape).backbone_us == want
     assert sum(segments) == pytest.approx(want, rel=1e-12)
-    first, second = V41.engram.layer_ids  # 1 and 14 of 43 layers
-    assert segments[0] == pytest.approx(want * first / 43, rel=1e-12)
-    assert segments[1] == pytest.approx(want * (second - first) / 43, rel=1e-12)
+    first, second = V41.engram.layer_ids  # 1 and 14 of its 40 layers
+    assert segments[0] == pytest.approx(want * first / V41.num_layers, rel=1e-12)
+    assert segments[1] == pytest.approx(want * (second - first) / V41.num_layers, rel=1e-12)
 
 
 def test_a_decode_step_is_the_planners_decode_step():
@@ -66,7 +66,7 @@ def test_a_wait_for_rows_delays_the_rest_of_the_step():
 def test_a_scaled_table_gets_its_presets_backbone():
     config = EngramConfig.from_name("deepseek-v4.1-flash").scaled(0.01)
     model = modeled_backbone(config, "B300", 2)
-    assert model.model.num_layers == 43 and model.model.engram == config and model.tp == 2
+    assert model.model.num_layers == V41.num_layers == 40 and model.model.engram == config and model.tp == 2
     with pytest.raises(ValueError, match="unknown GPU"):
         modeled_backbone(config, "h9000", 2)
     with pytest.raises(ValueError, match="beyond"):
@@ -83,7 +83,7 @@ def test_the_prediction_is_the_planners_stall_for_each_step():
         roof = step_time(V41, gpu, 2, d, p, kv, DEFAULT_ASSUMPTIONS).backbone_us
         due = fetch_time(V41, gpu, 2, "nvme", d, 0.5, DEFAULT_ASSUMPTIONS)
         total = fetch_time(V41, gpu, 2, "nvme", d + p, 0.5, DEFAULT_ASSUMPTIONS)
-        stalls.append(step_stall_us(due, total, [roof * 1 / 43, roof * 14 / 43], roof))
+        stalls.append(step_stall_us(due, total, [roof * 1 / V41.num_layers, roof * 14 / V41.num_layers], roof))
         totals.append(roof + stalls[-1])
         reads += total.nvme_reads * 2
     assert got["stall_us"] == pytest.approx(sum(stalls) / 2)
