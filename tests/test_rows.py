@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_offload.rows import (
-    ROW_FORMATS, decode_rows, dequantize_fp8_blocks, dequantize_fp8_ue8m0, encode_rows, row_bytes, ue8m0_scales,
+    ROW_FORMATS, decode_rows, dequantize_fp8_blocks, dequantize_fp8_ue8m0, encode_rows, quantize_fp8_ue8m0, row_bytes,
+    ue8m0_exponents, ue8m0_scales,
 )
 
 
@@ -129,3 +130,61 @@ def test_block_dequantization_of_a_matrix_with_a_partial_block():
             assert float(out[o, i]) == float(fp8[o, i].float()) * 2.0 ** (int(scales[o // 32, i // 32]) - 127)
     with pytest.raises(ValueError, match=r"must be \[3, 2\], got \[2, 2\]"):
         dequantize_fp8_blocks(fp8, scales[:2])
+
+
+def test_row_sizes_of_every_format():
+    assert [row_bytes(f, 64) for f in ("fp32", "bf16", "fp16", "fp8_e4m3_ue8m0", "int8")] == [256, 128, 128, 66, 68]
+    assert row_bytes("fp8_e4m3_ue8m0", 32) == 33 and row_bytes("int8", 1) == 5 and row_bytes("fp32", 3) == 12
+
+
+def test_messages_name_what_was_wrong():
+    with pytest.raises(ValueError, match=r"^unknown row format 'fp4'; choose one of: fp32, bf16, fp16, "
+                                         r"fp8_e4m3_ue8m0, int8$"):
+        row_bytes("fp4", 32)
+    with pytest.raises(ValueError, match=r"^fp8_e4m3_ue8m0 needs head_dim divisible by 32, got 48$"):
+        row_bytes("fp8_e4m3_ue8m0", 48)
+    with pytest.raises(ValueError, match=r"^fp8_e4m3_ue8m0 needs head_dim divisible by 32, got 48$"):
+        encode_rows(torch.zeros(2, 48), "fp8_e4m3_ue8m0")
+    with pytest.raises(ValueError, match=r"^raw rows for int8 at head_dim 32 must be uint8 \[n, 36\], "
+                                         r"got torch.int8 \(2, 36\)$"):
+        decode_rows(torch.zeros(2, 36, dtype=torch.int8), "int8", 32)
+    with pytest.raises(ValueError, match=r"^raw rows for fp32 at head_dim 2 must be uint8 \[n, 8\], "
+                                         r"got torch.uint8 \(8,\)$"):
+        decode_rows(torch.zeros(8, dtype=torch.uint8), "fp32", 2)
+    with pytest.raises(ValueError, match=r"^rows must be \[n, head_dim\], got shape \(2, 3, 4\)$"):
+        encode_rows(torch.zeros(2, 3, 4), "fp32")
+    with pytest.raises(ValueError, match=r"^unknown row format 'fp64'"):
+        encode_rows(torch.zeros(2, 4), "fp64")
+    with pytest.raises(ValueError, match=r"^block scales for a \[70, 40\] weight with 32x32 blocks must be "
+                                         r"\[3, 2\], got \[3, 3\]$"):
+        dequantize_fp8_blocks(torch.zeros(70, 40).to(torch.float8_e4m3fn), torch.zeros(3, 3, dtype=torch.uint8))
+
+
+def test_int8_layout_and_an_all_zero_row():
+    x = torch.tensor([[0.0] * 8, [1.0, -2.0, 0.5, 0.0, 127.0, -127.0, 3.0, 2.0]])
+    raw = encode_rows(x, "int8")
+    assert raw.shape == (2, 12)
+    assert raw[0, 8:].view(torch.float32).item() == 1.0  # a zero row keeps scale 1, not 0/127
+    assert raw[1, 8:].view(torch.float32).item() == 1.0  # amax 127 -> scale 1
+    assert raw[1, :8].view(torch.int8).tolist() == [1, -2, 0, 0, 127, -127, 3, 2]  # 0.5 rounds to even
+    assert torch.equal(decode_rows(raw, "int8", 8), torch.tensor([[0.0] * 8, [1, -2, 0, 0, 127, -127, 3, 2]]))
+    big = encode_rows(torch.tensor([[254.0, -254.0, 1.0, 100.0]]), "int8")
+    assert big[0, 4:].view(torch.float32).item() == 2.0 and big[0, :4].view(torch.int8).tolist() == [127, -127, 0, 50]
+
+
+@pytest.mark.parametrize("fmt", list(ROW_FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_gives_the_asked_dtype(fmt, dtype):
+    x = torch.randn(3, 64)
+    raw = encode_rows(x, fmt)
+    out = decode_rows(raw, fmt, 64, dtype)
+    assert out.dtype == dtype and torch.equal(out, decode_rows(raw, fmt, 64).to(dtype))
+
+
+def test_ue8m0_exponents_at_powers_of_two():
+    amax = torch.tensor([448.0, 448.0 * 1.0000001, 224.0, 449.0, 1.0, 0.0, 448.0 * 2.0**-120, 3e38])
+    assert ue8m0_exponents(amax).tolist() == [0, 1, -1, 1, -8, -127, -120, 120]
+    values, scales = quantize_fp8_ue8m0(torch.tensor([[3e38] + [0.0] * 31, [-448.0] + [1.0] * 31]))
+    assert scales.tolist() == [[247], [127]]
+    assert values[1].float().tolist() == [-448.0] + [1.0] * 31 and values[0, 0].float().item() == 224.0  # 225.6 rounded
+    assert torch.equal(dequantize_fp8_ue8m0(values, scales), dequantize_fp8_ue8m0(values, scales, torch.float32))
