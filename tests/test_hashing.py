@@ -66,7 +66,8 @@ def test_negative_ids_pass_through_like_the_demo(small_hasher):
 
 
 def test_out_of_vocabulary_id_is_named(small_hasher):
-    with pytest.raises(ValueError, match=r"token id 50 .* vocabulary of 50"):
+    with pytest.raises(ValueError, match=r"^token id 50 is outside the vocabulary of 50 ids; "
+                                         r"was the text tokenized with another tokenizer\?$"):
         small_hasher.hash([[1, 2, 50]])
 
 
@@ -294,3 +295,21 @@ def test_sequence_slots_are_reused_after_release(small_hasher):
         history.release(1000)
         history.release(seq + 5000)
     assert len(history) == 0 and history.capacity == 2 and len(history.tokens) == 2
+
+
+def test_compress_maps_ids_and_passes_negative_ones_through():
+    token_map = np.arange(60, dtype=np.int64)[::-1].copy()  # id i -> 59 - i: no id maps to itself
+    hasher = NgramHasher(SMALL, token_map)
+    assert hasher.compress([0, 1, 40, 59]).tolist() == [59, 58, 19, 0]
+    assert hasher.compress([[0, -1], [40, -7]]).tolist() == [[59, -1], [19, -7]]
+    assert hasher.compress(np.zeros((2, 0), np.int64)).shape == (2, 0)
+    assert hasher.hash_all(np.zeros((2, 0), np.int64)).shape == (2, 0, 2, SMALL.cols_per_layer)
+
+
+def test_shape_and_dtype_errors_are_named(small_hasher):
+    with pytest.raises(ValueError, match=r"^token ids must be integers, got dtype float64$"):
+        small_hasher.hash_all(np.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"^input_ids must be \[batch, tokens\], got shape \(3,\)$"):
+        small_hasher.hash_all([1, 2, 3])
+    with pytest.raises(ValueError, match=r"^dead_mask shape \(1, 2\) != input_ids shape \(1, 3\)$"):
+        small_hasher.hash_all([[1, 2, 3]], np.zeros((1, 2), bool))
