@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engram_offload import rows
 from engram_offload.rows import (
     ROW_FORMATS, decode_rows, dequantize_fp8_blocks, dequantize_fp8_ue8m0, encode_rows, quantize_fp8_ue8m0, row_bytes,
     ue8m0_exponents, ue8m0_scales,
@@ -74,7 +75,8 @@ def test_bad_input_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_decode_matches_the_reference_bit_for_bit(dtype):
+def test_fp8_decode_matches_the_reference_bit_for_bit(dtype, monkeypatch):
+    monkeypatch.setattr(rows, "_FP8_TABLES", {})  # the decode table built here, not one made earlier
     # every (scale byte, fp8 byte) pair, in rows of 64 values (two blocks of 32)
     values = torch.arange(256, dtype=torch.uint8).repeat(256)  # [65536]
     scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(256)  # [65536]
@@ -188,3 +190,31 @@ def test_ue8m0_exponents_at_powers_of_two():
     assert scales.tolist() == [[247], [127]]
     assert values[1].float().tolist() == [-448.0] + [1.0] * 31 and values[0, 0].float().item() == 224.0  # 225.6 rounded
     assert torch.equal(dequantize_fp8_ue8m0(values, scales), dequantize_fp8_ue8m0(values, scales, torch.float32))
+
+
+def test_non_finite_values_saturate_and_exponents_stay_in_range():
+    x = torch.ones(1, 32)
+    x[0, :2] = torch.tensor([float("inf"), -float("inf")])
+    raw = encode_rows(x, "fp8_e4m3_ue8m0")
+    assert raw[0, 32] == 127  # the block keeps scale 1: the finite values are exact
+    assert decode_rows(raw, "fp8_e4m3_ue8m0", 32)[0, :3].tolist() == [448.0, -448.0, 1.0]
+    # exponents never leave the ue8m0 range, whatever the block maxima's dtype
+    assert ue8m0_exponents(torch.tensor([1e300, 1e-300], dtype=torch.float64)).tolist() == [127, -126]
+
+
+def test_block_dequantization_gives_the_asked_dtype():
+    fp8 = torch.full((32, 32), 1.5).to(torch.float8_e4m3fn)
+    out = dequantize_fp8_blocks(fp8, torch.tensor([[128]], dtype=torch.uint8), dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and (out == 3.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_decode_on_the_gpu_matches_the_cpu_bit_for_bit(dtype):
+    values = torch.arange(256, dtype=torch.uint8).repeat(256)
+    scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(256)
+    raw = torch.cat([values.view(-1, 64), scales.view(-1, 32)[:, 0].reshape(-1, 2)], dim=1)  # [1024, 66]
+    got = decode_rows(raw.cuda(), "fp8_e4m3_ue8m0", 64, dtype)
+    want = decode_rows(raw, "fp8_e4m3_ue8m0", 64, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert got.device.type == "cuda" and torch.equal(got.cpu().view(bits), want.view(bits))
