@@ -218,3 +218,14 @@ def test_fp8_decode_on_the_gpu_matches_the_cpu_bit_for_bit(dtype):
     want = decode_rows(raw, "fp8_e4m3_ue8m0", 64, dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert got.device.type == "cuda" and torch.equal(got.cpu().view(bits), want.view(bits))
+
+
+def test_int8_rows_of_small_magnitude_and_of_other_float_dtypes():
+    x = torch.tensor([[0.5, -0.25, 0.125, 0.0], [1e-3, 0.0, -1e-3, 5e-4]])
+    raw = encode_rows(x, "int8")
+    assert raw[:, 4:].contiguous().view(torch.float32).flatten().tolist() == [
+        torch.tensor(0.5 / 127).item(), torch.tensor(1e-3 / 127).item()]  # amax / 127, also below 1
+    assert (decode_rows(raw, "int8", 4) - x).abs().max() <= 0.5 / 254
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):  # encoded from float32 values
+        y = (torch.randn(3, 64) * 3).to(dtype)
+        assert torch.equal(encode_rows(y, "int8"), encode_rows(y.float(), "int8")), dtype
