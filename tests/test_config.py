@@ -392,3 +392,31 @@ def test_multipliers_are_odd_and_bounded():
     assert not np.array_equal(c.multipliers(1, 37), c.replace(seed=4).multipliers(1, 37))
     huge = c.multipliers(1, 2**62)  # the bound floors at 1: every multiplier is 1
     assert huge.tolist() == [1, 1, 1, 1]
+
+
+def test_head_count_defaults_for_missing_fields():
+    # a missing max_ngram_size counts as 2 (one order), a missing n_heads as 1
+    check_config_fields({"layer_ids": list(range(256)), "prime_starts": [7], "n_heads": 16})  # 256 x 1 x 16
+    check_config_fields({"layer_ids": list(range(256)), "prime_starts": [7], "max_ngram_size": 17 - 1})  # x 15 x 1
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
+    "check_config_fields counts a missing max_ngram_size as 2 but its too-many-heads message reads "
+    "fields['max_ngram_size'] (and fields['n_heads']): KeyError instead of the ValueError naming the field"))
+def test_too_many_heads_with_a_missing_field_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^256 layers x 1 orders x 17 heads = 4,352 hashed heads"):
+        check_config_fields({"layer_ids": list(range(256)), "prime_starts": [7], "n_heads": 17})
+
+
+def test_the_smallest_layout_and_three_layers():
+    c = EngramConfig(layer_ids=(9, 4, 7), max_ngram_size=2, n_heads=1, head_dim=1, prime_starts=(2,))
+    assert c.row_bytes == 4 and c.primes == {9: ((2,),), 4: ((3,),), 7: ((5,),)}  # primes >= the start
+    assert c.layer_row_bases == (0, 2, 5) and c.layer_row_base(7) == 5 and c.num_rows == 10
+    assert c.bytes_per_token_per_gpu() == c.bytes_per_token == 12
+
+
+def test_a_flat_config_ignores_a_text_config_beside_it():
+    flat = {"engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+            "engram_vocab_size": [100, 200], "hidden_size": 64}
+    assert EngramConfig.from_hf_config(flat | {"text_config": {"hidden_size": 96, "engram_n_heads": 4}}) == \
+        EngramConfig.from_hf_config(flat)
