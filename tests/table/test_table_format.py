@@ -341,3 +341,115 @@ def test_directory_or_empty_output_is_refused_before_writing(tmp_path, config):
     with pytest.raises(ValueError, match="empty"):
         TableWriter("", config)
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+# ---------------------------------------------------------------- what a damaged file's error says
+def test_open_errors_say_what_is_wrong(table, tmp_path):
+    data = table.read_bytes()
+    size = len(data)
+    short = tmp_path / "short.tbl"
+    short.write_bytes(data[:23])
+    with pytest.raises(TableFormatError, match=rf"^{short} is not an engram-offload table: 23 bytes is too short "
+                                               "for a header$"):
+        read_header(short)
+    foreign = tmp_path / "foreign.tbl"
+    foreign.write_bytes(b"GGUF" + data[4:])
+    with pytest.raises(TableFormatError, match=rf"^{foreign} is not an engram-offload table \(starts with "
+                                               r"b'GGUFAMTB', expected b'ENGRAMTB'\)$"):
+        read_header(foreign)
+    version = tmp_path / "v3.tbl"
+    version.write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(TableFormatError, match=rf"^{version} has table format version 3; this engram-offload "
+                                               r"reads versions 1, 2: rewrite the table with this version "
+                                               r"\(make-table or convert\)$"):
+        read_header(version)
+    (length,) = struct.unpack("<I", data[12:16])
+    for bad_length, message in [(1 << 24 | 1, r"header length 16777217 is implausible; the file is damaged$"),
+                                (size, rf"is truncated inside its header \({size} bytes\)$")]:
+        path = tmp_path / "length.tbl"
+        path.write_bytes(data[:12] + struct.pack("<I", bad_length) + data[16:])
+        with pytest.raises(TableFormatError, match=rf"^{path}: {message}" if "implausible" in message
+                           else rf"^{path} {message}"):
+            read_header(path)
+    ok = tmp_path / "ok.tbl"
+    ok.write_bytes(data[:12] + struct.pack("<I", 1 << 24) + data[16:])  # at the limit: read, then refused
+    with pytest.raises(TableFormatError, match="truncated inside its header"):
+        read_header(ok)
+    damaged = tmp_path / "damaged.tbl"
+    damaged.write_bytes(data[:30] + bytes([data[30] ^ 1]) + data[31:])
+    with pytest.raises(TableFormatError, match=rf"^{damaged}: the header does not match its checksum; "
+                                               "the file is damaged$"):
+        read_header(damaged)
+    for cut, what, expected in [(size - 1, "truncated", size), (size + 5, "longer than its header says", size)]:
+        path = tmp_path / f"cut{cut}.tbl"
+        path.write_bytes(data[:cut] + bytes(max(0, cut - size)))
+        with pytest.raises(TableFormatError, match=rf"^{path} is {what}: {cut:,} bytes, expected {expected:,}; "
+                                                   "rewrite or re-copy the table$"):
+            read_header(path)
+    trailer = tmp_path / "trailer.tbl"
+    trailer.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(TableFormatError, match=rf"^{trailer}: the checksum trailer is damaged; rewrite the table$"):
+        read_header(trailer)
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path} is a directory, not a table file: give the table's "
+                                               "file$"):
+        read_header(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^no table file at {tmp_path / 'none.tbl'}$"):
+        read_header(tmp_path / "none.tbl")
+
+
+def test_header_field_errors_name_the_field(table, tmp_path):
+    meta = header_meta(table)
+    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "num_rows": 5})
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: header field num_rows=5 disagrees with "
+                                               rf"the layout derived from its config \({meta['num_rows']}\); "
+                                               "the file is damaged$"):
+        read_header(tmp_path / "bad.tbl")
+    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "block_size": 8192 + 4096 * 0 + 100})
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \(block_size "
+                                               r"8292 is not a whole number of pages\); the file is damaged$"):
+        read_header(tmp_path / "bad.tbl")
+    rewrite_header(table, tmp_path / "bad.tbl", {k: v for k, v in meta.items() if k != "page_checksum"})
+    with pytest.raises(TableFormatError, match=r"header field page_checksum=None disagrees"):
+        read_header(tmp_path / "bad.tbl")
+
+
+def test_layout_geometry_of_a_small_table(tmp_path):
+    from engram_offload.config import EngramConfig
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=1000, prime_starts=(10,))
+    layout = TableLayout.for_config(config, block_size=5000)  # 4,000-byte rows: one a page
+    assert (config.num_rows, layout.page_bytes, layout.rows_per_page) == (11, 4096, 1)
+    assert (layout.block_size, layout.num_pages, layout.data_bytes, layout.num_blocks) == (8192, 11, 11 * 4096, 6)
+    assert layout.page_rows(0) == (0, 0) and layout.page_rows(10) == (10, 10)
+    assert layout.block_range(0) == (layout.data_offset, layout.data_offset + 8192)
+    assert layout.block_range(5) == (layout.data_offset + 5 * 8192, layout.trailer_offset)  # the short last block
+    assert layout.trailer_offset == layout.data_offset + 11 * 4096
+    assert layout.page_sums_bytes == 44 and layout.trailer_bytes == 44 + 8 * 7
+    assert layout.file_bytes == layout.trailer_offset + layout.trailer_bytes
+    v1 = TableLayout.for_config(config, block_size=5000, version=1)
+    assert not v1.has_page_sums and v1.page_sums_bytes == 0 and v1.trailer_bytes == 8 * 7
+    assert "page_checksum" not in v1.header_dict() and v1.header_dict()["version"] == 1
+    wide = TableLayout.for_config(config.replace(head_dim=1025))  # 4,100-byte rows: two pages each
+    assert (wide.page_bytes, wide.rows_per_page) == (8192, 1)
+    assert wide.row_offsets(np.array([0, 3])).tolist() == [wide.data_offset, wide.data_offset + 3 * 8192]
+    packed = TableLayout.for_config(config.replace(head_dim=100))  # 400-byte rows: 10 a page
+    assert packed.rows_per_page == 10 and packed.page_rows(1) == (10, 10) and packed.num_pages == 2
+    assert packed.row_offsets(np.array([9, 10])).tolist() == [packed.data_offset + 3600, packed.data_offset + 4096]
+    assert TableLayout.for_config(config, block_size=1 << 30).block_size == 1 << 30
+    with pytest.raises(ValueError, match=r"^block_size must be in 1\.\.1,073,741,824 bytes, got 1073741825$"):
+        TableLayout.for_config(config, block_size=(1 << 30) + 1)
+    with pytest.raises(ValueError, match=r"^format version must be one of \(1, 2\), got 3$"):
+        TableLayout.for_config(config, version=3)
+    big = config.replace(layer_ids=tuple(range(200)))  # a header longer than one page
+    layout = TableLayout.for_config(big)
+    assert layout.data_offset > 4096 and layout.data_offset % 4096 == 0
+    assert layout.data_offset == -(-(24 + len(layout.header_json())) // 4096) * 4096
+
+
+def test_fingerprints_tell_tables_apart(tmp_path, config):
+    a = make_random_table(tmp_path / "a.tbl", config, seed=1)
+    b = make_random_table(tmp_path / "b.tbl", config, seed=1)
+    c = make_random_table(tmp_path / "c.tbl", config, seed=2)
+    d = make_random_table(tmp_path / "d.tbl", config, seed=1, block_size=8192)
+    prints = [read_header(p).fingerprint() for p in (a, b, c, d)]
+    assert prints[0] == prints[1] and len(set(prints)) == 3
+    assert all(isinstance(p, int) and 0 <= p < 2**64 for p in prints)
