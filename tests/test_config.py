@@ -300,6 +300,7 @@ def test_is_prime_edges():
     assert is_prime(2**89 - 1) and is_prime(10**18 + 9)
     assert next_unused_prime(0, set()) == 2 and next_unused_prime(2, {3}) == 5
     assert next_unused_prime(10, {11, 13, 17}) == 19
+    assert next_unused_prime(12, set()) == 13 and next_unused_prime(1, set()) == 2  # start + 1 itself
 
 
 def test_from_hf_config_field_fallbacks(tmp_path):
