@@ -395,6 +395,17 @@ def test_multipliers_are_odd_and_bounded():
     assert huge.tolist() == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 3, 37, 1000, 99_092, 2**40])
+def test_multipliers_follow_the_spec_formula(vocab):
+    """SPEC section 2, in Python integers: m = rng.integers(0, max(1, ((2**63-1) // V') // 2),
+    size=N, dtype=int64) * 2 + 1 with rng = default_rng(seed + 10007 * layer_id)."""
+    c = EngramConfig(layer_ids=(1, 6), max_ngram_size=5, n_heads=1, head_dim=8, prime_starts=(10,) * 4, seed=11)
+    for layer in c.layer_ids:
+        rng = np.random.default_rng(11 + 10007 * layer)
+        want = rng.integers(0, max(1, ((2**63 - 1) // vocab) // 2), size=5, dtype=np.int64) * 2 + 1
+        assert c.multipliers(layer, vocab).tolist() == want.tolist()
+
+
 def test_head_count_defaults_for_missing_fields():
     # a missing max_ngram_size counts as 2 (one order), a missing n_heads as 1
     check_config_fields({"layer_ids": list(range(256)), "prime_starts": [7], "n_heads": 16})  # 256 x 1 x 16
