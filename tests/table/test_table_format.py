@@ -453,3 +453,69 @@ def test_fingerprints_tell_tables_apart(tmp_path, config):
     prints = [read_header(p).fingerprint() for p in (a, b, c, d)]
     assert prints[0] == prints[1] and len(set(prints)) == 3
     assert all(isinstance(p, int) and 0 <= p < 2**64 for p in prints)
+
+
+# ---------------------------------------------------------------- writer arguments and edges
+def test_row_arguments_are_checked_with_their_messages(tmp_path, config):
+    with pytest.raises(ValueError, match=r"^rows must be 2-D, got shape \(66,\)$"):
+        write_table(tmp_path / "t.tbl", config, np.zeros(66, np.uint8))
+    with pytest.raises(ValueError, match=r"^raw uint8 rows must be \[n, 66\] \(fp8_e4m3_ue8m0 at head_dim 64\), "
+                                         r"got \(3, 65\)$"):
+        write_table(tmp_path / "t.tbl", config, np.zeros((3, 65), np.uint8))
+    with pytest.raises(ValueError, match=r"^rows must be float \[n, head_dim\] or uint8 \[n, row_bytes\], "
+                                         r"got torch.int32$"):
+        write_table(tmp_path / "t.tbl", config, torch.zeros((3, 64), dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^float rows must be \[n, 64\], got \(3, 66\)$"):
+        write_table(tmp_path / "t.tbl", config, torch.zeros((3, 66)))
+    n = config.num_rows
+    with pytest.raises(ValueError, match=rf"^the table needs {n:,} rows, only {n - 1:,} were written; "
+                                         "the file was not created$"):
+        write_table(tmp_path / "t.tbl", config, raw_rows_of(config)[:-1])
+    with pytest.raises(ValueError, match=rf"^too many rows: the table holds {n:,} rows, got at least {n + 1:,}$"):
+        write_table(tmp_path / "t.tbl", config, iter([raw_rows_of(config), raw_rows_of(config)[:1]]))
+    with pytest.raises(FileNotFoundError, match=rf"^directory {tmp_path / 'no'} does not exist$"):
+        TableWriter(tmp_path / "no" / "t.tbl", config)
+    with pytest.raises(ValueError, match=r"^the output path is empty: give a file name to write the table to$"):
+        TableWriter("", config)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match=rf"^{tmp_path / 'd'} is a directory: give a file name to write "
+                                                "the table to$"):
+        TableWriter(tmp_path / "d", config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_float_rows_in_more_than_one_encode_chunk(tmp_path):
+    from engram_offload.config import EngramConfig
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=2, prime_starts=(70_000,),
+                          row_format="bf16")  # 70,001 rows, above the 65,536 encoded at a time
+    x = np.random.default_rng(0).standard_normal((config.num_rows, 2)).astype(np.float32)[:, ::-1]  # strided
+    path = write_table(tmp_path / "t.tbl", config, x)
+    assert np.array_equal(read_all_rows(path), encode_rows(torch.from_numpy(x.copy()), "bf16").numpy())
+
+
+def test_closing_twice_and_aborting_after_close(tmp_path, config):
+    w = TableWriter(tmp_path / "t.tbl", config)
+    w.write(raw_rows_of(config))
+    assert w.close() == tmp_path / "t.tbl" and w.close() == tmp_path / "t.tbl"
+    w.abort()  # after close: the table stays
+    verify_table(tmp_path / "t.tbl")
+    aborted = TableWriter(tmp_path / "u.tbl", config)
+    aborted.write(raw_rows_of(config)[:10])
+    aborted.abort()
+    aborted.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tbl"]
+
+
+def test_boot_id_without_the_kernel_file_and_writers_without_a_pid(tmp_path, monkeypatch):
+    from engram_offload.table import writer
+    live = f".t.tbl.{boot_id()}.{os.getpid()}.0123abcd.tmp"
+    pid0 = f".t.tbl.{boot_id()}.0.0123abcd.tmp"
+    for name in (live, pid0):
+        (tmp_path / name).write_bytes(b"partial")
+    (tmp_path / f".t.tbl.{boot_id()}.{os.getpid()}.0123abcd.tmp.d").mkdir()  # not a file: never touched
+    assert [p.name for p in dead_temp_files(tmp_path, "t.tbl")] == [pid0]
+    assert dead_temp_files(tmp_path, "other.tbl") == []
+    monkeypatch.setattr(writer, "BOOT_ID_FILE", str(tmp_path / "missing"))
+    assert boot_id() == "0" * 32
+    assert writer.temp_path(tmp_path / "t.tbl").name.startswith(f".t.tbl.{'0' * 32}.{os.getpid()}.")
+    assert {p.name for p in dead_temp_files(tmp_path)} == {live, pid0}  # another boot now
