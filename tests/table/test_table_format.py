@@ -600,3 +600,10 @@ def test_a_header_config_is_read_as_a_config_is_built(table, tmp_path):
     del meta["config"]["name"]
     rewrite_header(table, tmp_path / "old.tbl", meta)
     assert read_header(tmp_path / "old.tbl").layout == read_header(table).layout
+
+
+def test_progress_is_shown_when_asked(tmp_path, config, capfd):
+    write_table(tmp_path / "quiet.tbl", config, raw_rows_of(config), progress=False)
+    assert "writing" not in capfd.readouterr().err  # a tiny table: no bar by default either
+    write_table(tmp_path / "shown.tbl", config, raw_rows_of(config), progress=True)
+    assert "writing shown.tbl" in capfd.readouterr().err
