@@ -607,3 +607,10 @@ def test_progress_is_shown_when_asked(tmp_path, config, capfd):
     assert "writing" not in capfd.readouterr().err  # a tiny table: no bar by default either
     write_table(tmp_path / "shown.tbl", config, raw_rows_of(config), progress=True)
     assert "writing shown.tbl" in capfd.readouterr().err
+
+
+def test_bfloat16_tensors_are_written(tmp_path, tiny_config):
+    config = tiny_config("bf16", 80)
+    x = torch.randn(config.num_rows, 80).to(torch.bfloat16)  # a dtype NumPy has not
+    path = write_table(tmp_path / "t.tbl", config, x)
+    assert torch.equal(torch.from_numpy(read_all_rows(path)), encode_rows(x, "bf16"))
