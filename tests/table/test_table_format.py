@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -606,7 +607,9 @@ def test_progress_is_shown_when_asked(tmp_path, config, capfd):
     write_table(tmp_path / "quiet.tbl", config, raw_rows_of(config), progress=False)
     assert "writing" not in capfd.readouterr().err  # a tiny table: no bar by default either
     write_table(tmp_path / "shown.tbl", config, raw_rows_of(config), progress=True)
-    assert "writing shown.tbl" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "writing shown.tbl" in err
+    assert re.search(r" (\d+\.\d)/\1 kB ", err), "the bar did not reach the data's size"
 
 
 def test_bfloat16_tensors_are_written(tmp_path, tiny_config):
