@@ -516,10 +516,17 @@ def test_boot_id_without_the_kernel_file_and_writers_without_a_pid(tmp_path, mon
     (tmp_path / f".t.tbl.{boot_id()}.{os.getpid()}.0123abcd.tmp.d").mkdir()  # not a file: never touched
     assert [p.name for p in dead_temp_files(tmp_path, "t.tbl")] == [pid0]
     assert dead_temp_files(tmp_path, "other.tbl") == []
+    made = writer.temp_path(tmp_path / "t.tbl")
+    made.write_bytes(b"partial")
     monkeypatch.setattr(writer, "BOOT_ID_FILE", str(tmp_path / "missing"))
     assert boot_id() == "0" * 32
     assert writer.temp_path(tmp_path / "t.tbl").name.startswith(f".t.tbl.{'0' * 32}.{os.getpid()}.")
-    assert {p.name for p in dead_temp_files(tmp_path)} == {live, pid0}  # another boot now
+    assert {p.name for p in dead_temp_files(tmp_path)} == {live, pid0, made.name}  # another boot now
+    # whatever the kernel file holds, the id is 32 characters: dashes dropped, cut or padded with 0
+    for text, want in [("1234-abcd\n", "1234abcd" + "0" * 24), ("f" * 40, "f" * 32)]:
+        (tmp_path / "boot").write_text(text)
+        monkeypatch.setattr(writer, "BOOT_ID_FILE", str(tmp_path / "boot"))
+        assert boot_id() == want
 
 
 def test_block_size_errors_in_a_header_name_the_field(table, tmp_path):
