@@ -53,12 +53,15 @@ def memory_tier(tables):
 
 def test_reads_are_counted(memory_tier):
     tier, expected = memory_tier
-    assert tier.stats()["requests"] == 0 and tier.stats()["tier"] == "memory"
+    fresh = tier.stats()
+    assert fresh["tier"] == "memory"
+    assert [fresh[k] for k in ("requests", "rows", "reads", "bytes_read", "retries", "pages_checked",
+                               "page_rereads")] == [0] * 7
     np.testing.assert_array_equal(read(tier, [5, 0, 5]), expected[[5, 0, 5]])
     out = torch.empty((0, tier.row_bytes), dtype=torch.uint8)
     assert tier.read_rows(np.zeros(0, np.int64), out) is out  # no rows: nothing read, still a request
     stats = tier.stats()
-    assert (stats["requests"], stats["rows"]) == (2, 3)
+    assert (stats["requests"], stats["rows"], stats["bytes_read"]) == (2, 3, 3 * tier.row_bytes)
     assert set(stats) >= {"tier", "requests", "rows", "reads", "bytes_read", "retries", "pages_checked",
                           "page_rereads"}
 
