@@ -624,3 +624,21 @@ def test_bfloat16_tensors_are_written(tmp_path, tiny_config):
     x = torch.randn(config.num_rows, 80).to(torch.bfloat16)  # a dtype NumPy has not
     path = write_table(tmp_path / "t.tbl", config, x)
     assert torch.equal(torch.from_numpy(read_all_rows(path)), encode_rows(x, "bf16"))
+
+
+def test_cleaning_goes_on_when_another_cleaner_removed_a_file_first(tmp_path, monkeypatch):
+    from engram_offload.table import writer
+    dead = _dead_pid()
+    names = [f".{t}.tbl.{boot_id()}.{dead}.0123abcd.tmp" for t in ("a", "b", "c")]
+    for name in names:
+        (tmp_path / name).write_bytes(b"partial")
+    real = writer.dead_temp_files
+
+    def listed_then_raced(directory, target=None):
+        found = real(directory, target)
+        found[0].unlink()  # another cleaner removes the first one after this one listed it
+        return found
+
+    monkeypatch.setattr(writer, "dead_temp_files", listed_then_raced)
+    assert [p.name for p in writer.clean_temp_files(tmp_path)] == names[1:]
+    assert list(tmp_path.iterdir()) == []
