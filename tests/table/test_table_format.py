@@ -642,3 +642,21 @@ def test_cleaning_goes_on_when_another_cleaner_removed_a_file_first(tmp_path, mo
     monkeypatch.setattr(writer, "dead_temp_files", listed_then_raced)
     assert [p.name for p in writer.clean_temp_files(tmp_path)] == names[1:]
     assert list(tmp_path.iterdir()) == []
+
+
+HEADER_KEYS = {"magic", "version", "config", "layer_ids", "head_sizes", "layer_row_bases", "num_rows", "head_dim",
+               "row_format", "row_bytes", "stride", "rows_per_page", "data_offset", "data_bytes", "block_size",
+               "num_blocks", "checksum", "trailer_offset", "file_bytes"}  # docs/table-format.md, "Header keys"
+
+
+def test_header_keys_are_the_documented_ones_sorted(tmp_path, config):
+    for version, extra in ((1, set()), (2, {"page_checksum", "page_checksums_offset"})):
+        path = make_random_table(tmp_path / f"v{version}.tbl", config, seed=0, version=version)
+        meta = header_meta(path)
+        assert set(meta) == HEADER_KEYS | extra
+        assert list(meta) == sorted(meta)  # written with sorted keys: the bytes (and fingerprint) are stable
+        layout = read_header(path).layout
+        assert (meta["layer_row_bases"], meta["head_dim"], meta["row_format"]) == \
+            (list(config.layer_row_bases), config.head_dim, config.row_format)
+        assert (meta["rows_per_page"], meta["data_bytes"], meta["file_bytes"]) == \
+            (layout.rows_per_page, layout.data_bytes, os.path.getsize(path))
