@@ -440,10 +440,13 @@ def test_layout_geometry_of_a_small_table(tmp_path):
         TableLayout.for_config(config, block_size=(1 << 30) + 1)
     with pytest.raises(ValueError, match=r"^format version must be one of \(1, 2\), got 3$"):
         TableLayout.for_config(config, version=3)
+    assert TableLayout.for_config(config, block_size=1).block_size == 4096  # rounded up to a page
     big = config.replace(layer_ids=tuple(range(200)))  # a header longer than one page
     layout = TableLayout.for_config(big)
     assert layout.data_offset > 4096 and layout.data_offset % 4096 == 0
     assert layout.data_offset == -(-(24 + len(layout.header_json())) // 4096) * 4096
+    old = TableLayout.for_config(big, version=1)  # the version survives settling the header size
+    assert old.version == 1 and old.header_dict()["version"] == 1 and not old.has_page_sums
 
 
 def test_fingerprints_tell_tables_apart(tmp_path, config):
