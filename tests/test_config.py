@@ -378,6 +378,7 @@ def test_derived_sizes_of_a_small_layout():
     assert (c.num_orders, c.cols_per_layer, c.rows_per_token) == (2, 4, 8)
     assert (c.row_bytes, c.table_bytes, c.bytes_per_token) == (64, 180 * 64, 8 * 64)
     assert [c.bytes_per_token_per_gpu(tp) for tp in (1, 2, 3, 4, 5)] == [512, 256, 256, 128, 128]
+    assert c.bytes_per_token_per_gpu() == 512  # one rank by default
     with pytest.raises(ValueError, match=r"^tensor-parallel degree must be >= 1, got 0$"):
         c.bytes_per_token_per_gpu(0)
     assert c.to_dict()["layer_ids"] == [5, 2] and c.to_dict()["prime_starts"] == [10, 20]
