@@ -553,15 +553,20 @@ def test_the_fingerprint_is_its_documented_hash(table):
 
 
 def test_a_live_writer_is_never_disturbed_and_pid_1_is_alive(tmp_path):
-    # the child restores SIGHUP's default: a parent started under nohup would pass on its "ignore"
-    code = "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); time.sleep(60)"
-    child = subprocess.Popen([sys.executable, "-c", code])
+    # the child restores SIGHUP's default (a parent started under nohup passes on "ignore"),
+    # then says it is ready
+    code = ("import signal, sys, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        for pid in (child.pid, 1):
-            (tmp_path / f".t.tbl.{boot_id()}.{pid}.0123abcd.tmp").write_bytes(b"partial")
+        assert child.stdout.readline().strip() == "ready"
+        (tmp_path / f".t.tbl.{boot_id()}.{child.pid}.0123abcd.tmp").write_bytes(b"partial")
+        assert dead_temp_files(tmp_path) == [] and clean_temp_files(tmp_path) == []
+        with pytest.raises(subprocess.TimeoutExpired):  # looking for dead writers signalled a live one
+            child.wait(timeout=0.5)
+        # only once no signal but 0 is sent: pid 1 (a container's only process) is a live writer
+        (tmp_path / f".t.tbl.{boot_id()}.1.0123abcd.tmp").write_bytes(b"partial")
         assert dead_temp_files(tmp_path) == []
-        assert clean_temp_files(tmp_path) == []
-        assert child.poll() is None, "looking for dead writers signalled a live one"
     finally:
         child.kill()
         child.wait()
