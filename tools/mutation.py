@@ -40,7 +40,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "prefetch": (["prefetch.py"], ["tests/test_prefetch.py"]),
     "sharding": (["sharding.py"], ["tests/test_sharding.py"]),
     "table": (["table/format.py", "table/writer.py"], ["tests/table"]),
-    "tiers/base": (["tiers/base.py"], ["tests/tiers/test_tier_base.py", "tests/tiers/test_tiers_read.py"]),
+    "tiers/base": (["tiers/base.py"], ["tests/tiers/test_tier_base.py"]),  # its closes fail fast, never hang
     "cache/policy": (["cache/policy.py"], ["tests/cache/test_policy.py", "tests/cache/test_cache_index.py"]),
     "cache/admission": (["cache/admission.py"],
                         ["tests/cache/test_admission.py", "tests/cache/test_cache_index.py"]),

@@ -14,6 +14,14 @@ from engram_offload.tiers import as_row_ids, open_tier
 from tier_cases import read
 
 
+def close_within(tier, seconds: float = 5.0) -> None:
+    """Close ``tier``, failing (not hanging) when close does not return within ``seconds``."""
+    closer = threading.Thread(target=tier.close, daemon=True)
+    closer.start()
+    closer.join(seconds)
+    assert not closer.is_alive(), f"close() did not return within {seconds} s"
+
+
 def test_row_ids_in_every_accepted_form():
     assert as_row_ids(torch.tensor([[3, 1], [2, 0]]), 10).tolist() == [3, 1, 2, 0]  # flattened
     strided = np.arange(20)[::3]
@@ -48,7 +56,7 @@ def memory_tier(tables):
     path, expected = tables[("fp8_e4m3_ue8m0", 64)]
     tier = open_tier("memory", read_header(path))
     yield tier, expected
-    tier.close()
+    close_within(tier)
 
 
 def test_reads_are_counted(memory_tier):
@@ -80,12 +88,13 @@ def test_the_output_buffer_is_checked(memory_tier):
 def test_close_refuses_new_reads_and_is_idempotent(tables):
     path, expected = tables[("fp32", 64)]
     header = read_header(path)
-    with open_tier("memory", header) as tier:
-        assert repr(tier) == f"MemoryTier({str(path)!r}, rows={header.layout.num_rows:,})"
-        assert tier.num_rows == header.layout.num_rows and tier.row_bytes == 256
-        np.testing.assert_array_equal(read(tier, [1]), expected[[1]])
+    tier = open_tier("memory", header)
+    assert repr(tier) == f"MemoryTier({str(path)!r}, rows={header.layout.num_rows:,})"
+    assert tier.num_rows == header.layout.num_rows and tier.row_bytes == 256
+    np.testing.assert_array_equal(read(tier, [1]), expected[[1]])
+    close_within(tier)
     assert tier.closed
-    tier.close()  # again: nothing happens
+    close_within(tier)  # again: nothing happens
     with pytest.raises(ValueError, match=rf"^the memory tier of {path} is closed$"):
         read(tier, [1])
     with pytest.raises(ValueError, match=r"is closed$"):
@@ -107,10 +116,10 @@ def test_close_waits_for_a_read_in_flight(tables):
 
     tier._read = slow_read
     got = []
-    reader = threading.Thread(target=lambda: got.append(read(tier, [2, 3])))
+    reader = threading.Thread(target=lambda: got.append(read(tier, [2, 3])), daemon=True)
     reader.start()
     assert inside.wait(10)
-    closer = threading.Thread(target=lambda: (tier.close(), order.append("closed")))
+    closer = threading.Thread(target=lambda: (tier.close(), order.append("closed")), daemon=True)
     closer.start()
     closer.join(0.3)
     assert closer.is_alive(), "close returned while a read was in flight"
@@ -122,3 +131,18 @@ def test_close_waits_for_a_read_in_flight(tables):
     # a second reader after close, and a second close, do not wait for anything
     with pytest.raises(ValueError, match="is closed"):
         read(tier, [0])
+
+
+def test_a_tier_closes_as_a_context_manager(tables):
+    path, _ = tables[("fp32", 64)]
+    tier = open_tier("memory", read_header(path))
+    exited = threading.Event()
+
+    def use():
+        with tier:
+            read(tier, [0])
+        exited.set()
+
+    threading.Thread(target=use, daemon=True).start()
+    assert exited.wait(5), "leaving the with block did not close the tier in time"
+    assert tier.closed
