@@ -49,6 +49,12 @@ def test_sorted_distinct_ids():
         assert as_row_ids(unsorted, 10).tolist() == unsorted  # without the flag, any order
     with pytest.raises(IndexError, match=r"^row id 10 \(at position 1\)"):  # range first, then order
         as_row_ids([5, 10, 2], 10, sorted_distinct=True)
+    assert as_row_ids(np.zeros(0, np.int64), 10, sorted_distinct=True).shape == (0,)
+    # sorted ids are range-checked by their ends: one past the end, or below 0, is still refused
+    with pytest.raises(IndexError, match=r"^row id 10 \(at position 2\) is out of range"):
+        as_row_ids([0, 5, 10], 10, sorted_distinct=True)
+    with pytest.raises(IndexError, match=r"^row id -1 \(at position 0\) is out of range"):
+        as_row_ids([-1, 5, 9], 10, sorted_distinct=True)
 
 
 @pytest.fixture
