@@ -75,3 +75,16 @@ def test_lease_unpins_once_on_release_exit_or_collection():
     empty = Lease(ids[:0], lease.raw[:0], [])
     assert empty.pinned_rows == 0
     empty.release()
+
+
+def test_the_fast_level_is_capped_at_the_table_too():
+    fast, dram = build_levels(RB, 100 * RB, fast_cache_bytes=80 * RB, fast_device="cpu", num_rows=30)
+    assert (fast.capacity, dram.capacity) == (30, 30)
+
+
+@pytest.mark.gpu
+def test_the_fast_level_lives_on_the_gpu():
+    fast, dram = build_levels(RB, 8 * RB, fast_cache_bytes=4 * RB)  # CUDA by default
+    assert fast.device.type == "cuda" and dram.device.type == "cpu"
+    (chosen,) = build_levels(RB, 0, fast_cache_bytes=4 * RB, fast_device="cuda:0")
+    assert chosen.device == torch.device("cuda", 0)
