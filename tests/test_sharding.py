@@ -258,3 +258,13 @@ def test_assemble_columns_in_a_group_of_one(tmp_path):
             assemble_columns(local[:, :, 0], 5)
     finally:
         dist.destroy_process_group()
+
+
+def test_packing_over_three_layers():
+    config = EngramConfig(layer_ids=(1, 3, 5), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(200, 200),
+                          row_format="bf16")  # C = 4
+    rows = shard_rows(config, (1, 3))
+    every = rows.to_global(np.arange(rows.num_rows))
+    assert np.array_equal(rows.to_local(every), np.arange(rows.num_rows))
+    lo, hi = rows.ranges[2]
+    assert rows.to_local(np.array([lo, hi - 1])).tolist() == [rows.num_rows - (hi - lo), rows.num_rows - 1]
