@@ -1,10 +1,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_offload.config import EngramConfig
+from engram_offload import hashing
 from engram_offload.hashing import NgramHasher
 from reference import reference_row_ids
 
@@ -15,9 +16,9 @@ VOCAB = 50
 TOKEN_MAP = np.array([i % 37 for i in range(VOCAB)], dtype=np.int64)  # 37 compressed ids
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def small_hasher() -> NgramHasher:
-    return NgramHasher(SMALL, TOKEN_MAP)
+    return NgramHasher(SMALL, TOKEN_MAP)  # one per test: every test checks its construction
 
 
 def test_demo_vectors(demo_vectors):
@@ -43,11 +44,18 @@ def test_matches_reference_with_dead_tokens(small_hasher):
         assert np.array_equal(got[b], reference_row_ids(SMALL, TOKEN_MAP, ids[b].tolist(), dead[b].tolist()))
 
 
-def test_large_batch_uses_threads_and_matches(small_hasher):
-    rng = np.random.default_rng(2)
-    ids = rng.integers(0, VOCAB, (3, 5000))  # above the per-thread chunk
-    got = small_hasher.hash_all(ids).numpy()
-    assert np.array_equal(got[1, -50:], reference_row_ids(SMALL, TOKEN_MAP, ids[1].tolist())[-50:])
+def test_large_batch_uses_threads_and_matches(small_hasher, monkeypatch):
+    """A batch above the per-thread chunk equals the same tokens hashed in small steps, at every
+    position (fresh ids each run, so no earlier result can stand in for this one)."""
+    monkeypatch.setattr(hashing, "_POOL", None)  # the worker pool is made on first use
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    ids = np.random.default_rng(seed).integers(0, VOCAB, (3, 5000))
+    got = small_hasher.hash_all(ids)
+    history = small_hasher.new_history()
+    steps = [small_hasher.hash_pieces(history, [0, 1, 2], list(ids[:, s:s + 1000])) for s in range(0, 5000, 1000)]
+    want = torch.stack([torch.cat([step[b * 1000:(b + 1) * 1000] for step in steps]) for b in range(3)])
+    assert torch.equal(got, want), f"seed {seed}"
+    assert np.array_equal(got[1, -50:].numpy(), reference_row_ids(SMALL, TOKEN_MAP, ids[1].tolist())[-50:])
 
 
 def test_negative_ids_pass_through_like_the_demo(small_hasher):
@@ -58,12 +66,14 @@ def test_negative_ids_pass_through_like_the_demo(small_hasher):
 
 
 def test_out_of_vocabulary_id_is_named(small_hasher):
-    with pytest.raises(ValueError, match=r"token id 50 .* vocabulary of 50"):
+    with pytest.raises(ValueError, match=r"^token id 50 is outside the vocabulary of 50 ids; "
+                                         r"was the text tokenized with another tokenizer\?$"):
         small_hasher.hash([[1, 2, 50]])
 
 
 def test_declared_compressed_vocab_must_match():
-    with pytest.raises(ValueError, match=r"compresses to 37 .* declares .* 99,092"):
+    with pytest.raises(ValueError, match=r"^the tokenizer compresses to 37 ids but the config declares engram_compressed_vocab_size 99,092: "
+                       r"the table was hashed over another tokenizer; load the checkpoint's own tokenizer$"):
         NgramHasher(SMALL.replace(compressed_vocab_size=99_092), TOKEN_MAP)
 
 
@@ -75,7 +85,7 @@ def test_table_ids_add_layer_bases(small_hasher):
     assert int(flat.max()) < SMALL.num_rows
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     data=st.data(),
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
@@ -122,9 +132,9 @@ def test_released_sequence_starts_over(small_hasher):
 
 def test_pieces_argument_errors(small_hasher):
     history = small_hasher.new_history()
-    with pytest.raises(ValueError, match="one entry per sequence"):
+    with pytest.raises(ValueError, match=r"^seq_ids, pieces \(and dead\) must have one entry per sequence$"):
         small_hasher.hash_pieces(history, [1, 2], [[1]])
-    with pytest.raises(ValueError, match="only once per step"):
+    with pytest.raises(ValueError, match=r"^a sequence may appear only once per step$"):
         small_hasher.hash_pieces(history, [1, 1], [[1], [2]])
     with pytest.raises(ValueError, match="2 token ids for 3 sequences"):
         small_hasher.hash_decode(history, [1, 2, 3], [1, 2])
@@ -224,3 +234,79 @@ def test_decode_steps_return_to_the_fast_path_once_image_tokens_leave_the_window
     for s, ids in seqs.items():
         expected = reference_row_ids(WITH_IMAGES, TOKEN_MAP, ids, [t == IMAGE for t in ids])
         assert np.array_equal(torch.cat(got[s]).numpy(), expected), s
+
+
+def test_hash_applies_the_dead_mask_per_layer(small_hasher):
+    ids = np.array([[4, 8, 15, 16, 23, 42]])
+    dead = np.array([[False, False, True, False, False, False]])
+    rows = small_hasher.hash_all(ids, dead)
+    per_layer = small_hasher.hash(ids, dead)
+    assert list(per_layer) == list(SMALL.layer_ids)
+    for i, layer in enumerate(SMALL.layer_ids):
+        assert torch.equal(per_layer[layer], rows[:, :, i])
+    assert not torch.equal(per_layer[1], small_hasher.hash(ids)[1])
+
+
+def test_masks_and_ids_as_tensors_or_columns(small_hasher):
+    """Tensors hash like arrays; a decode step takes a ``[S, 1]`` column of tokens and a
+    piece may be a ``[1, n]`` row (a tokenizer's output)."""
+    ids = np.array([[4, 8, 15, 16, 23, 42]])
+    dead = np.array([[False, True, False, False, True, False]])
+    want = small_hasher.hash_all(ids, dead)
+    assert torch.equal(small_hasher.hash_all(torch.from_numpy(ids), torch.from_numpy(dead)), want)
+    pieces = small_hasher.hash_pieces(small_hasher.new_history(), [0], [torch.from_numpy(ids)],
+                                      dead=[torch.from_numpy(dead)])
+    assert torch.equal(pieces, want[0])
+    history = small_hasher.new_history()
+    first = small_hasher.hash_pieces(history, [0, 1], [ids[:, :3], ids[:, :2]])
+    step = small_hasher.hash_decode(history, [0, 1], torch.tensor([[16], [15]]))
+    assert torch.equal(first[:3], small_hasher.hash_all(ids[:, :3])[0])
+    assert torch.equal(step, torch.stack([small_hasher.hash_all(ids[:, :4])[0, 3],
+                                          small_hasher.hash_all(ids[:, :3])[0, 2]]))
+
+
+def test_a_step_without_sequences_hashes_nothing(small_hasher):
+    out = small_hasher.hash_pieces(small_hasher.new_history(), [], [])
+    assert out.shape == (0, 2, SMALL.cols_per_layer) and out.dtype == torch.int64
+
+
+def test_token_map_and_pad_id_are_checked():
+    with pytest.raises(ValueError, match=r"^token_map must be a non-empty 1-D array of compressed ids$"):
+        NgramHasher(SMALL, np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match=r"^token_map must be a non-empty 1-D array of compressed ids$"):
+        NgramHasher(SMALL, TOKEN_MAP.reshape(5, 10))
+    with pytest.raises(ValueError, match=r"^pad_id 3 is outside the vocabulary of 3$"):
+        NgramHasher(SMALL, TOKEN_MAP[:3])
+    one = NgramHasher(SMALL.replace(pad_id=0), np.array([0]))  # a vocabulary of one id
+    assert one.vocab_size == 1 and one.hash_all([[0, 0]]).shape == (1, 2, 2, SMALL.cols_per_layer)
+
+
+def test_sequence_slots_are_reused_after_release(small_hasher):
+    """A server that starts and finishes many sequences keeps its history at the size of the
+    sequences alive at once; releasing an unknown sequence does nothing."""
+    history = small_hasher.new_history(capacity=2)
+    want = small_hasher.hash_all([[5, 6, 7]])[0]
+    for seq in range(40):
+        assert torch.equal(small_hasher.hash_pieces(history, [seq, 1000], [[5, 6, 7], [1]])[:3], want)
+        history.release(seq)
+        history.release(1000)
+        history.release(seq + 5000)
+    assert len(history) == 0 and history.capacity == 2 and len(history.tokens) == 2
+
+
+def test_compress_maps_ids_and_passes_negative_ones_through():
+    token_map = np.arange(60, dtype=np.int64)[::-1].copy()  # id i -> 59 - i: no id maps to itself
+    hasher = NgramHasher(SMALL, token_map)
+    assert hasher.compress([0, 1, 40, 59]).tolist() == [59, 58, 19, 0]
+    assert hasher.compress([[0, -1], [40, -7]]).tolist() == [[59, -1], [19, -7]]
+    assert hasher.compress(np.zeros((2, 0), np.int64)).shape == (2, 0)
+    assert hasher.hash_all(np.zeros((2, 0), np.int64)).shape == (2, 0, 2, SMALL.cols_per_layer)
+
+
+def test_shape_and_dtype_errors_are_named(small_hasher):
+    with pytest.raises(ValueError, match=r"^token ids must be integers, got dtype float64$"):
+        small_hasher.hash_all(np.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"^input_ids must be \[batch, tokens\], got shape \(3,\)$"):
+        small_hasher.hash_all([1, 2, 3])
+    with pytest.raises(ValueError, match=r"^dead_mask shape \(1, 2\) != input_ids shape \(1, 3\)$"):
+        small_hasher.hash_all([[1, 2, 3]], np.zeros((1, 2), bool))

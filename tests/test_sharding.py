@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from engram_offload.config import EngramConfig
 from engram_offload.hashing import NgramHasher
 from engram_offload.prefetch import Prefetcher
 from engram_offload.sharding import (
-    assemble_columns, shard_columns, shard_ids, shard_rows, split_columns,
+    assemble_columns, require_in_shard, shard_columns, shard_ids, shard_rows, split_columns,
 )
 from engram_offload.store import open_table
 from engram_offload.table import make_random_table, random_rows
@@ -196,3 +198,73 @@ def test_the_package_exports_the_sharding_helpers():
     assert engram_offload.shard_columns is sharding.shard_columns
     assert engram_offload.assemble_columns is sharding.assemble_columns
     assert {"shard_columns", "assemble_columns"} <= set(engram_offload.__all__)
+
+
+# ---------------------------------------------------------------------- arguments and messages
+def test_argument_errors_say_what_is_wrong():
+    config = sharded_config(3, 3)  # C = 6
+    with pytest.raises(ValueError, match=r"^world size must be >= 1, got 0$"):
+        shard_columns(config, 0, 0)
+    for rank in (-1, 4):
+        with pytest.raises(ValueError, match=rf"^rank must be in \[0, 4\), got {rank}$"):
+            shard_columns(config, rank, 4)
+    for columns in ((-1, 2), (3, 2), (0, 7)):
+        with pytest.raises(ValueError, match=rf"^columns must satisfy 0 <= c0 <= c1 <= 6, got "
+                                             rf"{re.escape(str(columns))}$"):
+            shard_rows(config, columns)
+    assert shard_rows(config, (0, 6)).num_rows == config.num_rows  # the whole layer: every row
+    ids = torch.arange(2 * 2 * 6).reshape(2, 2, 6)
+    assert shard_ids(ids, (np.int64(6), np.int64(6))).shape == (2, 2, 0)
+    rows = shard_rows(config, (2, 4))
+    with pytest.raises(IndexError, match=rf"^row 0 is outside this shard's rows "
+                                         rf"{re.escape(str(rows.ranges.tolist()))}$"):
+        rows.to_local(np.array([int(rows.ranges[0, 0]), 0]))
+    with pytest.raises(IndexError, match=rf"^packed positions must be in \[0, {rows.num_rows}\), "
+                                         rf"got 0\.\.{rows.num_rows}$"):
+        rows.to_global(np.array([0, rows.num_rows]))
+    with pytest.raises(IndexError, match=rf"^packed positions must be in \[0, {rows.num_rows}\), got -1\.\.0$"):
+        rows.to_global(np.array([0, -1]))
+    assert rows.to_global(np.zeros(0, np.int64)).shape == (0,)
+    outside = int(rows.ranges[1, 1])
+    with pytest.raises(IndexError, match=rf"^row {outside} is not in the rows of this rank's columns \[2, 4\) "
+                                         rf"\({re.escape(str(rows.ranges.tolist()))}\): fetch only the rank's "
+                                         r"columns \(sharding.shard_ids\), or open the table without columns=$"):
+        require_in_shard(rows, (2, 4), np.array([int(rows.ranges[0, 0]), outside]))
+    require_in_shard(rows, (2, 4), rows.to_global(np.arange(rows.num_rows)))
+
+
+def test_shard_rows_membership_at_the_range_edges():
+    config = sharded_config(3, 3)
+    rows = shard_rows(config, (2, 4))
+    (lo0, hi0), (lo1, hi1) = rows.ranges.tolist()
+    ids = np.array([lo0 - 1, lo0, hi0 - 1, hi0, lo1 - 1, lo1, hi1 - 1, hi1, 0, config.num_rows - 1])
+    assert rows.contains(ids).tolist() == [False, True, True, False, False, True, True, False, False, False]
+    assert rows.to_local(np.array([lo0, hi0 - 1, lo1, hi1 - 1])).tolist() == [0, hi0 - lo0 - 1, hi0 - lo0,
+                                                                              rows.num_rows - 1]
+
+
+def test_assemble_columns_in_a_group_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        local = torch.randn(3, 5, 4, dtype=torch.bfloat16)
+        full = assemble_columns(local, 5)
+        assert full.dtype == torch.bfloat16 and torch.equal(full, local)
+        with pytest.raises(ValueError, match=r"^rank 0 of 1 owns columns \[0, 5\) of 5: local rows must be "
+                                             r"\[T, 5, d\], got \(3, 4, 4\)$"):
+            assemble_columns(local[:, :4], 5)
+        with pytest.raises(ValueError, match=r"got \(3, 5\)$"):
+            assemble_columns(local[:, :, 0], 5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packing_over_three_layers():
+    config = EngramConfig(layer_ids=(1, 3, 5), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(200, 200),
+                          row_format="bf16")  # C = 4
+    rows = shard_rows(config, (1, 3))
+    every = rows.to_global(np.arange(rows.num_rows))
+    assert np.array_equal(rows.to_local(every), np.arange(rows.num_rows))
+    lo, hi = rows.ranges[2]
+    assert rows.to_local(np.array([lo, hi - 1])).tolist() == [rows.num_rows - (hi - lo), rows.num_rows - 1]

@@ -286,7 +286,7 @@ class NgramHasher:
             dead_new = np.zeros(raw.size, bool)
         # ext holds, per sequence, its h remembered tokens (oldest first) then its new piece.
         ext_len = lengths + h
-        ext_start = np.concatenate([[0], np.cumsum(ext_len)[:-1]])
+        ext_start = np.cumsum(ext_len) - ext_len  # [S] (empty for no sequences)
         seq_of_new = np.repeat(np.arange(len(arrays)), lengths)
         rank_in_piece = np.arange(comp.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         new_pos = ext_start[seq_of_new] + h + rank_in_piece  # [total]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -341,3 +342,326 @@ def test_directory_or_empty_output_is_refused_before_writing(tmp_path, config):
     with pytest.raises(ValueError, match="empty"):
         TableWriter("", config)
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+# ---------------------------------------------------------------- what a damaged file's error says
+def test_open_errors_say_what_is_wrong(table, tmp_path):
+    data = table.read_bytes()
+    size = len(data)
+    short = tmp_path / "short.tbl"
+    short.write_bytes(data[:23])
+    with pytest.raises(TableFormatError, match=rf"^{short} is not an engram-offload table: 23 bytes is too short "
+                                               "for a header$"):
+        read_header(short)
+    foreign = tmp_path / "foreign.tbl"
+    foreign.write_bytes(b"GGUF" + data[4:])
+    with pytest.raises(TableFormatError, match=rf"^{foreign} is not an engram-offload table \(starts with "
+                                               r"b'GGUFAMTB', expected b'ENGRAMTB'\)$"):
+        read_header(foreign)
+    version = tmp_path / "v3.tbl"
+    version.write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(TableFormatError, match=rf"^{version} has table format version 3; this engram-offload "
+                                               r"reads versions 1, 2: rewrite the table with this version "
+                                               r"\(make-table or convert\)$"):
+        read_header(version)
+    (length,) = struct.unpack("<I", data[12:16])
+    for bad_length, message in [(1 << 24 | 1, r"header length 16777217 is implausible; the file is damaged$"),
+                                (size, rf"is truncated inside its header \({size} bytes\)$")]:
+        path = tmp_path / "length.tbl"
+        path.write_bytes(data[:12] + struct.pack("<I", bad_length) + data[16:])
+        with pytest.raises(TableFormatError, match=rf"^{path}: {message}" if "implausible" in message
+                           else rf"^{path} {message}"):
+            read_header(path)
+    ok = tmp_path / "ok.tbl"
+    ok.write_bytes(data[:12] + struct.pack("<I", 1 << 24) + data[16:])  # at the limit: read, then refused
+    with pytest.raises(TableFormatError, match="truncated inside its header"):
+        read_header(ok)
+    damaged = tmp_path / "damaged.tbl"
+    damaged.write_bytes(data[:30] + bytes([data[30] ^ 1]) + data[31:])
+    with pytest.raises(TableFormatError, match=rf"^{damaged}: the header does not match its checksum; "
+                                               "the file is damaged$"):
+        read_header(damaged)
+    for cut, what, expected in [(size - 1, "truncated", size), (size + 5, "longer than its header says", size)]:
+        path = tmp_path / f"cut{cut}.tbl"
+        path.write_bytes(data[:cut] + bytes(max(0, cut - size)))
+        with pytest.raises(TableFormatError, match=rf"^{path} is {what}: {cut:,} bytes, expected {expected:,}; "
+                                                   "rewrite or re-copy the table$"):
+            read_header(path)
+    trailer = tmp_path / "trailer.tbl"
+    trailer.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(TableFormatError, match=rf"^{trailer}: the checksum trailer is damaged; rewrite the table$"):
+        read_header(trailer)
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path} is a directory, not a table file: give the table's "
+                                               "file$"):
+        read_header(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^no table file at {tmp_path / 'none.tbl'}$"):
+        read_header(tmp_path / "none.tbl")
+
+
+def test_header_field_errors_name_the_field(table, tmp_path):
+    meta = header_meta(table)
+    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "num_rows": 5})
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: header field num_rows=5 disagrees with "
+                                               rf"the layout derived from its config \({meta['num_rows']}\); "
+                                               "the file is damaged$"):
+        read_header(tmp_path / "bad.tbl")
+    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "block_size": 8192 + 4096 * 0 + 100})
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \(block_size "
+                                               r"8292 is not a whole number of pages\); the file is damaged$"):
+        read_header(tmp_path / "bad.tbl")
+    rewrite_header(table, tmp_path / "bad.tbl", {k: v for k, v in meta.items() if k != "page_checksum"})
+    with pytest.raises(TableFormatError, match=r"header field page_checksum=None disagrees"):
+        read_header(tmp_path / "bad.tbl")
+
+
+def test_layout_geometry_of_a_small_table(tmp_path):
+    from engram_offload.config import EngramConfig
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=1000, prime_starts=(10,))
+    layout = TableLayout.for_config(config, block_size=5000)  # 4,000-byte rows: one a page
+    assert (config.num_rows, layout.page_bytes, layout.rows_per_page) == (11, 4096, 1)
+    assert (layout.block_size, layout.num_pages, layout.data_bytes, layout.num_blocks) == (8192, 11, 11 * 4096, 6)
+    assert layout.page_rows(0) == (0, 0) and layout.page_rows(10) == (10, 10)
+    assert layout.block_range(0) == (layout.data_offset, layout.data_offset + 8192)
+    assert layout.block_range(5) == (layout.data_offset + 5 * 8192, layout.trailer_offset)  # the short last block
+    assert layout.trailer_offset == layout.data_offset + 11 * 4096
+    assert layout.page_sums_bytes == 44 and layout.trailer_bytes == 44 + 8 * 7
+    assert layout.file_bytes == layout.trailer_offset + layout.trailer_bytes
+    v1 = TableLayout.for_config(config, block_size=5000, version=1)
+    assert not v1.has_page_sums and v1.page_sums_bytes == 0 and v1.trailer_bytes == 8 * 7
+    assert "page_checksum" not in v1.header_dict() and v1.header_dict()["version"] == 1
+    wide = TableLayout.for_config(config.replace(head_dim=1025))  # 4,100-byte rows: two pages each
+    assert (wide.page_bytes, wide.rows_per_page) == (8192, 1)
+    assert wide.row_offsets(np.array([0, 3])).tolist() == [wide.data_offset, wide.data_offset + 3 * 8192]
+    packed = TableLayout.for_config(config.replace(head_dim=100))  # 400-byte rows: 10 a page
+    assert packed.rows_per_page == 10 and packed.page_rows(1) == (10, 10) and packed.num_pages == 2
+    assert packed.row_offsets(np.array([9, 10])).tolist() == [packed.data_offset + 3600, packed.data_offset + 4096]
+    assert TableLayout.for_config(config, block_size=1 << 30).block_size == 1 << 30
+    with pytest.raises(ValueError, match=r"^block_size must be in 1\.\.1,073,741,824 bytes, got 1073741825$"):
+        TableLayout.for_config(config, block_size=(1 << 30) + 1)
+    with pytest.raises(ValueError, match=r"^format version must be one of \(1, 2\), got 3$"):
+        TableLayout.for_config(config, version=3)
+    assert TableLayout.for_config(config, block_size=1).block_size == 4096  # rounded up to a page
+    big = config.replace(layer_ids=tuple(range(200)))  # a header longer than one page
+    layout = TableLayout.for_config(big)
+    assert layout.data_offset > 4096 and layout.data_offset % 4096 == 0
+    assert layout.data_offset == -(-(24 + len(layout.header_json())) // 4096) * 4096
+    old = TableLayout.for_config(big, version=1)  # the version survives settling the header size
+    assert old.version == 1 and old.header_dict()["version"] == 1 and not old.has_page_sums
+
+
+def test_fingerprints_tell_tables_apart(tmp_path, config):
+    a = make_random_table(tmp_path / "a.tbl", config, seed=1)
+    b = make_random_table(tmp_path / "b.tbl", config, seed=1)
+    c = make_random_table(tmp_path / "c.tbl", config, seed=2)
+    d = make_random_table(tmp_path / "d.tbl", config, seed=1, block_size=8192)
+    prints = [read_header(p).fingerprint() for p in (a, b, c, d)]
+    assert prints[0] == prints[1] and len(set(prints)) == 3
+    assert all(isinstance(p, int) and 0 <= p < 2**64 for p in prints)
+
+
+# ---------------------------------------------------------------- writer arguments and edges
+def test_row_arguments_are_checked_with_their_messages(tmp_path, config):
+    with pytest.raises(ValueError, match=r"^rows must be 2-D, got shape \(66,\)$"):
+        write_table(tmp_path / "t.tbl", config, np.zeros(66, np.uint8))
+    with pytest.raises(ValueError, match=r"^raw uint8 rows must be \[n, 66\] \(fp8_e4m3_ue8m0 at head_dim 64\), "
+                                         r"got \(3, 65\)$"):
+        write_table(tmp_path / "t.tbl", config, np.zeros((3, 65), np.uint8))
+    with pytest.raises(ValueError, match=r"^rows must be float \[n, head_dim\] or uint8 \[n, row_bytes\], "
+                                         r"got torch.int32$"):
+        write_table(tmp_path / "t.tbl", config, torch.zeros((3, 64), dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^float rows must be \[n, 64\], got \(3, 66\)$"):
+        write_table(tmp_path / "t.tbl", config, torch.zeros((3, 66)))
+    n = config.num_rows
+    with pytest.raises(ValueError, match=rf"^the table needs {n:,} rows, only {n - 1:,} were written; "
+                                         "the file was not created$"):
+        write_table(tmp_path / "t.tbl", config, raw_rows_of(config)[:-1])
+    with pytest.raises(ValueError, match=rf"^too many rows: the table holds {n:,} rows, got at least {n + 1:,}$"):
+        write_table(tmp_path / "t.tbl", config, iter([raw_rows_of(config), raw_rows_of(config)[:1]]))
+    with pytest.raises(FileNotFoundError, match=rf"^directory {tmp_path / 'no'} does not exist$"):
+        TableWriter(tmp_path / "no" / "t.tbl", config)
+    with pytest.raises(ValueError, match=r"^the output path is empty: give a file name to write the table to$"):
+        TableWriter("", config)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match=rf"^{tmp_path / 'd'} is a directory: give a file name to write "
+                                                "the table to$"):
+        TableWriter(tmp_path / "d", config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_float_rows_in_more_than_one_encode_chunk(tmp_path):
+    from engram_offload.config import EngramConfig
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=2, prime_starts=(70_000,),
+                          row_format="bf16")  # 70,001 rows, above the 65,536 encoded at a time
+    x = np.random.default_rng(0).standard_normal((config.num_rows, 2)).astype(np.float32)[:, ::-1]  # strided
+    path = write_table(tmp_path / "t.tbl", config, x)
+    assert np.array_equal(read_all_rows(path), encode_rows(torch.from_numpy(x.copy()), "bf16").numpy())
+
+
+def test_closing_twice_and_aborting_after_close(tmp_path, config):
+    w = TableWriter(tmp_path / "t.tbl", config)
+    w.write(raw_rows_of(config))
+    assert w.close() == tmp_path / "t.tbl" and w.close() == tmp_path / "t.tbl"
+    w.abort()  # after close: the table stays
+    verify_table(tmp_path / "t.tbl")
+    aborted = TableWriter(tmp_path / "u.tbl", config)
+    aborted.write(raw_rows_of(config)[:10])
+    aborted.abort()
+    aborted.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.tbl"]
+
+
+def test_boot_id_without_the_kernel_file_and_writers_without_a_pid(tmp_path, monkeypatch):
+    from engram_offload.table import writer
+    live = f".t.tbl.{boot_id()}.{os.getpid()}.0123abcd.tmp"
+    pid0 = f".t.tbl.{boot_id()}.0.0123abcd.tmp"
+    for name in (live, pid0):
+        (tmp_path / name).write_bytes(b"partial")
+    (tmp_path / f".t.tbl.{boot_id()}.{os.getpid()}.0123abcd.tmp.d").mkdir()  # not a file: never touched
+    assert [p.name for p in dead_temp_files(tmp_path, "t.tbl")] == [pid0]
+    assert dead_temp_files(tmp_path, "other.tbl") == []
+    made = writer.temp_path(tmp_path / "t.tbl")
+    made.write_bytes(b"partial")
+    monkeypatch.setattr(writer, "BOOT_ID_FILE", str(tmp_path / "missing"))
+    assert boot_id() == "0" * 32
+    assert writer.temp_path(tmp_path / "t.tbl").name.startswith(f".t.tbl.{'0' * 32}.{os.getpid()}.")
+    assert {p.name for p in dead_temp_files(tmp_path)} == {live, pid0, made.name}  # another boot now
+    # whatever the kernel file holds, the id is 32 characters: dashes dropped, cut or padded with 0
+    for text, want in [("1234-abcd\n", "1234abcd" + "0" * 24), ("f" * 40, "f" * 32)]:
+        (tmp_path / "boot").write_text(text)
+        monkeypatch.setattr(writer, "BOOT_ID_FILE", str(tmp_path / "boot"))
+        assert boot_id() == want
+
+
+def test_block_size_errors_in_a_header_name_the_field(table, tmp_path):
+    meta = header_meta(table)
+    for value, reason in [(0, r"block_size must be an integer in \[1, 1073741824\], got 0"),
+                          (1, r"block_size 1 is not a whole number of pages")]:
+        rewrite_header(table, tmp_path / "bad.tbl", {**meta, "block_size": value})
+        with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \({reason}\); "
+                                                   "the file is damaged$"):
+            read_header(tmp_path / "bad.tbl")
+
+
+def test_the_fingerprint_is_its_documented_hash(table):
+    """xxh3_64 of the header JSON then the block checksums as little-endian u64: shared segments,
+    row servers and pool keys are named by it, so it must not drift between versions."""
+    import xxhash
+
+    header = read_header(table)
+    want = xxhash.xxh3_64(header.layout.header_json() + header.block_digests.astype("<u8").tobytes()).intdigest()
+    assert header.fingerprint() == want
+
+
+def test_a_live_writer_is_never_disturbed_and_pid_1_is_alive(tmp_path):
+    # the child restores SIGHUP's default (a parent started under nohup passes on "ignore"),
+    # then says it is ready
+    code = ("import signal, sys, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        (tmp_path / f".t.tbl.{boot_id()}.{child.pid}.0123abcd.tmp").write_bytes(b"partial")
+        assert dead_temp_files(tmp_path) == [] and clean_temp_files(tmp_path) == []
+        with pytest.raises(subprocess.TimeoutExpired):  # looking for dead writers signalled a live one
+            child.wait(timeout=0.5)
+        # only once no signal but 0 is sent: pid 1 (a container's only process) is a live writer
+        (tmp_path / f".t.tbl.{boot_id()}.1.0123abcd.tmp").write_bytes(b"partial")
+        assert dead_temp_files(tmp_path) == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_abort_when_the_temporary_file_is_already_gone(tmp_path, config):
+    w = TableWriter(tmp_path / "t.tbl", config)
+    (tmp,) = tmp_path.iterdir()
+    tmp.unlink()
+    w.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_after_abort_raises(tmp_path, config):
+    w = TableWriter(tmp_path / "t.tbl", config)
+    w.write(raw_rows_of(config))
+    w.abort()
+    with pytest.raises(ValueError):
+        w.close()
+
+
+def test_trailer_checksums_are_read_as_written(tmp_path, config):
+    import xxhash
+
+    for version in (1, 2):
+        path = make_random_table(tmp_path / f"v{version}.tbl", config, seed=3, block_size=8192, version=version)
+        header = read_header(path)
+        data = path.read_bytes()
+        blocks = [xxhash.xxh3_64_intdigest(data[slice(*header.layout.block_range(b))])
+                  for b in range(header.layout.num_blocks)]
+        assert header.block_digests.tolist() == blocks
+        if version == 1:
+            assert header.page_sums is None
+        else:
+            pages = [xxhash.xxh3_64_intdigest(data[header.layout.data_offset + p * 4096:][:4096]) & 0xFFFFFFFF
+                     for p in range(header.layout.num_pages)]
+            assert header.page_sums.tolist() == pages
+
+
+def test_a_header_config_is_read_as_a_config_is_built(table, tmp_path):
+    """The header's config is compared through ``EngramConfig``, not as raw JSON: a config
+    without the optional ``name`` (an older writer's) opens with the same layout."""
+    meta = header_meta(table)
+    del meta["config"]["name"]
+    rewrite_header(table, tmp_path / "old.tbl", meta)
+    assert read_header(tmp_path / "old.tbl").layout == read_header(table).layout
+
+
+def test_progress_is_shown_when_asked(tmp_path, config, capfd):
+    write_table(tmp_path / "quiet.tbl", config, raw_rows_of(config), progress=False)
+    assert "writing" not in capfd.readouterr().err  # a tiny table: no bar by default either
+    write_table(tmp_path / "shown.tbl", config, raw_rows_of(config), progress=True)
+    err = capfd.readouterr().err
+    assert "writing shown.tbl" in err
+    assert re.search(r" (\d+\.\d)/\1 kB ", err), "the bar did not reach the data's size"
+
+
+def test_bfloat16_tensors_are_written(tmp_path, tiny_config):
+    config = tiny_config("bf16", 80)
+    x = torch.randn(config.num_rows, 80).to(torch.bfloat16)  # a dtype NumPy has not
+    path = write_table(tmp_path / "t.tbl", config, x)
+    assert torch.equal(torch.from_numpy(read_all_rows(path)), encode_rows(x, "bf16"))
+
+
+def test_cleaning_goes_on_when_another_cleaner_removed_a_file_first(tmp_path, monkeypatch):
+    from engram_offload.table import writer
+    dead = _dead_pid()
+    names = [f".{t}.tbl.{boot_id()}.{dead}.0123abcd.tmp" for t in ("a", "b", "c")]
+    for name in names:
+        (tmp_path / name).write_bytes(b"partial")
+    real = writer.dead_temp_files
+
+    def listed_then_raced(directory, target=None):
+        found = real(directory, target)
+        found[0].unlink()  # another cleaner removes the first one after this one listed it
+        return found
+
+    monkeypatch.setattr(writer, "dead_temp_files", listed_then_raced)
+    assert [p.name for p in writer.clean_temp_files(tmp_path)] == names[1:]
+    assert list(tmp_path.iterdir()) == []
+
+
+HEADER_KEYS = {"magic", "version", "config", "layer_ids", "head_sizes", "layer_row_bases", "num_rows", "head_dim",
+               "row_format", "row_bytes", "stride", "rows_per_page", "data_offset", "data_bytes", "block_size",
+               "num_blocks", "checksum", "trailer_offset", "file_bytes"}  # docs/table-format.md, "Header keys"
+
+
+def test_header_keys_are_the_documented_ones_sorted(tmp_path, config):
+    for version, extra in ((1, set()), (2, {"page_checksum", "page_checksums_offset"})):
+        path = make_random_table(tmp_path / f"v{version}.tbl", config, seed=0, version=version)
+        meta = header_meta(path)
+        assert set(meta) == HEADER_KEYS | extra
+        assert list(meta) == sorted(meta)  # written with sorted keys: the bytes (and fingerprint) are stable
+        layout = read_header(path).layout
+        assert (meta["layer_row_bases"], meta["head_dim"], meta["row_format"]) == \
+            (list(config.layer_row_bases), config.head_dim, config.row_format)
+        assert (meta["rows_per_page"], meta["data_bytes"], meta["file_bytes"]) == \
+            (layout.rows_per_page, layout.data_bytes, os.path.getsize(path))
