@@ -35,7 +35,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "hashing": (["hashing.py"], ["tests/test_hashing.py"]),
     "config": (["config.py"], ["tests/test_config.py"]),
     "rows": (["rows.py"], ["tests/test_rows.py"]),
-    "layer": (["layer.py"], ["tests/test_layer.py"]),
+    "layer": (["layer.py"], ["tests/test_layer.py", "tests/checkpoint"]),
     "dedup": (["dedup.py"], ["tests/test_dedup.py"]),
     "prefetch": (["prefetch.py"], ["tests/test_prefetch.py"]),
     "sharding": (["sharding.py"], ["tests/test_sharding.py"]),
