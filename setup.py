@@ -14,6 +14,8 @@ import sys
 from setuptools import Extension, setup
 
 ext_modules = []
+# The page checksum's C sources: both extensions that compute it compile these.
+PAGESUM_HEADERS = ["src/engram_offload/table/xxhash.h", "src/engram_offload/table/pagesum_dispatch.h"]
 if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
@@ -22,6 +24,7 @@ if sys.platform.startswith("linux"):
             # xxhash.h, and the AVX2 loop of the page-checksum helper where the CPU has it.
             sources=["src/engram_offload/tiers/_uring.c", "src/engram_offload/table/_pagesum_avx2.c"],
             include_dirs=["src/engram_offload/table"],
+            depends=PAGESUM_HEADERS,
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-parameter"],
             optional=True,
         )
@@ -43,6 +46,7 @@ ext_modules.append(
     Extension(
         "engram_offload.table._pagesum",
         sources=["src/engram_offload/table/_pagesum.c", "src/engram_offload/table/_pagesum_avx2.c"],
+        depends=PAGESUM_HEADERS,
         extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
         optional=True,
     )

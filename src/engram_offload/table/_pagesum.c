@@ -26,15 +26,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst);
-static int use_avx2(void) { return __builtin_cpu_supports("avx2"); }
-#else
-static void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst) {}
-static int use_avx2(void) { return 0; }
-#endif
-
-static int avx2;
+#include "pagesum_dispatch.h"
 
 static PyObject *page_sums(PyObject *self, PyObject *args) {
     Py_buffer data, out;
@@ -55,10 +47,7 @@ static PyObject *page_sums(PyObject *self, PyObject *args) {
     const uint8_t *src = data.buf;
     uint32_t *dst = out.buf;
     Py_BEGIN_ALLOW_THREADS
-    if (avx2 && !portable)
-        engram_page_sums_avx2(src, (size_t)page, (size_t)pages, dst);
-    else
-        for (Py_ssize_t i = 0; i < pages; i++) dst[i] = (uint32_t)XXH3_64bits(src + i * page, (size_t)page);
+    pagesum_pages(src, (size_t)page, (size_t)pages, dst, portable);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -122,7 +111,7 @@ static PyObject *count_bad_rows(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(bad);
 }
 
-static PyObject *uses_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(avx2); }
+static PyObject *uses_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(pagesum_avx2); }
 
 static PyMethodDef methods[] = {
     {"page_sums", page_sums, METH_VARARGS,
@@ -141,6 +130,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pagesum", "Checksums of data pages.", -1, methods};
 
 PyMODINIT_FUNC PyInit__pagesum(void) {
-    avx2 = use_avx2();
+    pagesum_init();
     return PyModule_Create(&module);
 }

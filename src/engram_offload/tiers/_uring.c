@@ -76,6 +76,7 @@
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#include "pagesum_dispatch.h"
 
 #ifndef __NR_io_uring_setup
 #define __NR_io_uring_setup 425
@@ -782,25 +783,12 @@ done:
 /* Rows of a paged table: read whole pages, check them, copy rows out        */
 /* ------------------------------------------------------------------------ */
 
-#if defined(__x86_64__) && defined(__GNUC__)
-/* table/_pagesum_avx2.c, compiled into this extension as well */
-void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst);
-static int use_avx2(void) { return __builtin_cpu_supports("avx2"); }
-#else
-static void engram_page_sums_avx2(const uint8_t *src, size_t page, size_t pages, uint32_t *dst) {}
-static int use_avx2(void) { return 0; }
-#endif
-static int avx2;
-
-/* The table's page checksum: the low 32 bits of XXH3-64 (seed 0), as table/_pagesum.c. */
+/* The table's page checksum (table/pagesum_dispatch.h, _pagesum_avx2.c compiled in). */
 static uint32_t page_sum(const uint8_t *page, size_t len)
 {
     uint32_t sum;
-    if (avx2) {
-        engram_page_sums_avx2(page, len, 1, &sum);
-        return sum;
-    }
-    return (uint32_t)XXH3_64bits(page, len);
+    pagesum_pages(page, len, 1, &sum, 0);
+    return sum;
 }
 
 typedef struct {
@@ -1160,7 +1148,7 @@ static struct PyModuleDef uring_module = {
 PyMODINIT_FUNC PyInit__uring(void)
 {
     PyObject *m;
-    avx2 = use_avx2();
+    pagesum_init();
     if (PyType_Ready(&RingType) < 0)
         return NULL;
     m = PyModule_Create(&uring_module);
