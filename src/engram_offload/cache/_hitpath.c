@@ -28,8 +28,6 @@
  * sorted_in_range(ids, limit) -> bool
  *   Whether ids (a 1-d contiguous int64 array) are strictly increasing within [0, limit):
  *   the check a fetch of sorted distinct ids needs. False for anything else (no error).
- * gather_rows(src, slots, dst)
- *   dst[i] = src[slots[i]] for rows of len(dst) / len(slots) bytes (module function).
  * move_rows(src, src_offsets, dst, dst_offsets, row_bytes)
  *   For every i: row_bytes bytes at byte src_offsets[i] of src -> byte dst_offsets[i] of dst
  *   (either offsets None: i * row_bytes; at least one given, both the same length). Every
@@ -378,51 +376,6 @@ static PyTypeObject HitPathType = {
     .tp_methods = hp_methods,
 };
 
-static PyObject *gather_rows(PyObject *module, PyObject *args) {
-    PyObject *src_o, *slots_o, *dst_o;
-    if (!PyArg_ParseTuple(args, "OOO", &src_o, &slots_o, &dst_o)) return NULL;
-    Py_buffer src, sb, dst;
-    if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (get_array(slots_o, &sb, 8, 0, "slots") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&sb);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t k = sb.len / 8;
-    const int64_t *slots = (const int64_t *)sb.buf;
-    Py_ssize_t rb = k ? dst.len / k : 0;
-    if (k && (rb == 0 || dst.len != rb * k || src.len % rb != 0)) {
-        PyErr_SetString(PyExc_ValueError, "gather_rows: dst must hold one row per slot, src whole rows");
-        goto done;
-    }
-    Py_ssize_t rows = k ? src.len / rb : 0;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (slots[i] < 0 || slots[i] >= rows) {
-            PyErr_Format(PyExc_IndexError, "gather_rows: slot %lld outside 0..%zd", (long long)slots[i], rows - 1);
-            goto done;
-        }
-    }
-    {
-        const char *s = (const char *)src.buf;
-        char *d = (char *)dst.buf;
-        PyThreadState *ts = k >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
-        copy_rows(s, slots, k, rb, d);
-        if (ts) PyEval_RestoreThread(ts);
-    }
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&dst);
-    return result;
-}
-
 /* One side of move_rows: a buffer and its byte offsets (NULL: i * row_bytes). */
 typedef struct {
     Py_buffer buf, offsets;
@@ -541,7 +494,6 @@ static PyObject *sorted_in_range(PyObject *module, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"sorted_in_range", sorted_in_range, METH_VARARGS,
      "sorted_in_range(ids, limit) -> bool: int64 ids strictly increasing within [0, limit)."},
-    {"gather_rows", gather_rows, METH_VARARGS, "gather_rows(src, slots, dst): dst[i] = src row slots[i]."},
     {"move_rows", move_rows, METH_VARARGS,
      "move_rows(src, src_offsets, dst, dst_offsets, row_bytes): row_bytes bytes at each src offset "
      "-> the matching dst offset (None: i * row_bytes)."},

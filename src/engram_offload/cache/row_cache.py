@@ -131,7 +131,6 @@ class RowCache:
         self._native = self._bind_native(module)
         self._lfu = isinstance(self.policy, LFUPolicy)
         self._rows_np = self.data.numpy() if self.device.type == "cpu" and module is not None else None
-        self._gather_rows = module.gather_rows if self._rows_np is not None else None
 
     def _bind_native(self, module: Any) -> Any:
         """A ``HitPath`` over the index, pins, ready flags and policy arrays, or None when the
@@ -225,19 +224,7 @@ class RowCache:
 
     def read(self, slots: np.ndarray, out: torch.Tensor) -> None:
         """Copy pinned slots ``[k]`` into ``out [k, row_bytes]`` (any device)."""
-        if slots.size == 0:
-            return
-        if self._gather_rows is not None and out.device.type == "cpu" and out.is_contiguous():
-            self.read_into(slots, out.numpy())
-            return
         move_rows(self.data, slots, out, None)
-
-    def read_into(self, slots: np.ndarray, out: np.ndarray) -> None:
-        """Copy pinned slots ``[k]`` of a CPU cache into the NumPy array ``out uint8 [k, row_bytes]``."""
-        if self._gather_rows is None:
-            self.read(slots, torch.from_numpy(out))
-        else:
-            self._gather_rows(self._rows_np, np.ascontiguousarray(slots, np.int64), out)
 
     def release(self, slots: np.ndarray) -> None:
         """Unpin distinct slots from ``acquire`` or ``reserve`` (-1 entries ignored)."""
