@@ -235,43 +235,55 @@ def test_small_steps_are_fetched_in_one_piece(table, hasher):
 
 
 def test_urgent_steps_overtake_steps_fetched_ahead(table, hasher):
-    """A background (ahead-of-need) fetch yields to an urgent step between its parts."""
+    """A background (ahead-of-need) fetch yields to urgent steps between its parts.
+
+    Both workers are held in a read (the general one in ``ahead``'s first part, the
+    urgent-only one in ``busy``'s), so the general worker alone serves what is queued
+    when it is let go, and the order of its reads is the order it picks parts in."""
     rng = np.random.default_rng(5)
-    tokens = rng.integers(0, VOCAB, size=(2, 6))
+    tokens = rng.integers(0, VOCAB, size=(3, 6))
     with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, \
             Prefetcher(store, hasher, split_min_rows=1) as pf:
-        gate, entered = threading.Event(), threading.Event()
+        gates = [threading.Event(), threading.Event()]
+        entered = [threading.Event(), threading.Event()]
         read = store.tier.read_rows
         calls = []
+        lock = threading.Lock()
 
         def recording(ids, out):
-            calls.append(ids.copy())
-            if not entered.is_set():
-                entered.set()
-                assert gate.wait(10)
+            with lock:
+                n = len(calls)
+                calls.append(ids.copy())
+            if n < 2:  # the first read of each worker waits for its gate
+                entered[n].set()
+                assert gates[n].wait(10)
             return read(ids, out)
 
         store.tier.read_rows = recording
-        ahead = pf.begin_step([1], [tokens[0]], urgent=False)  # its first part blocks in the read
-        assert entered.wait(10)
+        ahead = pf.begin_step([1], [tokens[0]], urgent=False)  # the general worker blocks in its part 0
+        assert entered[0].wait(10)
+        busy = pf.begin_step([3], [tokens[2]])  # the urgent-only worker blocks in its part 0
+        assert entered[1].wait(10)
         later = pf.begin_step([1], [tokens[0, :3]], urgent=False)
         now = pf.begin_step([2], [tokens[1]])
-        gate.set()
+        gates[0].set()  # the general worker: busy's part 1, now, then ahead's part 1 and later
+        assert later.wait_done(10) and ahead.wait_done(10) and now.wait_done(10)
+        gates[1].set()
         for pos, layer in enumerate(CONFIG.layer_ids):
-            want = expected_rows(plain, hasher, tokens[1:], pos)[0]
+            want = expected_rows(plain, hasher, tokens[1:2], pos)[0]
             assert torch.equal(pf.rows(layer, now), want)
-        for step in (now, ahead, later):
+        for step in (now, ahead, later, busy):
             pf.end_step(step)
             assert step.error is None and len(step.parts) == 2
 
         def owner(ids):
-            for name, step in (("ahead", ahead), ("later", later), ("now", now)):
+            for name, step in (("ahead", ahead), ("later", later), ("now", now), ("busy", busy)):
                 for lo, hi, _ in step.parts:
                     if np.array_equal(step.dedup.unique[lo:hi], ids):
                         return name
             return "?"
 
-        assert [owner(c) for c in calls] == ["ahead", "now", "now", "ahead", "later", "later"]
+        assert [owner(c) for c in calls] == ["ahead", "busy", "busy", "now", "now", "ahead", "later", "later"]
 
 
 def test_prefetch_errors_live_in_the_error_module():
