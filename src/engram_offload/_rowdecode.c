@@ -22,29 +22,39 @@
 #define BLOCK 32
 #define NOGIL_MIN_ROWS 256
 
+/* One clone per instruction set, picked when the module loads (gcc on x86-64): with AVX2
+ * a block's 32 lookups vectorize to gathers, about twice the scalar loop's speed. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+VECTOR_CLONES
 static void decode16(const uint8_t *raw, const int64_t *index, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb,
-                     const uint16_t *table, uint16_t *out) {
+                     const uint16_t *restrict table, uint16_t *restrict out) {
     Py_ssize_t blocks = d / BLOCK;
     for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *row = raw + (index ? index[r] : r) * rb;
-        uint16_t *o = out + r * d;
+        const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;
+        uint16_t *restrict o = out + r * d;
         for (Py_ssize_t b = 0; b < blocks; b++) {
-            const uint16_t *slice = table + ((Py_ssize_t)row[d + b] << 8);
-            const uint8_t *v = row + b * BLOCK;
+            const uint16_t *restrict slice = table + ((Py_ssize_t)row[d + b] << 8);
+            const uint8_t *restrict v = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
         }
     }
 }
 
+VECTOR_CLONES
 static void decode32(const uint8_t *raw, const int64_t *index, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb,
-                     const uint32_t *table, uint32_t *out) {
+                     const uint32_t *restrict table, uint32_t *restrict out) {
     Py_ssize_t blocks = d / BLOCK;
     for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *row = raw + (index ? index[r] : r) * rb;
-        uint32_t *o = out + r * d;
+        const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;
+        uint32_t *restrict o = out + r * d;
         for (Py_ssize_t b = 0; b < blocks; b++) {
-            const uint32_t *slice = table + ((Py_ssize_t)row[d + b] << 8);
-            const uint8_t *v = row + b * BLOCK;
+            const uint32_t *restrict slice = table + ((Py_ssize_t)row[d + b] << 8);
+            const uint8_t *restrict v = row + b * BLOCK;
             for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
         }
     }
