@@ -56,3 +56,16 @@ def test_skip_is_off_by_default_and_saves_reads_when_asked(model, held_out_piece
     random = skip_eval(model, pieces, 0.0, batch=4, random_rate=0.5)
     assert 0.4 < random["reads_saved"] < 0.6 and random["perplexity"] > base["perplexity"]
     assert all(e.gate_scale is None for e in model.engram_layers().values())
+
+
+def test_cache_sim_command_writes_the_json_it_prints(tmp_path, capsys):
+    import json
+
+    from engram_offload.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["cache-sim", "--max-tokens", "1500", "--json-out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed
+    assert printed["reads"] > 0 and {r["policy"] for r in printed["results"]} == {"lru", "lfu-aging", "gate-lfu"}
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically: no temporary left behind

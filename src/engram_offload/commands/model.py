@@ -9,6 +9,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..atomic import write_bytes_atomic
 from ..units import non_negative_int, positive_int, size_arg
 from . import UsageError
 
@@ -62,9 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--top", type=positive_int, default=15, help="n-grams per list (default 15)")
     sc.add_argument("--min-reads", type=positive_int, default=3,
                     help="rows read fewer times are left out of the mean-gate list (default 3)")
-    sc.add_argument("--json-out", help="write the full result as JSON here")
     sc.add_argument("--plot", help="scatter PNG of mean gate vs read count per row")
-    sc.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_json_arguments(sc, "the full result")
     sc.set_defaults(func=cmd_scan)
 
     cs = sub.add_parser(
@@ -73,8 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "of 1/5/10/20%% of the table under each policy: hit rate and share of the gate mass served.",
     )
     _add_eval_arguments(cs)
-    cs.add_argument("--json-out", help="write the table as JSON here")
-    cs.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_json_arguments(cs, "the table")
     cs.set_defaults(func=cmd_cache_sim)
 
     sk = sub.add_parser(
@@ -86,10 +85,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_eval_arguments(sk)
     sk.add_argument("--thresholds", default="0.2,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
                     help="comma-separated gate thresholds (default 0.2..0.95)")
-    sk.add_argument("--json-out", help="write the curve as JSON here")
     sk.add_argument("--plot", help="PNG of reads saved vs perplexity")
-    sk.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_json_arguments(sk, "the curve")
     sk.set_defaults(func=cmd_skip_curve)
+
+
+def _add_json_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json-out", help=f"write {what} as JSON here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _json_out(args: argparse.Namespace, record: dict) -> None:
+    """``record`` into ``--json-out``'s file, when given."""
+    if args.json_out:
+        write_bytes_atomic(args.json_out, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
 
 
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,8 +209,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
         "rows_serving_one_ngram": float((result.distinct_ngrams[read] == 1).mean()),
         "top": top,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    _json_out(args, summary)
     if args.plot:
         plot_scan(result, args.plot, correlation)
     if args.json:
@@ -234,8 +242,7 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
                             {"lru": LRUPolicy, "lfu-aging": LFUPolicy, "gate-lfu": GateLFUPolicy})
     record = {"model": str(model_dir), "reads": int(result.trace_ids.size), "table_rows": c.num_rows,
               "results": rows}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
+    _json_out(args, record)
     if args.json:
         print(json.dumps(record))
         return 0
@@ -257,8 +264,7 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     curve, baseline = skip_curve(model, _held_out_pieces(args), thresholds)
     record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve,
               "random_baseline": baseline}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(record, indent=2) + "\n")
+    _json_out(args, record)
     if args.plot:
         _plot_skip(curve, baseline, args.plot)
     if args.json:
