@@ -84,8 +84,7 @@ def test_no_stall_while_the_window_before_the_first_engram_layer_covers_the_host
 
 
 def test_the_benchmarks_one_fetch_path_serves_the_whole_tp_group():
-    model = replace(V41, engram=V41.engram)
-    backbone = ModeledBackbone(model, B300, 2, tuple(V41.engram.layer_ids))
+    backbone = ModeledBackbone(V41, B300, 2, tuple(V41.engram.layer_ids))
     gpu = local_nvme(B300, 2, iops=1e9)  # the drive never paces: the worker does
     steps = [(64, 0, 64 * 4096)]
     shared = planner_prediction(backbone, "direct", steps, 0.5, gpu)
