@@ -134,11 +134,13 @@ def test_dram_stall_appears_when_the_link_is_slow():
     dram = next(r for r in results if r.name == "dram" and r.tp == 4)
     assert dram.link_bytes_per_step == 256 * 3168
     a = DEFAULT_ASSUMPTIONS
-    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6
+    # the link, and the host's CPU for every row (hashed before the fetch, then served from DRAM)
+    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6 + 256 * 12 * a.host_us_per_hit
+    fixed_us = a.host_link_latency_us + 256 * 48 * a.host_hash_us_per_row
     step = decode_step(m, slow, 4, 256, 32768, a).backbone_us
-    assert dram.transfer_us == pytest.approx(a.host_link_latency_us + rows_us, rel=1e-9)
+    assert dram.transfer_us == pytest.approx(fixed_us + rows_us, rel=1e-9)
     assert dram.predicted_stall_us > 0
-    assert dram.predicted_stall_us == pytest.approx(decode_stall(a.host_link_latency_us, rows_us, step, m), rel=1e-9)
+    assert dram.predicted_stall_us == pytest.approx(decode_stall(fixed_us, rows_us, step, m), rel=1e-9)
 
 
 def test_nvme_cache_follows_the_target_hit_rate():

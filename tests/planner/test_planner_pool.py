@@ -10,6 +10,8 @@ from engram_offload.cli import main
 from engram_offload.planner.assumptions import DEFAULT_ASSUMPTIONS, POOL_ROW_BYTES, POOL_ROWS_PER_S
 
 BATCH, TP = 64, 2
+# the host hashes every row id of the step's tokens (48 a token) before it asks the pool
+HASH_US = BATCH * 48 * DEFAULT_ASSUMPTIONS.host_hash_us_per_row
 
 
 def remote(capsys, *flags: str) -> tuple[dict, int]:
@@ -22,11 +24,12 @@ def remote(capsys, *flags: str) -> tuple[dict, int]:
 
 
 def expected_stall(rtt_us: float, gbps: float, bytes_per_token: int, window_us: float) -> float:
-    """The decode step's stall: one round trip plus the step's rows at the pool's bandwidth,
-    Engram layer 1's half of the rows due at layer 1 (after ``window_us``), all of them at
-    layer 14 (14 times as far into the step)."""
+    """The decode step's stall: hashing, one round trip, then the step's rows at the pool's
+    bandwidth, Engram layer 1's half of the rows due at layer 1 (after ``window_us``), all of
+    them at layer 14 (14 times as far into the step)."""
     rows_us = BATCH * bytes_per_token / (gbps * 1e9 / 8) * 1e6
-    return max(0.0, rtt_us + rows_us / 2 - window_us, rtt_us + rows_us - 14 * window_us)
+    fixed = HASH_US + rtt_us
+    return max(0.0, fixed + rows_us / 2 - window_us, fixed + rows_us - 14 * window_us)
 
 
 def test_the_defaults_are_the_loopback_measurements(capsys):
@@ -40,7 +43,7 @@ def test_the_defaults_are_the_loopback_measurements(capsys):
 @pytest.mark.parametrize("rtt, gbps", [(18.0, 1.0), (18.0, 4.0), (200.0, 4.0), (0.0, 0.5)])
 def test_the_flags_set_the_stall_the_formula_gives(capsys, rtt, gbps):
     r, bpt = remote(capsys, "--pool-rtt-us", str(rtt), "--pool-gbps", str(gbps))
-    assert r["transfer_us"] == pytest.approx(rtt + BATCH * bpt / (gbps * 1e9 / 8) * 1e6)
+    assert r["transfer_us"] == pytest.approx(HASH_US + rtt + BATCH * bpt / (gbps * 1e9 / 8) * 1e6)
     assert r["predicted_stall_us"] == pytest.approx(expected_stall(rtt, gbps, bpt, r["window_us"]))
 
 

@@ -113,7 +113,10 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
                        assumptions: Assumptions | None = None) -> dict[str, Any]:
     """What the planner predicts for ``steps`` (``(decode, prefill, KV tokens)`` each) served
     from ``tier`` at a DRAM-cache ``hit_rate``: mean stall and step time per step (us), the
-    stall's share of step time and the NVMe reads per second of the TP group.
+    stall's share of step time, the NVMe reads per second of the TP group and the host CPU
+    of the fetch path per step (``host_cpu_us``: hashing plus the fetch worker's, which
+    ``fetch_time`` charges; this machine's one fetch path serves all ``tp`` GPUs' columns,
+    so each GPU's gets ``host_fetch_cores / tp`` of its cores).
 
     ``stall_us`` is ``placement.step_stall_us``: decode rows due layer by layer, prefill
     rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
@@ -121,8 +124,10 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     placement = PLACEMENT_OF_TIER[tier]
     gpu = gpu or backbone.gpu
     model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
+    # one fetch path on this machine serves the whole TP group's columns: its cores are shared
+    a = replace(a, host_fetch_cores=a.host_fetch_cores / tp)
     layers = sorted(backbone.layer_ids)
-    stall = first_only = step_total = reads = 0.0
+    stall = first_only = step_total = reads = host = 0.0
     n = 0
     for decode, prefill, kv in steps:
         roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
@@ -134,6 +139,7 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
         stall += s
         step_total += roofline + s
         reads += total.nvme_reads * tp
+        host += total.hash_us + total.host_cpu_us
         n += 1
     return {
         "placement": placement,
@@ -143,4 +149,5 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
         "step_us": step_total / n if n else 0.0,
         "stall_fraction": stall / step_total if step_total else 0.0,
         "nvme_iops": reads / step_total * 1e6 if step_total else 0.0,
+        "host_cpu_us": host / n if n else 0.0,
     }

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=positive_int, default=32768, help="tokens of context per sequence (default 32768)")
     p.add_argument("--batch", type=positive_int, default=None, help="sequences per replica (default: the best under the interactivity floor)")
     p.add_argument("--trace", help="row ids to size the NVMe DRAM cache: .npy int64 or a text file of integers")
-    p.add_argument("--zipf", type=positive_float, default=None, help="Zipf exponent of row popularity when no trace (default 1.0)")
+    p.add_argument("--zipf", type=positive_float, default=None,
+                   help="Zipf exponent of row popularity when no trace (default: no Zipf, real text's measured "
+                   "curve, docs/planner.md)")
     p.add_argument("--target-hit-rate", type=fraction, default=0.9, help="DRAM cache hit rate for the nvme placement (default 0.9)")
     p.add_argument("--min-interactivity", type=positive_float, default=50.0, help="decode tokens/s per user to meet (default 50)")
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
@@ -56,6 +58,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the pool's row bandwidth per GPU, Gb/s (default "
                    f"{DEFAULT_ASSUMPTIONS.remote_bw * 8 / 1e9:.2f}: 808k rows/s of 264 B, measured on loopback with "
                    "one client and one Redis master; rows/s grows with the number of masters)")
+    h = p.add_argument_group("host fetch path (CPU per step; defaults measured with bench-tier, docs/planner.md)")
+    h.add_argument("--host-hash-us-per-row", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_hash_us_per_row,
+                   help="CPU us to hash and deduplicate one row id, every column (default "
+                   f"{DEFAULT_ASSUMPTIONS.host_hash_us_per_row:g})")
+    h.add_argument("--host-us-per-hit", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_us_per_hit,
+                   help=f"CPU us per row served from host DRAM (default {DEFAULT_ASSUMPTIONS.host_us_per_hit:g}; "
+                   "0 for a GPU gather over UVA)")
+    h.add_argument("--host-us-per-miss", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_us_per_miss,
+                   help=f"CPU us per row read from NVMe (default {DEFAULT_ASSUMPTIONS.host_us_per_miss:g})")
+    h.add_argument("--host-fetch-cores", type=positive_float, default=DEFAULT_ASSUMPTIONS.host_fetch_cores,
+                   help="cores each GPU's fetch path keeps busy (default "
+                   f"{DEFAULT_ASSUMPTIONS.host_fetch_cores:g}: the prefetcher's one worker)")
     c = p.add_argument_group("custom model (with --config)")
     c.add_argument("--total-params", type=positive_float, help="backbone parameters, without the Engram table (e.g. 552e9)")
     c.add_argument("--active-params", type=positive_float, help="active parameters per token in decode")
@@ -85,7 +99,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     workload = Workload(context=args.context, batch=args.batch, gpus=args.gpus,
                         min_interactivity=args.min_interactivity,
                         target_hit_rate=args.target_hit_rate, curve=curve, curve_label=label)
-    assumptions = replace(DEFAULT_ASSUMPTIONS, remote_latency_us=args.pool_rtt_us, remote_bw=args.pool_gbps * 1e9 / 8)
+    assumptions = replace(DEFAULT_ASSUMPTIONS, remote_latency_us=args.pool_rtt_us, remote_bw=args.pool_gbps * 1e9 / 8,
+                          host_hash_us_per_row=args.host_hash_us_per_row, host_us_per_hit=args.host_us_per_hit,
+                          host_us_per_miss=args.host_us_per_miss, host_fetch_cores=args.host_fetch_cores)
     return make_plan(model, gpu, workload, args.objective, assumptions)
 
 

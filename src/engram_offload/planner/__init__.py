@@ -4,8 +4,9 @@
     hardware.py     GpuSpec: HBM, host link, host DRAM, NVMe, price (presets with sources)
     assumptions.py  the judgement calls, in one dataclass
     mrc.py          LRU miss-ratio curves: exact stack distances, SHARDS, Zipf (reusable)
+    realtext.py     real text's measured LRU hit-ratio curve (the default without a trace)
     perf.py         roofline step time and prefetch windows
-    placement.py    fit, KV room, link bytes vs window, stall, NVMe IOPS per placement
+    placement.py    fit, KV room, link bytes and host CPU vs window, stall, NVMe IOPS per placement
     recommend.py    ranking by objective and the reasons
     plan.py         make_plan: all of the above
 """

@@ -55,6 +55,20 @@ class Assumptions:
     remote_latency_us: float = 18.0
     # Tokens per prefill chunk when checking the prefill prefetch window.
     prefill_chunk_tokens: int = 8192
+    # The host CPU of the fetch path (the Prefetcher), measured on the development machine
+    # (2-core AMD EPYC; ``bench-tier --tier direct --cache-bytes 10% --prefetcher --cold
+    # --json``, medians of the runs in docs/planner.md, "Checked against measurement"):
+    # hashing and deduplicating a step's row ids on the serving thread, per row id (a rank
+    # hashes every column: an n-gram's hash needs the whole n-gram); then, on the fetch
+    # worker, per row served from host DRAM (cache lookup, copy, decode) and per row read
+    # from NVMe (the same plus the io_uring read's submission and completion). Every
+    # placement but ``hbm`` serves its rows through that path; ``plan --host-*`` override them.
+    host_hash_us_per_row: float = 0.32
+    host_us_per_hit: float = 0.53
+    host_us_per_miss: float = 6.4
+    # Cores one GPU's fetch path keeps busy at once: the Prefetcher fetches a step's parts
+    # on one worker thread (with the GIL released in the native fetch loop).
+    host_fetch_cores: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,6 +6,10 @@ a miss-ratio curve), ``remote`` (a pooled memory tier reached over the network o
 For each: does it fit, how much HBM is left for KV cache and how many sequences that holds,
 how many bytes cross the host link per step, the predicted stall (each Engram layer waits
 for its own rows: ``step_stall_us``), and the best batch under the interactivity floor.
+
+A step's fetch costs the host CPU too (``host_cpu_us``): the step's row ids are hashed
+before anything is fetched, and every row served from host DRAM or read from NVMe takes
+the fetch worker's CPU, which serves the rows side by side with the drives.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from .mrc import MissRatioCurve
 from .models import ModelSpec
 from .perf import StepTime, decode_step, decode_window_us, layer_offsets_us, prefill_window_us
 
-__all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time",
+__all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time", "host_cpu_us",
            "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
@@ -67,6 +71,7 @@ class PlacementResult:
     link: str = ""
     link_bytes_per_step: float = 0.0  # per GPU
     transfer_us: float = 0.0
+    host_us: float = 0.0  # host CPU per step: hashing, plus the fetch worker's over its cores
     window_us: float = 0.0  # forward entry to the first Engram layer
     predicted_stall_us: float = 0.0
     prefill_transfer_us: float = 0.0
@@ -158,12 +163,16 @@ def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
 @dataclass(frozen=True)
 class Fetch:
     """Bringing one step's Engram rows to a GPU (per GPU): a fixed cost per step (latencies,
-    the NVMe step overhead) and a cost in proportion to the rows, the NVMe reads it makes."""
+    the NVMe step overhead, hashing the step's row ids on the host) and a cost in proportion
+    to the rows (the link, and the slowest of the drives and the host CPU that serves them),
+    the NVMe reads it makes."""
 
     link_bytes: float
     fixed_us: float
     rows_us: float
     nvme_reads: float  # rows missed by the DRAM cache
+    hash_us: float = 0.0  # host CPU hashing and deduplicating the row ids (in fixed_us)
+    host_cpu_us: float = 0.0  # the fetch worker's CPU over its cores (within rows_us)
 
     @property
     def transfer_us(self) -> float:
@@ -173,6 +182,19 @@ class Fetch:
         """The fetch of each of ``layers`` Engram layers, fetched one after another (each
         layer has the same number of rows; the fixed cost comes with the first)."""
         return [self.rows_us / layers + (self.fixed_us if k == 0 else 0.0) for k in range(layers)]
+
+
+def host_cpu_us(model: ModelSpec, tp: int, name: str, tokens: int, hits: float, misses: float,
+                a: Assumptions) -> tuple[float, float]:
+    """Host CPU time of one GPU's fetch path for ``tokens`` tokens (``hits`` and ``misses``:
+    the rows served from host DRAM and read from NVMe): hashing and dedup of every row id of
+    the tokens (one thread, before the fetch starts), and the fetch worker's per-row work
+    over ``host_fetch_cores`` cores. ``hbm`` rows are gathered on the GPU: hashing only."""
+    e = model.engram
+    hash_us = tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row
+    if name == "hbm" or name == "remote":  # the pool's measured rate holds its client's CPU
+        return hash_us, 0.0
+    return hash_us, (hits * a.host_us_per_hit + misses * a.host_us_per_miss) / a.host_fetch_cores
 
 
 def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
@@ -188,13 +210,18 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
     elif name == "remote":
         fixed, rows = a.remote_latency_us, link_bytes / a.remote_bw * 1e6
     misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name == "nvme" else 0.0
+    device = 0.0
     if misses > 0:
         iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
         fixed += gpu.nvme_latency_us + a.nvme_step_overhead_us
         bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
-        rows += max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
-    return Fetch(link_bytes=link_bytes, fixed_us=fixed, rows_us=rows, nvme_reads=misses)
+        device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
+    hash_us, cpu_us = host_cpu_us(model, tp, name, tokens, tokens * rows_per_token - misses, misses, a)
+    # the worker's CPU and the drives serve the same rows side by side (reads in flight while
+    # others are decoded): the slower of the two paces them
+    return Fetch(link_bytes=link_bytes, fixed_us=fixed + hash_us, rows_us=rows + max(device, cpu_us),
+                 nvme_reads=misses, hash_us=hash_us, host_cpu_us=cpu_us)
 
 
 def layered_stall_us(fetch_us: list[float], offsets_us: list[float]) -> float:
@@ -227,6 +254,7 @@ class _DecodePoint:
     window_us: float
     link_bytes: float
     transfer_us: float
+    host_us: float
     stall_us: float
     step_us: float
     iops: float
@@ -242,7 +270,8 @@ def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: W
     step_us = step.backbone_us + stall
     iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
     return _DecodePoint(step=step, window_us=decode_window_us(model, step), link_bytes=fetch.link_bytes,
-                        transfer_us=fetch.transfer_us, stall_us=stall, step_us=step_us, iops=iops)
+                        transfer_us=fetch.transfer_us, host_us=fetch.hash_us + fetch.host_cpu_us, stall_us=stall,
+                        step_us=step_us, iops=iops)
 
 
 def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,
@@ -272,6 +301,7 @@ def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workl
         r.batch = batch
         r.link_bytes_per_step = d.link_bytes
         r.transfer_us = d.transfer_us
+        r.host_us = d.host_us
         r.window_us = d.window_us
         r.predicted_stall_us = d.stall_us
         r.step_us = d.step_us

@@ -11,12 +11,12 @@ from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .hardware import GpuSpec
 from .models import ModelSpec
 from .mrc import MissRatioCurve, ZipfMRC, mrc_from_trace
+from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .placement import PlacementResult, Workload, evaluate_all, tp_degrees
 from .recommend import Recommendation, recommend
 
 __all__ = ["Plan", "make_plan", "curve_for"]
 
-DEFAULT_ZIPF = 1.0  # n-gram frequencies are roughly Zipfian with exponent near 1 (Zipf's law)
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Plan:
 
 def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
               zipf: float | None = None) -> tuple[MissRatioCurve, str]:
-    """The miss-ratio curve of the table's rows: from a trace of row ids, else Zipf."""
+    """The miss-ratio curve of the table's rows: from a trace of row ids, else Zipf(``zipf``)
+    when given, else real text's (``planner.realtext``)."""
     e = model.engram
     if trace is not None:
         if trace.size and (trace.min() < 0 or trace.max() >= e.num_rows):
@@ -62,9 +63,10 @@ def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
             )
         curve = mrc_from_trace(trace)
         return curve, f"trace of {curve.trace_length:,} ids, {curve.method} LRU curve"
-    s = DEFAULT_ZIPF if zipf is None else zipf
     heads = len(e.layer_ids) * e.cols_per_layer
-    return ZipfMRC(s, max(1, e.num_rows // heads), heads), f"Zipf s={s:g} per head (Che approximation)"
+    if zipf is not None:
+        return ZipfMRC(zipf, max(1, e.num_rows // heads), heads), f"Zipf s={zipf:g} per head (Che approximation)"
+    return RealTextMRC(heads), f"real text (source code, a {REAL_TEXT_TOKENS:,}-token trace), LRU curve"
 
 
 def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,

@@ -1,0 +1,97 @@
+"""The hit ratio of an LRU row cache under real text, for when no trace of one's own is at hand.
+
+An access hits an LRU cache of ``C`` rows when fewer than ``C`` distinct rows were read
+since the same row's last access (its stack distance, ``planner.mrc``). For hashed n-gram
+rows that distance is a property of the text, not of the table (as long as the table is
+large enough for few collisions), and it grows with the rows a token reads: so the curve
+below is kept per *token-equivalent* of cache (cache rows / rows read per token) and holds
+for any table whose tokens read rows the way V4.1-Flash's do.
+
+``REAL_TEXT_HIT`` was measured by ``measure_real_text_curve``: a million tokens of CPython
+3.11's standard library (the benchmark corpus), tokenized with the DeepSeek tokenizer and
+hashed into the full ``deepseek-v4.1-flash`` table, 32 sequences of 16-token pieces a step,
+each step's ids deduplicated (as the store sees them), stack distances by SHARDS at 10%;
+the cache starts empty, so first touches count as misses. Source code repeats itself more
+than prose, so prose will hit less; a cache that has served fewer tokens hits less too
+(docs/planner.md: 0.44-0.52 measured after 12-35 thousand tokens where this curve says 0.56).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_HIT", "REAL_TEXT_TOKENS", "measure_real_text_curve"]
+
+REAL_TEXT_TOKENS = 1_048_576
+"""Tokens of the measured trace."""
+REAL_TEXT_CACHE_TOKENS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+"""Cache sizes, in token-equivalents (cache rows / rows read per token)."""
+REAL_TEXT_HIT = (0.0040, 0.0299, 0.2097, 0.3766, 0.5138, 0.6050, 0.6472, 0.6484)
+"""Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``measure_real_text_curve``; see the module doc)."""
+
+
+def _interp_log(x: float) -> float:
+    """``REAL_TEXT_HIT`` at ``x`` token-equivalents, linear in log(x) between the measured
+    sizes, linear to 0 at no cache below the smallest, flat above the largest."""
+    xs = np.log(np.asarray(REAL_TEXT_CACHE_TOKENS, dtype=np.float64))
+    if x < REAL_TEXT_CACHE_TOKENS[0]:
+        return REAL_TEXT_HIT[0] * max(x, 0.0) / REAL_TEXT_CACHE_TOKENS[0]
+    return float(np.interp(math.log(x), xs, REAL_TEXT_HIT))
+
+
+@dataclass(frozen=True)
+class RealTextMRC:
+    """``REAL_TEXT_HIT`` for a table whose tokens read ``rows_per_token`` rows each. Above
+    the largest cache measured the hit ratio stays at its value there (a conservative
+    ceiling: the trace's own reuse)."""
+
+    rows_per_token: int
+
+    def __post_init__(self) -> None:
+        if self.rows_per_token < 1:
+            raise ValueError(f"rows_per_token must be >= 1, got {self.rows_per_token}")
+
+    def hit_ratio(self, rows: float) -> float:
+        """Fraction of row reads a cache of ``rows`` rows serves."""
+        return _interp_log(rows / self.rows_per_token) if rows > 0 else 0.0
+
+    def rows_for_hit_rate(self, hit_rate: float) -> int | None:
+        """The smallest cache (rows) reaching ``hit_rate``; None above the curve's ceiling."""
+        if not 0.0 <= hit_rate <= 1.0:
+            raise ValueError(f"hit rate must be within [0, 1], got {hit_rate}")
+        if hit_rate > REAL_TEXT_HIT[-1]:
+            return None
+        lo, hi = 0.0, float(REAL_TEXT_CACHE_TOKENS[-1] * self.rows_per_token)
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if self.hit_ratio(mid) >= hit_rate:
+                hi = mid
+            else:
+                lo = mid
+        return int(math.ceil(hi))
+
+
+def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.1,
+                            model: str = "deepseek-v4.1-flash") -> dict[str, Any]:
+    """Measure ``REAL_TEXT_HIT`` again (about a minute and a few GB of memory for a million
+    tokens): the standard library through ``model``'s hasher, per-step deduplicated ids,
+    SHARDS stack distances at ``rate``, the hit ratio at every cache size of the grid."""
+    from ..tokenizer import cached_token_map
+    from ..trace import serving_steps, stdlib_token_sequences
+    from .models import get_model
+    from .mrc import shards_sample, stack_distances
+
+    config = get_model(model).engram
+    rows_per_token = len(config.layer_ids) * config.cols_per_layer
+    steps = serving_steps(config, cached_token_map(), stdlib_token_sequences(tokens), batch=32, chunk=16)
+    ids = np.concatenate([np.unique(step.reshape(-1)) for step in steps])
+    sampled = ids[np.isin(ids, shards_sample(np.unique(ids), rate))]
+    distances = stack_distances(sampled) / rate  # rows; negative: a first access
+    hit = [round(float(np.mean((distances >= 0) & (distances < c * rows_per_token))), 4)
+           for c in REAL_TEXT_CACHE_TOKENS]
+    return {"model": model, "tokens": tokens, "rows_per_token": rows_per_token, "rate": rate,
+            "cache_tokens": list(REAL_TEXT_CACHE_TOKENS), "hit": hit}
