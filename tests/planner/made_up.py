@@ -11,7 +11,7 @@ from engram_offload.planner.models import WeightGroup
 
 GiB = 2**30
 # the link, drive and layer arithmetic alone: the host CPU term is pinned in test_host_cpu.py
-A = Assumptions(host_hash_us_per_row=0.0, host_us_per_hit=0.0, host_us_per_miss=0.0)
+A = Assumptions(host_hash_us_per_step=0.0, host_hash_us_per_row=0.0, host_us_per_hit=0.0, host_us_per_miss=0.0)
 
 GPU = GpuSpec(
     name="test GPU", hbm_bytes=100 * GiB, hbm_bw=4e12, flops={"bf16": 1e15, "fp8": 2e15}, nvlink_bw=800e9,

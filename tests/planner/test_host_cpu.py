@@ -21,13 +21,22 @@ V41 = get_model("deepseek-v4.1-flash")
 B300 = get_gpu("b300")
 A = DEFAULT_ASSUMPTIONS
 ROWS_PER_TOKEN = 48  # V4.1-Flash: 2 Engram layers x 24 columns
-NO_HOST = replace(A, host_hash_us_per_row=0.0, host_us_per_hit=0.0, host_us_per_miss=0.0)
+NO_HOST = replace(A, host_hash_us_per_step=0.0, host_hash_us_per_row=0.0, host_us_per_hit=0.0, host_us_per_miss=0.0)
+HOST_DRAM = replace(A, dram_rows_by_gpu=False)  # the host serves a DRAM table's rows (no GPU here)
 
 
-def test_the_defaults_are_this_machines_bench_tier_medians():
-    # bench-tier --prefetcher --cold on the 2.15 GiB V4.1-Flash table, four runs (docs/planner.md):
-    # hashing 12.1-16.0 us a token of 48 row ids, the workers 0.43-0.68 us a hit and 5.7-7.7 us a miss
-    assert (A.host_hash_us_per_row, A.host_us_per_hit, A.host_us_per_miss, A.host_fetch_cores) == (0.32, 0.53, 6.4, 1.0)
+def hashing_us(tokens: int) -> float:
+    return A.host_hash_us_per_step + tokens * ROWS_PER_TOKEN * A.host_hash_us_per_row
+
+
+def test_the_defaults_are_this_machines_measurements():
+    # begin_step at decode batches 8..512 (0.33, 0.42, 0.80, 2.32 ms a step: 290 us + 4 us a token
+    # of 48 row ids); bench-tier --prefetcher --cold on the 2.15 GiB V4.1-Flash table, four runs
+    # (docs/planner.md): the workers 0.43-0.68 us a hit and 5.7-7.7 us a miss
+    assert (A.host_hash_us_per_step, A.host_hash_us_per_row) == (290.0, 0.083)
+    assert (A.host_us_per_hit, A.host_us_per_miss, A.host_fetch_cores, A.dram_rows_by_gpu) == (0.53, 6.4, 1.0, True)
+    for batch, measured_ms in ((8, 0.33), (32, 0.42), (128, 0.80), (512, 2.32)):
+        assert hashing_us(batch) == pytest.approx(measured_ms * 1e3, rel=0.1)
 
 
 def test_hashing_comes_first_and_the_worker_serves_the_rows_beside_the_drives():
@@ -37,7 +46,7 @@ def test_hashing_comes_first_and_the_worker_serves_the_rows_beside_the_drives():
     slow_drive = local_nvme(B300, 2, iops=1_000)  # the drive paces the rows
     f = fetch_time(V41, slow_drive, 2, "nvme", tokens, hit, A)
     bare = fetch_time(V41, slow_drive, 2, "nvme", tokens, hit, NO_HOST)
-    assert f.hash_us == pytest.approx(tokens * ROWS_PER_TOKEN * A.host_hash_us_per_row)
+    assert f.hash_us == pytest.approx(hashing_us(tokens))
     assert f.host_cpu_us == pytest.approx((rows - misses) * A.host_us_per_hit + misses * A.host_us_per_miss)
     assert f.fixed_us == pytest.approx(bare.fixed_us + f.hash_us)
     assert f.rows_us == pytest.approx(bare.rows_us)  # the worker keeps up with a slow drive
@@ -48,22 +57,27 @@ def test_hashing_comes_first_and_the_worker_serves_the_rows_beside_the_drives():
 
 
 def test_more_cores_divide_the_workers_cpu_not_the_hashing():
-    one = fetch_time(V41, B300, 2, "dram", 256, None, A)
-    four = fetch_time(V41, B300, 2, "dram", 256, None, replace(A, host_fetch_cores=4.0))
+    one = fetch_time(V41, B300, 2, "dram", 256, None, HOST_DRAM)
+    four = fetch_time(V41, B300, 2, "dram", 256, None, replace(HOST_DRAM, host_fetch_cores=4.0))
     assert four.host_cpu_us == pytest.approx(one.host_cpu_us / 4)
     assert four.hash_us == one.hash_us > 0
 
 
-@pytest.mark.parametrize("name", ["hbm", "remote"])
-def test_placements_not_served_from_host_dram_pay_for_hashing_only(name):
-    f = fetch_time(V41, B300, 2, name, 256, None, A)
+@pytest.mark.parametrize("name", ["hbm", "remote", "dram"])
+def test_placements_whose_rows_the_host_does_not_serve_pay_for_hashing_only(name):
+    f = fetch_time(V41, B300, 2, name, 256, None, A)  # dram: the GPU reads pinned memory itself
     assert f.host_cpu_us == 0.0
-    assert f.hash_us == pytest.approx(256 * ROWS_PER_TOKEN * A.host_hash_us_per_row)
+    assert f.hash_us == pytest.approx(hashing_us(256))
     assert f.fixed_us == pytest.approx(fetch_time(V41, B300, 2, name, 256, None, NO_HOST).fixed_us + f.hash_us)
 
 
+def test_a_step_without_tokens_costs_no_host_cpu():
+    f = fetch_time(V41, B300, 2, "nvme", 0, 0.5, A)
+    assert f.hash_us == f.host_cpu_us == 0.0
+
+
 def stall(per_hit_us: float, batch: int = 256, tp: int = 2, **changes) -> float:
-    a = replace(A, host_us_per_hit=per_hit_us, **changes)
+    a = replace(HOST_DRAM, host_us_per_hit=per_hit_us, **changes)
     return evaluate(V41, B300, "dram", tp, Workload(batch=batch, gpus=tp), a).predicted_stall_us
 
 
@@ -76,11 +90,14 @@ def test_the_stall_grows_with_the_host_cpu_per_row():
 
 
 def test_no_stall_while_the_window_before_the_first_engram_layer_covers_the_host():
-    r = evaluate(V41, B300, "dram", 2, Workload(batch=1, gpus=2), A)
+    quick = replace(HOST_DRAM, host_hash_us_per_step=0.0)  # one token's rows alone fit the window
+    r = evaluate(V41, B300, "dram", 2, Workload(batch=1, gpus=2), quick)
     assert 0 < r.host_us < r.window_us
     assert r.predicted_stall_us == 0.0
-    # the same sequence with a host a hundred times slower do stall
-    assert stall(A.host_us_per_hit * 100, batch=1, host_hash_us_per_row=A.host_hash_us_per_row * 100) > 0
+    # the fixed cost of beginning a step (290 us here) is longer than that window (44 us at batch 1)
+    r = evaluate(V41, B300, "dram", 2, Workload(batch=1, gpus=2), HOST_DRAM)
+    assert r.window_us < A.host_hash_us_per_step < r.host_us
+    assert r.predicted_stall_us > 0
 
 
 def test_the_benchmarks_one_fetch_path_serves_the_whole_tp_group():
@@ -88,7 +105,7 @@ def test_the_benchmarks_one_fetch_path_serves_the_whole_tp_group():
     gpu = local_nvme(B300, 2, iops=1e9)  # the drive never paces: the worker does
     steps = [(64, 0, 64 * 4096)]
     shared = planner_prediction(backbone, "direct", steps, 0.5, gpu)
-    per_gpu = fetch_time(V41, gpu, 2, "nvme", 64, 0.5, replace(A, host_fetch_cores=0.5))
+    per_gpu = fetch_time(V41, gpu, 2, "nvme", 64, 0.5, replace(HOST_DRAM, host_fetch_cores=0.5))
     assert shared["host_cpu_us"] == pytest.approx(per_gpu.hash_us + per_gpu.host_cpu_us)
     assert shared["stall_us"] > planner_prediction(backbone, "direct", steps, 0.5, gpu, NO_HOST)["stall_us"]
 
@@ -130,7 +147,8 @@ def plan_nvme(capsys, *flags: str) -> dict:
 def test_the_host_flags_reach_the_stall(capsys):
     base = plan_nvme(capsys)
     slow = plan_nvme(capsys, "--host-us-per-hit", "5", "--host-us-per-miss", "50")
-    none = plan_nvme(capsys, "--host-hash-us-per-row", "0", "--host-us-per-hit", "0", "--host-us-per-miss", "0")
+    none = plan_nvme(capsys, "--host-hash-us-per-step", "0", "--host-hash-us-per-row", "0", "--host-us-per-hit", "0",
+                     "--host-us-per-miss", "0")
     more = plan_nvme(capsys, "--host-fetch-cores", "8")
     assert slow["assumptions"]["host_us_per_miss"] == 50.0 and more["assumptions"]["host_fetch_cores"] == 8.0
     assert none["host_us"] == 0.0 < more["host_us"] < base["host_us"] < slow["host_us"]

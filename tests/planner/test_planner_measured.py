@@ -13,7 +13,8 @@ from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
 from engram_offload.planner.placement import Fetch, fetch_time, layered_stall_us, step_stall_us
 
 V41 = get_model("deepseek-v4.1-flash")
-A = replace(DEFAULT_ASSUMPTIONS, host_hash_us_per_row=0.0, host_us_per_hit=0.0, host_us_per_miss=0.0)  # test_host_cpu.py
+A = replace(DEFAULT_ASSUMPTIONS, host_hash_us_per_step=0.0, host_hash_us_per_row=0.0, host_us_per_hit=0.0,
+            host_us_per_miss=0.0)  # test_host_cpu.py
 
 
 def one_drive(iops, bytes_per_s, gpus=2):

@@ -134,9 +134,10 @@ def test_dram_stall_appears_when_the_link_is_slow():
     dram = next(r for r in results if r.name == "dram" and r.tp == 4)
     assert dram.link_bytes_per_step == 256 * 3168
     a = DEFAULT_ASSUMPTIONS
-    # the link, and the host's CPU for every row (hashed before the fetch, then served from DRAM)
-    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6 + 256 * 12 * a.host_us_per_hit
-    fixed_us = a.host_link_latency_us + 256 * 48 * a.host_hash_us_per_row
+    # the link, and the host's CPU hashing the step's row ids before the fetch (the GPU reads
+    # the rows from pinned DRAM itself)
+    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6
+    fixed_us = a.host_link_latency_us + a.host_hash_us_per_step + 256 * 48 * a.host_hash_us_per_row
     step = decode_step(m, slow, 4, 256, 32768, a).backbone_us
     assert dram.transfer_us == pytest.approx(fixed_us + rows_us, rel=1e-9)
     assert dram.predicted_stall_us > 0

@@ -11,7 +11,7 @@ from engram_offload.planner.assumptions import DEFAULT_ASSUMPTIONS, POOL_ROW_BYT
 
 BATCH, TP = 64, 2
 # the host hashes every row id of the step's tokens (48 a token) before it asks the pool
-HASH_US = BATCH * 48 * DEFAULT_ASSUMPTIONS.host_hash_us_per_row
+HASH_US = DEFAULT_ASSUMPTIONS.host_hash_us_per_step + BATCH * 48 * DEFAULT_ASSUMPTIONS.host_hash_us_per_row
 
 
 def remote(capsys, *flags: str) -> tuple[dict, int]:

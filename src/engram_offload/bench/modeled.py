@@ -116,7 +116,8 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     stall's share of step time, the NVMe reads per second of the TP group and the host CPU
     of the fetch path per step (``host_cpu_us``: hashing plus the fetch worker's, which
     ``fetch_time`` charges; this machine's one fetch path serves all ``tp`` GPUs' columns,
-    so each GPU's gets ``host_fetch_cores / tp`` of its cores).
+    so each GPU's gets ``host_fetch_cores / tp`` of its cores, and it serves the ``memory``
+    tier's rows itself: ``dram_rows_by_gpu`` off).
 
     ``stall_us`` is ``placement.step_stall_us``: decode rows due layer by layer, prefill
     rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
@@ -125,7 +126,8 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     gpu = gpu or backbone.gpu
     model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
     # one fetch path on this machine serves the whole TP group's columns: its cores are shared
-    a = replace(a, host_fetch_cores=a.host_fetch_cores / tp)
+    # and with no GPU here, the host serves the memory tier's rows too (lookup, copy, decode)
+    a = replace(a, host_fetch_cores=a.host_fetch_cores / tp, dram_rows_by_gpu=False)
     layers = sorted(backbone.layer_ids)
     stall = first_only = step_total = reads = host = 0.0
     n = 0

@@ -59,12 +59,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"{DEFAULT_ASSUMPTIONS.remote_bw * 8 / 1e9:.2f}: 808k rows/s of 264 B, measured on loopback with "
                    "one client and one Redis master; rows/s grows with the number of masters)")
     h = p.add_argument_group("host fetch path (CPU per step; defaults measured with bench-tier, docs/planner.md)")
+    h.add_argument("--host-hash-us-per-step", type=non_negative_float,
+                   default=DEFAULT_ASSUMPTIONS.host_hash_us_per_step,
+                   help="CPU us to begin a step (hashing's fixed part; default "
+                   f"{DEFAULT_ASSUMPTIONS.host_hash_us_per_step:g})")
     h.add_argument("--host-hash-us-per-row", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_hash_us_per_row,
                    help="CPU us to hash and deduplicate one row id, every column (default "
                    f"{DEFAULT_ASSUMPTIONS.host_hash_us_per_row:g})")
     h.add_argument("--host-us-per-hit", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_us_per_hit,
-                   help=f"CPU us per row served from host DRAM (default {DEFAULT_ASSUMPTIONS.host_us_per_hit:g}; "
-                   "0 for a GPU gather over UVA)")
+                   help="CPU us per row the host serves from its DRAM row cache (default "
+                   f"{DEFAULT_ASSUMPTIONS.host_us_per_hit:g}; a table wholly in pinned DRAM is read by the GPU "
+                   "over unified addressing, no host CPU a row, unless --host-serves-dram)")
+    h.add_argument("--host-serves-dram", action="store_true",
+                   help="the host serves the rows of a table in DRAM (no GPU reads over unified addressing)")
     h.add_argument("--host-us-per-miss", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.host_us_per_miss,
                    help=f"CPU us per row read from NVMe (default {DEFAULT_ASSUMPTIONS.host_us_per_miss:g})")
     h.add_argument("--host-fetch-cores", type=positive_float, default=DEFAULT_ASSUMPTIONS.host_fetch_cores,
@@ -100,7 +107,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                         min_interactivity=args.min_interactivity,
                         target_hit_rate=args.target_hit_rate, curve=curve, curve_label=label)
     assumptions = replace(DEFAULT_ASSUMPTIONS, remote_latency_us=args.pool_rtt_us, remote_bw=args.pool_gbps * 1e9 / 8,
+                          host_hash_us_per_step=args.host_hash_us_per_step,
                           host_hash_us_per_row=args.host_hash_us_per_row, host_us_per_hit=args.host_us_per_hit,
+                          dram_rows_by_gpu=not args.host_serves_dram,
                           host_us_per_miss=args.host_us_per_miss, host_fetch_cores=args.host_fetch_cores)
     return make_plan(model, gpu, workload, args.objective, assumptions)
 
@@ -135,7 +144,7 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
     )
     t = Table(show_lines=False)
     for col in ("placement", "TP", "fits", "KV GiB/GPU", "seqs", "KiB/tok/GPU", "batch",
-                "link us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB/machine"):
+                "fetch us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB/machine"):
         t.add_column(col, justify="left" if col in ("placement", "fits", "cache") else "right")
     why: list[str] = []
     for i, r in enumerate(plan.placements):

@@ -56,18 +56,21 @@ class Assumptions:
     # Tokens per prefill chunk when checking the prefill prefetch window.
     prefill_chunk_tokens: int = 8192
     # The host CPU of the fetch path (the Prefetcher), measured on the development machine
-    # (2-core AMD EPYC; ``bench-tier --tier direct --cache-bytes 10% --prefetcher --cold
-    # --json``, medians of the runs in docs/planner.md, "Checked against measurement"):
-    # hashing and deduplicating a step's row ids on the serving thread, per row id (a rank
-    # hashes every column: an n-gram's hash needs the whole n-gram); then, on the fetch
+    # (2-core AMD EPYC). Hashing and deduplicating a step's row ids on the serving thread
+    # (``begin_step``: a rank hashes every column, an n-gram's hash needs the whole n-gram):
+    # a fixed cost per step plus a cost per row id, fitted to begin_step at decode batches
+    # of 8 to 512 (0.33, 0.42, 0.80, 2.32 ms a step; docs/planner.md). Then, on the fetch
     # worker, per row served from host DRAM (cache lookup, copy, decode) and per row read
-    # from NVMe (the same plus the io_uring read's submission and completion). Every
-    # placement but ``hbm`` serves its rows through that path; ``plan --host-*`` override them.
-    host_hash_us_per_row: float = 0.32
+    # from NVMe (the same plus the io_uring read's submission and completion): medians of
+    # ``bench-tier --tier direct --cache-bytes 10% --prefetcher --cold --json``. The rows of
+    # a table in pinned host DRAM are read by the GPU itself (``dram_rows_by_gpu``: the
+    # pinned tier's unified addressing), with no host CPU a row; ``hbm`` rows are gathered
+    # on the GPU. ``plan --host-*`` override them.
+    host_hash_us_per_step: float = 290.0
+    host_hash_us_per_row: float = 0.083
     host_us_per_hit: float = 0.53
     host_us_per_miss: float = 6.4
-    # Cores one GPU's fetch path keeps busy at once: the Prefetcher fetches a step's parts
-    # on one worker thread (with the GIL released in the native fetch loop).
+    dram_rows_by_gpu: bool = True
     host_fetch_cores: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,8 +8,9 @@ how many bytes cross the host link per step, the predicted stall (each Engram la
 for its own rows: ``step_stall_us``), and the best batch under the interactivity floor.
 
 A step's fetch costs the host CPU too (``host_cpu_us``): the step's row ids are hashed
-before anything is fetched, and every row served from host DRAM or read from NVMe takes
-the fetch worker's CPU, which serves the rows side by side with the drives.
+before anything is fetched, and every row the host serves from its DRAM cache or reads
+from NVMe takes the fetch worker's CPU, which serves the rows side by side with the drives
+(a table wholly in pinned DRAM is read by the GPU itself: hashing only).
 """
 
 from __future__ import annotations
@@ -188,11 +189,15 @@ def host_cpu_us(model: ModelSpec, tp: int, name: str, tokens: int, hits: float, 
                 a: Assumptions) -> tuple[float, float]:
     """Host CPU time of one GPU's fetch path for ``tokens`` tokens (``hits`` and ``misses``:
     the rows served from host DRAM and read from NVMe): hashing and dedup of every row id of
-    the tokens (one thread, before the fetch starts), and the fetch worker's per-row work
-    over ``host_fetch_cores`` cores. ``hbm`` rows are gathered on the GPU: hashing only."""
+    the tokens (one thread, before the fetch starts: a cost per step and one per row id), and
+    the fetch worker's per-row work over ``host_fetch_cores`` cores. ``hbm`` rows are gathered
+    on the GPU, ``dram`` rows read by it from pinned memory (unless not ``dram_rows_by_gpu``)
+    and the pool's measured rate holds its client's CPU: hashing only."""
+    if tokens <= 0:
+        return 0.0, 0.0
     e = model.engram
-    hash_us = tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row
-    if name == "hbm" or name == "remote":  # the pool's measured rate holds its client's CPU
+    hash_us = a.host_hash_us_per_step + tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row
+    if name in ("hbm", "remote") or (name == "dram" and a.dram_rows_by_gpu):
         return hash_us, 0.0
     return hash_us, (hits * a.host_us_per_hit + misses * a.host_us_per_miss) / a.host_fetch_cores
 
