@@ -464,7 +464,7 @@ class Prefetcher:
     def begin_step(
         self,
         seq_ids: Sequence[int],
-        pieces: Sequence[Any],
+        pieces: Sequence[Any] | np.ndarray | torch.Tensor,
         dead: Sequence[Any] | None = None,
         *,
         urgent: bool = True,
@@ -472,7 +472,8 @@ class Prefetcher:
         """Hash the step's new tokens per sequence and start fetching every layer's rows.
 
         ``pieces[i]`` holds the new token ids of sequence ``seq_ids[i]`` (a prefill chunk or
-        one decode token). Returns the ``Step``; it also becomes ``current``.
+        one decode token); a decode step may also give ``pieces`` as one 1-d int array or
+        tensor ``[S]``, a token per sequence (no per-sequence Python work). Returns the ``Step``; it also becomes ``current``.
         ``urgent=False`` marks a fetch ahead of need (e.g. a later prefill window): the
         workers serve it after every urgent step, yielding to new urgent steps between its parts.
         """
@@ -480,12 +481,21 @@ class Prefetcher:
             raise ValueError("this prefetcher is closed: create a new one")
         if not all(w.is_alive() for w in self._workers):  # never expected: workers catch everything
             raise PrefetchError("the prefetch worker has stopped; create a new Prefetcher")
-        seq_ids = tuple(int(s) for s in seq_ids)
-        arrays = [np.asarray(p.detach().cpu() if isinstance(p, torch.Tensor) else p).reshape(-1) for p in pieces]
-        if len(arrays) != len(seq_ids):
-            raise ValueError(f"{len(arrays)} pieces for {len(seq_ids)} sequences")
-        if dead is None and arrays and all(a.size == 1 for a in arrays):
-            rows = self.hasher.hash_decode(self.history, seq_ids, np.concatenate(arrays))  # [S, L, C]
+        seq_ids = tuple(map(int, seq_ids))
+        one_each = _one_token_each(pieces)  # [S] (a decode step given as one array), else None
+        if one_each is not None:
+            if one_each.size != len(seq_ids):
+                raise ValueError(f"{one_each.size} tokens for {len(seq_ids)} sequences: give one each")
+            arrays = [one_each[i:i + 1] for i in range(one_each.size)] if dead is not None else []
+        else:
+            arrays = [np.asarray(p.detach().cpu() if isinstance(p, torch.Tensor) else p).reshape(-1) for p in pieces]
+            if len(arrays) != len(seq_ids):
+                raise ValueError(f"{len(arrays)} pieces for {len(seq_ids)} sequences")
+            if arrays and all(a.size == 1 for a in arrays):
+                one_each = np.concatenate(arrays)
+        lengths = (1,) * len(seq_ids) if one_each is not None else tuple(a.size for a in arrays)
+        if dead is None and one_each is not None:
+            rows = self.hasher.hash_decode(self.history, seq_ids, one_each)  # [S, L, C]
         else:
             rows = self.hasher.hash_pieces(self.history, seq_ids, arrays, dead)  # [T, L, C]
         table_ids = self.hasher.table_ids(rows)  # [T, L, C]
@@ -499,7 +509,7 @@ class Prefetcher:
             self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:
             self._step_count += 1
-            step = Step(self._step_count, seq_ids, tuple(a.size for a in arrays), table_ids, d,
+            step = Step(self._step_count, seq_ids, lengths, table_ids, d,
                         self.config.layer_ids, self._parts(d.unique), outputs)
             self.current = step
             self._open.append(step)
@@ -575,6 +585,18 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _one_token_each(pieces: Any) -> np.ndarray | None:
+    """``pieces`` given as one 1-d integer array or tensor (a decode step's token per
+    sequence) -> int ``[S]``; None for a sequence of pieces."""
+    if isinstance(pieces, torch.Tensor):
+        pieces = pieces.detach().cpu().numpy()
+    if isinstance(pieces, np.ndarray) and pieces.ndim == 1:
+        if pieces.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got an array of {pieces.dtype}")
+        return pieces
+    return None
 
 
 def _columns(store: RowStore, columns: Columns | None, num_columns: int) -> Columns | None:

@@ -118,10 +118,10 @@ def test_decode_steps_feed_each_sequence_its_next_token():
     fed: dict[int, list[int]] = {}
     finished = []
     for _ in range(1030):  # past the first sequences' 1024 tokens
-        seq_ids, pieces, done = next(steps)
-        assert len(seq_ids) == len(set(seq_ids)) == 3 and all(p.size == 1 for p in pieces)
-        for s, p in zip(seq_ids, pieces):
-            fed.setdefault(s, []).append(int(p[0]))
+        seq_ids, tokens, done = next(steps)
+        assert len(seq_ids) == len(set(seq_ids)) == 3 and tokens.shape == (3,)  # one token each
+        for s, t in zip(seq_ids, tokens):
+            fed.setdefault(s, []).append(int(t))
         finished += done
     assert finished == [1, 2, 3]  # each replaced after its last token, under a new id
     assert fed[1] == list(range(10, 1034))  # consecutive corpus tokens, across documents

@@ -49,7 +49,7 @@ CHECK_EVERY = 16  # with check: every this many steps' rows are kept for the com
 CHECK_STEPS = 8  # at most this many sampled steps per phase
 WARM_SET_MAX_STEPS = 256
 
-StepInput = tuple[list[int], list[np.ndarray], list[int]]  # (seq ids, one token each, seq ids finished)
+StepInput = tuple[list[int], np.ndarray, list[int]]  # (seq ids, one token each [S], seq ids finished)
 
 
 def load_text(corpus: str | Corpus, max_tokens: int, seed: int) -> tuple[Corpus, np.ndarray]:
@@ -80,16 +80,17 @@ class DecodeSteps:
 
     def __iter__(self) -> Iterator[StepInput]:
         while True:
-            seq_ids, pieces, finished = [], [], []
+            seq_ids, finished = [], []
+            new_tokens = np.empty(len(self.slots), np.int64)  # [S] one token a sequence
             for i, (seq_id, tokens, pos) in enumerate(self.slots):
                 seq_ids.append(seq_id)
-                pieces.append(tokens[pos: pos + 1])
+                new_tokens[i] = tokens[pos]
                 if pos + 1 < tokens.size:
                     self.slots[i][2] = pos + 1
                 else:
                     finished.append(seq_id)
                     self.slots[i] = self._new()
-            yield seq_ids, pieces, finished
+            yield seq_ids, new_tokens, finished
 
 
 def _replayed(steps: Sequence[StepInput]) -> Iterator[StepInput]:
@@ -217,7 +218,7 @@ def _warm_set(hasher: NgramHasher, corpus: Corpus, sequences: int, seed: int, ca
     rows = 0
     history = hasher.new_history()
     for seq_ids, pieces, finished in DecodeSteps(corpus, sequences, seed + 1):
-        ids = hasher.table_ids(hasher.hash_decode(history, seq_ids, np.concatenate(pieces)))  # [S, L, C]
+        ids = hasher.table_ids(hasher.hash_decode(history, seq_ids, pieces))  # [S, L, C]
         distinct = int(np.unique(ids).size)
         if steps and (rows + distinct > capacity_rows // 2 or len(steps) >= WARM_SET_MAX_STEPS):
             return steps
