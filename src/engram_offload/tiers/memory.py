@@ -27,7 +27,7 @@ from ..rowcopy import move_rows
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker
-from ._buffers import aligned_empty, madvise_quietly
+from ._buffers import aligned_empty, madvise_quietly, private_mapping
 from .base import Tier
 from .pagecheck import check_pages, run_of_pages
 
@@ -172,11 +172,11 @@ class _Prefaulter:
 
 
 def load_dense_rows(
-    header: TableHeader, verify: bool | None = None, progress: bool | None = None
+    header: TableHeader, verify: bool | None = None, progress: bool | None = None, huge_pages: bool = True
 ) -> tuple[torch.Tensor, mmap.mmap, bool]:
-    """Read a table's rows into an anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
+    """Read a table's rows into a private anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
 
-    Returns (rows, the mapping, whether MADV_HUGEPAGE was accepted). Reading (a thread,
+    Returns (rows, the mapping, whether MADV_HUGEPAGE was asked for and accepted). Reading (a thread,
     O_DIRECT where possible) overlaps checking and copying. ``verify``: None checks the
     page checksums of a version-2 table (a bad page is read once more, then
     ``ChecksumError`` naming it); True also checks a version-1 table's blocks
@@ -184,8 +184,8 @@ def load_dense_rows(
     """
     layout = header.layout
     nbytes = layout.num_rows * layout.row_bytes
-    mm = mmap.mmap(-1, max(mmap.PAGESIZE, nbytes))
-    huge = madvise_quietly(mm, "MADV_HUGEPAGE")
+    mm = private_mapping(nbytes)
+    huge = huge_pages and madvise_quietly(mm, "MADV_HUGEPAGE")
     dense = np.frombuffer(mm, np.uint8, count=nbytes).reshape(layout.num_rows, layout.row_bytes)
     load_rows_into(header, dense, verify, progress)
     return torch.from_numpy(dense), mm, huge
@@ -257,19 +257,22 @@ class MemoryTier(Tier):
     while loading; True: also a version-1 table's block checksums; False: no check),
     ``progress`` (bar while loading, with its GB/s; default for large tables),
     ``check_memory`` (refuse with ``TierError`` when the rows exceed ``MemAvailable``;
-    False to insist). ``stats()`` has ``load_seconds`` and ``load_bytes``.
+    False to insist), ``huge_pages`` (True, the default: ask for transparent huge pages,
+    which make random row reads faster; False: 4 KiB pages, cheaper to fault in on a
+    virtual machine whose host reclaims free guest memory). ``stats()`` has
+    ``load_seconds``, ``load_bytes`` and ``huge_pages``.
     """
 
     name = "memory"
     _mm: mmap.mmap | None  # the mapping behind the rows; None once released (or pinned elsewhere)
 
     def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
-                 check_memory: bool = True) -> None:
+                 check_memory: bool = True, huge_pages: bool = True) -> None:
         super().__init__(header)
         if check_memory:
             check_free_memory(header, self.name)
         started = time.perf_counter()
-        self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress)
+        self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress, huge_pages)
         self.load_seconds = time.perf_counter() - started
         self.verified_on_load = verify_reads is not False and (header.page_sums is not None or bool(verify_reads))
 
