@@ -1,5 +1,5 @@
 """Where the resident tiers load their rows: ordinary private memory (not shmem), with
-transparent huge pages asked for unless ``huge_pages=False``."""
+transparent huge pages asked for only with ``huge_pages=True``."""
 
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ def vm_flags(address: int) -> set[str]:
 
 
 @pytest.mark.parametrize("tier", ["memory", "pinned"])
-@pytest.mark.parametrize("huge_pages", [True, False])
+@pytest.mark.parametrize("huge_pages", [None, True, False])
 @pytest.mark.filterwarnings("ignore:pinned tier. CUDA is not available")
 def test_rows_load_into_private_memory_with_huge_pages_as_asked(tables, tier, huge_pages):
     path, expected = tables[("fp8_e4m3_ue8m0", 64)]
-    with open_tier(tier, read_header(path), huge_pages=huge_pages) as t:
+    options = {} if huge_pages is None else {"huge_pages": huge_pages}
+    with open_tier(tier, read_header(path), **options) as t:
         flags = vm_flags(t.rows.data_ptr())
         assert "sh" not in flags  # a shared anonymous mapping is shmem: no huge pages, dearer faults
-        assert ("hg" in flags) == t.stats()["huge_pages"]
-        if not huge_pages:
+        assert ("hg" in flags) == t.stats()["huge_pages"]  # MADV_HUGEPAGE asked for and accepted
+        if not huge_pages:  # 4 KiB pages by default
             assert t.stats()["huge_pages"] is False
         np.testing.assert_array_equal(t.rows.numpy(), expected)

@@ -1,10 +1,19 @@
-"""``memory`` tier: the whole table as dense rows in RAM (huge pages where the OS allows).
+"""``memory`` tier: the whole table as dense rows in RAM (private memory; transparent huge
+pages on request).
 
 Loading streams the data region at the disk's sequential rate: a thread reads 16 MiB
 chunks (O_DIRECT where the file system allows) while the caller checks the previous chunk's
 page checksums (version 2; native XXH3, GIL released) and copies its rows into place, and
-up to four threads fault the destination's pages in ahead of the copy (the kernel zeroing
-fresh memory costs more CPU than reading and checking: about 0.6 s per GB, measured).
+up to four threads fault the destination's pages in ahead of the copy. Reading, checking
+and copying cost about 0.3 s of CPU per GB; faulting fresh memory in is the rest, and
+what it costs depends on the machine (measured on a two-core virtual machine whose host
+takes free guest memory back: 0.3 s per GB for 4 KiB pages the guest had freed but the
+host had not taken back, 2 to 2.4 s per GB for memory the host had taken back, which
+a huge page always is there; on bare metal the kernel zeroes at several GB/s).
+
+Huge pages make random row reads faster (measured: 60 ns a row against 92-104 with 4 KiB
+pages), so ``huge_pages=True`` suits a server that loads once and serves long; 4 KiB
+pages (the default) load faster where faulting huge pages in is dear.
 """
 
 from __future__ import annotations
@@ -172,7 +181,7 @@ class _Prefaulter:
 
 
 def load_dense_rows(
-    header: TableHeader, verify: bool | None = None, progress: bool | None = None, huge_pages: bool = True
+    header: TableHeader, verify: bool | None = None, progress: bool | None = None, huge_pages: bool = False
 ) -> tuple[torch.Tensor, mmap.mmap, bool]:
     """Read a table's rows into a private anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
 
@@ -257,17 +266,17 @@ class MemoryTier(Tier):
     while loading; True: also a version-1 table's block checksums; False: no check),
     ``progress`` (bar while loading, with its GB/s; default for large tables),
     ``check_memory`` (refuse with ``TierError`` when the rows exceed ``MemAvailable``;
-    False to insist), ``huge_pages`` (True, the default: ask for transparent huge pages,
-    which make random row reads faster; False: 4 KiB pages, cheaper to fault in on a
-    virtual machine whose host reclaims free guest memory). ``stats()`` has
-    ``load_seconds``, ``load_bytes`` and ``huge_pages``.
+    False to insist), ``huge_pages`` (False, the default: 4 KiB pages; True: ask for
+    transparent huge pages, faster random row reads, see the module's docstring).
+    ``stats()`` has ``load_seconds``, ``load_bytes`` and ``huge_pages`` (asked for and
+    accepted).
     """
 
     name = "memory"
     _mm: mmap.mmap | None  # the mapping behind the rows; None once released (or pinned elsewhere)
 
     def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
-                 check_memory: bool = True, huge_pages: bool = True) -> None:
+                 check_memory: bool = True, huge_pages: bool = False) -> None:
         super().__init__(header)
         if check_memory:
             check_free_memory(header, self.name)
