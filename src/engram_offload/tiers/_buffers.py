@@ -10,15 +10,21 @@ import torch
 
 from ..rowcopy import move_rows
 
-__all__ = ["ThreadBuffers", "aligned_empty", "gather_at", "madvise_quietly"]
+__all__ = ["ThreadBuffers", "aligned_empty", "gather_at", "madvise_quietly", "private_mapping"]
 
 ALIGN = mmap.PAGESIZE
 
 
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """``nbytes`` (rounded up to whole pages) of ordinary process memory: a private anonymous
+    mapping. ``mmap.mmap(-1, n)`` alone maps MAP_SHARED, which is shmem: no transparent huge
+    pages where ``shmem_enabled`` is ``never`` (the usual default), and a costlier fault per page."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised, page-aligned ``np.uint8 [nbytes]`` (anonymous mapping; freed with it)."""
-    mm = mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
-    return np.frombuffer(mm, np.uint8, count=nbytes)
+    """An uninitialised, page-aligned ``np.uint8 [nbytes]`` (a private mapping; freed with it)."""
+    return np.frombuffer(private_mapping(nbytes), np.uint8, count=nbytes)
 
 
 class ThreadBuffers:

@@ -1,10 +1,19 @@
-"""``memory`` tier: the whole table as dense rows in RAM (huge pages where the OS allows).
+"""``memory`` tier: the whole table as dense rows in RAM (private memory; transparent huge
+pages on request).
 
 Loading streams the data region at the disk's sequential rate: a thread reads 16 MiB
 chunks (O_DIRECT where the file system allows) while the caller checks the previous chunk's
 page checksums (version 2; native XXH3, GIL released) and copies its rows into place, and
-up to four threads fault the destination's pages in ahead of the copy (the kernel zeroing
-fresh memory costs more CPU than reading and checking: about 0.6 s per GB, measured).
+up to four threads fault the destination's pages in ahead of the copy. Reading, checking
+and copying cost about 0.3 s of CPU per GB; faulting fresh memory in is the rest, and
+what it costs depends on the machine (measured on a two-core virtual machine whose host
+takes free guest memory back: 0.3 s per GB for 4 KiB pages the guest had freed but the
+host had not taken back, 2 to 2.4 s per GB for memory the host had taken back, which
+a huge page always is there; on bare metal the kernel zeroes at several GB/s).
+
+Huge pages make random row reads faster (measured: 60 ns a row against 92-104 with 4 KiB
+pages), so ``huge_pages=True`` suits a server that loads once and serves long; 4 KiB
+pages (the default) load faster where faulting huge pages in is dear.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from ..rowcopy import move_rows
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker
-from ._buffers import aligned_empty, madvise_quietly
+from ._buffers import aligned_empty, madvise_quietly, private_mapping
 from .base import Tier
 from .pagecheck import check_pages, run_of_pages
 
@@ -172,11 +181,11 @@ class _Prefaulter:
 
 
 def load_dense_rows(
-    header: TableHeader, verify: bool | None = None, progress: bool | None = None
+    header: TableHeader, verify: bool | None = None, progress: bool | None = None, huge_pages: bool = False
 ) -> tuple[torch.Tensor, mmap.mmap, bool]:
-    """Read a table's rows into an anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
+    """Read a table's rows into a private anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
 
-    Returns (rows, the mapping, whether MADV_HUGEPAGE was accepted). Reading (a thread,
+    Returns (rows, the mapping, whether MADV_HUGEPAGE was asked for and accepted). Reading (a thread,
     O_DIRECT where possible) overlaps checking and copying. ``verify``: None checks the
     page checksums of a version-2 table (a bad page is read once more, then
     ``ChecksumError`` naming it); True also checks a version-1 table's blocks
@@ -184,8 +193,8 @@ def load_dense_rows(
     """
     layout = header.layout
     nbytes = layout.num_rows * layout.row_bytes
-    mm = mmap.mmap(-1, max(mmap.PAGESIZE, nbytes))
-    huge = madvise_quietly(mm, "MADV_HUGEPAGE")
+    mm = private_mapping(nbytes)
+    huge = huge_pages and madvise_quietly(mm, "MADV_HUGEPAGE")
     dense = np.frombuffer(mm, np.uint8, count=nbytes).reshape(layout.num_rows, layout.row_bytes)
     load_rows_into(header, dense, verify, progress)
     return torch.from_numpy(dense), mm, huge
@@ -257,19 +266,22 @@ class MemoryTier(Tier):
     while loading; True: also a version-1 table's block checksums; False: no check),
     ``progress`` (bar while loading, with its GB/s; default for large tables),
     ``check_memory`` (refuse with ``TierError`` when the rows exceed ``MemAvailable``;
-    False to insist). ``stats()`` has ``load_seconds`` and ``load_bytes``.
+    False to insist), ``huge_pages`` (False, the default: 4 KiB pages; True: ask for
+    transparent huge pages, faster random row reads, see the module's docstring).
+    ``stats()`` has ``load_seconds``, ``load_bytes`` and ``huge_pages`` (asked for and
+    accepted).
     """
 
     name = "memory"
     _mm: mmap.mmap | None  # the mapping behind the rows; None once released (or pinned elsewhere)
 
     def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
-                 check_memory: bool = True) -> None:
+                 check_memory: bool = True, huge_pages: bool = False) -> None:
         super().__init__(header)
         if check_memory:
             check_free_memory(header, self.name)
         started = time.perf_counter()
-        self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress)
+        self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress, huge_pages)
         self.load_seconds = time.perf_counter() - started
         self.verified_on_load = verify_reads is not False and (header.page_sums is not None or bool(verify_reads))
 

@@ -26,8 +26,9 @@ class PinnedTier(MemoryTier):
     name = "pinned"
 
     def __init__(self, header: TableHeader, *, verify_reads: bool | None = None, progress: bool | None = None,
-                 check_memory: bool = True) -> None:
-        super().__init__(header, verify_reads=verify_reads, progress=progress, check_memory=check_memory)
+                 check_memory: bool = True, huge_pages: bool = False) -> None:
+        super().__init__(header, verify_reads=verify_reads, progress=progress, check_memory=check_memory,
+                         huge_pages=huge_pages)
         self.pinned = torch.cuda.is_available()
         self._registration = None
         if self.pinned:
