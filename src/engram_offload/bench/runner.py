@@ -287,7 +287,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
 def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: BenchSettings,
                config: EngramConfig) -> dict[str, Any]:
     """The planner's stall and NVMe reads for the run's own steps, beside the measured ones:
-    with its own inputs (``predicted_*``: the hit rate its Zipf curve gives the DRAM held,
+    with its own inputs (``predicted_*``: the hit rate its curve (``curve_for``) gives the DRAM held,
     4 KiB per read), and with the run's measured ones (``predicted_*_at_measured_hit``,
     cached tiers on NVMe only: the hit rate and the bytes per device read)."""
     from ..planner.plan import curve_for
