@@ -162,7 +162,8 @@ def _within(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def test_a_device_store_refuses_a_dram_cache_over_a_dram_table(v41_table):
-    with pytest.raises(ValueError, match="drop cache_bytes"):
+    with pytest.raises(ValueError, match=r"^the memory tier holds the table in DRAM and the device reads it there: "
+                                         r"drop cache_bytes \(fast_cache_bytes sizes the HBM cache\)$"):
         open_table(v41_table[0], "memory", device="cpu", cache_bytes=1 << 20)
 
 
@@ -221,3 +222,109 @@ def test_bad_columns_are_refused(v41_table):
     path, config, _ = v41_table
     with pytest.raises(ValueError, match="columns must satisfy"):
         open_table(path, "mmap", columns=(3, config.cols_per_layer + 1))
+
+
+# ---------------------------------------------------------------------- fetch, decode, counters, repr
+def test_fetch_leases_the_ids_it_was_given_and_counts_what_they_stand_for(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        for ids in ([1, 5, 9], np.array([2, 6, 7], np.int64)):  # a list, an array
+            with store.fetch(ids, requested=10) as lease:
+                assert lease.ids.tolist() == list(ids) and torch.equal(lease.raw, raw[list(ids)])
+                assert store.levels[0].pinned() == 3  # held until released
+            assert store.levels[0].pinned() == 0
+        s = store.stats()["store"]
+        assert (s["fetches"], s["rows_requested"], s["rows_unique"], s["unique_ratio"]) == (2, 20, 6, 0.3)
+        store.read_raw([3, 3, 4])
+        assert store.stats()["store"]["unique_ratio"] == 8 / 23
+        store.reset_stats()
+        s = store.stats()
+        assert (s["store"]["fetches"], s["store"]["rows_requested"], s["store"]["rows_unique"]) == (0, 0, 0)
+        assert s["store"]["unique_ratio"] == 1.0 and s["levels"][0]["rows"] == 0 and s["levels"][-1]["rows"] == 0
+        store.read_raw([3])
+        assert store.stats()["store"]["fetches"] == 1 and store.stats()["store"]["rows_requested"] == 1
+
+
+def test_decode_takes_the_rows_an_index_names(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "memory") as store:
+        rows = raw[[4, 8, 15]]
+        index = np.array([2, 0, 2], np.int64)
+        got = store.decode(rows, torch.bfloat16, index=index)
+        assert got.shape == (3, 256) and got.dtype == torch.bfloat16
+        assert torch.equal(got, decode_rows(rows[[2, 0, 2]], config.row_format, 256, torch.bfloat16))
+
+
+@pytest.mark.parametrize("repeats", [1, 8], ids=["few repeats", "many repeats"])
+def test_gather_decodes_to_the_dtype_asked_for_on_both_paths(v41_table, repeats):
+    path, config, raw = v41_table
+    ids = np.repeat(np.array([3, 9, 27], np.int64), repeats)  # unique/requested: 1 or 1/8
+    with open_table(path, "mmap") as store:
+        got = store.gather(ids, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, decode_rows(raw[ids], config.row_format, 256, torch.bfloat16))
+
+
+def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
+    path, config, _ = v41_table
+    with open_table(path, "mmap") as plain, \
+            open_table(path, "direct", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as cached, \
+            open_table(path, "memory", columns=(0, 12)) as shard:
+        assert repr(plain) == f"TableStore({str(path)!r}, [no cache] over MmapTier, rows=22,830)"
+        assert repr(cached) == f"TableStore({str(path)!r}, [fast:8 rows, dram:64 rows] over DirectTier, rows=22,830)"
+        assert repr(shard) == f"TableStore({str(path)!r}, [no cache] over MemoryTier, rows=22,830, columns=(0, 12))"
+        bare = TableStore(plain.tier, config)  # no header: no file to name
+        assert repr(bare) == "TableStore([no cache] over MmapTier, rows=22,830)"
+
+
+def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, _ = v41_table
+    sync = TracingSync()
+    with open_table(path, "mmap", device="cpu", sync=sync, fast_cache_bytes=64 * 264, policy="lfu",
+                    admission=True) as store:
+        hbm = store.hbm
+        assert hbm.sync is sync and hbm.policy.name == "lfu" and hbm.capacity == 64
+        assert hbm.admission is not None and hbm.admission.width == 256  # 4 counters a row, at least 256
+        assert store.stats()["levels"][0]["admission"] is True
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264) as store:
+        assert store.hbm.admission is None and store.hbm.policy.name == "lru"
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264, admission=True) as store:
+        assert store.hbm.admission.width == 512
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=10 << 30) as store:
+        assert store.hbm.capacity == config.num_rows  # capped at the table
+
+
+def test_a_device_store_holds_and_resets_what_it_says(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, raw = v41_table
+    sync = TracingSync()
+    with open_table(path, "direct", device="cpu", sync=sync, cache_bytes=40 * 264, fast_cache_bytes=16 * 264,
+                    staging_bytes=5 * 264) as store:
+        assert [b.numel() for b in store._device_rows.ring.buffers] == [5 * 264] * len(store._device_rows.ring.buffers)
+        ids = np.array([2, 11, 40], np.int64)
+        lease = store.fetch(ids)  # misses: read through the DRAM level and staged
+        assert lease.ready is not None  # the rows are the device's after the staging copy
+        assert store.levels[0].pinned() == 3  # the DRAM level holds them for the lease
+        lease.release()
+        assert store.levels[0].pinned() == 0
+        store.read_raw(ids)  # hits in the HBM level now
+        assert store.stats()["levels"][0]["hits"] == 3
+        store.reset_stats()
+        assert store.stats()["levels"][0]["rows"] == 0 and store.stats()["store"]["fetches"] == 0
+
+
+def test_a_device_reads_a_dram_table_in_place(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, raw = v41_table
+    sync = TracingSync()
+    with open_table(path, "memory", device="cpu", sync=sync) as store:
+        assert store._device_rows.ring is None
+        with store.fetch(np.array([1, 5, 9], np.int64)) as lease:
+            sync.wait("main", lease.ready)
+            assert torch.equal(lease.raw, raw[[1, 5, 9]])
+        assert sync.copies == []  # nothing staged: the device read the table where it is
+        assert store.stats()["levels"][-1]["rows"] == 3
