@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -241,6 +243,7 @@ def test_fetch_leases_the_ids_it_was_given_and_counts_what_they_stand_for(v41_ta
         s = store.stats()
         assert (s["store"]["fetches"], s["store"]["rows_requested"], s["store"]["rows_unique"]) == (0, 0, 0)
         assert s["store"]["unique_ratio"] == 1.0 and s["levels"][0]["rows"] == 0 and s["levels"][-1]["rows"] == 0
+        assert s["store"]["hit_rate"] == 0.0 and s["table"] == str(path)
         store.read_raw([3])
         assert store.stats()["store"]["fetches"] == 1 and store.stats()["store"]["rows_requested"] == 1
 
@@ -267,7 +270,7 @@ def test_gather_decodes_to_the_dtype_asked_for_on_both_paths(v41_table, repeats)
 
 def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
     path, config, _ = v41_table
-    with open_table(path, "mmap") as plain, \
+    with open_table(path) as plain, \
             open_table(path, "direct", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as cached, \
             open_table(path, "memory", columns=(0, 12)) as shard:
         assert repr(plain) == f"TableStore({str(path)!r}, [no cache] over MmapTier, rows=22,830)"
@@ -275,6 +278,7 @@ def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
         assert repr(shard) == f"TableStore({str(path)!r}, [no cache] over MemoryTier, rows=22,830, columns=(0, 12))"
         bare = TableStore(plain.tier, config)  # no header: no file to name
         assert repr(bare) == "TableStore([no cache] over MmapTier, rows=22,830)"
+        assert bare.stats()["table"] is None and plain.stats()["table"] == str(path)
 
 
 def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
@@ -328,3 +332,60 @@ def test_a_device_reads_a_dram_table_in_place(v41_table):
             assert torch.equal(lease.raw, raw[[1, 5, 9]])
         assert sync.copies == []  # nothing staged: the device read the table where it is
         assert store.stats()["levels"][-1]["rows"] == 3
+
+
+def test_a_closed_store_refuses_reads(v41_table):
+    store = open_table(v41_table[0], "mmap")
+    store.close()
+    with pytest.raises(ValueError, match=r"^this store is closed: open the table again$"):
+        store.read_raw([1])
+
+
+def test_open_table_passes_tier_options_and_admission_on(v41_table, tmp_path):
+    path, config, _ = v41_table
+    with open_table(path, "direct", engine="threads") as store:
+        assert store.stats()["tier"]["engine"] == "threads"
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264, admission=True) as store:
+        assert [lv.sketch is not None for lv in store.levels] == [True, True]
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        assert store.levels[0].sketch is None  # admission is off by default
+    with pytest.raises(ValueError, match=r"^redis://127\.0\.0\.1:1/abc is a pool URL: open it with tier='remote'$"):
+        open_table("redis://127.0.0.1:1/abc", "mmap")
+
+
+def test_every_level_counts_every_fetch_and_only_what_it_served(v41_table):
+    """All hits in the first level: the levels below count the fetch, with nothing asked of them."""
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as store:
+        ids = np.array([3, 4, 5], np.int64)
+        store.read_raw(ids)  # misses: filled into the DRAM level
+        store.read_raw(ids)  # DRAM hits: promoted into the fast level
+        store.reset_stats()
+        start = time.perf_counter()
+        assert torch.equal(store.read_raw(ids), raw[ids])
+        elapsed = time.perf_counter() - start
+        fast, dram, tier = store.stats()["levels"]
+        assert (fast["requests"], fast["rows"], fast["hits"], fast["bytes_read"]) == (1, 3, 3, 3 * 264)
+        assert 0 < fast["read_seconds"] <= elapsed
+        assert (dram["requests"], dram["rows"], dram["hits"], dram["bytes_read"], dram["read_seconds"]) == (1, 0, 0, 0, 0.0)
+        assert tier["rows"] == 0
+
+
+def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
+    from engram_offload.errors import TierError
+
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as store:
+        store.read_raw([1, 2])  # cached in both levels
+        real = store.tier.read_rows
+
+        def failing(ids, out):
+            raise TierError("disk went away")
+
+        store.tier.read_rows = failing
+        with pytest.raises(TierError, match="disk went away"):
+            store.fetch(np.array([1, 2, 30], np.int64))  # two hits, one miss
+        assert [lv.pinned() for lv in store.levels] == [0, 0]
+        store.tier.read_rows = real
+        with store.fetch(np.array([1, 2, 30], np.int64)) as lease:
+            assert torch.equal(lease.raw, raw[[1, 2, 30]])

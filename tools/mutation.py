@@ -52,7 +52,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                              *(f"tests/rowserver/test_rowserver.py::test_{name}" for name in (
                                  "open_table_with_a_row_server_refuses_local_options",
                                  "open_table_with_a_row_server_is_a_row_store_for_the_prefetcher",
-                                 "a_row_client_with_columns_fetches_only_its_shard"))]),
+                                 "a_row_client_with_columns_fetches_only_its_shard")),
+                             "tests/tiers/test_remote.py::test_open_table_serves_the_pool_by_file_or_by_url_behind_a_cache"]),
     "bench/metrics": (["bench/metrics.py"], ["tests/bench/test_metrics.py"]),
     "planner/mrc": (["planner/mrc.py"], ["tests/planner/test_mrc.py"]),
     "planner/perf": (["planner/perf.py"], ["tests/planner/test_perf.py", "tests/planner/test_placement_rules.py"]),
