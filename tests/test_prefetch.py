@@ -123,7 +123,8 @@ def test_plain_store_and_layout_mismatch(table, hasher):
             pf.rows(2)
         pf.end_step()
         other = NgramHasher(CONFIG.replace(prime_starts=(400, 600)), np.arange(VOCAB) % 700)
-        with pytest.raises(ValueError, match="different layouts"):
+        with pytest.raises(ValueError, match=r"^the store's table and the hasher's config have different layouts: "
+                                             r"build the hasher with NgramHasher\(store\.config, token_map\)$"):
             Prefetcher(store, other)
 
 
@@ -350,7 +351,9 @@ def test_a_layer_reading_before_its_event_is_caught(table, hasher):
 
 def test_a_device_prefetcher_needs_the_store_to_deliver_to_its_device(table, hasher):
     with open_table(table, "mmap") as store:
-        with pytest.raises(ValueError, match="open_table"):
+        with pytest.raises(ValueError, match=r"^the store delivers rows to cpu, not meta: open the table with "
+                                             r"open_table\(\.\.\., device='meta'\) so rows reach the device "
+                                             r"through pinned staging, never a pageable copy$"):
             Prefetcher(store, hasher, device="meta")
 
 
@@ -479,7 +482,9 @@ def test_a_step_counts_its_stalls_and_times_its_parts(table, hasher):
         assert pf.stats() == {"steps": 1, "failures": 0, "stall_seconds": step.stall_seconds, "open_steps": 0}
         nxt = pf.begin_step([10], [[1]])
         assert nxt.number == 2 and nxt.stalls == 0
+        pf.rows(CONFIG.layer_ids[1], timeout=10)
         pf.end_step(nxt)
+        assert pf.stats()["stall_seconds"] == step.stall_seconds + nxt.stall_seconds
 
 
 def test_a_steps_repr_tells_its_state(table, hasher):
@@ -644,23 +649,60 @@ def test_rows_come_in_the_dtype_asked_for(table, hasher, device):
 
 def test_device_output_sets_are_named_apart_and_come_back_after_a_cancel(table, hasher):
     """Two steps in flight hold two output sets, each under its own name in the sync's trace;
-    a set cancelled mid-fetch returns to the pool once its fetch ends, and is taken again."""
+    sets cancelled mid-fetch return to the pool once their fetch ends, and are taken again."""
     from engram_offload.gpu import TracingSync
 
-    gates = [threading.Event(), threading.Event()]
+    gate = threading.Event()
     with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
-        _gate_layers(store, gates)
+        fetch = store.fetch
+
+        def gated(*args, **kwargs):  # the workers wait before the fetch (never inside the sync's lock)
+            assert gate.wait(10)
+            return fetch(*args, **kwargs)
+
+        store.fetch = gated
         first = pf.begin_step([1], [[5, 6, 7]])
         second = pf.begin_step([2], [[8, 9, 10]])
         assert [first.outputs.name, second.outputs.name] == ["prefetch_rows1", "prefetch_rows2"]
         assert first.layer_outputs[0].data_ptr() != second.layer_outputs[0].data_ptr()
         pf.cancel(first)  # still fetching: its set goes back only when the fetch ends
         pf.cancel(second)
-        for gate in gates:
-            gate.set()
+        gate.set()
         assert first.wait_done(10) and second.wait_done(10)
-        again = pf.begin_step([3], [[1, 2, 3]])
-        assert again.outputs is second.outputs  # the last one given back is taken first
-        pf.rows(CONFIG.layer_ids[0], timeout=10)
-        pf.end_step(again)
-        assert pf.stats()["failures"] == 0
+        again = [pf.begin_step([3], [[1, 2, 3]]), pf.begin_step([4], [[4, 5]])]  # both sets came back
+        assert {id(s.outputs) for s in again} == {id(first.outputs), id(second.outputs)}
+        for step in again:
+            pf.rows(CONFIG.layer_ids[0], step, timeout=10)
+            pf.end_step(step)
+        assert pf.stats()["failures"] == 0, [s.error for s in (first, second, *again)]
+
+
+def test_without_a_step_in_flight_rows_is_refused_and_ending_is_a_no_op(table, hasher):
+    history = hasher.new_history()
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, history=history) as pf:
+        assert pf.history is history and pf.split_min_rows == 512  # the defaults: 512 rows a part at least
+        workers = [t for t in threading.enumerate() if t in pf._workers]
+        assert sorted(t.name for t in workers) == ["engram-prefetch-0", "engram-prefetch-1"]
+        assert all(t.daemon for t in workers)  # an unclosed prefetcher never keeps the process alive
+        for _ in range(2):  # before the first step, and after one ended
+            with pytest.raises(ValueError, match=r"^no step in flight: call begin_step\(seq_ids, pieces\) first$"):
+                pf.rows(CONFIG.layer_ids[0])
+            pf.end_step()
+            pf.cancel()
+            step = pf.begin_step([1], [[5, 6]])
+            pf.end_step()
+            assert pf.current is None and step.done()
+
+
+def test_a_step_ended_twice_gives_its_output_set_back_once(table, hasher):
+    from engram_offload.gpu import TracingSync
+
+    with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([1], [[5, 6, 7]])
+        pf.end_step(step)
+        pf.end_step(step)  # already ended: nothing more to give back
+        a = pf.begin_step([2], [[8, 9]])
+        b = pf.begin_step([3], [[10, 11]])
+        assert a.outputs is step.outputs and b.outputs is not a.outputs
+        pf.end_step(a)
+        pf.end_step(b)
