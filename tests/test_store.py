@@ -331,7 +331,8 @@ def test_a_device_reads_a_dram_table_in_place(v41_table):
             sync.wait("main", lease.ready)
             assert torch.equal(lease.raw, raw[[1, 5, 9]])
         assert sync.copies == []  # nothing staged: the device read the table where it is
-        assert store.stats()["levels"][-1]["rows"] == 3
+        tier = store.stats()["levels"][-1]
+        assert (tier["rows"], tier["hits"], tier["bytes_read"], tier["read_seconds"]) == (3, 0, 3 * 264, 0.0)
 
 
 def test_a_closed_store_refuses_reads(v41_table):
@@ -389,3 +390,101 @@ def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
         store.tier.read_rows = real
         with store.fetch(np.array([1, 2, 30], np.int64)) as lease:
             assert torch.equal(lease.raw, raw[[1, 2, 30]])
+
+
+def test_the_store_refuses_levels_that_do_not_fit_the_table(v41_table):
+    from engram_offload.cache import RowCache
+
+    path, config, _ = v41_table
+    with open_table(path, "mmap") as store, open_table(path, "mmap", device="cpu") as on_device:
+        with pytest.raises(ValueError, match=r"^the tier's rows are 264 bytes, the config's 66$"):
+            TableStore(store.tier, config.replace(head_dim=64))
+        with pytest.raises(ValueError, match=r"^cache 'dram' holds 100-byte rows, the table has 264$"):
+            TableStore(store.tier, config, [RowCache(800, 100)])
+        with pytest.raises(ValueError, match=r"^with a device the fast level is the HBM cache: give only host \(DRAM\) "
+                                             r"levels$"):
+            TableStore(store.tier, config, [RowCache(4 * 264, 264, device="meta")], device_rows=on_device._device_rows)
+
+
+def test_three_levels_walk_fill_and_count(v41_table):
+    """Rows missed above and found below are promoted; a level below every row's finder is
+    asked nothing and counts just the fetch; each level counts the bytes it served."""
+    from engram_offload.cache import RowCache
+
+    path, config, raw = v41_table
+    with open_table(path, "mmap") as plain:
+        levels = [RowCache(8 * 264, 264, name=n) for n in ("a", "b", "c")]
+        store = TableStore(plain.tier, config, levels)
+        levels[1].fill(np.array([4, 5], np.int64), raw[[4, 5]])  # b holds 4 and 5; a and c nothing
+        levels[2].fill(np.array([6], np.int64), raw[[6]])  # c holds 6
+        start = time.perf_counter()
+        with store.fetch(np.array([4, 5, 9], np.int64)) as lease:  # 4, 5 from b; c is asked for 9 only
+            assert torch.equal(lease.raw, raw[[4, 5, 9]])
+        elapsed = time.perf_counter() - start
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["rows"], a["hits"], b["rows"], b["hits"], b["bytes_read"]) == (3, 0, 3, 2, 2 * 264)
+        assert (c["rows"], c["hits"], tier["rows"], tier["hits"], tier["bytes_read"]) == (1, 0, 1, 0, 264)
+        assert all(0 <= lv["read_seconds"] <= elapsed for lv in (a, b, c, tier))
+        assert 4 in levels[0] and 5 in levels[0] and 9 in levels[2] and 9 not in levels[0]
+        store.reset_stats()
+        with store.fetch(np.array([4, 5, 9], np.int64)) as lease:  # 4, 5 from a, 9 from c: b is asked for 9
+            assert torch.equal(lease.raw, raw[[4, 5, 9]])
+        store.reset_stats()
+        levels[1].fill(np.array([9], np.int64), raw[[9]])
+        with store.fetch(np.array([7, 9], np.int64)) as lease:  # 9 from b, 7 from the tier: c asked for 7
+            assert torch.equal(lease.raw, raw[[7, 9]])
+        store.reset_stats()
+        with store.fetch(np.array([9, 6], np.int64)[::-1].copy()) as lease:  # 6 in c, 9 in a now
+            assert torch.equal(lease.raw, raw[[6, 9]])
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["hits"], b["rows"], c["rows"], c["hits"], tier["rows"]) == (1, 1, 1, 1, 0)
+        levels[2].fill(np.array([11], np.int64), raw[[11]])
+        levels[1].fill(np.array([12], np.int64), raw[[12]])
+        store.reset_stats()
+        with store.fetch(np.array([12, 13], np.int64)) as lease:  # 12 from b, 13 from the tier
+            assert torch.equal(lease.raw, raw[[12, 13]])
+        store.reset_stats()
+        with store.fetch(np.array([12], np.int64)) as lease:  # promoted into a: b and c asked nothing
+            assert torch.equal(lease.raw, raw[[12]])
+        a, b, c, tier = store.stats()["levels"]
+        assert [(lv["requests"], lv["rows"], lv["hits"], lv["bytes_read"], lv["read_seconds"]) for lv in (b, c)] \
+            == [(1, 0, 0, 0, 0.0)] * 2
+        with store.fetch(np.array([0, 11], np.int64)) as lease:  # 11 found in c, b asked for both, c for both
+            assert torch.equal(lease.raw, raw[[0, 11]])
+        for level in levels:
+            assert level.pinned() == 0
+            level.check()
+
+
+def test_a_single_missed_row_is_cached_and_a_failed_write_gives_its_slots_back(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=8 * 264) as store:
+        assert store.fetch([]).raw.dtype == torch.uint8 and store.fetch([]).ready is None
+        store.read_raw([7])
+        store.read_raw([7])
+        assert store.stats()["levels"][0]["hits"] == 1
+        with store.fetch(np.array([7], np.int64)) as lease:
+            assert lease.ready is None  # on the host: the rows are there when fetch returns
+        level = store.levels[0]
+
+        def broken(slots, rows, positions=None):
+            raise MemoryError("no room for the copy")
+
+        level.write = broken
+        with pytest.raises(MemoryError, match="no room for the copy"):
+            store.read_raw([8])
+        assert level.pinned() == 0 and 8 not in level
+        level.check()
+
+
+def test_fetch_latencies_are_those_of_the_calls(v41_table):
+    path, config, _ = v41_table
+    with open_table(path, "mmap") as store:
+        start = time.perf_counter()
+        for i in range(5):
+            store.read_raw([i])
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        s = store.stats()
+        assert all(0 < s["store"][k] <= elapsed_ms for k in ("fetch_p50_ms", "fetch_p90_ms", "fetch_p99_ms"))
+        tier = s["levels"][-1]
+        assert (tier["rows"], tier["hits"], tier["bytes_read"]) == (5, 0, 5 * 264) and 0 < tier["read_seconds"] * 1e3 <= elapsed_ms
