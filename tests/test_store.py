@@ -488,3 +488,14 @@ def test_fetch_latencies_are_those_of_the_calls(v41_table):
         assert all(0 < s["store"][k] <= elapsed_ms for k in ("fetch_p50_ms", "fetch_p90_ms", "fetch_p99_ms"))
         tier = s["levels"][-1]
         assert (tier["rows"], tier["hits"], tier["bytes_read"]) == (5, 0, 5 * 264) and 0 < tier["read_seconds"] * 1e3 <= elapsed_ms
+
+
+def test_a_row_server_store_refuses_every_local_option_it_is_given(v41_table, tmp_path):
+    """Checked before the server is asked: no server needs to listen on the socket."""
+    from engram_offload.gpu import ImmediateSync
+
+    with pytest.raises(ValueError, match=r"^the row server owns the tier and the cache: drop cache_bytes, device, "
+                                         r"fast_cache_bytes, sync \(size the server's cache with "
+                                         r"start_row_server\(\.\.\., cache_bytes=\)\)$"):
+        open_table(v41_table[0], "direct", row_server=tmp_path / "none.sock", cache_bytes=1 << 20,
+                   fast_cache_bytes=1 << 20, device="cpu", sync=ImmediateSync())
