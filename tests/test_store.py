@@ -377,7 +377,10 @@ def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
 
     path, config, raw = v41_table
     with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as store:
-        store.read_raw([1, 2])  # cached in both levels
+        store.read_raw([1, 2])  # cached in the DRAM level,
+        store.read_raw([1, 2])  # then promoted into the fast one
+        with store.fetch(np.array([1, 2], np.int64), hold=False) as lease:  # all hits, nothing held
+            assert torch.equal(lease.raw, raw[[1, 2]]) and store.levels[0].pinned() == 0
         real = store.tier.read_rows
 
         def failing(ids, out):
@@ -385,7 +388,7 @@ def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
 
         store.tier.read_rows = failing
         with pytest.raises(TierError, match="disk went away"):
-            store.fetch(np.array([1, 2, 30], np.int64))  # two hits, one miss
+            store.fetch(np.array([1, 2, 30], np.int64))  # two hits in the fast level, one miss everywhere
         assert [lv.pinned() for lv in store.levels] == [0, 0]
         store.tier.read_rows = real
         with store.fetch(np.array([1, 2, 30], np.int64)) as lease:
@@ -451,6 +454,17 @@ def test_three_levels_walk_fill_and_count(v41_table):
             == [(1, 0, 0, 0, 0.0)] * 2
         with store.fetch(np.array([0, 11], np.int64)) as lease:  # 11 found in c, b asked for both, c for both
             assert torch.equal(lease.raw, raw[[0, 11]])
+        levels[1].fill(np.array([20], np.int64), raw[[20]])
+        store.reset_stats()
+        start = time.perf_counter()
+        with store.fetch(np.array([12, 20], np.int64)) as lease:  # 12 from a, 20 from b: c is asked nothing
+            assert torch.equal(lease.raw, raw[[12, 20]])
+        elapsed = time.perf_counter() - start
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["hits"], b["rows"], b["hits"], b["bytes_read"]) == (1, 1, 1, 264)
+        assert (c["requests"], c["rows"], c["hits"], c["bytes_read"], tier["rows"]) == (1, 0, 0, 0, 0)
+        assert 0 <= c["read_seconds"] <= elapsed
+        assert 20 in levels[0]  # promoted past the level asked nothing
         for level in levels:
             assert level.pinned() == 0
             level.check()
