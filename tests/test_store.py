@@ -107,6 +107,7 @@ def test_one_store_type_whatever_the_options(v41_table):
     path, _, _ = v41_table
     with open_table(path, "memory") as plain, open_table(path, "memory", cache_bytes=1 << 20) as cached:
         assert type(plain) is type(cached) is TableStore
+        assert plain.device == cached.device == torch.device("cpu")  # where fetched rows are
         assert plain.levels == [] and [lv.name for lv in cached.levels] == ["dram"]
         plain.read_raw([1, 2, 1])
         cached.read_raw([1, 2, 1])
