@@ -41,7 +41,7 @@ def test_layer_without_table_needs_rows(demo_vectors):
     config = EngramConfig.from_demo(**meta["config"])
     layer = EngramLayer(config, 15, demo_vectors["lookup_table"], table=False)
     assert not any("embedding" in k for k in layer.state_dict())
-    with pytest.raises(ValueError, match="table=False"):
+    with pytest.raises(ValueError, match=r"^this EngramLayer was built with table=False: pass rows= to forward$"):
         layer(demo_vectors["hidden_states"], demo_vectors["input_ids"])
 
 
@@ -112,12 +112,12 @@ def test_v41_layer_matches_spec_reference():
 def test_forward_argument_errors(demo_vectors):
     layer = _demo_layer(demo_vectors)
     h = demo_vectors["hidden_states"]
-    with pytest.raises(ValueError, match="needs input_ids or rows"):
+    with pytest.raises(ValueError, match=r"^EngramLayer\.forward needs input_ids or rows$"):
         layer(h)
-    with pytest.raises(ValueError, match="the layer needs 1024"):
+    with pytest.raises(ValueError, match=r"^rows give 512 values per position, the layer needs 1024$"):
         layer(h, rows=torch.zeros(*h.shape[:2], 16, 32))
     no_map = EngramLayer(layer.config, 15)
-    with pytest.raises(ValueError, match="no token map"):
+    with pytest.raises(ValueError, match=r"^this EngramLayer has no token map: pass token_map=\.\.\., or pass rows=$"):
         no_map(h, demo_vectors["input_ids"])
 
 
@@ -223,3 +223,139 @@ def test_from_checkpoint_builds_the_demo_variant_from_demo_names(demo_vectors, t
     torch.testing.assert_close(out, demo_vectors["output"], atol=1e-5, rtol=0)
     with pytest.raises(KeyError, match=r"no Engram tensors for layer 2 .* Engram layers: \[15\]"):
         EngramLayer.from_checkpoint(tmp_path, 2)
+    assert layer.config.row_format == "fp32"
+    rows = layer.multi_head_embedding.embedding.weight[layer.row_ids(demo_vectors["input_ids"])]  # [B, T, C, d]
+    bare = EngramLayer.from_checkpoint(tmp_path, layer_id, table=False)  # the embedding is left out
+    assert bare.config.variant == "demo" and not hasattr(bare, "multi_head_embedding")
+    without = tmp_path / "without_embedding"  # a demo checkpoint whose rows live elsewhere
+    without.mkdir()
+    (without / "config.json").write_text(json.dumps(hf))
+    save_file({k: v for k, v in state.items() if "multi_head_embedding" not in k}, str(without / "model.safetensors"))
+    for loaded in (bare, EngramLayer.from_checkpoint(without, layer_id, table=False)):
+        assert loaded.config.variant == "demo" and loaded.config.row_format == "fp32"
+        with torch.no_grad():
+            out = loaded(demo_vectors["hidden_states"], rows=rows)
+        torch.testing.assert_close(out, demo_vectors["output"], atol=1e-5, rtol=0)
+
+
+def _v41_checkpoint(directory, state: dict, layer_id: int = 3):
+    """A V4.1 checkpoint folder holding ``state`` as layer ``layer_id``'s Engram tensors."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    hf = {"engram_layer_ids": list(V41.layer_ids), "engram_max_ngram_size": V41.max_ngram_size,
+          "engram_n_heads": V41.n_heads, "engram_head_dim": V41.head_dim, "engram_vocab_size": list(V41.prime_starts),
+          "engram_pad_token_id": V41.pad_id, "hidden_size": V41.hidden_size, "hc_mult": V41.hc_mult,
+          "engram_row_format": V41.row_format, "rms_norm_eps": V41.rms_norm_eps}
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file({f"layers.{layer_id}.engram.{k}": v.contiguous() for k, v in state.items()},
+              str(directory / "model.safetensors"))
+    return directory
+
+
+def test_from_checkpoint_takes_the_embed_tokens_spelling_and_refuses_a_missing_tensor(tmp_path):
+    layer, raw = _v41_layer()
+    state = {("embed_tokens.weight" if k == "embed.weight" else k): v for k, v in layer.state_dict().items()}
+    state["embed_tokens.weight_scale_inv"] = state.pop("embed.scale").view(torch.float8_e8m0fnu)
+    path = _v41_checkpoint(tmp_path / "tokens", state)
+    g = torch.Generator().manual_seed(4)
+    h, ids = torch.randn(1, 5, 2, 16, generator=g), torch.randint(0, 40, (1, 5), generator=g)
+    with torch.no_grad():
+        want = layer(h, ids)
+        own = EngramLayer.from_checkpoint(path, 3, token_map=np.arange(40) % 29)
+        assert torch.equal(own(h, ids), want)
+        bare = EngramLayer.from_checkpoint(path, 3, table=False)  # the embed_tokens tensors are skipped
+        assert not hasattr(bare, "embed")
+        assert torch.equal(bare(h, rows=layer.lookup(layer.row_ids(ids))), want)
+    lacking = _v41_checkpoint(tmp_path / "lacking", {k: v for k, v in state.items() if k != "k_weight"})
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "k_weight"'):
+        EngramLayer.from_checkpoint(lacking, 3, table=False)
+
+
+def test_loading_keeps_torchs_strict_checks():
+    layer, _ = _v41_layer()
+    state = layer.state_dict()
+    fresh = lambda: EngramLayer(V41, 3, np.arange(40) % 29)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "bogus"'):
+        fresh().load_state_dict(state | {"bogus": torch.zeros(1)}, strict=True)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "q_weight"'):
+        fresh().load_state_dict({k: v for k, v in state.items() if k != "q_weight"}, strict=True)
+    with pytest.raises(RuntimeError, match=r"size mismatch for q_weight"):
+        fresh().load_state_dict(state | {"q_weight": torch.zeros(3, 16)}, strict=True)
+    # without strict, the projections load alone (the table's tensors reported missing) ...
+    result = fresh().load_state_dict({k: v for k, v in state.items() if not k.startswith("embed.")}, strict=False)
+    assert sorted(result.missing_keys) == ["embed.scale", "embed.weight"] and result.unexpected_keys == []
+    # ... but row weights never load without their scales (torch hands the module strict=True)
+    with pytest.raises(RuntimeError, match=r"layer 3 has no embedding scales"):
+        fresh().load_state_dict({k: v for k, v in state.items() if k != "embed.scale"}, strict=False)
+
+
+def test_a_fresh_v41_layer_holds_fp8_rows_and_byte_scales():
+    state = EngramLayer(V41, 3).state_dict()
+    rows = V41.rows_per_layer[3]
+    assert state["embed.weight"].dtype == torch.float8_e4m3fn and state["embed.weight"].shape == (rows, 32)
+    assert state["embed.scale"].dtype == torch.uint8 and state["embed.scale"].shape == (rows, 1)
+
+
+def test_lookup_decodes_to_the_dtype_asked_for(demo_vectors):
+    from engram_offload.rows import decode_rows
+
+    layer, raw = _v41_layer()
+    ids = torch.tensor([[0, 5], [7, 7]])
+    got = layer.lookup(ids, torch.bfloat16)  # [2, 2, d]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, decode_rows(raw[ids.reshape(-1)], "fp8_e4m3_ue8m0", 32, torch.bfloat16).view(2, 2, 32))
+    demo = _demo_layer(demo_vectors)
+    assert demo.lookup(ids, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_a_bf16_layer_takes_float32_rows(demo_vectors):
+    layer, _ = _v41_layer()
+    g = torch.Generator().manual_seed(6)
+    h, ids = torch.randn(1, 4, 2, 16, generator=g), torch.randint(0, 40, (1, 4), generator=g)
+    rows = layer.lookup(layer.row_ids(ids))  # float32
+    with torch.no_grad():
+        want = layer(h, rows=rows)
+        got = layer.bfloat16()(h.bfloat16(), rows=rows)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+    demo = _demo_layer(demo_vectors).bfloat16()
+    with torch.no_grad():
+        out = demo(demo_vectors["hidden_states"].bfloat16(), demo_vectors["input_ids"])  # float32 rows from its table
+    torch.testing.assert_close(out.float(), demo_vectors["output"], atol=0.1, rtol=0.1)
+
+
+def test_the_gate_of_a_zero_hidden_state_or_key_is_finite():
+    """rms norms add eps under the root: an all-zero branch (padding) gates at sigmoid(ssqrt(0))."""
+    layer, _ = _v41_layer()
+    g = torch.Generator().manual_seed(8)
+    h, key = torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 2, 16, generator=g)
+    h[0, 0] = 0.0
+    key[0, 1] = 0.0
+    with torch.no_grad():
+        gate = layer.gate(h, key)
+    assert torch.isfinite(gate).all()
+    assert torch.equal(gate[0, 0], torch.full((2,), torch.tensor(1e-3).sigmoid().item()))
+    assert torch.equal(gate[0, 1], gate[0, 0])
+
+
+def test_the_gate_takes_a_dead_mask_of_any_integer_or_bool_type():
+    layer, _ = _v41_layer()
+    g = torch.Generator().manual_seed(10)
+    h, key = torch.randn(1, 3, 2, 16, generator=g), torch.randn(1, 3, 2, 16, generator=g)
+    with torch.no_grad():
+        want = layer.gate(h, key, torch.tensor([[False, True, False]]))
+        assert torch.equal(layer.gate(h, key, torch.tensor([[0, 1, 0]])), want)
+        assert torch.equal(layer.gate(h, key, [[0, 1, 0]]), want)
+    assert (want[0, 1] == 0).all() and (want[0, 0] > 0).all()
+
+
+def test_an_fp8_wkv_is_dequantized_to_the_modules_dtype():
+    layer, _ = _v41_layer()
+    g = torch.Generator().manual_seed(9)
+    fp8 = (torch.randn(48, 128, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.full((2, 4), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2**0
+    state = layer.state_dict() | {"wkv.weight": fp8, "wkv.scale": scale}
+    bf16 = EngramLayer(V41, 3).bfloat16()
+    bf16.load_state_dict(state, strict=True, assign=True)  # the state's tensors become the module's
+    assert bf16.wkv.weight.dtype == torch.bfloat16 and torch.equal(bf16.wkv.weight, fp8.to(torch.bfloat16))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -122,7 +123,8 @@ def test_plain_store_and_layout_mismatch(table, hasher):
             pf.rows(2)
         pf.end_step()
         other = NgramHasher(CONFIG.replace(prime_starts=(400, 600)), np.arange(VOCAB) % 700)
-        with pytest.raises(ValueError, match="different layouts"):
+        with pytest.raises(ValueError, match=r"^the store's table and the hasher's config have different layouts: "
+                                             r"build the hasher with NgramHasher\(store\.config, token_map\)$"):
             Prefetcher(store, other)
 
 
@@ -312,13 +314,15 @@ def test_device_prefetch_hands_each_layer_its_rows_after_their_event(table, hash
     from engram_offload.gpu import TracingSync
 
     rng = np.random.default_rng(11)
-    tokens = rng.integers(0, VOCAB, size=(3, 12))
+    tokens = rng.integers(0, VOCAB, size=(3, 18))
     sync = TracingSync()
     with open_table(table, "mmap") as host_store, Prefetcher(host_store, hasher) as host, \
             open_table(table, tier, device="cpu", sync=sync, staging_bytes=64 * CONFIG.row_bytes, **options) as store, \
             Prefetcher(store, NgramHasher(CONFIG, hasher.token_map), split_min_rows=split_min_rows) as pf:
         addresses = set()
-        for piece in (slice(0, 6), *[slice(t, t + 1) for t in range(6, 12)]):  # a prefill, then decode steps
+        # prefill windows of 18, 6 (more tokens than columns) and 18 tokens (as many as the buffers
+        # hold), then decode steps: the buffers never move
+        for piece in (slice(0, 6), slice(6, 8), slice(8, 14), *[slice(t, t + 1) for t in range(14, 18)]):
             pieces = [tokens[i, piece] for i in range(3)]
             want_step, step = host.begin_step([1, 2, 3], pieces), pf.begin_step([1, 2, 3], pieces)
             for layer in reversed(CONFIG.layer_ids):
@@ -347,7 +351,9 @@ def test_a_layer_reading_before_its_event_is_caught(table, hasher):
 
 def test_a_device_prefetcher_needs_the_store_to_deliver_to_its_device(table, hasher):
     with open_table(table, "mmap") as store:
-        with pytest.raises(ValueError, match="open_table"):
+        with pytest.raises(ValueError, match=r"^the store delivers rows to cpu, not meta: open the table with "
+                                             r"open_table\(\.\.\., device='meta'\) so rows reach the device "
+                                             r"through pinned staging, never a pageable copy$"):
             Prefetcher(store, hasher, device="meta")
 
 
@@ -421,3 +427,282 @@ def test_the_prefetcher_takes_the_stores_columns_and_refuses_others(table, hashe
     with open_table(table, "mmap") as store:
         with pytest.raises(ValueError, match="columns must satisfy"):
             Prefetcher(store, hasher, columns=(0, CONFIG.cols_per_layer + 1))
+
+
+# ---------------------------------------------------------------------- steps: numbers, state, timings, errors
+def _gate_layers(store, gates: list[threading.Event], fail_first: bool = False):
+    """Make every tier read of a layer's rows wait for that layer's gate (or, with
+    ``fail_first``, fail reads of the first layer's rows)."""
+    real = store.tier.read_rows
+    second_base = CONFIG.layer_row_bases[1]
+    reads: list[int] = []
+
+    def gated(ids, out):
+        layer = int((np.asarray(ids) >= second_base).any())
+        reads.append(layer)
+        if fail_first and layer == 0:
+            raise TierError("first layer unreadable")
+        assert gates[layer].wait(10)
+        return real(ids, out)
+
+    store.tier.read_rows = gated
+    return reads
+
+
+def _open_later(gate: threading.Event, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, gate.set)
+    timer.start()
+    return timer
+
+
+def test_a_step_counts_its_stalls_and_times_its_parts(table, hasher):
+    gates = [threading.Event(), threading.Event()]
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, split_min_rows=0) as pf:
+        _gate_layers(store, gates)
+        start = time.perf_counter()
+        step = pf.begin_step([10, 11], [[5, 6, 7], [8, 9]])
+        assert (step.number, step.seq_ids, step.lengths) == (1, (10, 11), (3, 2))
+        assert (step.stalls, step.stall_seconds, step.fetch_seconds, step.first_part_seconds) == (0, 0.0, 0.0, 0.0)
+        assert not step.wait_done(0.05)  # the timeout is honoured
+        waits = []
+        for layer, gate in zip(CONFIG.layer_ids, gates):
+            _open_later(gate, 0.2)
+            t0 = time.perf_counter()
+            pf.rows(layer, timeout=10)
+            waits.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        assert step.stalls == 2 and 0.3 < step.stall_seconds <= sum(waits)
+        assert step.wait_done(10)
+        assert 0 < step.first_part_seconds < step.fetch_seconds <= elapsed
+        assert step.first_part_seconds < elapsed - waits[1]  # the first part arrived before the second's gate opened
+        pf.rows(CONFIG.layer_ids[0])  # delivered: no stall
+        assert step.stalls == 2
+        assert pf.stats() == {"steps": 0, "failures": 0, "stall_seconds": 0.0, "open_steps": 1}
+        pf.end_step(step)
+        assert pf.stats() == {"steps": 1, "failures": 0, "stall_seconds": step.stall_seconds, "open_steps": 0}
+        nxt = pf.begin_step([10], [[1]])
+        assert nxt.number == 2 and nxt.stalls == 0
+        pf.rows(CONFIG.layer_ids[1], timeout=10)
+        pf.end_step(nxt)
+        assert pf.stats()["stall_seconds"] == step.stall_seconds + nxt.stall_seconds
+
+
+def test_a_steps_repr_tells_its_state(table, hasher):
+    gates = [threading.Event(), threading.Event()]
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        _gate_layers(store, gates)
+        step = pf.begin_step([1], [[5, 6, 7]])
+        head = f"Step(1, tokens=3, unique={step.dedup.unique.size}/{step.dedup.requested}, parts=1, "
+        assert repr(step) == head + "fetching)"
+        for gate in gates:
+            gate.set()
+        step.wait_done(10)
+        assert repr(step) == head + "ready)"
+        pf.end_step(step)
+        cancelled = pf.begin_step([2], [[5, 6, 7]])
+        pf.cancel(cancelled)
+        assert repr(cancelled).endswith(", cancelled)")
+        store.tier.read_rows = lambda ids, out: (_ for _ in ()).throw(TierError("gone"))
+        failed = pf.begin_step([3], [[5, 6, 7]])
+        failed.wait_done(10)
+        assert repr(failed).endswith(", failed)")
+        pf.end_step(failed)
+
+
+def test_errors_name_the_step_the_layer_and_the_cause(table, hasher):
+    gates = [threading.Event(), threading.Event()]
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        _gate_layers(store, gates)
+        step = pf.begin_step([1], [[5, 6, 7]])
+        with pytest.raises(TimeoutError, match=r"^rows of layer 3 of step 1 not ready after 0\.05 s$"):
+            pf.rows(3, timeout=0.05)
+        for gate in gates:
+            gate.set()
+        pf.end_step(step)
+        store.tier.read_rows = lambda ids, out: (_ for _ in ()).throw(TierError("disk went away"))
+        failed = pf.begin_step([2], [[5, 6, 7, 8]])
+        unique = failed.dedup.unique.size
+        with pytest.raises(PrefetchError, match=rf"^fetching the rows of step 2 \({unique} rows\) failed: "
+                                                r"TierError: disk went away$"):
+            pf.rows(1, timeout=10)
+        pf.end_step(failed)
+        cancelled = pf.begin_step([3], [[5]])
+        pf.cancel(cancelled)
+        with pytest.raises(StepCancelled, match=r"^step 3 was cancelled; begin a new step$"):
+            pf.rows(1, cancelled, timeout=10)
+
+
+def test_begin_step_refuses_a_closed_or_broken_prefetcher_and_odd_pieces(table, hasher):
+    with open_table(table, "mmap") as store:
+        with Prefetcher(store, hasher) as pf:
+            with pytest.raises(ValueError, match=r"^2 pieces for 1 sequences$"):
+                pf.begin_step([1], [[5], [6]])
+            with pf._cv:  # the workers stop, as if they had died
+                pf._stopping = True
+                pf._cv.notify_all()
+            for worker in pf._workers:
+                worker.join(10)
+            with pytest.raises(PrefetchError, match=r"^the prefetch worker has stopped; create a new Prefetcher$"):
+                pf.begin_step([1], [[5]])
+        with pytest.raises(ValueError, match=r"^this prefetcher is closed: create a new one$"):
+            pf.begin_step([1], [[5]])
+
+
+def test_a_failed_first_layer_fails_the_later_ones_without_reading_them(table, hasher):
+    """A step fetched ahead is served by one worker, part after part: after the first part
+    fails, the second is skipped with the same error."""
+    gates = [threading.Event(), threading.Event()]
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, split_min_rows=0) as pf:
+        reads = _gate_layers(store, gates, fail_first=True)
+        gates[1].set()
+        step = pf.begin_step([1], [[5, 6, 7, 8]], urgent=False)
+        assert step.wait_done(10)
+        assert reads == [0] and isinstance(step.error, TierError)
+        for layer in CONFIG.layer_ids:
+            with pytest.raises(PrefetchError, match="first layer unreadable") as info:
+                pf.rows(layer, timeout=10)
+            assert info.value.__cause__ is step.error
+        pf.end_step(step)
+        assert pf.stats()["failures"] == 1
+
+
+def test_rows_already_returned_stay_usable_after_a_cancel(table, hasher):
+    from engram_offload.gpu import TracingSync
+
+    for device in ({}, {"device": "cpu", "sync": TracingSync()}):
+        with open_table(table, "mmap", **device) as store, Prefetcher(store, hasher) as pf:
+            step = pf.begin_step([1], [[5, 6, 7]])
+            first = pf.rows(CONFIG.layer_ids[0], timeout=10)
+            pf.cancel(step)
+            assert pf.rows(CONFIG.layer_ids[0], step) is first
+            with pytest.raises(StepCancelled):
+                pf.rows(CONFIG.layer_ids[1], step)
+
+
+def test_cancel_takes_the_step_it_is_given_and_ends_none(table, hasher):
+    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        first = pf.begin_step([1], [[5, 6, 7]])
+        second = pf.begin_step([2], [[8, 9]])
+        pf.cancel(first)
+        assert first.cancelled and not second.cancelled and pf.current is second
+        assert pf.stats()["open_steps"] == 1
+        want = expected_rows(plain, hasher, np.array([[8, 9]]), 1)[0]
+        assert torch.equal(pf.rows(CONFIG.layer_ids[1], timeout=10), want)
+        pf.end_step()
+        assert pf.stats()["steps"] == 1 and pf.stats()["open_steps"] == 0
+
+
+def test_dead_tokens_reach_the_hasher_in_prefill_and_decode(table, hasher):
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, VOCAB, size=(2, 6))
+    dead = np.zeros((2, 6), bool)
+    dead[0, 2] = dead[1, 4] = dead[0, 5] = True
+    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        ids = hasher.table_ids(hasher.hash_all(tokens, dead))  # [B, T, L, C]
+        for piece in (slice(0, 4), slice(4, 5), slice(5, 6)):  # a prefill, then decode steps
+            pf.begin_step([1, 2], [tokens[0, piece], tokens[1, piece]], [dead[0, piece], dead[1, piece]])
+            for pos, layer in enumerate(CONFIG.layer_ids):
+                want = plain.gather(ids[:, piece, pos], torch.float32).reshape(-1, CONFIG.cols_per_layer, CONFIG.head_dim)
+                assert torch.equal(pf.rows(layer, timeout=10), want), (piece, layer)
+            pf.end_step()
+
+
+def test_a_released_sequence_starts_afresh(table, hasher):
+    tokens = np.array([[11, 12, 13, 14, 15]])
+    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        pf.begin_step([7], [tokens[0, :3]])
+        pf.end_step()
+        pf.release_sequence(7)
+        pf.begin_step([7], [tokens[0, 3:]])  # no lookback to 11..13
+        for pos, layer in enumerate(CONFIG.layer_ids):
+            want = expected_rows(plain, hasher, tokens[:, 3:], pos)[0]
+            assert torch.equal(pf.rows(layer, timeout=10), want)
+        pf.end_step()
+
+
+def test_a_step_of_exactly_split_min_rows_is_split(table, hasher):
+    pieces = [[5, 6, 7, 8]]
+    with open_table(table, "mmap") as store:
+        with Prefetcher(store, hasher) as pf:
+            unique = pf.begin_step([1], pieces).dedup.unique.size
+        for split_min_rows, parts in ((unique, 2), (unique + 1, 1)):
+            with Prefetcher(store, hasher, split_min_rows=split_min_rows) as pf:
+                assert len(pf.begin_step([1], pieces).parts) == parts
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_rows_come_in_the_dtype_asked_for(table, hasher, device):
+    from engram_offload.gpu import TracingSync
+
+    tokens = np.array([[5, 6, 7, 8]])
+    options = {"device": "cpu", "sync": TracingSync()} if device else {}
+    with open_table(table, "mmap") as plain, open_table(table, "mmap", **options) as store, \
+            Prefetcher(store, hasher, dtype=torch.bfloat16, split_min_rows=0) as pf:
+        pf.begin_step([1], list(tokens))
+        for pos, layer in enumerate(CONFIG.layer_ids):
+            ids = hasher.table_ids(hasher.hash_all(tokens))[:, :, pos]  # [1, T, C]
+            got = pf.rows(layer, timeout=10)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, plain.gather(ids, torch.bfloat16)[0])
+        pf.end_step()
+
+
+def test_device_output_sets_are_named_apart_and_come_back_after_a_cancel(table, hasher):
+    """Two steps in flight hold two output sets, each under its own name in the sync's trace;
+    sets cancelled mid-fetch return to the pool once their fetch ends, and are taken again."""
+    from engram_offload.gpu import TracingSync
+
+    gate = threading.Event()
+    with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
+        fetch = store.fetch
+
+        def gated(*args, **kwargs):  # the workers wait before the fetch (never inside the sync's lock)
+            assert gate.wait(10)
+            return fetch(*args, **kwargs)
+
+        store.fetch = gated
+        first = pf.begin_step([1], [[5, 6, 7]])
+        second = pf.begin_step([2], [[8, 9, 10]])
+        assert [first.outputs.name, second.outputs.name] == ["prefetch_rows1", "prefetch_rows2"]
+        assert first.layer_outputs[0].data_ptr() != second.layer_outputs[0].data_ptr()
+        pf.cancel(first)  # still fetching: its set goes back only when the fetch ends
+        pf.cancel(second)
+        gate.set()
+        assert first.wait_done(10) and second.wait_done(10)
+        again = [pf.begin_step([3], [[1, 2, 3]]), pf.begin_step([4], [[4, 5]])]  # both sets came back
+        assert {id(s.outputs) for s in again} == {id(first.outputs), id(second.outputs)}
+        for step in again:
+            pf.rows(CONFIG.layer_ids[0], step, timeout=10)
+            pf.end_step(step)
+        assert pf.stats()["failures"] == 0, [s.error for s in (first, second, *again)]
+
+
+def test_without_a_step_in_flight_rows_is_refused_and_ending_is_a_no_op(table, hasher):
+    history = hasher.new_history()
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, history=history) as pf:
+        assert pf.history is history and pf.split_min_rows == 512  # the defaults: 512 rows a part at least
+        workers = [t for t in threading.enumerate() if t in pf._workers]
+        assert sorted(t.name for t in workers) == ["engram-prefetch-0", "engram-prefetch-1"]
+        assert all(t.daemon for t in workers)  # an unclosed prefetcher never keeps the process alive
+        for _ in range(2):  # before the first step, and after one ended
+            with pytest.raises(ValueError, match=r"^no step in flight: call begin_step\(seq_ids, pieces\) first$"):
+                pf.rows(CONFIG.layer_ids[0])
+            pf.end_step()
+            pf.cancel()
+            step = pf.begin_step([1], [[5, 6]])
+            pf.end_step()
+            assert pf.current is None and step.done()
+
+
+def test_a_step_ended_twice_gives_its_output_set_back_once(table, hasher):
+    from engram_offload.gpu import TracingSync
+
+    with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([1], [[5, 6, 7]])
+        pf.end_step(step)
+        pf.end_step(step)  # already ended: nothing more to give back
+        a = pf.begin_step([2], [[8, 9]])
+        b = pf.begin_step([3], [[10, 11]])
+        assert a.outputs is step.outputs and b.outputs is not a.outputs
+        pf.end_step(a)
+        pf.end_step(b)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +107,7 @@ def test_one_store_type_whatever_the_options(v41_table):
     path, _, _ = v41_table
     with open_table(path, "memory") as plain, open_table(path, "memory", cache_bytes=1 << 20) as cached:
         assert type(plain) is type(cached) is TableStore
+        assert plain.device == cached.device == torch.device("cpu")  # where fetched rows are
         assert plain.levels == [] and [lv.name for lv in cached.levels] == ["dram"]
         plain.read_raw([1, 2, 1])
         cached.read_raw([1, 2, 1])
@@ -162,7 +165,8 @@ def _within(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def test_a_device_store_refuses_a_dram_cache_over_a_dram_table(v41_table):
-    with pytest.raises(ValueError, match="drop cache_bytes"):
+    with pytest.raises(ValueError, match=r"^the memory tier holds the table in DRAM and the device reads it there: "
+                                         r"drop cache_bytes \(fast_cache_bytes sizes the HBM cache\)$"):
         open_table(v41_table[0], "memory", device="cpu", cache_bytes=1 << 20)
 
 
@@ -221,3 +225,292 @@ def test_bad_columns_are_refused(v41_table):
     path, config, _ = v41_table
     with pytest.raises(ValueError, match="columns must satisfy"):
         open_table(path, "mmap", columns=(3, config.cols_per_layer + 1))
+
+
+# ---------------------------------------------------------------------- fetch, decode, counters, repr
+def test_fetch_leases_the_ids_it_was_given_and_counts_what_they_stand_for(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        for ids in ([1, 5, 9], np.array([2, 6, 7], np.int64)):  # a list, an array
+            with store.fetch(ids, requested=10) as lease:
+                assert lease.ids.tolist() == list(ids) and torch.equal(lease.raw, raw[list(ids)])
+                assert store.levels[0].pinned() == 3  # held until released
+            assert store.levels[0].pinned() == 0
+        s = store.stats()["store"]
+        assert (s["fetches"], s["rows_requested"], s["rows_unique"], s["unique_ratio"]) == (2, 20, 6, 0.3)
+        store.read_raw([3, 3, 4])
+        assert store.stats()["store"]["unique_ratio"] == 8 / 23
+        store.reset_stats()
+        s = store.stats()
+        assert (s["store"]["fetches"], s["store"]["rows_requested"], s["store"]["rows_unique"]) == (0, 0, 0)
+        assert s["store"]["unique_ratio"] == 1.0 and s["levels"][0]["rows"] == 0 and s["levels"][-1]["rows"] == 0
+        assert s["store"]["hit_rate"] == 0.0 and s["table"] == str(path)
+        store.read_raw([3])
+        assert store.stats()["store"]["fetches"] == 1 and store.stats()["store"]["rows_requested"] == 1
+
+
+def test_decode_takes_the_rows_an_index_names(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "memory") as store:
+        rows = raw[[4, 8, 15]]
+        index = np.array([2, 0, 2], np.int64)
+        got = store.decode(rows, torch.bfloat16, index=index)
+        assert got.shape == (3, 256) and got.dtype == torch.bfloat16
+        assert torch.equal(got, decode_rows(rows[[2, 0, 2]], config.row_format, 256, torch.bfloat16))
+
+
+@pytest.mark.parametrize("repeats", [1, 8], ids=["few repeats", "many repeats"])
+def test_gather_decodes_to_the_dtype_asked_for_on_both_paths(v41_table, repeats):
+    path, config, raw = v41_table
+    ids = np.repeat(np.array([3, 9, 27], np.int64), repeats)  # unique/requested: 1 or 1/8
+    with open_table(path, "mmap") as store:
+        got = store.gather(ids, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, decode_rows(raw[ids], config.row_format, 256, torch.bfloat16))
+
+
+def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
+    path, config, _ = v41_table
+    with open_table(path) as plain, \
+            open_table(path, "direct", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as cached, \
+            open_table(path, "memory", columns=(0, 12)) as shard:
+        assert repr(plain) == f"TableStore({str(path)!r}, [no cache] over MmapTier, rows=22,830)"
+        assert repr(cached) == f"TableStore({str(path)!r}, [fast:8 rows, dram:64 rows] over DirectTier, rows=22,830)"
+        assert repr(shard) == f"TableStore({str(path)!r}, [no cache] over MemoryTier, rows=22,830, columns=(0, 12))"
+        bare = TableStore(plain.tier, config)  # no header: no file to name
+        assert repr(bare) == "TableStore([no cache] over MmapTier, rows=22,830)"
+        assert bare.stats()["table"] is None and plain.stats()["table"] == str(path)
+
+
+def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, _ = v41_table
+    sync = TracingSync()
+    with open_table(path, "mmap", device="cpu", sync=sync, fast_cache_bytes=64 * 264, policy="lfu",
+                    admission=True) as store:
+        hbm = store.hbm
+        assert hbm.sync is sync and hbm.policy.name == "lfu" and hbm.capacity == 64
+        assert hbm.admission is not None and hbm.admission.width == 256  # 4 counters a row, at least 256
+        assert store.stats()["levels"][0]["admission"] is True
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264) as store:
+        assert store.hbm.admission is None and store.hbm.policy.name == "lru"
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264, admission=True) as store:
+        assert store.hbm.admission.width == 512
+    with open_table(path, "mmap", device="cpu", fast_cache_bytes=10 << 30) as store:
+        assert store.hbm.capacity == config.num_rows  # capped at the table
+
+
+def test_a_device_store_holds_and_resets_what_it_says(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, raw = v41_table
+    sync = TracingSync()
+    with open_table(path, "direct", device="cpu", sync=sync, cache_bytes=40 * 264, fast_cache_bytes=16 * 264,
+                    staging_bytes=5 * 264) as store:
+        assert [b.numel() for b in store._device_rows.ring.buffers] == [5 * 264] * len(store._device_rows.ring.buffers)
+        ids = np.array([2, 11, 40], np.int64)
+        lease = store.fetch(ids)  # misses: read through the DRAM level and staged
+        assert lease.ready is not None  # the rows are the device's after the staging copy
+        assert store.levels[0].pinned() == 3  # the DRAM level holds them for the lease
+        lease.release()
+        assert store.levels[0].pinned() == 0
+        store.read_raw(ids)  # hits in the HBM level now
+        assert store.stats()["levels"][0]["hits"] == 3
+        store.reset_stats()
+        assert store.stats()["levels"][0]["rows"] == 0 and store.stats()["store"]["fetches"] == 0
+
+
+def test_a_device_reads_a_dram_table_in_place(v41_table):
+    from engram_offload.gpu import TracingSync
+
+    path, config, raw = v41_table
+    sync = TracingSync()
+    with open_table(path, "memory", device="cpu", sync=sync) as store:
+        assert store._device_rows.ring is None
+        with store.fetch(np.array([1, 5, 9], np.int64)) as lease:
+            sync.wait("main", lease.ready)
+            assert torch.equal(lease.raw, raw[[1, 5, 9]])
+        assert sync.copies == []  # nothing staged: the device read the table where it is
+        tier = store.stats()["levels"][-1]
+        assert (tier["rows"], tier["hits"], tier["bytes_read"], tier["read_seconds"]) == (3, 0, 3 * 264, 0.0)
+
+
+def test_a_closed_store_refuses_reads(v41_table):
+    store = open_table(v41_table[0], "mmap")
+    store.close()
+    with pytest.raises(ValueError, match=r"^this store is closed: open the table again$"):
+        store.read_raw([1])
+
+
+def test_open_table_passes_tier_options_and_admission_on(v41_table, tmp_path):
+    path, config, _ = v41_table
+    with open_table(path, "direct", engine="threads") as store:
+        assert store.stats()["tier"]["engine"] == "threads"
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264, admission=True) as store:
+        assert [lv.sketch is not None for lv in store.levels] == [True, True]
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        assert store.levels[0].sketch is None  # admission is off by default
+    with pytest.raises(ValueError, match=r"^redis://127\.0\.0\.1:1/abc is a pool URL: open it with tier='remote'$"):
+        open_table("redis://127.0.0.1:1/abc", "mmap")
+
+
+def test_every_level_counts_every_fetch_and_only_what_it_served(v41_table):
+    """All hits in the first level: the levels below count the fetch, with nothing asked of them."""
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as store:
+        ids = np.array([3, 4, 5], np.int64)
+        store.read_raw(ids)  # misses: filled into the DRAM level
+        store.read_raw(ids)  # DRAM hits: promoted into the fast level
+        store.reset_stats()
+        start = time.perf_counter()
+        assert torch.equal(store.read_raw(ids), raw[ids])
+        elapsed = time.perf_counter() - start
+        fast, dram, tier = store.stats()["levels"]
+        assert (fast["requests"], fast["rows"], fast["hits"], fast["bytes_read"]) == (1, 3, 3, 3 * 264)
+        assert 0 < fast["read_seconds"] <= elapsed
+        assert (dram["requests"], dram["rows"], dram["hits"], dram["bytes_read"], dram["read_seconds"]) == (1, 0, 0, 0, 0.0)
+        assert tier["rows"] == 0
+
+
+def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
+    from engram_offload.errors import TierError
+
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as store:
+        store.read_raw([1, 2])  # cached in the DRAM level,
+        store.read_raw([1, 2])  # then promoted into the fast one
+        with store.fetch(np.array([1, 2], np.int64), hold=False) as lease:  # all hits, nothing held
+            assert torch.equal(lease.raw, raw[[1, 2]]) and store.levels[0].pinned() == 0
+        real = store.tier.read_rows
+
+        def failing(ids, out):
+            raise TierError("disk went away")
+
+        store.tier.read_rows = failing
+        with pytest.raises(TierError, match="disk went away"):
+            store.fetch(np.array([1, 2, 30], np.int64))  # two hits in the fast level, one miss everywhere
+        assert [lv.pinned() for lv in store.levels] == [0, 0]
+        store.tier.read_rows = real
+        with store.fetch(np.array([1, 2, 30], np.int64)) as lease:
+            assert torch.equal(lease.raw, raw[[1, 2, 30]])
+
+
+def test_the_store_refuses_levels_that_do_not_fit_the_table(v41_table):
+    from engram_offload.cache import RowCache
+
+    path, config, _ = v41_table
+    with open_table(path, "mmap") as store, open_table(path, "mmap", device="cpu") as on_device:
+        with pytest.raises(ValueError, match=r"^the tier's rows are 264 bytes, the config's 66$"):
+            TableStore(store.tier, config.replace(head_dim=64))
+        with pytest.raises(ValueError, match=r"^cache 'dram' holds 100-byte rows, the table has 264$"):
+            TableStore(store.tier, config, [RowCache(800, 100)])
+        with pytest.raises(ValueError, match=r"^with a device the fast level is the HBM cache: give only host \(DRAM\) "
+                                             r"levels$"):
+            TableStore(store.tier, config, [RowCache(4 * 264, 264, device="meta")], device_rows=on_device._device_rows)
+
+
+def test_three_levels_walk_fill_and_count(v41_table):
+    """Rows missed above and found below are promoted; a level below every row's finder is
+    asked nothing and counts just the fetch; each level counts the bytes it served."""
+    from engram_offload.cache import RowCache
+
+    path, config, raw = v41_table
+    with open_table(path, "mmap") as plain:
+        levels = [RowCache(8 * 264, 264, name=n) for n in ("a", "b", "c")]
+        store = TableStore(plain.tier, config, levels)
+        levels[1].fill(np.array([4, 5], np.int64), raw[[4, 5]])  # b holds 4 and 5; a and c nothing
+        levels[2].fill(np.array([6], np.int64), raw[[6]])  # c holds 6
+        start = time.perf_counter()
+        with store.fetch(np.array([4, 5, 9], np.int64)) as lease:  # 4, 5 from b; c is asked for 9 only
+            assert torch.equal(lease.raw, raw[[4, 5, 9]])
+        elapsed = time.perf_counter() - start
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["rows"], a["hits"], b["rows"], b["hits"], b["bytes_read"]) == (3, 0, 3, 2, 2 * 264)
+        assert (c["rows"], c["hits"], tier["rows"], tier["hits"], tier["bytes_read"]) == (1, 0, 1, 0, 264)
+        assert all(0 <= lv["read_seconds"] <= elapsed for lv in (a, b, c, tier))
+        assert 4 in levels[0] and 5 in levels[0] and 9 in levels[2] and 9 not in levels[0]
+        store.reset_stats()
+        with store.fetch(np.array([4, 5, 9], np.int64)) as lease:  # 4, 5 from a, 9 from c: b is asked for 9
+            assert torch.equal(lease.raw, raw[[4, 5, 9]])
+        store.reset_stats()
+        levels[1].fill(np.array([9], np.int64), raw[[9]])
+        with store.fetch(np.array([7, 9], np.int64)) as lease:  # 9 from b, 7 from the tier: c asked for 7
+            assert torch.equal(lease.raw, raw[[7, 9]])
+        store.reset_stats()
+        with store.fetch(np.array([9, 6], np.int64)[::-1].copy()) as lease:  # 6 in c, 9 in a now
+            assert torch.equal(lease.raw, raw[[6, 9]])
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["hits"], b["rows"], c["rows"], c["hits"], tier["rows"]) == (1, 1, 1, 1, 0)
+        levels[2].fill(np.array([11], np.int64), raw[[11]])
+        levels[1].fill(np.array([12], np.int64), raw[[12]])
+        store.reset_stats()
+        with store.fetch(np.array([12, 13], np.int64)) as lease:  # 12 from b, 13 from the tier
+            assert torch.equal(lease.raw, raw[[12, 13]])
+        store.reset_stats()
+        with store.fetch(np.array([12], np.int64)) as lease:  # promoted into a: b and c asked nothing
+            assert torch.equal(lease.raw, raw[[12]])
+        a, b, c, tier = store.stats()["levels"]
+        assert [(lv["requests"], lv["rows"], lv["hits"], lv["bytes_read"], lv["read_seconds"]) for lv in (b, c)] \
+            == [(1, 0, 0, 0, 0.0)] * 2
+        with store.fetch(np.array([0, 11], np.int64)) as lease:  # 11 found in c, b asked for both, c for both
+            assert torch.equal(lease.raw, raw[[0, 11]])
+        levels[1].fill(np.array([20], np.int64), raw[[20]])
+        store.reset_stats()
+        start = time.perf_counter()
+        with store.fetch(np.array([12, 20], np.int64)) as lease:  # 12 from a, 20 from b: c is asked nothing
+            assert torch.equal(lease.raw, raw[[12, 20]])
+        elapsed = time.perf_counter() - start
+        a, b, c, tier = store.stats()["levels"]
+        assert (a["hits"], b["rows"], b["hits"], b["bytes_read"]) == (1, 1, 1, 264)
+        assert (c["requests"], c["rows"], c["hits"], c["bytes_read"], tier["rows"]) == (1, 0, 0, 0, 0)
+        assert 0 <= c["read_seconds"] <= elapsed
+        assert 20 in levels[0]  # promoted past the level asked nothing
+        for level in levels:
+            assert level.pinned() == 0
+            level.check()
+
+
+def test_a_single_missed_row_is_cached_and_a_failed_write_gives_its_slots_back(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=8 * 264) as store:
+        assert store.fetch([]).raw.dtype == torch.uint8 and store.fetch([]).ready is None
+        store.read_raw([7])
+        store.read_raw([7])
+        assert store.stats()["levels"][0]["hits"] == 1
+        with store.fetch(np.array([7], np.int64)) as lease:
+            assert lease.ready is None  # on the host: the rows are there when fetch returns
+        level = store.levels[0]
+
+        def broken(slots, rows, positions=None):
+            raise MemoryError("no room for the copy")
+
+        level.write = broken
+        with pytest.raises(MemoryError, match="no room for the copy"):
+            store.read_raw([8])
+        assert level.pinned() == 0 and 8 not in level
+        level.check()
+
+
+def test_fetch_latencies_are_those_of_the_calls(v41_table):
+    path, config, _ = v41_table
+    with open_table(path, "mmap") as store:
+        start = time.perf_counter()
+        for i in range(5):
+            store.read_raw([i])
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        s = store.stats()
+        assert all(0 < s["store"][k] <= elapsed_ms for k in ("fetch_p50_ms", "fetch_p90_ms", "fetch_p99_ms"))
+        tier = s["levels"][-1]
+        assert (tier["rows"], tier["hits"], tier["bytes_read"]) == (5, 0, 5 * 264) and 0 < tier["read_seconds"] * 1e3 <= elapsed_ms
+
+
+def test_a_row_server_store_refuses_every_local_option_it_is_given(v41_table, tmp_path):
+    """Checked before the server is asked: no server needs to listen on the socket."""
+    from engram_offload.gpu import ImmediateSync
+
+    with pytest.raises(ValueError, match=r"^the row server owns the tier and the cache: drop cache_bytes, device, "
+                                         r"fast_cache_bytes, sync \(size the server's cache with "
+                                         r"start_row_server\(\.\.\., cache_bytes=\)\)$"):
+        open_table(v41_table[0], "direct", row_server=tmp_path / "none.sock", cache_bytes=1 << 20,
+                   fast_cache_bytes=1 << 20, device="cpu", sync=ImmediateSync())
