@@ -185,7 +185,7 @@ class Fetch:
         return [self.rows_us / layers + (self.fixed_us if k == 0 else 0.0) for k in range(layers)]
 
 
-def host_cpu_us(model: ModelSpec, tp: int, name: str, tokens: int, hits: float, misses: float,
+def host_cpu_us(model: ModelSpec, name: str, tokens: int, hits: float, misses: float,
                 a: Assumptions) -> tuple[float, float]:
     """Host CPU time of one GPU's fetch path for ``tokens`` tokens (``hits`` and ``misses``:
     the rows served from host DRAM and read from NVMe): hashing and dedup of every row id of
@@ -222,7 +222,7 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
         bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
         device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
-    hash_us, cpu_us = host_cpu_us(model, tp, name, tokens, tokens * rows_per_token - misses, misses, a)
+    hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a)
     # the worker's CPU and the drives serve the same rows side by side (reads in flight while
     # others are decoded): the slower of the two paces them
     return Fetch(link_bytes=link_bytes, fixed_us=fixed + hash_us, rows_us=rows + max(device, cpu_us),
