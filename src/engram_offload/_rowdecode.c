@@ -30,35 +30,25 @@
 #define VECTOR_CLONES
 #endif
 
-VECTOR_CLONES
-static void decode16(const uint8_t *raw, const int64_t *index, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb,
-                     const uint16_t *restrict table, uint16_t *restrict out) {
-    Py_ssize_t blocks = d / BLOCK;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;
-        uint16_t *restrict o = out + r * d;
-        for (Py_ssize_t b = 0; b < blocks; b++) {
-            const uint16_t *restrict slice = table + ((Py_ssize_t)row[d + b] << 8);
-            const uint8_t *restrict v = row + b * BLOCK;
-            for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
-        }
+/* decode16 and decode32: the same loop over 2- and 4-byte values (the table's element). */
+#define DEFINE_DECODE(NAME, T)                                                                          \
+    VECTOR_CLONES                                                                                       \
+    static void NAME(const uint8_t *raw, const int64_t *index, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb, \
+                     const T *restrict table, T *restrict out) {                                        \
+        Py_ssize_t blocks = d / BLOCK;                                                                  \
+        for (Py_ssize_t r = 0; r < n; r++) {                                                            \
+            const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;                            \
+            T *restrict o = out + r * d;                                                                \
+            for (Py_ssize_t b = 0; b < blocks; b++) {                                                   \
+                const T *restrict slice = table + ((Py_ssize_t)row[d + b] << 8);                        \
+                const uint8_t *restrict v = row + b * BLOCK;                                            \
+                for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];                         \
+            }                                                                                           \
+        }                                                                                               \
     }
-}
 
-VECTOR_CLONES
-static void decode32(const uint8_t *raw, const int64_t *index, Py_ssize_t n, Py_ssize_t d, Py_ssize_t rb,
-                     const uint32_t *restrict table, uint32_t *restrict out) {
-    Py_ssize_t blocks = d / BLOCK;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;
-        uint32_t *restrict o = out + r * d;
-        for (Py_ssize_t b = 0; b < blocks; b++) {
-            const uint32_t *restrict slice = table + ((Py_ssize_t)row[d + b] << 8);
-            const uint8_t *restrict v = row + b * BLOCK;
-            for (int i = 0; i < BLOCK; i++) o[b * BLOCK + i] = slice[v[i]];
-        }
-    }
-}
+DEFINE_DECODE(decode16, uint16_t)
+DEFINE_DECODE(decode32, uint32_t)
 
 static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     PyObject *raw_o, *table_o, *out_o, *index_o = Py_None;
