@@ -37,7 +37,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "rows": (["rows.py"], ["tests/test_rows.py"]),
     "layer": (["layer.py"], ["tests/test_layer.py", "tests/checkpoint"]),
     "dedup": (["dedup.py"], ["tests/test_dedup.py"]),
-    "prefetch": (["prefetch.py"], ["tests/test_prefetch.py", "tests/test_prefetch_begin.py"]),
+    "prefetch": (["prefetch.py"], ["tests/test_prefetch.py"]),
     "sharding": (["sharding.py"], ["tests/test_sharding.py"]),
     "table": (["table/format.py", "table/writer.py"], ["tests/table"]),
     "tiers/base": (["tiers/base.py"], ["tests/tiers/test_tier_base.py"]),  # its closes fail fast, never hang
