@@ -13,74 +13,43 @@ import sys
 
 from setuptools import Extension, setup
 
-ext_modules = []
 # The page checksum's C sources: both extensions that compute it compile these.
 PAGESUM_HEADERS = ["src/engram_offload/table/xxhash.h", "src/engram_offload/table/pagesum_dispatch.h"]
+
+
+def optional_helper(name: str, sources: list[str], *, opt: str = "-O3", warnings: tuple[str, ...] = (),
+                    **options) -> Extension:
+    """A native helper that may fail to build: the package then uses its Python fallback."""
+    return Extension(name, sources=sources, extra_compile_args=[opt, "-std=gnu11", "-Wall", *warnings],
+                     optional=True, **options)
+
+
+ext_modules = []
 if sys.platform.startswith("linux"):
-    ext_modules.append(
-        Extension(
-            "engram_offload.tiers._uring",
-            # read_rows checks pages with the table's checksum: XXH3 from the vendored
-            # xxhash.h, and the AVX2 loop of the page-checksum helper where the CPU has it.
-            sources=["src/engram_offload/tiers/_uring.c", "src/engram_offload/table/_pagesum_avx2.c"],
-            include_dirs=["src/engram_offload/table"],
-            depends=PAGESUM_HEADERS,
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-parameter"],
-            optional=True,
-        )
-    )
-
+    # read_rows checks pages with the table's checksum: XXH3 from the vendored xxhash.h, and
+    # the AVX2 loop of the page-checksum helper where the CPU has it.
+    ext_modules.append(optional_helper(
+        "engram_offload.tiers._uring",
+        ["src/engram_offload/tiers/_uring.c", "src/engram_offload/table/_pagesum_avx2.c"],
+        opt="-O2", warnings=("-Wno-unused-parameter",),
+        include_dirs=["src/engram_offload/table"], depends=PAGESUM_HEADERS))
     # Copies out of a file mapping guarded against SIGBUS (the mmap tier; pread is the fallback).
-    ext_modules.append(
-        Extension(
-            "engram_offload.tiers._safecopy",
-            sources=["src/engram_offload/tiers/_safecopy.c"],
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
-            optional=True,
-        )
-    )
+    ext_modules.append(optional_helper("engram_offload.tiers._safecopy",
+                                       ["src/engram_offload/tiers/_safecopy.c"], opt="-O2"))
 
-# Checksums of data pages (format version 2, XXH3 from the vendored xxhash.h); the xxhash
-# package is the fallback.
-ext_modules.append(
-    Extension(
-        "engram_offload.table._pagesum",
-        sources=["src/engram_offload/table/_pagesum.c", "src/engram_offload/table/_pagesum_avx2.c"],
-        depends=PAGESUM_HEADERS,
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
-        optional=True,
-    )
-)
-
-# The n-gram hash kernel: portable C, optional like the reader (NumPy is the fallback).
-ext_modules.append(
-    Extension(
-        "engram_offload._hashkernel",
-        sources=["src/engram_offload/_hashkernel.c"],
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
-        optional=True,
-    )
-)
-
-# The row caches' hit path (lookup, pins, policy stamps in one call): optional as well
-# (the NumPy bookkeeping is the fallback).
-ext_modules.append(
-    Extension(
-        "engram_offload.cache._hitpath",
-        sources=["src/engram_offload/cache/_hitpath.c"],
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
-        optional=True,
-    )
-)
-
-# fp8 row decode by table lookup (NumPy is the fallback).
-ext_modules.append(
-    Extension(
-        "engram_offload._rowdecode",
-        sources=["src/engram_offload/_rowdecode.c"],
-        extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
-        optional=True,
-    )
-)
+ext_modules += [
+    # Checksums of data pages (format version 2, XXH3 from the vendored xxhash.h); the xxhash
+    # package is the fallback.
+    optional_helper("engram_offload.table._pagesum",
+                    ["src/engram_offload/table/_pagesum.c", "src/engram_offload/table/_pagesum_avx2.c"],
+                    depends=PAGESUM_HEADERS),
+    # The n-gram hash kernel: portable C (NumPy is the fallback).
+    optional_helper("engram_offload._hashkernel", ["src/engram_offload/_hashkernel.c"]),
+    # The row caches' hit path (lookup, pins, policy stamps in one call; the NumPy bookkeeping
+    # is the fallback).
+    optional_helper("engram_offload.cache._hitpath", ["src/engram_offload/cache/_hitpath.c"]),
+    # fp8 row decode by table lookup (NumPy is the fallback).
+    optional_helper("engram_offload._rowdecode", ["src/engram_offload/_rowdecode.c"]),
+]
 
 setup(ext_modules=ext_modules)
