@@ -28,6 +28,14 @@
 
 #include "pagesum_dispatch.h"
 
+/* Whether `out` holds one uint32 per item (`what`: "page" or "row"); raises if not. */
+static int holds_sums(Py_buffer *out, Py_ssize_t items, const char *what) {
+    if (out->len == items * (Py_ssize_t)sizeof(uint32_t)) return 1;
+    PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd (uint32 per %s)", out->len,
+                 items * (Py_ssize_t)sizeof(uint32_t), what);
+    return 0;
+}
+
 static PyObject *page_sums(PyObject *self, PyObject *args) {
     Py_buffer data, out;
     Py_ssize_t page;
@@ -39,11 +47,7 @@ static PyObject *page_sums(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t pages = data.len / page;
-    if (out.len != pages * (Py_ssize_t)sizeof(uint32_t)) {
-        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd (uint32 per page)", out.len,
-                     pages * (Py_ssize_t)sizeof(uint32_t));
-        goto done;
-    }
+    if (!holds_sums(&out, pages, "page")) goto done;
     const uint8_t *src = data.buf;
     uint32_t *dst = out.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -74,11 +78,7 @@ static PyObject *row_sums(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nnw*", &data, &length, &stride, &out)) return NULL;
     PyObject *result = NULL;
     if (row_shape(&data, length, stride, 0, &rows) < 0) goto done;
-    if (out.len != rows * (Py_ssize_t)sizeof(uint32_t)) {
-        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd (uint32 per row)", out.len,
-                     rows * (Py_ssize_t)sizeof(uint32_t));
-        goto done;
-    }
+    if (!holds_sums(&out, rows, "row")) goto done;
     const uint8_t *src = data.buf;
     uint32_t *dst = out.buf;
     Py_BEGIN_ALLOW_THREADS

@@ -45,8 +45,7 @@ def page_sums(data, page_bytes: int, *, portable: bool = False) -> np.ndarray:
     if native_available():
         _pagesum.page_sums(view, page_bytes, out, portable)
         return out
-    digest = xxhash.xxh3_64_intdigest
-    out[:] = [digest(view[i: i + page_bytes]) & 0xFFFFFFFF for i in range(0, len(view), page_bytes)]
+    out[:] = _python_sums(view, page_bytes, page_bytes)
     return out
 
 
@@ -66,9 +65,14 @@ def row_sums(data, length: int, stride: int) -> np.ndarray:
     if native_available():
         _pagesum.row_sums(view, length, stride, out)
         return out
-    digest = xxhash.xxh3_64_intdigest
-    out[:] = [digest(view[i: i + length]) & 0xFFFFFFFF for i in range(0, len(view), stride)]
+    out[:] = _python_sums(view, length, stride)
     return out
+
+
+def _python_sums(view: memoryview, length: int, stride: int) -> list[int]:
+    """The fallback of both: low 32 bits of XXH3-64 of the ``length`` bytes at each ``stride``."""
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(view[i: i + length]) & 0xFFFFFFFF for i in range(0, len(view), stride)]
 
 
 def bad_row_sums(data, length: int, stride: int) -> np.ndarray:
