@@ -83,6 +83,19 @@ def test_table_ids_add_layer_bases(small_hasher):
     assert torch.equal(flat[..., 1, :] - rows[..., 1, :],
                        torch.full_like(rows[..., 1, :], SMALL.layer_row_base(4)))
     assert int(flat.max()) < SMALL.num_rows
+    as_array = small_hasher.table_ids(rows.numpy())  # the same ids, as a NumPy array
+    assert isinstance(as_array, np.ndarray) and np.array_equal(as_array, flat.numpy())
+
+
+def test_the_numpy_forms_hash_like_the_tensor_forms(small_hasher):
+    tensor_history, array_history = small_hasher.new_history(), small_hasher.new_history()
+    pieces = [[1, 2, 3], [4, 5]]
+    want = small_hasher.hash_pieces(tensor_history, [0, 1], pieces)
+    got = small_hasher.pieces_ids(array_history, [0, 1], pieces)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want.numpy())
+    want = small_hasher.hash_decode(tensor_history, [0, 1], [6, 7])
+    got = small_hasher.decode_ids(array_history, [0, 1], np.array([6, 7]))
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want.numpy())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -221,8 +234,8 @@ def test_decode_steps_return_to_the_fast_path_once_image_tokens_leave_the_window
     seqs = {0: [5, 6, IMAGE], 1: [1, 2, 3]}
     got = {s: [hasher.hash_pieces(history, [s], [seqs[s]])] for s in seqs}
     slow_steps = []
-    real = hasher.hash_pieces
-    monkeypatch.setattr(hasher, "hash_pieces", lambda *a, **k: slow_steps.append(1) or real(*a, **k))
+    real = hasher.pieces_ids  # the general path (hash_pieces' NumPy form)
+    monkeypatch.setattr(hasher, "pieces_ids", lambda *a, **k: slow_steps.append(1) or real(*a, **k))
     window = WITH_IMAGES.max_ngram_size - 1
     for t in range(window + 3):
         tokens = [10 + t, 20 + t]

@@ -288,6 +288,30 @@ def test_urgent_steps_overtake_steps_fetched_ahead(table, hasher):
         assert [owner(c) for c in calls] == ["ahead", "busy", "busy", "now", "now", "ahead", "later", "later"]
 
 
+def test_an_idle_general_worker_serves_urgent_steps_alone(table, hasher):
+    """A new step wakes one worker: the general one when it waits (the urgent-only one is
+    woken only when the general one is busy), so steady steps cost one thread switch."""
+    tokens = np.random.default_rng(8).integers(0, VOCAB, size=(6, 4))
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, split_min_rows=1) as pf:
+        served = []
+        fetch = store.fetch
+
+        def recording(ids, **kwargs):
+            served.append(threading.current_thread().name)
+            return fetch(ids, **kwargs)
+
+        store.fetch = recording
+        for i, piece in enumerate(tokens):
+            deadline = time.monotonic() + 10
+            while not pf._idle[False]:  # the general worker waits for work
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            step = pf.begin_step([i], [piece])
+            assert step.wait_done(10) and len(step.parts) == 2
+            pf.end_step(step)
+        assert served == ["engram-prefetch-0"] * 12
+
+
 def test_prefetch_errors_live_in_the_error_module():
     from engram_offload import errors, prefetch
 
@@ -537,9 +561,7 @@ def test_begin_step_refuses_a_closed_or_broken_prefetcher_and_odd_pieces(table, 
         with Prefetcher(store, hasher) as pf:
             with pytest.raises(ValueError, match=r"^2 pieces for 1 sequences$"):
                 pf.begin_step([1], [[5], [6]])
-            with pf._cv:  # the workers stop, as if they had died
-                pf._stopping = True
-                pf._cv.notify_all()
+            pf._stop_workers()  # the workers stop, as if they had died
             for worker in pf._workers:
                 worker.join(10)
             with pytest.raises(PrefetchError, match=r"^the prefetch worker has stopped; create a new Prefetcher$"):

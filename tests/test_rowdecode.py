@@ -81,6 +81,16 @@ def test_decode_with_an_index_equals_decoding_the_gathered_rows(monkeypatch, nat
         got = decode_rows(raw, fmt, 64, dtype, index=index)
         want = decode_rows(raw[torch.from_numpy(index)], fmt, 64, dtype)
         assert got.shape == (5, 64) and torch.equal(_bits(got), _bits(want))
+        # the same rows from a NumPy array of the raw bytes, into a [1, 5] leading shape
+        from_array = decode_rows(raw.numpy(), fmt, 64, dtype, index=index, shape=(1, 5))
+        assert from_array.dtype == dtype and from_array.shape == (1, 5, 64)
+        assert torch.equal(_bits(from_array[0]), _bits(want))
+        assert torch.equal(_bits(decode_rows(raw.numpy(), fmt, 64, dtype)), _bits(decode_rows(raw, fmt, 64, dtype)))
     with pytest.raises(IndexError, match="outside"):
         decode_rows(raw, fmt, 64, index=np.array([0, 40], np.int64))
     assert decode_rows(raw, fmt, 64, index=np.zeros(0, np.int64)).shape == (0, 64)
+    with pytest.raises(ValueError, match=r"^shape \(2, 2\) holds 4 rows, not the 5 decoded$"):
+        decode_rows(raw, fmt, 64, index=index, shape=(2, 2))
+    with pytest.raises(ValueError, match=r"must be uint8 \[n, "):
+        decode_rows(raw.numpy().view(np.int8), fmt, 64)
+

@@ -249,6 +249,22 @@ def test_fetch_leases_the_ids_it_was_given_and_counts_what_they_stand_for(v41_ta
         assert store.stats()["store"]["fetches"] == 1 and store.stats()["store"]["rows_requested"] == 1
 
 
+def test_a_fetch_the_cache_serves_whole_holds_a_numpy_array_until_a_tensor_is_asked_for(v41_table):
+    path, config, raw = v41_table
+    ids = np.array([3, 8, 9], np.int64)
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        store.fetch(ids, hold=False)  # misses: read and cached
+        with store.fetch(ids) as lease:  # every row a hit
+            assert isinstance(lease._raw, np.ndarray)  # no tensor made on the way
+            assert np.array_equal(lease.host_raw, raw[ids].numpy())
+            assert torch.equal(lease.raw, raw[ids]) and lease.raw is lease.raw
+            assert store.levels[0].pinned() == 3
+        assert store.stats()["levels"][0]["hits"] == 3
+        got = store.decode(lease.host_raw, torch.float32, index=np.array([2, 0], np.int64), shape=(1, 2))
+        assert got.shape == (1, 2, 256)
+        assert torch.equal(got[0], decode_rows(raw[[9, 3]], config.row_format, 256, torch.float32))
+
+
 def test_decode_takes_the_rows_an_index_names(v41_table):
     path, config, raw = v41_table
     with open_table(path, "memory") as store:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, overload
 
 import numpy as np
 import torch
@@ -212,9 +212,22 @@ class NgramHasher:
         rows = self.hash_all(input_ids, dead_mask)
         return {layer: rows[:, :, i] for i, layer in enumerate(self.config.layer_ids)}
 
-    def table_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Row ids ``[..., L, C]`` (global in each layer) -> ids in the table's flat row space."""
-        return rows + torch.from_numpy(self.layer_bases)[:, None]
+    @overload
+    def table_ids(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def table_ids(self, rows: np.ndarray) -> np.ndarray: ...
+
+    def table_ids(self, rows: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """Row ids ``[..., L, C]`` (global in each layer) -> ids in the table's flat row space,
+        of the same kind (tensor or NumPy array).
+
+        The serving path stays in NumPy until the step's ids are made: a torch op, and a
+        tensor's end, let go of the GIL, and each let-go while another thread waits for the
+        GIL costs a thread switch (tens of microseconds on a virtual CPU)."""
+        if isinstance(rows, np.ndarray):
+            return rows + self.layer_bases[:, None]
+        return rows + torch.from_numpy(self.layer_bases).to(rows.device)[:, None]
 
     # ------------------------------------------------------------------ pieces
     def new_history(self, capacity: int = 64) -> "SequenceHistory":
@@ -231,13 +244,18 @@ class NgramHasher:
 
         Equal to ``hash_pieces`` with one-token pieces, without per-sequence Python work.
         """
+        return torch.from_numpy(self.decode_ids(history, seq_ids, token_ids))
+
+    def decode_ids(self, history: "SequenceHistory", seq_ids: Sequence[int],
+                   token_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
+        """``hash_decode`` as a NumPy array ``[S, L, C]`` (no tensor made: see ``table_ids``)."""
         tokens = _as_numpy_ids(token_ids).reshape(-1)
         if tokens.size != len(seq_ids):
             raise ValueError(f"{tokens.size} token ids for {len(seq_ids)} sequences")
         slots = history.slots_for(seq_ids)
         if self.dead_mask(tokens) is not None or (history.any_dead and history.dead[slots].any()):
             # a dead token among these n-grams (the last N-1 tokens): the general path
-            return self.hash_pieces(history, seq_ids, tokens.reshape(-1, 1))
+            return self.pieces_ids(history, seq_ids, tokens.reshape(-1, 1))
         comp = self.compress(tokens)
         remembered = history.tokens[slots]  # [S, N-1], oldest first
         windows = np.empty((tokens.size, self._max_n), np.int64)
@@ -245,7 +263,7 @@ class NgramHasher:
         windows[:, 1:] = remembered[:, ::-1]
         history.tokens[slots, :-1] = remembered[:, 1:]
         history.tokens[slots, -1] = comp
-        return torch.from_numpy(self._hash_windows(windows))
+        return self._hash_windows(windows)
 
     def hash_pieces(
         self,
@@ -261,6 +279,16 @@ class NgramHasher:
         of hashing it whole. A piece whose ``dead`` entry is None (or all of them,
         ``dead=None``) takes the default mask, its image tokens.
         """
+        return torch.from_numpy(self.pieces_ids(history, seq_ids, pieces, dead))
+
+    def pieces_ids(
+        self,
+        history: "SequenceHistory",
+        seq_ids: Sequence[int],
+        pieces: Sequence[np.ndarray | torch.Tensor | Sequence[int]] | np.ndarray,
+        dead: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+    ) -> np.ndarray:
+        """``hash_pieces`` as a NumPy array ``[T, L, C]`` (no tensor made: see ``table_ids``)."""
         if len(seq_ids) != len(pieces) or (dead is not None and len(dead) != len(pieces)):
             raise ValueError("seq_ids, pieces (and dead) must have one entry per sequence")
         if len(set(seq_ids)) != len(seq_ids):
@@ -305,7 +333,7 @@ class NgramHasher:
         history.tokens[slots] = ext[tail]
         history.dead[slots] = ext_dead[tail]
         history.any_dead = history.any_dead or bool(ext_dead[tail].any())
-        return torch.from_numpy(self._hash_windows(windows))
+        return self._hash_windows(windows)
 
 
 @dataclass

@@ -178,9 +178,12 @@ class Step:
             self._handed_out += 1
             return p, self._handed_out >= len(self.parts)
 
-    def layer_positions(self, li: int) -> torch.Tensor:
-        """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``."""
-        inverse = torch.from_numpy(self.dedup.inverse).view(self.num_tokens, len(self.layer_ids), self.num_columns)
+    def layer_positions(self, li: int) -> np.ndarray:
+        """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``.
+
+        NumPy, not torch: a torch op lets go of the GIL, and each let-go while the caller's
+        thread waits for it costs a thread switch (tens of microseconds on a virtual CPU)."""
+        inverse = self.dedup.inverse.reshape(self.num_tokens, len(self.layer_ids), self.num_columns)
         return inverse[:, li].reshape(-1) - self.parts[self._part_of[li]][0]
 
     def part_ids(self, p: int) -> tuple[np.ndarray, int]:
@@ -366,7 +369,10 @@ class Prefetcher:
         self._outputs = None if self.sync is None else _OutputPool(
             self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
             self.device)
-        self._cv = threading.Condition()
+        queue_lock = threading.Lock()
+        # each worker waits on its own condition, so a new step wakes only the one it needs
+        self._wake = {False: threading.Condition(queue_lock), True: threading.Condition(queue_lock)}
+        self._idle = {False: False, True: False}  # by urgent_only: waiting for work
         self._urgent: deque[Step] = deque()  # steps whose rows are needed now
         self._background: deque[Step] = deque()  # steps fetched ahead of need
         self._stopping = False
@@ -391,11 +397,14 @@ class Prefetcher:
         """The next part to fetch: urgent steps first, then (unless ``urgent_only``) steps
         fetched ahead, each in order; None once closed and drained. A step fetched ahead
         yields to an urgent one between its parts."""
-        with self._cv:
+        wake = self._wake[urgent_only]
+        with wake:
             while not self._urgent and (urgent_only or not self._background):
                 if self._stopping:
                     return None
-                self._cv.wait()
+                self._idle[urgent_only] = True
+                wake.wait()
+                self._idle[urgent_only] = False
             waiting = self._urgent if self._urgent else self._background
             step = waiting[0]
             p, last = step.take_part()
@@ -430,9 +439,10 @@ class Prefetcher:
     def _decode_layers(self, step: Step, p: int, lease: RowLease) -> dict[int, torch.Tensor]:
         """Part ``p``'s rows decoded straight into each of its layers' order (one gather and
         decode per layer, no decoded copy of the part in between): ``{layer id: [T, C, d]}``."""
-        shape = (step.num_tokens, step.num_columns, self.config.head_dim)
-        return {step.layer_ids[li]: self.store.decode(lease.raw, self.dtype, index=step.layer_positions(li).numpy())
-                .view(shape) for li in step.parts[p][2]}
+        shape = (step.num_tokens, step.num_columns)
+        raw = lease.host_raw  # [u, row_bytes] (NumPy: see layer_positions)
+        return {step.layer_ids[li]: self.store.decode(raw, self.dtype, index=step.layer_positions(li), shape=shape)
+                for li in step.parts[p][2]}
 
     def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:
         """Dequantize part ``p``'s raw rows into each of its layers' outputs on the fetch
@@ -443,7 +453,7 @@ class Prefetcher:
         sync.keep_alive(lease.raw, FETCH)
         for li in step.parts[p][2]:
             out = step.layer_outputs[li].view(-1, self.config.head_dim)  # [T*C, d]
-            index = step.layer_positions(li)  # [T*C] rows of lease.raw
+            index = torch.from_numpy(step.layer_positions(li))  # [T*C] rows of lease.raw
 
             def dequantize(out: torch.Tensor = out, index: torch.Tensor = index) -> None:
                 gather_rows(lease.raw, index, self.config, out=out)
@@ -494,10 +504,11 @@ class Prefetcher:
             if arrays and all(a.size == 1 for a in arrays):
                 one_each = np.concatenate(arrays)
         lengths = (1,) * len(seq_ids) if one_each is not None else tuple(a.size for a in arrays)
+        # NumPy until the Step is made (see NgramHasher.table_ids)
         if dead is None and one_each is not None:
-            rows = self.hasher.hash_decode(self.history, seq_ids, one_each)  # [S, L, C]
+            rows = self.hasher.decode_ids(self.history, seq_ids, one_each)  # [S, L, C]
         else:
-            rows = self.hasher.hash_pieces(self.history, seq_ids, arrays, dead)  # [T, L, C]
+            rows = self.hasher.pieces_ids(self.history, seq_ids, arrays, dead)  # [T, L, C]
         table_ids = self.hasher.table_ids(rows)  # [T, L, C]
         if self.columns is not None:
             table_ids = shard_ids(table_ids, self.columns)  # [T, L, c1 - c0]
@@ -509,14 +520,25 @@ class Prefetcher:
             self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:
             self._step_count += 1
-            step = Step(self._step_count, seq_ids, lengths, table_ids, d,
+            step = Step(self._step_count, seq_ids, lengths, torch.from_numpy(table_ids), d,
                         self.config.layer_ids, self._parts(d.unique), outputs)
             self.current = step
             self._open.append(step)
-        with self._cv:
+        with self._wake[False]:
             (self._urgent if urgent else self._background).append(step)
-            self._cv.notify_all()
+            self._wake_a_worker(urgent)
         return step
+
+    def _wake_a_worker(self, urgent: bool) -> None:
+        """Wake one worker for a new step (the queue's lock held): the general one when it
+        waits, else, for an urgent step, the urgent-only one (the general one is busy, maybe
+        with a fetch ahead of need). Waking both for every step costs a thread switch each
+        (tens of microseconds of CPU on a virtual machine) for a worker that mostly finds
+        nothing left to do."""
+        if self._idle[False]:
+            self._wake[False].notify()
+        elif urgent and self._idle[True]:
+            self._wake[True].notify()
 
     def rows(self, layer_id: int, step: Step | None = None, *, timeout: float | None = None) -> torch.Tensor:
         """Rows of Engram layer ``layer_id`` for ``step`` (default: the current one):
@@ -574,11 +596,16 @@ class Prefetcher:
         self._closed = True
         for step in list(self._open):
             self.cancel(step)
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+        self._stop_workers()
         for worker in self._workers:
             worker.join(timeout=30)
+
+    def _stop_workers(self) -> None:
+        """Tell the workers to end once the queues are empty."""
+        with self._wake[False]:
+            self._stopping = True
+            for wake in self._wake.values():
+                wake.notify_all()
 
     def __enter__(self) -> "Prefetcher":
         return self

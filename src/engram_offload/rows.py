@@ -18,6 +18,7 @@ int8: ``|x - x'| <= amax(row) / 254``.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,7 @@ def dequantize_fp8_blocks(
 
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
 _FP8_TABLES_LOCK = threading.Lock()
+_FP8_TABLE_BITS: dict[torch.dtype, tuple[torch.Tensor, np.ndarray]] = {}  # (the table, its bits)
 _BITS = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}  # by element size
 
 
@@ -192,6 +194,19 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
+_NUMPY_OUT = {torch.float32: np.float32, torch.float16: np.float16}  # decoded dtypes NumPy has
+_DECODED_BITS = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}  # what the C helper writes
+
+
+def _fp8_table_bits(dtype: torch.dtype) -> np.ndarray:
+    """``_fp8_table(dtype)``'s values as plain integers, a NumPy view (made once per dtype)."""
+    table = _fp8_table(dtype)
+    cached = _FP8_TABLE_BITS.get(dtype)
+    if cached is None or cached[0] is not table:
+        cached = _FP8_TABLE_BITS[dtype] = (table, table.view(_BITS[table.element_size()][1]).numpy())
+    return cached[1]
+
+
 def _native_decode() -> Any:
     """The C decoder (``_rowdecode.decode_fp8``), or None (not built, or ``native_disabled``)."""
     if native_disabled():
@@ -203,34 +218,44 @@ def _native_decode() -> Any:
     return _rowdecode.decode_fp8
 
 
-def _decode_fp8(raw: torch.Tensor, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None) -> torch.Tensor:
+def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
+                lead: tuple[int, ...] | None = None) -> torch.Tensor:
     """fp8 rows by table lookup: one gather of ``(scale << 8) | value`` per element.
 
     Same values as ``dequantize_fp8_ue8m0`` (about 3x faster on a CPU: no float pow, no
     intermediate float32 tensors). NumPy on the CPU (single-threaded, so it leaves the
     cores to the model when it runs in a prefetch worker): the C helper ``_rowdecode`` (a
     256-entry slice of the table per 32-value block), else NumPy; torch elsewhere.
-    ``picks``: decode the rows ``raw[picks]`` (the C helper only).
+    ``picks``: decode the rows ``raw[picks]`` (the C helper only). ``lead``: the result's
+    leading dimensions (default ``[n]``). ``raw`` may be a NumPy array (host rows).
     """
     n = raw.shape[0] if picks is None else picks.size
+    shape = (*(lead or (n,)), head_dim)
     blocks = head_dim // FP8_BLOCK
+    native = _native_decode()
+    host = isinstance(raw, np.ndarray) or raw.device.type == "cpu"
+    if host and native is not None and dtype in _DECODED_BITS:
+        # NumPy buffers and no torch op on the way: each would let go of the GIL, a thread
+        # switch when another thread waits for it
+        out = np.empty(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
+        raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
+        native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks)
+        return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
+    assert picks is None, "a decode with picks goes through the C helper only"
+    raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
     table = _fp8_table(dtype)
     if raw.device.type != "cpu" or table.element_size() not in _BITS:
         values = raw[:, :head_dim].reshape(n, blocks, FP8_BLOCK).to(torch.int32)
         lut = (raw[:, head_dim:].to(torch.int32) << 8).unsqueeze(-1) | values  # [n, blocks, 32]
-        return table.to(raw.device)[lut.reshape(n, head_dim)]
-    out = torch.empty((n, head_dim), dtype=dtype)
+        return table.to(raw.device)[lut.reshape(n, head_dim)].view(shape)
+    out_t = torch.empty(shape, dtype=dtype)
     _, bits = _BITS[table.element_size()]  # move the values' bits as plain integers
-    native = _native_decode()
-    if native is not None:
-        native(raw.numpy(), head_dim, table.view(bits).numpy(), out.view(bits).numpy(), picks)
-        return out
-    assert picks is None, "a decode with picks goes through the C helper only"
     a = raw.numpy()
     lut = np.left_shift(a[:, head_dim:], 8, dtype=np.uint16)[:, :, None]  # [n, blocks, 1]
     lut = np.bitwise_or(lut, a[:, :head_dim].reshape(n, blocks, FP8_BLOCK))  # [n, blocks, 32]
-    np.take(table.view(bits).numpy(), lut.reshape(n, head_dim), out=out.view(bits).numpy(), mode="wrap")
-    return out
+    np.take(table.view(bits).numpy(), lut.reshape(n, head_dim), out=out_t.view(bits).numpy().reshape(n, head_dim),
+            mode="wrap")
+    return out_t
 
 
 def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -253,33 +278,50 @@ def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def decode_rows(
-    raw: torch.Tensor, fmt: str, head_dim: int, dtype: torch.dtype = torch.float32, *,
-    index: np.ndarray | None = None,
+    raw: torch.Tensor | np.ndarray, fmt: str, head_dim: int, dtype: torch.dtype = torch.float32, *,
+    index: np.ndarray | None = None, shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Raw bytes ``uint8 [n, row_bytes]`` -> float rows ``[n, head_dim]`` of ``dtype``.
 
     With ``index`` (int64 ``[k]``, positions in ``raw``): the rows ``raw[index]``, ``[k,
     head_dim]``, gathered and decoded in one pass on the host (no gathered copy of the raw
-    or decoded rows in between).
+    or decoded rows in between). ``shape``: the result's leading dimensions instead of
+    ``[n]`` (or ``[k]``), e.g. ``[T, C]``. ``raw`` may be a NumPy array (host rows).
     """
     rb = row_bytes(fmt, head_dim)
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != rb:
+    ok_dtype = raw.dtype == np.uint8 if isinstance(raw, np.ndarray) else raw.dtype == torch.uint8
+    if not ok_dtype or raw.ndim != 2 or raw.shape[1] != rb:
         raise ValueError(
             f"raw rows for {fmt} at head_dim {head_dim} must be uint8 [n, {rb}], "
             f"got {raw.dtype} {tuple(raw.shape)}"
         )
-    raw = raw.contiguous()
-    if index is not None:
-        index = np.ascontiguousarray(index, np.int64).reshape(-1)
-        if fmt == "fp8_e4m3_ue8m0" and raw.device.type == "cpu" and _native_decode() is not None:
-            return _decode_fp8(raw, head_dim, dtype, index)
-        picked = torch.empty((index.size, rb), dtype=torch.uint8, device=raw.device)  # [k, row_bytes]
-        move_rows(raw, index, picked, None)
-        raw = picked
-    if fmt in _PLAIN_DTYPES:
-        return raw.view(_PLAIN_DTYPES[fmt]).to(dtype)
+    if isinstance(raw, np.ndarray):
+        raw = np.ascontiguousarray(raw)
+    elif not raw.is_contiguous():
+        raw = raw.contiguous()
+    count = raw.shape[0] if index is None else int(np.size(index))
+    if shape is not None and math.prod(shape) != count:
+        raise ValueError(f"shape {tuple(shape)} holds {math.prod(shape)} rows, not the {count} decoded")
     if fmt == "fp8_e4m3_ue8m0":
-        return _decode_fp8(raw, head_dim, dtype)
-    q = raw[:, :head_dim].contiguous().view(torch.int8).to(torch.float32)
-    scale = raw[:, head_dim:].contiguous().view(torch.float32)  # [n, 1]
-    return (q * scale).to(dtype)
+        if index is not None:
+            index = np.ascontiguousarray(index, np.int64).reshape(-1)
+            if _native_decode() is None or not (isinstance(raw, np.ndarray) or raw.device.type == "cpu"):
+                raw, index = _picked(torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw, index), None
+        return _decode_fp8(raw, head_dim, dtype, index, shape)
+    raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
+    if index is not None:
+        raw = _picked(raw, np.ascontiguousarray(index, np.int64).reshape(-1))
+    if fmt in _PLAIN_DTYPES:
+        rows = raw.view(_PLAIN_DTYPES[fmt]).to(dtype)
+    else:  # int8 row-wise
+        q = raw[:, :head_dim].contiguous().view(torch.int8).to(torch.float32)
+        scale = raw[:, head_dim:].contiguous().view(torch.float32)  # [n, 1]
+        rows = (q * scale).to(dtype)
+    return rows if shape is None else rows.view(*shape, head_dim)
+
+
+def _picked(raw: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """The rows ``raw[index]`` as a new contiguous tensor ``[k, row_bytes]``."""
+    picked = torch.empty((index.size, raw.shape[1]), dtype=torch.uint8, device=raw.device)
+    move_rows(raw, index, picked, None)
+    return picked

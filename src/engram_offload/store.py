@@ -87,8 +87,13 @@ class RowLease(Protocol):
     """What ``RowStore.fetch`` returns: a ``Lease`` here, a ``rowserver.RemoteLease`` from a row server."""
 
     ids: np.ndarray  # int64 [u]: the sorted distinct ids fetched
-    raw: torch.Tensor  # uint8 [u, row_bytes]
     ready: object  # the device event after which raw holds the rows (None: it does now)
+
+    @property
+    def raw(self) -> torch.Tensor: ...  # uint8 [u, row_bytes]
+
+    @property
+    def host_raw(self) -> np.ndarray: ...  # the same rows as a NumPy array (host rows only)
 
     @property
     def pinned_rows(self) -> int: ...
@@ -118,8 +123,8 @@ class RowStore(Protocol):
 
     def read_raw(self, row_ids: Any) -> torch.Tensor: ...
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None) -> torch.Tensor: ...
+    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -212,11 +217,12 @@ class TableStore:
         rows = self.decode(raw, dtype)  # [u, head_dim]
         return rows.index_select(0, torch.from_numpy(d.inverse).to(rows.device)).reshape(*shape, -1)
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None) -> torch.Tensor:
+    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device);
-        with ``index`` (int64 ``[k]``) the rows ``raw[index]``, ``[k, head_dim]``."""
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index)
+        with ``index`` (int64 ``[k]``) the rows ``raw[index]``, ``[k, head_dim]``; see
+        ``rows.decode_rows`` (``shape``: the result's leading dimensions)."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index, shape=shape)
 
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).
@@ -241,9 +247,11 @@ class TableStore:
         return ids
 
     # ------------------------------------------------------------------ the fetch path
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, Pins, object]:
-        """Raw rows ``[u, row_bytes]`` of distinct ids, the pins held (none unless ``hold``),
-        and the device event after which the rows are there (None: they are now)."""
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None
+               ) -> tuple[torch.Tensor | np.ndarray, Pins, object]:
+        """Raw rows ``[u, row_bytes]`` of distinct ids (host rows a cache served whole: a NumPy
+        array), the pins held (none unless ``hold``), and the device event after which the
+        rows are there (None: they are now)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
         if self._shard is not None and self.columns is not None:
@@ -252,6 +260,7 @@ class TableStore:
         u = ids.size
         ready = None
         pins: Pins
+        out: torch.Tensor | np.ndarray
         if u == 0:
             out, pins = torch.empty((0, self._rb), dtype=torch.uint8, device=self.device), []
         elif self._device_rows is not None:
@@ -274,15 +283,17 @@ class TableStore:
             return []
         return self._through_levels(ids, hold, time.perf_counter(), out)[1]
 
-    def _on_callers_stream(self, raw: torch.Tensor, pins: Pins, ready: object) -> torch.Tensor:
+    def _on_callers_stream(self, raw: torch.Tensor | np.ndarray, pins: Pins, ready: object) -> torch.Tensor:
         """``raw`` (pins: none, it was fetched without ``hold``), usable on the caller's stream."""
+        if isinstance(raw, np.ndarray):
+            return torch.from_numpy(raw)
         if self.sync is not None:
             self.sync.wait(MAIN, ready)
             self.sync.keep_alive(raw, MAIN)
         return raw
 
     def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float,
-                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, Pins]:
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor | np.ndarray, Pins]:
         """The first level's lookup; when it holds every row (the common case in steady
         decoding) one copy and done, else the walk through every level. Rows go to ``out``
         when given (host, contiguous)."""
@@ -290,6 +301,8 @@ class TableStore:
         if self._first_into:  # a CPU cache: look up, and copy when everything hits, in one call
             buf = np.empty((u, self._rb), np.uint8) if out is None else out.numpy()
             slots, nhit = first.acquire_into(ids, buf, hold)
+            if nhit == u and out is None:  # the rows as a NumPy array: no tensor made (see Lease)
+                return buf, self._all_hit(slots, hold, t_start)
             out = torch.from_numpy(buf)  # [u, row_bytes]
         else:
             slots, nhit = first.acquire_counted(ids)
@@ -303,10 +316,15 @@ class TableStore:
                         first.release(slots)
         if nhit < u:
             return self._walk(ids, out, (slots, nhit), hold, t_start)
+        return out, self._all_hit(slots, hold, t_start)
+
+    def _all_hit(self, slots: np.ndarray, hold: bool, t_start: float) -> Pins:
+        """Count a fetch the first level served whole; its pins (none unless ``hold``)."""
+        first, u = self.levels[0], slots.size
         first.stats.record(u, u, u * self._rb, time.perf_counter() - t_start)
         for level in self.levels[1:]:
             level.stats.record(0, 0, 0, 0.0)
-        return out, [(first, slots)] if hold else []
+        return [(first, slots)] if hold else []
 
     def _walk(self, ids: np.ndarray, out: torch.Tensor, first: tuple[np.ndarray, int], hold: bool,
               t_start: float) -> tuple[torch.Tensor, Pins]:

@@ -20,15 +20,31 @@ class Lease:
     ``ready``: for rows delivered to a device, the ``DeviceSync`` event after which ``raw``
     holds them (wait for it on the stream that reads them); None when they are there now.
     ``release()`` (or leaving the ``with`` block) unpins; releasing twice is harmless.
+
+    Host rows may come as a NumPy array: ``host_raw`` reads them as one, and the tensor
+    ``raw`` is made only when asked for (a tensor's end lets go of the GIL, which costs a
+    thread switch when another thread waits for it).
     """
 
-    def __init__(self, ids: np.ndarray, raw: torch.Tensor, pins: Pins,
+    def __init__(self, ids: np.ndarray, raw: torch.Tensor | np.ndarray, pins: Pins,
                  ready: object = None) -> None:
         self.ids = ids
-        self.raw = raw
+        self._raw = raw
         self.ready = ready
         self._pins = pins
         self._lock = threading.Lock()
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """uint8 ``[u, row_bytes]`` (on the store's device)."""
+        if isinstance(self._raw, np.ndarray):
+            self._raw = torch.from_numpy(self._raw)
+        return self._raw
+
+    @property
+    def host_raw(self) -> np.ndarray:
+        """uint8 ``[u, row_bytes]`` as a NumPy array (host rows only)."""
+        return self._raw if isinstance(self._raw, np.ndarray) else self._raw.numpy()
 
     @property
     def pinned_rows(self) -> int:

@@ -55,6 +55,10 @@ class RemoteLease:
         self._lock = threading.Lock()
 
     @property
+    def host_raw(self) -> np.ndarray:
+        return self.raw.numpy()
+
+    @property
     def pinned_rows(self) -> int:
         return int(self.ids.size) if self._numbers else 0
 
@@ -161,9 +165,9 @@ class RowClient:
         rows = self.decode(raw, dtype)  # [u, head_dim]
         return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*(d.shape or (1,)), -1)
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None) -> torch.Tensor:
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index)
+    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index, shape=shape)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
