@@ -14,6 +14,7 @@ from engram_offload.config import EngramConfig
 from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
 from engram_offload.planner.perf import decode_step, step_time
 from engram_offload.planner.placement import fetch_time, step_stall_us
+from engram_offload.planner.realtext import step_unique_fraction
 
 V41 = get_model("deepseek-v4.1-flash")
 
@@ -77,17 +78,19 @@ def test_the_prediction_is_the_planners_stall_for_each_step():
     model = backbone()
     gpu = replace(get_gpu("b300"), nvme_drives=1, nvme_iops_per_drive=10_000, gpus_per_server=2)
     steps = [(8, 0, 8000), (4, 100, 5000)]
-    got = planner_prediction(model, "direct", steps, 0.5, gpu)
-    stalls, totals, reads = [], [], 0.0
-    for d, p, kv in steps:
-        roof = step_time(V41, gpu, 2, d, p, kv, DEFAULT_ASSUMPTIONS).backbone_us
-        due = fetch_time(V41, gpu, 2, "nvme", d, 0.5, DEFAULT_ASSUMPTIONS)
-        total = fetch_time(V41, gpu, 2, "nvme", d + p, 0.5, DEFAULT_ASSUMPTIONS)
-        stalls.append(step_stall_us(due, total, [roof * 1 / V41.num_layers, roof * 14 / V41.num_layers], roof))
-        totals.append(roof + stalls[-1])
-        reads += total.nvme_reads * 2
-    assert got["stall_us"] == pytest.approx(sum(stalls) / 2)
-    assert got["stall_fraction"] == pytest.approx(sum(stalls) / sum(totals))
-    assert got["nvme_iops"] == pytest.approx(reads / sum(totals) * 1e6)
-    assert got["stall_us"] > 0  # 10k IOPS cannot keep up with a B300
+    for unique in (None, 0.7):  # real text's repeats within each step, or a measured share
+        got = planner_prediction(model, "direct", steps, 0.5, gpu, unique=unique)
+        stalls, totals, reads = [], [], 0.0
+        for d, p, kv in steps:
+            roof = step_time(V41, gpu, 2, d, p, kv, DEFAULT_ASSUMPTIONS).backbone_us
+            due = fetch_time(V41, gpu, 2, "nvme", d, 0.5, DEFAULT_ASSUMPTIONS, unique or step_unique_fraction(d, 0))
+            total = fetch_time(V41, gpu, 2, "nvme", d + p, 0.5, DEFAULT_ASSUMPTIONS,
+                               unique or step_unique_fraction(d, p))
+            stalls.append(step_stall_us(due, total, [roof * 1 / V41.num_layers, roof * 14 / V41.num_layers], roof))
+            totals.append(roof + stalls[-1])
+            reads += total.nvme_reads * 2
+        assert got["stall_us"] == pytest.approx(sum(stalls) / 2)
+        assert got["stall_fraction"] == pytest.approx(sum(stalls) / sum(totals))
+        assert got["nvme_iops"] == pytest.approx(reads / sum(totals) * 1e6)
+        assert got["stall_us"] > 0  # 10k IOPS cannot keep up with a B300
     assert planner_prediction(model, "memory", steps, None)["placement"] == "dram"

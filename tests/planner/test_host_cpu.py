@@ -15,7 +15,10 @@ from engram_offload.planner import DEFAULT_ASSUMPTIONS, Workload, get_gpu, get_m
 from engram_offload.planner.mrc import ZipfMRC
 from engram_offload.planner.placement import evaluate, fetch_time
 from engram_offload.planner.plan import curve_for
-from engram_offload.planner.realtext import REAL_TEXT_CACHE_TOKENS, REAL_TEXT_HIT, RealTextMRC
+from engram_offload.planner.realtext import (
+    DECODE_UNIQUE, PREFILL_TOKENS, PREFILL_UNIQUE, REAL_TEXT_CACHE_TOKENS, REAL_TEXT_HIT, STEP_TOKENS, RealTextMRC,
+    step_unique_fraction,
+)
 
 V41 = get_model("deepseek-v4.1-flash")
 B300 = get_gpu("b300")
@@ -105,7 +108,8 @@ def test_the_benchmarks_one_fetch_path_serves_the_whole_tp_group():
     gpu = local_nvme(B300, 2, iops=1e9)  # the drive never paces: the worker does
     steps = [(64, 0, 64 * 4096)]
     shared = planner_prediction(backbone, "direct", steps, 0.5, gpu)
-    per_gpu = fetch_time(V41, gpu, 2, "nvme", 64, 0.5, replace(HOST_DRAM, host_fetch_cores=0.5))
+    per_gpu = fetch_time(V41, gpu, 2, "nvme", 64, 0.5, replace(HOST_DRAM, host_fetch_cores=0.5),
+                         step_unique_fraction(64, 0))
     assert shared["host_cpu_us"] == pytest.approx(per_gpu.hash_us + per_gpu.host_cpu_us)
     assert shared["stall_us"] > planner_prediction(backbone, "direct", steps, 0.5, gpu, NO_HOST)["stall_us"]
 
@@ -154,3 +158,23 @@ def test_the_host_flags_reach_the_stall(capsys):
     assert none["host_us"] == 0.0 < more["host_us"] < base["host_us"] < slow["host_us"]
     assert slow["predicted_stall_us"] > base["predicted_stall_us"]
     assert none["predicted_stall_us"] <= base["predicted_stall_us"]
+
+
+def test_a_step_reads_each_distinct_row_once():
+    """Real text repeats n-grams within a step (a prefill chunk of one file far more than
+    decode tokens of separate sequences); the fetch reads and sends each distinct row once,
+    and hashing still costs every row id."""
+    assert step_unique_fraction(1, 0) == step_unique_fraction(0, 1) == step_unique_fraction(0, 0) == 1.0
+    for size, fraction in zip(STEP_TOKENS, DECODE_UNIQUE):
+        assert step_unique_fraction(size, 0) == pytest.approx(fraction)
+    for size, fraction in zip(PREFILL_TOKENS, PREFILL_UNIQUE):
+        assert step_unique_fraction(0, size) == pytest.approx(fraction)
+    assert step_unique_fraction(0, 100_000) == pytest.approx(PREFILL_UNIQUE[-1])  # flat past the largest
+    mixed = step_unique_fraction(32, 256)  # the tokens' shares of distinct rows, weighted by tokens
+    assert mixed == pytest.approx((32 * DECODE_UNIQUE[2] + 256 * PREFILL_UNIQUE[3]) / 288)
+    gpu = local_nvme(B300, 2, iops=50_000)
+    whole, half = (fetch_time(V41, gpu, 2, "nvme", 512, 0.5, A, u) for u in (1.0, 0.5))
+    assert half.nvme_reads == pytest.approx(whole.nvme_reads / 2) and half.link_bytes == pytest.approx(whole.link_bytes / 2)
+    assert half.hash_us == whole.hash_us and half.host_cpu_us == pytest.approx(whole.host_cpu_us / 2)
+    with pytest.raises(ValueError, match=r"^unique must be within \(0, 1\], got 0.0$"):
+        fetch_time(V41, gpu, 2, "nvme", 512, 0.5, A, 0.0)

@@ -27,6 +27,7 @@ from ..planner.hardware import GpuSpec, get_gpu
 from ..planner.models import ModelSpec, get_model
 from ..planner.perf import StepTime, layer_offsets_us, step_time
 from ..planner.placement import fetch_time, step_stall_us
+from ..planner.realtext import step_unique_fraction
 from .engine import RowsFor, StepShape
 
 __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
@@ -110,7 +111,7 @@ def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = N
 
 def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tuple[int, int, int]],
                        hit_rate: float | None, gpu: GpuSpec | None = None,
-                       assumptions: Assumptions | None = None) -> dict[str, Any]:
+                       assumptions: Assumptions | None = None, unique: float | None = None) -> dict[str, Any]:
     """What the planner predicts for ``steps`` (``(decode, prefill, KV tokens)`` each) served
     from ``tier`` at a DRAM-cache ``hit_rate``: mean stall and step time per step (us), the
     stall's share of step time, the NVMe reads per second of the TP group and the host CPU
@@ -121,7 +122,9 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
 
     ``stall_us`` is ``placement.step_stall_us``: decode rows due layer by layer, prefill
     rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
-    the earlier formula, every row of the step due at the first Engram layer."""
+    the earlier formula, every row of the step due at the first Engram layer. Each step reads
+    its distinct rows only: ``unique`` of its row ids (a run's measured share), or by default
+    real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens)."""
     placement = PLACEMENT_OF_TIER[tier]
     gpu = gpu or backbone.gpu
     model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
@@ -134,8 +137,10 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     for decode, prefill, kv in steps:
         roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
         offsets = layer_offsets_us(model, layers, roofline)
-        due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a)
-        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a)
+        due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a,
+                         unique or step_unique_fraction(decode, 0))
+        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a,
+                           unique or step_unique_fraction(decode, prefill))
         s = max(0.0, step_stall_us(due, total, offsets, roofline))
         first_only += max(0.0, total.transfer_us - offsets[0])
         stall += s

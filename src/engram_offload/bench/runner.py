@@ -288,8 +288,9 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
                config: EngramConfig) -> dict[str, Any]:
     """The planner's stall and NVMe reads for the run's own steps, beside the measured ones:
     with its own inputs (``predicted_*``: the hit rate its curve (``curve_for``) gives the DRAM held,
-    4 KiB per read), and with the run's measured ones (``predicted_*_at_measured_hit``,
-    cached tiers on NVMe only: the hit rate and the bytes per device read)."""
+    4 KiB per read, real text's repeats within a step), and with the run's measured ones
+    (``predicted_*_at_measured_hit``, cached tiers on NVMe only: the hit rate, the bytes per
+    device read and the share of each step's row ids that are distinct)."""
     from ..planner.plan import curve_for
 
     run = served.run
@@ -326,7 +327,8 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     if measured_hit is not None:
         read_bytes = served.after["tier"].get("bytes_read", 0) - served.before["tier"].get("bytes_read", 0)
         a = replace(model.assumptions, nvme_read_bytes=read_bytes / reads) if reads else model.assumptions
-        at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a)
+        at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a,
+                                unique=served.after["store"]["unique_ratio"] or None)
         out.update(predicted_stall_us_at_measured_hit=at["stall_us"],
                    predicted_stall_us_all_at_first_layer_at_measured_hit=at["stall_us_all_at_first_layer"],
                    predicted_stall_fraction_at_measured_hit=at["stall_fraction"],

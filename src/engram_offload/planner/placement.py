@@ -203,11 +203,15 @@ def host_cpu_us(model: ModelSpec, name: str, tokens: int, hits: float, misses: f
 
 
 def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
-               a: Assumptions) -> Fetch:
+               a: Assumptions, unique: float = 1.0) -> Fetch:
     """The rows of ``tokens`` tokens for one GPU of the TP group, from placement ``name``
-    (``hit_rate``: the DRAM cache's, for ``nvme``)."""
-    bpt = model.engram.bytes_per_token_per_gpu(tp)
-    rows_per_token = bpt // model.engram.row_bytes
+    (``hit_rate``: the DRAM cache's, for ``nvme``). ``unique``: the fraction of the step's
+    row ids that are distinct (the fetch path reads and sends each distinct row once;
+    ``realtext.step_unique_fraction``); hashing still costs every row id."""
+    if not 0.0 < unique <= 1.0:
+        raise ValueError(f"unique must be within (0, 1], got {unique}")
+    bpt = model.engram.bytes_per_token_per_gpu(tp) * unique
+    rows_per_token = model.engram.bytes_per_token_per_gpu(tp) // model.engram.row_bytes * unique
     link_bytes = tokens * bpt if name != "hbm" else 0.0
     fixed = rows = 0.0
     if name in ("dram", "nvme"):

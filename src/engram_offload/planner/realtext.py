@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_HIT", "REAL_TEXT_TOKENS", "measure_real_text_curve"]
+__all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_HIT", "REAL_TEXT_TOKENS", "measure_real_text_curve",
+           "measure_step_unique", "step_unique_fraction"]
 
 REAL_TEXT_TOKENS = 1_048_576
 """Tokens of the measured trace."""
@@ -32,6 +33,60 @@ REAL_TEXT_CACHE_TOKENS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 """Cache sizes, in token-equivalents (cache rows / rows read per token)."""
 REAL_TEXT_HIT = (0.0040, 0.0299, 0.2097, 0.3766, 0.5138, 0.6050, 0.6472, 0.6484)
 """Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``measure_real_text_curve``; see the module doc)."""
+
+
+STEP_TOKENS = (1, 8, 32, 128, 512)
+"""Decode steps' sequences, and prefill chunks' tokens (with the ``PREFILL_TOKENS`` below)."""
+DECODE_UNIQUE = (1.0, 0.994, 0.994, 0.9782, 0.9115)
+"""Distinct row ids / row ids of a decode step of ``STEP_TOKENS`` sequences, one token each
+(``measure_step_unique``: the standard library's files side by side, steps 20-200)."""
+PREFILL_TOKENS = (1, 16, 64, 256, 1024, 4096)
+PREFILL_UNIQUE = (1.0, 0.9841, 0.8796, 0.781, 0.6455, 0.5728)
+"""The same for a prefill chunk of ``PREFILL_TOKENS`` consecutive tokens of one file: its
+n-grams repeat (identifiers, indentation), and each distinct row is read once (the first
+200 chunks of files that long)."""
+
+
+def step_unique_fraction(decode_tokens: int, prefill_tokens: int) -> float:
+    """Distinct row ids / row ids of a step of ``decode_tokens`` sequences decoding one token
+    each and ``prefill_tokens`` prompt tokens (taken as one chunk), by real text's measured
+    repeats (linear in log tokens between the measured sizes, flat beyond the largest)."""
+    total = decode_tokens + prefill_tokens
+    if total <= 0:
+        return 1.0
+    distinct = (decode_tokens * _interp_steps(decode_tokens, STEP_TOKENS, DECODE_UNIQUE)
+                + prefill_tokens * _interp_steps(prefill_tokens, PREFILL_TOKENS, PREFILL_UNIQUE))
+    return distinct / total
+
+
+def _interp_steps(tokens: int, sizes: tuple[int, ...], fractions: tuple[float, ...]) -> float:
+    if tokens <= 1:
+        return 1.0
+    return float(np.interp(math.log(tokens), np.log(np.asarray(sizes, dtype=np.float64)), fractions))
+
+
+def measure_step_unique(files: int = 4000, steps: int = 200, model: str = "deepseek-v4.1-flash") -> dict[str, Any]:
+    """Measure ``DECODE_UNIQUE`` and ``PREFILL_UNIQUE`` again (under a minute): the standard
+    library through ``model``'s hasher, decode steps of each batch (the first 20 skipped:
+    sequences just begun share their files' openings) and prefill chunks of each size."""
+    from ..tokenizer import cached_token_map
+    from ..trace import serving_steps, stdlib_token_sequences
+    from .models import get_model
+
+    config, token_map = get_model(model).engram, cached_token_map()
+    sequences = stdlib_token_sequences(REAL_TEXT_TOKENS)
+
+    def mean_unique(batch: int, chunk: int, pool: list[np.ndarray], skip: int) -> float:
+        fractions = []  # of each step after the first ``skip``, and (prefill) of whole chunks only
+        for k, ids in enumerate(serving_steps(config, token_map, pool, batch=batch, chunk=chunk, max_steps=steps)):
+            if k >= skip and (chunk == 1 or ids.shape[0] == chunk):
+                fractions.append(np.unique(ids).size / ids.size)
+        return round(float(np.mean(fractions)), 4)
+
+    decode = [mean_unique(b, 1, sequences[:files], 20) for b in STEP_TOKENS[1:]]
+    prefill = [mean_unique(1, k, [s for s in sequences if s.size >= k][:steps], 0) for k in PREFILL_TOKENS[1:]]
+    return {"model": model, "decode_sequences": list(STEP_TOKENS), "decode_unique": [1.0, *decode],
+            "prefill_tokens": list(PREFILL_TOKENS), "prefill_unique": [1.0, *prefill]}
 
 
 def _interp_log(x: float) -> float:
