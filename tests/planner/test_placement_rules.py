@@ -160,8 +160,9 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth(drive_bw, bound):
     # latencies once a step; the link and the drives in proportion to the rows, where a drive's
     # IOPS and its bandwidth bound the same reads: the slower of the two counts
     fixed = A.host_link_latency_us + GPU.nvme_latency_us + A.nvme_step_overhead_us
-    by_iops = misses / (GPU.nvme_iops_per_server / 8)  # the server's drives shared by its 8 GPUs
-    by_bw = misses * A.nvme_read_bytes / (drive_bw * GPU.nvme_drives / 8)
+    # the server's drives shared by its 8 GPUs, at the share of their rate the fetch path reaches
+    by_iops = misses / (GPU.nvme_iops_per_server / 8 * A.nvme_path_efficiency)
+    by_bw = misses * A.nvme_read_bytes / (drive_bw * GPU.nvme_drives / 8 * A.nvme_path_efficiency)
     assert (by_iops > by_bw) == (bound == "iops")
     rows = (link / (GPU.host_link_bw * A.host_link_efficiency) + max(by_iops, by_bw)) * 1e6
     window = decode_window_us(MODEL, step)
@@ -219,8 +220,9 @@ def test_nvme_with_less_than_one_miss_a_step_still_pays_for_it():
     assert r.transfer_us == approx(
         A.host_link_latency_us + link / (GPU.host_link_bw * A.host_link_efficiency) * 1e6 + GPU.nvme_latency_us
         + A.nvme_step_overhead_us
-        + max(misses / (GPU.nvme_iops_per_server / 8),
-              misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8)) * 1e6)
+        + max(misses / (GPU.nvme_iops_per_server / 8 * A.nvme_path_efficiency),
+              misses * A.nvme_read_bytes / (GPU.nvme_bw_per_drive * GPU.nvme_drives / 8 * A.nvme_path_efficiency))
+        * 1e6)
 
 
 def test_nvme_without_misses_costs_only_the_link():

@@ -28,8 +28,9 @@ def test_nvme_reads_take_the_slower_of_the_iops_and_the_bandwidth_not_their_sum(
     fetch = fetch_time(V41, gpu, 2, "nvme", 100, 0.5, A)
     misses = 100 * 24 * 0.5  # 24 rows per token per GPU at TP 2, half of them missed
     assert fetch.nvme_reads == misses
-    by_iops = misses / (iops / 2) * 1e6  # the drive is shared by the 2 GPUs
-    by_bw = misses * 4096 / (bw / 2) * 1e6
+    # the drive is shared by the 2 GPUs, at the share of its rate the fetch path reaches
+    by_iops = misses / (iops / 2 * A.nvme_path_efficiency) * 1e6
+    by_bw = misses * 4096 / (bw / 2 * A.nvme_path_efficiency) * 1e6
     link = 100 * V41.engram.bytes_per_token_per_gpu(2) / (gpu.host_link_bw * A.host_link_efficiency) * 1e6
     assert fetch.rows_us == pytest.approx(link + (by_iops if limit == "iops" else by_bw))
     assert fetch.fixed_us == A.host_link_latency_us + gpu.nvme_latency_us + A.nvme_step_overhead_us
@@ -54,3 +55,13 @@ def test_rows_fetched_ahead_must_still_fit_in_the_step():
     assert step_stall_us(due, due, [1.0, 10.0], 30.0) == 1.0
     ahead = Fetch(link_bytes=0, fixed_us=0.0, rows_us=50.0, nvme_reads=0)  # with prefill rows: 50 > 30
     assert step_stall_us(due, ahead, [1.0, 10.0], 30.0) == 20.0
+
+
+def test_the_fetch_path_reads_at_its_measured_share_of_the_drives_rate():
+    # bench_fetch.py: a Prefetcher over a cold direct table reads 0.76-0.89x of fio's rate
+    assert A.nvme_path_efficiency == 0.8
+    gpu = one_drive(40_000, 400e6)
+    at = {e: fetch_time(V41, gpu, 2, "nvme", 100, 0.5, replace(A, nvme_path_efficiency=e)) for e in (1.0, 0.5)}
+    link = 100 * V41.engram.bytes_per_token_per_gpu(2) / (gpu.host_link_bw * A.host_link_efficiency) * 1e6
+    assert at[0.5].rows_us - link == pytest.approx(2 * (at[1.0].rows_us - link))  # half the rate: twice the time
+    assert at[0.5].nvme_reads == at[1.0].nvme_reads

@@ -45,6 +45,10 @@ class Assumptions:
     # mmap prototype did this on the CPU between GPU segments.
     nvme_read_bytes: int = 4096
     nvme_step_overhead_us: float = 50.0
+    # The share of a drive's random-read rate (fio, 4 KiB, QD 128) the fetch path reaches:
+    # a Prefetcher over a cold ``direct`` table read 0.76-0.89x of fio's rate on the same
+    # file (benchmarks/bench_fetch.py, medians of the runs in docs/planner.md and README).
+    nvme_path_efficiency: float = 0.8
     # The pooled remote tier (a table published to Redis, the ``remote`` tier), measured
     # on loopback with one client and one master: 808k rows/s of 264 B through pipelined
     # GETRANGE (issue 15's measurement) is 1.7 Gb/s; rows/s grows with the number of

@@ -221,9 +221,9 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
     misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name == "nvme" else 0.0
     device = 0.0
     if misses > 0:
-        iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server
+        iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server * a.nvme_path_efficiency
         fixed += gpu.nvme_latency_us + a.nvme_step_overhead_us
-        bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server
+        bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server * a.nvme_path_efficiency
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
         device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
     hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a)
