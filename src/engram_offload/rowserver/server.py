@@ -155,7 +155,7 @@ class RowServer:
         except Exception as exc:  # the client raises it; this connection and the others go on
             return p.encode(p.ERROR, payload={"type": type(exc).__name__, "message": str(exc)})
         try:
-            rows_view[:n] = lease.raw.numpy()
+            rows_view[:n] = lease.host_raw
         except BaseException:
             lease.release()
             raise
