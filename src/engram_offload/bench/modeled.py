@@ -35,7 +35,7 @@ __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_
 # The planner's placement each tier stands for: the table whole in host DRAM, on NVMe
 # behind a DRAM cache (mmap's is the page cache), or in a pool (the planner's remote
 # placement has no DRAM cache in front: its prediction is the all-miss one).
-PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "nvme", "remote": "remote"}
+PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "mmap", "remote": "remote"}
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,14 @@ def modeled_backbone(table_config: EngramConfig, gpu: str, tp: int, model: str |
     return ModeledBackbone(spec, get_gpu(gpu), tp, tuple(table_config.layer_ids), assumptions)
 
 
-def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None) -> GpuSpec:
+def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None,
+               latency_us: float | None = None) -> GpuSpec:
     """``gpu`` in a server whose only NVMe drive is this machine's (``iops``: random reads
     per second at the tier's read size, e.g. fio's; ``bytes_per_s``: its read bandwidth,
-    default ``iops`` x 4 KiB) and which holds just one TP group: ``tp`` GPUs share it."""
+    default ``iops`` x 4 KiB; ``latency_us``: a 4 KiB read's at queue depth 1, default the
+    server's drives') and which holds just one TP group: ``tp`` GPUs share it."""
     return replace(gpu, nvme_drives=1, nvme_iops_per_drive=iops, gpus_per_server=tp,
-                   nvme_bw_per_drive=bytes_per_s or iops * 4096)
+                   nvme_bw_per_drive=bytes_per_s or iops * 4096, nvme_latency_us=latency_us or gpu.nvme_latency_us)
 
 
 def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tuple[int, int, int]],

@@ -103,6 +103,7 @@ class BenchSettings:
     model: str | None = None  # its planner model (default: the table's layout)
     nvme_iops: float | None = None  # this machine's NVMe reads/s for the planner's prediction (default: the server's)
     nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
+    nvme_latency_us: float | None = None  # and a 4 KiB read's latency at queue depth 1 (default: the server's)
     pool: str | None = None  # the remote tier's pool URL (redis://host:port[,...])
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,10 +297,10 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     run = served.run
     gpu = model.gpu
     if settings.nvme_iops is not None:
-        gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s)
+        gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s, settings.nvme_latency_us)
     held = settings.cache_bytes if tier in CACHED_TIERS else settings.dram_budget
     planner_hit = None
-    if PLACEMENT_OF_TIER[tier] == "nvme":
+    if PLACEMENT_OF_TIER[tier] in ("nvme", "mmap"):  # mmap: the page cache, held to the budget
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
     own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
     reads = _device_reads(served)

@@ -124,6 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "planner's predicted stall (default: the GPU server's drives)")
     b.add_argument("--nvme-bytes-per-s", type=_number(float, 0, low_open=True, what="a rate"), default=None,
                    help="and its read bandwidth (e.g. fio --bs=4k; default: --nvme-iops x 4 KiB)")
+    b.add_argument("--nvme-latency-us", type=_number(float, 0, low_open=True, what="a latency"), default=None,
+                   help="and a 4 KiB read's latency at queue depth 1 (fio --iodepth=1), which paces the mmap "
+                   "tier's page faults in the prediction (default: the GPU server's drives, 80 us)")
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
@@ -264,7 +267,7 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
         drop_all_caches=args.drop_all_caches,
         backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
-        nvme_bytes_per_s=args.nvme_bytes_per_s, pool=args.pool,
+        nvme_bytes_per_s=args.nvme_bytes_per_s, nvme_latency_us=args.nvme_latency_us, pool=args.pool,
     )
     check_budget(settings)
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run

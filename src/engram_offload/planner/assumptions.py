@@ -49,6 +49,14 @@ class Assumptions:
     # a Prefetcher over a cold ``direct`` table read 0.76-0.89x of fio's rate on the same
     # file (benchmarks/bench_fetch.py, medians of the runs in docs/planner.md and README).
     nvme_path_efficiency: float = 0.8
+    # A table read through a memory map (the ``mmap`` tier: the article's first prototype):
+    # each missed row is a page fault, a synchronous 4 KiB read at queue depth 1 per
+    # faulting thread (the Prefetcher's two workers), at the drive's low-queue-depth
+    # latency; the fault costs the host 30 us of CPU (``bench_tier.py``: cold ``mmap`` 30.3
+    # us a row against ``direct``'s 3.0). Used by the modeled benchmark's prediction for
+    # its ``mmap`` runs; ``plan`` never proposes it.
+    mmap_fault_threads: int = 2
+    mmap_us_per_miss: float = 30.0
     # The pooled remote tier (a table published to Redis, the ``remote`` tier), measured
     # on loopback with one client and one master: 808k rows/s of 264 B through pipelined
     # GETRANGE (issue 15's measurement) is 1.7 Gb/s; rows/s grows with the number of

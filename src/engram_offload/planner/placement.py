@@ -199,7 +199,8 @@ def host_cpu_us(model: ModelSpec, name: str, tokens: int, hits: float, misses: f
     hash_us = a.host_hash_us_per_step + tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row
     if name in ("hbm", "remote") or (name == "dram" and a.dram_rows_by_gpu):
         return hash_us, 0.0
-    return hash_us, (hits * a.host_us_per_hit + misses * a.host_us_per_miss) / a.host_fetch_cores
+    per_miss = a.mmap_us_per_miss if name == "mmap" else a.host_us_per_miss
+    return hash_us, (hits * a.host_us_per_hit + misses * per_miss) / a.host_fetch_cores
 
 
 def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
@@ -214,16 +215,18 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
     rows_per_token = model.engram.bytes_per_token_per_gpu(tp) // model.engram.row_bytes * unique
     link_bytes = tokens * bpt if name != "hbm" else 0.0
     fixed = rows = 0.0
-    if name in ("dram", "nvme"):
+    if name in ("dram", "nvme", "mmap"):
         fixed, rows = a.host_link_latency_us, link_bytes / (gpu.host_link_bw * a.host_link_efficiency) * 1e6
     elif name == "remote":
         fixed, rows = a.remote_latency_us, link_bytes / a.remote_bw * 1e6
-    misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name == "nvme" else 0.0
+    misses = tokens * rows_per_token * (1 - (hit_rate or 0.0)) if name in ("nvme", "mmap") else 0.0
     device = 0.0
     if misses > 0:
         iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server * a.nvme_path_efficiency
         fixed += gpu.nvme_latency_us + a.nvme_step_overhead_us
         bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server * a.nvme_path_efficiency
+        if name == "mmap":  # page faults: one read in flight per faulting thread, whatever the drive
+            iops_share = min(iops_share, a.mmap_fault_threads / (gpu.nvme_latency_us * 1e-6) / gpu.gpus_per_server)
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
         device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
     hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a)
