@@ -8,6 +8,8 @@ import socket
 import pytest
 
 from redis_servers import redis_single, skip_without_redis  # noqa: F401 (fixture)
+from engram_offload.planner import get_model
+from engram_offload.planner.plan import curve_for
 from engram_offload.cli import main
 from engram_offload.pool.layout import fingerprint
 from engram_offload.pool.publish import pool_status
@@ -78,6 +80,13 @@ def test_a_modeled_gpu_benchmark_end_to_end(tiny_table, tmp_path, capsys):
         assert r["step_p50_ms"] * 1e3 >= 0.5 * (r["predicted_step_us"] - r["predicted_stall_us"])
     direct = [r for r in doc["runs"] if r["tier"] == "direct"]
     assert all("predicted_stall_us_at_measured_hit" in r for r in direct)
+    # the mmap tier's page cache holds 4 KiB pages, the direct tier's row cache 264-byte rows
+    curve = curve_for(get_model("deepseek-v4.1-flash"))[0]
+    for r in doc["runs"]:
+        if r["tier"] == "mmap":
+            assert r["predicted_hit_rate"] == pytest.approx(curve.hit_ratio(doc["settings"]["dram_budget"] // 4096))
+        if r["tier"] == "direct":
+            assert r["predicted_hit_rate"] == pytest.approx(curve.hit_ratio(r["cache_bytes"] // 264))
     limits = {(x["tier"], x["cache_state"]): x for x in doc["stall_limits"]}
     assert set(limits) == {(t, s) for t in ("memory", "direct", "mmap") for s in ("cold", "warm")}
     assert all(x["max_concurrency"] in (None, 2, 4) for x in limits.values())

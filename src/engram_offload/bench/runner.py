@@ -148,6 +148,7 @@ def _check_run(tier: str, state: str) -> None:
         raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
 
 
+MMAP_PAGE_BYTES = 4096  # what the mmap tier's page cache holds and a page fault reads
 CACHED_TIERS = ("direct", "remote")  # the tiers served through DRAM row caches (the others are baselines)
 
 
@@ -300,8 +301,12 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s, settings.nvme_latency_us)
     held = settings.cache_bytes if tier in CACHED_TIERS else settings.dram_budget
     planner_hit = None
-    if PLACEMENT_OF_TIER[tier] in ("nvme", "mmap"):  # mmap: the page cache, held to the budget
+    if PLACEMENT_OF_TIER[tier] == "nvme":
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
+    elif PLACEMENT_OF_TIER[tier] == "mmap":
+        # the page cache, held to the budget, keeps 4 KiB pages; a page's other rows belong to
+        # unrelated n-grams (hashing spreads them), so a cached page holds about one row worth keeping
+        planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // MMAP_PAGE_BYTES)
     own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
     reads = _device_reads(served)
     step_us = float(sum(run.step_seconds)) / run.steps * 1e6 if run.steps else 0.0
