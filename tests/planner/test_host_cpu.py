@@ -89,8 +89,8 @@ def test_the_stall_grows_with_the_host_cpu_per_row():
     stalls = [stall(us) for us in (0.5, 1.0, 2.0, 4.0)]
     assert 0 < stalls[0] < stalls[1] < stalls[2] < stalls[3]
     # once the first Engram layer waits, each extra us per row adds layer 1's rows' share
-    # (half the step's 256 x 24 rows per GPU) to it
-    assert stalls[2] - stalls[1] == pytest.approx(256 * 24 / 2 * 1.0)
+    # (half the step's 256 x 24 rows per GPU, the distinct ones) to it
+    assert stalls[2] - stalls[1] == pytest.approx(256 * 24 * step_unique_fraction(256, 0) / 2 * 1.0)
 
 
 def test_no_stall_while_the_window_before_the_first_engram_layer_covers_the_host():

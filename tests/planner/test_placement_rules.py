@@ -16,6 +16,7 @@ from engram_offload.planner import Assumptions, Workload, smallest_feasible_tp
 from engram_offload.planner.mrc import mrc_from_trace
 from engram_offload.planner.perf import decode_step, decode_window_us, prefill_window_us
 from engram_offload.planner.placement import PLACEMENTS, PlacementResult, evaluate, evaluate_all, tp_degrees
+from engram_offload.planner.realtext import step_unique_fraction
 
 
 
@@ -155,8 +156,9 @@ def test_nvme_misses_cost_latency_iops_and_bandwidth(drive_bw, bound):
     r = run("nvme", tp, gpu=gpu, curve=tiny_curve(), target_hit_rate=0.9, batch=batch, gpus=gpus)
     step = decode_step(MODEL, GPU, tp, batch, 32768, A)
     bpt = MODEL.engram.bytes_per_token_per_gpu(tp)
-    misses = batch * (bpt // MODEL.engram.row_bytes) * (1 - 0.9)
-    link = batch * bpt
+    u = step_unique_fraction(batch, 0)  # the step's distinct row ids: each read and sent once
+    misses = batch * (bpt // MODEL.engram.row_bytes) * u * (1 - 0.9)
+    link = batch * bpt * u
     # latencies once a step; the link and the drives in proportion to the rows, where a drive's
     # IOPS and its bandwidth bound the same reads: the slower of the two counts
     fixed = A.host_link_latency_us + GPU.nvme_latency_us + A.nvme_step_overhead_us
@@ -182,6 +184,7 @@ def test_drives_short_of_iops_stall_the_step_and_are_never_asked_for_more_than_t
     r = run("nvme", 1, gpu=starved, curve=tiny_curve(), target_hit_rate=0.9, batch=16, gpus=8)
     fast = run("nvme", 1, curve=tiny_curve(), target_hit_rate=0.9, batch=16, gpus=8)
     misses = 16 * (MODEL.engram.bytes_per_token_per_gpu(1) // MODEL.engram.row_bytes) * (1 - 0.9)
+    misses *= step_unique_fraction(16, 0)  # each distinct row id read once
     reads_us = misses / (starved.nvme_iops_per_server / 8) * 1e6
     step = decode_step(MODEL, GPU, 1, 16, 32768, A).backbone_us
     assert reads_us > 10 * step
@@ -201,7 +204,7 @@ def test_each_engram_layer_waits_only_for_its_own_rows(times_window, late):
     first, second = step * 2 / 30, step * 15 / 30
     fixed = A.host_link_latency_us
     rows = times_window * first - fixed  # the link's share of the transfer
-    link = batch * MODEL.engram.bytes_per_token_per_gpu(1)
+    link = batch * MODEL.engram.bytes_per_token_per_gpu(1) * step_unique_fraction(batch, 0)  # distinct rows
     gpu = dataclasses.replace(GPU, host_link_bw=link * 1e6 / (rows * A.host_link_efficiency))
     r = run("dram", 1, gpu=gpu, batch=batch, context=4096)
     assert r.window_us == approx(first) and r.transfer_us == approx(times_window * first)
@@ -227,7 +230,7 @@ def test_nvme_with_less_than_one_miss_a_step_still_pays_for_it():
 
 def test_nvme_without_misses_costs_only_the_link():
     r = run("nvme", 1, batch=8)  # the whole table cached: no misses
-    link = 8 * MODEL.engram.bytes_per_token_per_gpu(1)
+    link = 8 * MODEL.engram.bytes_per_token_per_gpu(1) * step_unique_fraction(8, 0)  # distinct rows
     assert r.transfer_us == approx(A.host_link_latency_us
                                           + link / (GPU.host_link_bw * A.host_link_efficiency) * 1e6)
     assert r.nvme_iops_needed == 0.0
@@ -240,7 +243,7 @@ def test_decode_link_transfer_and_stall(name):
     a = dataclasses.replace(A, remote_bw=0.5e7)
     r = run(name, tp, gpu=slow, a=a, batch=batch, context=1024)
     step = decode_step(MODEL, slow, tp, batch, 1024, a)
-    link = 0.0 if name == "hbm" else batch * MODEL.engram.bytes_per_token_per_gpu(tp)
+    link = 0.0 if name == "hbm" else batch * MODEL.engram.bytes_per_token_per_gpu(tp) * step_unique_fraction(batch, 0)
     fixed, rows = {"hbm": (0.0, 0.0),
                    "dram": (a.host_link_latency_us, link / (1e7 * a.host_link_efficiency) * 1e6),
                    "remote": (a.remote_latency_us, link / 0.5e7 * 1e6)}[name]

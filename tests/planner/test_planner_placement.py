@@ -12,6 +12,7 @@ from engram_offload.planner import (
 )
 from engram_offload.planner.models import PRECISION_BYTES
 from engram_offload.planner.perf import decode_step
+from engram_offload.planner.realtext import step_unique_fraction
 from engram_offload.planner.placement import evaluate_all
 from engram_offload.planner.plan import curve_for
 
@@ -132,11 +133,12 @@ def test_dram_stall_appears_when_the_link_is_slow():
     slow = dataclasses.replace(get_gpu("b300"), host_link_bw=0.05e9)
     results = evaluate_all(m, slow, Workload(curve=curve_for(m)[0], batch=256))
     dram = next(r for r in results if r.name == "dram" and r.tp == 4)
-    assert dram.link_bytes_per_step == 256 * 3168
+    unique = step_unique_fraction(256, 0)  # the step's distinct row ids cross the link once
+    assert dram.link_bytes_per_step == pytest.approx(256 * 3168 * unique)
     a = DEFAULT_ASSUMPTIONS
     # the link, and the host's CPU hashing the step's row ids before the fetch (the GPU reads
     # the rows from pinned DRAM itself)
-    rows_us = 256 * 3168 / (0.05e9 * a.host_link_efficiency) * 1e6
+    rows_us = 256 * 3168 * unique / (0.05e9 * a.host_link_efficiency) * 1e6
     fixed_us = a.host_link_latency_us + a.host_hash_us_per_step + 256 * 48 * a.host_hash_us_per_row
     step = decode_step(m, slow, 4, 256, 32768, a).backbone_us
     assert dram.transfer_us == pytest.approx(fixed_us + rows_us, rel=1e-9)

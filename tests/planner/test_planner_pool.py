@@ -8,10 +8,12 @@ import pytest
 
 from engram_offload.cli import main
 from engram_offload.planner.assumptions import DEFAULT_ASSUMPTIONS, POOL_ROW_BYTES, POOL_ROWS_PER_S
+from engram_offload.planner.realtext import step_unique_fraction
 
 BATCH, TP = 64, 2
 # the host hashes every row id of the step's tokens (48 a token) before it asks the pool
 HASH_US = DEFAULT_ASSUMPTIONS.host_hash_us_per_step + BATCH * 48 * DEFAULT_ASSUMPTIONS.host_hash_us_per_row
+UNIQUE = step_unique_fraction(BATCH, 0)  # the step's distinct row ids: each fetched once
 
 
 def remote(capsys, *flags: str) -> tuple[dict, int]:
@@ -27,7 +29,7 @@ def expected_stall(rtt_us: float, gbps: float, bytes_per_token: int, window_us: 
     """The decode step's stall: hashing, one round trip, then the step's rows at the pool's
     bandwidth, Engram layer 1's half of the rows due at layer 1 (after ``window_us``), all of
     them at layer 14 (14 times as far into the step)."""
-    rows_us = BATCH * bytes_per_token / (gbps * 1e9 / 8) * 1e6
+    rows_us = BATCH * bytes_per_token * UNIQUE / (gbps * 1e9 / 8) * 1e6
     fixed = HASH_US + rtt_us
     return max(0.0, fixed + rows_us / 2 - window_us, fixed + rows_us - 14 * window_us)
 
@@ -43,7 +45,7 @@ def test_the_defaults_are_the_loopback_measurements(capsys):
 @pytest.mark.parametrize("rtt, gbps", [(18.0, 1.0), (18.0, 4.0), (200.0, 4.0), (0.0, 0.5)])
 def test_the_flags_set_the_stall_the_formula_gives(capsys, rtt, gbps):
     r, bpt = remote(capsys, "--pool-rtt-us", str(rtt), "--pool-gbps", str(gbps))
-    assert r["transfer_us"] == pytest.approx(HASH_US + rtt + BATCH * bpt / (gbps * 1e9 / 8) * 1e6)
+    assert r["transfer_us"] == pytest.approx(HASH_US + rtt + BATCH * bpt * UNIQUE / (gbps * 1e9 / 8) * 1e6)
     assert r["predicted_stall_us"] == pytest.approx(expected_stall(rtt, gbps, bpt, r["window_us"]))
 
 
@@ -51,7 +53,7 @@ def test_more_bandwidth_and_a_shorter_round_trip_shorten_the_stall_by_the_formul
     slow, bpt = remote(capsys, "--pool-rtt-us", "100", "--pool-gbps", "1")
     faster, _ = remote(capsys, "--pool-rtt-us", "100", "--pool-gbps", "2")
     nearer, _ = remote(capsys, "--pool-rtt-us", "40", "--pool-gbps", "1")
-    rows_us_at_1gbps = BATCH * bpt / (1e9 / 8) * 1e6
+    rows_us_at_1gbps = BATCH * bpt * UNIQUE / (1e9 / 8) * 1e6
     assert slow["predicted_stall_us"] > 0
     # layer 1 waits for its half of the rows, which take half as long at twice the bandwidth
     assert slow["predicted_stall_us"] - faster["predicted_stall_us"] == pytest.approx(rows_us_at_1gbps / 4)

@@ -24,6 +24,7 @@ from .hardware import GpuSpec
 from .mrc import MissRatioCurve
 from .models import ModelSpec
 from .perf import StepTime, decode_step, decode_window_us, layer_offsets_us, prefill_window_us
+from .realtext import step_unique_fraction
 
 __all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time", "host_cpu_us",
            "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
@@ -276,7 +277,8 @@ def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: W
             a: Assumptions, r: PlacementResult) -> _DecodePoint:
     step = decode_step(model, gpu, tp, batch, w.context, a)
     offsets = layer_offsets_us(model, sorted(model.engram.layer_ids), step.backbone_us)
-    fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a)
+    # the step's sequences share some n-grams (real text's repeats): each distinct row is read once
+    fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a, step_unique_fraction(batch, 0))
     # a decode step's rows are all due in the step: each Engram layer waits for its own
     stall = step_stall_us(fetch, fetch, offsets, step.backbone_us)
     step_us = step.backbone_us + stall
