@@ -45,6 +45,8 @@ ext_modules += [
                     depends=PAGESUM_HEADERS),
     # The n-gram hash kernel: portable C (NumPy is the fallback).
     optional_helper("engram_offload._hashkernel", ["src/engram_offload/_hashkernel.c"]),
+    # Dedup of a step's row ids in one call that keeps the GIL (NumPy is the fallback).
+    optional_helper("engram_offload._dedupkernel", ["src/engram_offload/_dedupkernel.c"]),
     # The row caches' hit path (lookup, pins, policy stamps in one call; the NumPy bookkeeping
     # is the fallback).
     optional_helper("engram_offload.cache._hitpath", ["src/engram_offload/cache/_hitpath.c"]),

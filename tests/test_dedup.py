@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from engram_offload.dedup import dedup
+from engram_offload._native import NO_NATIVE_ENV
+from engram_offload.dedup import dedup, native_dedup
 
 SHAPES = st.tuples(st.integers(0, 5), st.integers(0, 4), st.integers(1, 6))
 
@@ -133,3 +134,68 @@ def test_dedup_leaves_the_callers_ids_alone():
     ids = np.array([5, 3, 5, 1], np.int64)
     dedup(ids)
     assert ids.tolist() == [5, 3, 5, 1]
+
+
+# ---------------------------------------------------------------------- the native kernel
+needs_kernel = pytest.mark.skipif(native_dedup() is None, reason="the native dedup kernel is not built")
+
+
+def numpy_dedup(ids, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv(NO_NATIVE_ENV, "1")
+        return dedup(ids)
+
+
+@needs_kernel
+@settings(max_examples=80, deadline=None)
+@given(st.one_of(distinct_ids(), repeating_ids(),
+                 arrays(np.int64, SHAPES, elements=st.integers(-2**62, 2**62))))
+def test_native_kernel_matches_numpy(ids):
+    # negative and wide ids too; the kernel falls back where its packed keys cannot hold them
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        expected = numpy_dedup(ids, monkeypatch)
+    got = dedup(ids)
+    assert got.unique.tolist() == expected.unique.tolist()
+    assert got.inverse.tolist() == expected.inverse.tolist()
+    assert got.shape == expected.shape
+
+
+@needs_kernel
+def test_native_kernel_reads_strided_views_in_c_order():
+    # the hasher's [P, L, C] ids are a transposed view of a [L, C, P] array: read in place
+    base = np.random.default_rng(3).integers(0, 1 << 30, size=(2, 24, 32)).astype(np.int64)
+    view = base.transpose(2, 0, 1)[::-1]  # [P, L, C], negative strides as well
+    assert not view.flags.c_contiguous
+    d = native_dedup()
+    unique, inverse = np.empty(view.size, np.int64), np.empty(view.size, np.int64)
+    u = d.dedup(view, unique, inverse)
+    assert unique[:u].tolist() == np.unique(view).tolist()
+    assert unique[inverse].tolist() == view.reshape(-1).tolist()
+
+
+@needs_kernel
+def test_native_kernel_declines_ids_too_wide_to_pack():
+    # 2 positions need 1 bit, and the ids span 2**63 + 2**62 values: no 64-bit key holds both
+    ids = np.array([-(2**62), 2**63 - 1], np.int64)
+    unique, inverse = np.empty(2, np.int64), np.empty(2, np.int64)
+    assert native_dedup().dedup(ids, unique, inverse) == -1
+    assert dedup(ids).unique.tolist() == [-(2**62), 2**63 - 1]  # the NumPy path
+
+
+@needs_kernel
+def test_native_kernel_refuses_wrong_buffers():
+    kernel = native_dedup()
+    with pytest.raises(TypeError, match="int64"):
+        kernel.dedup(np.zeros(3, np.int32), np.empty(3, np.int64), np.empty(3, np.int64))
+    with pytest.raises(ValueError, match="hold 3 ids"):
+        kernel.dedup(np.zeros(3, np.int64), np.empty(2, np.int64), np.empty(3, np.int64))
+
+
+@needs_kernel
+def test_native_kernel_sorts_a_prefill_without_the_gil():
+    # from NOGIL_MIN_IDS ids on the kernel lets go of the GIL; the result is the same
+    ids = np.random.default_rng(5).integers(0, 1 << 34, size=70_000).astype(np.int64)
+    ids[::7] = ids[3]
+    d = dedup(ids)
+    assert d.unique.tolist() == np.unique(ids).tolist()
+    assert np.array_equal(d.unique[d.inverse], ids)

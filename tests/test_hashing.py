@@ -87,6 +87,23 @@ def test_table_ids_add_layer_bases(small_hasher):
     assert isinstance(as_array, np.ndarray) and np.array_equal(as_array, flat.numpy())
 
 
+@pytest.mark.parametrize("kernel", ["native", "numpy"])
+def test_flat_ids_are_the_table_ids_of_the_row_ids(kernel):
+    """``flat=True`` hashes straight into the table's flat row space: table_ids of the rows."""
+    hasher, plain = NgramHasher(SMALL, TOKEN_MAP), NgramHasher(SMALL, TOKEN_MAP)
+    if kernel == "numpy":
+        hasher._kernel = plain._kernel = None
+    elif hasher._kernel is None:
+        pytest.skip("the native hash kernel is not built")
+    flat_history, plain_history = hasher.new_history(), plain.new_history()
+    pieces = [[1, 2, 3], [4, 5]]
+    got = hasher.pieces_ids(flat_history, [0, 1], pieces, flat=True)
+    assert np.array_equal(got, plain.table_ids(plain.pieces_ids(plain_history, [0, 1], pieces)))
+    got = hasher.decode_ids(flat_history, [0, 1], np.array([6, 7]), flat=True)
+    assert np.array_equal(got, plain.table_ids(plain.decode_ids(plain_history, [0, 1], np.array([6, 7]))))
+    assert int(got[:, 1].min()) >= SMALL.layer_row_base(4)  # the second layer's rows, not the first's
+
+
 def test_the_numpy_forms_hash_like_the_tensor_forms(small_hasher):
     tensor_history, array_history = small_hasher.new_history(), small_hasher.new_history()
     pieces = [[1, 2, 3], [4, 5]]

@@ -94,3 +94,20 @@ def test_decode_with_an_index_equals_decoding_the_gathered_rows(monkeypatch, nat
     with pytest.raises(ValueError, match=r"must be uint8 \[n, "):
         decode_rows(raw.numpy().view(np.int8), fmt, 64)
 
+
+
+def test_float32_decode_is_exact_when_the_cpu_flushes_subnormals():
+    """The arithmetic float32 decode needs subnormals as IEEE has them: with FTZ/DAZ set
+    (``torch.set_flush_denormal``) it must fall back to the table, not flush them."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows()
+    want = decode_rows(raw, FMT, 256, torch.float32)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = decode_rows(raw, FMT, 256, torch.float32)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(_bits(got), _bits(want))
+    assert int((want.abs() < torch.finfo(torch.float32).tiny).logical_and(want != 0).sum()) > 0  # subnormals there

@@ -101,6 +101,9 @@ class NgramHasher:
         self.offsets = np.array([config.head_offsets(i) for i in layers], dtype=np.int64)
         self.layer_bases = np.array(config.layer_row_bases, dtype=np.int64)
         self._col_shift = self.offsets.reshape(len(layers), orders, heads, 1)
+        # the same shifts plus each layer's first row: hashing straight into the flat row space
+        self._flat_offsets = self.offsets + self.layer_bases[:, None]  # [L, C]
+        self._flat_shift = self._flat_offsets.reshape(len(layers), orders, heads, 1)
         self._max_n = n
         # floor(2**64 / prime), for the native kernel's reciprocal modulo
         self._magic = np.array([(1 << 64) // int(p) for p in self.primes.reshape(-1)],
@@ -131,12 +134,13 @@ class NgramHasher:
         return self.token_map[ids]
 
     # ------------------------------------------------------------------ core
-    def _hash_windows_into(self, windows: np.ndarray, out: np.ndarray) -> None:
-        """windows int64 [P, N] (column k = compressed id at lookback k) -> out [L, orders, heads, P]."""
+    def _hash_windows_into(self, windows: np.ndarray, out: np.ndarray, flat: bool = False) -> None:
+        """windows int64 [P, N] (column k = compressed id at lookback k) -> out [L, orders, heads, P]
+        (``flat``: ids in the table's flat row space, see ``table_ids``)."""
         if self._kernel is not None:
             layers, orders, heads = self.primes.shape
-            self._kernel.hash_windows(np.ascontiguousarray(windows), self.multipliers, self.primes,
-                                      self._magic, self.offsets, out, windows.shape[0],
+            self._kernel.hash_windows(np.ascontiguousarray(windows), self.multipliers, self.primes, self._magic,
+                                      self._flat_offsets if flat else self.offsets, out, windows.shape[0],
                                       self._max_n, layers, heads)
             return
         products = self.multipliers[:, :, None] * windows.T[None]  # [L, N, P]
@@ -145,19 +149,20 @@ class NgramHasher:
             np.bitwise_xor(rolling, products[:, k], out=rolling)
             # rolling is mix_{k+1}; every head of order k+1 reduces it by its prime
             np.remainder(rolling[:, None, :], self.primes[:, k - 1, :, None], out=out[:, k - 1])
-        out += self._col_shift
+        out += self._flat_shift if flat else self._col_shift
 
-    def _hash_windows(self, windows: np.ndarray) -> np.ndarray:
-        """windows int64 [P, N] -> row ids int64 [P, L, C] (a view of a [L, C, P] array)."""
+    def _hash_windows(self, windows: np.ndarray, flat: bool = False) -> np.ndarray:
+        """windows int64 [P, N] -> row ids int64 [P, L, C] (a view of a [L, C, P] array);
+        ``flat``: ids in the table's flat row space."""
         p = windows.shape[0]
         layers, orders, heads = self.primes.shape
         out = np.empty((layers, orders, heads, p), dtype=np.int64)
         if p <= _CHUNK:
-            self._hash_windows_into(windows, out)
+            self._hash_windows_into(windows, out, flat)
         else:
             bounds = range(0, p, _CHUNK)
             parts = [np.empty((layers, orders, heads, min(_CHUNK, p - s)), np.int64) for s in bounds]
-            list(_pool().map(lambda a: self._hash_windows_into(windows[a[0]:a[0] + _CHUNK], a[1]),
+            list(_pool().map(lambda a: self._hash_windows_into(windows[a[0]:a[0] + _CHUNK], a[1], flat),
                              zip(bounds, parts)))
             np.concatenate(parts, axis=3, out=out)
         return out.reshape(layers, orders * heads, p).transpose(2, 0, 1)
@@ -247,15 +252,16 @@ class NgramHasher:
         return torch.from_numpy(self.decode_ids(history, seq_ids, token_ids))
 
     def decode_ids(self, history: "SequenceHistory", seq_ids: Sequence[int],
-                   token_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
-        """``hash_decode`` as a NumPy array ``[S, L, C]`` (no tensor made: see ``table_ids``)."""
+                   token_ids: np.ndarray | torch.Tensor | Sequence[int], *, flat: bool = False) -> np.ndarray:
+        """``hash_decode`` as a NumPy array ``[S, L, C]`` (no tensor made: see ``table_ids``);
+        ``flat``: ids in the table's flat row space (``table_ids`` of them, with no extra pass)."""
         tokens = _as_numpy_ids(token_ids).reshape(-1)
         if tokens.size != len(seq_ids):
             raise ValueError(f"{tokens.size} token ids for {len(seq_ids)} sequences")
         slots = history.slots_for(seq_ids)
         if self.dead_mask(tokens) is not None or (history.any_dead and history.dead[slots].any()):
             # a dead token among these n-grams (the last N-1 tokens): the general path
-            return self.pieces_ids(history, seq_ids, tokens.reshape(-1, 1))
+            return self.pieces_ids(history, seq_ids, tokens.reshape(-1, 1), flat=flat)
         comp = self.compress(tokens)
         remembered = history.tokens[slots]  # [S, N-1], oldest first
         windows = np.empty((tokens.size, self._max_n), np.int64)
@@ -263,7 +269,7 @@ class NgramHasher:
         windows[:, 1:] = remembered[:, ::-1]
         history.tokens[slots, :-1] = remembered[:, 1:]
         history.tokens[slots, -1] = comp
-        return self._hash_windows(windows)
+        return self._hash_windows(windows, flat)
 
     def hash_pieces(
         self,
@@ -287,8 +293,11 @@ class NgramHasher:
         seq_ids: Sequence[int],
         pieces: Sequence[np.ndarray | torch.Tensor | Sequence[int]] | np.ndarray,
         dead: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+        *,
+        flat: bool = False,
     ) -> np.ndarray:
-        """``hash_pieces`` as a NumPy array ``[T, L, C]`` (no tensor made: see ``table_ids``)."""
+        """``hash_pieces`` as a NumPy array ``[T, L, C]`` (no tensor made: see ``table_ids``);
+        ``flat``: ids in the table's flat row space."""
         if len(seq_ids) != len(pieces) or (dead is not None and len(dead) != len(pieces)):
             raise ValueError("seq_ids, pieces (and dead) must have one entry per sequence")
         if len(set(seq_ids)) != len(seq_ids):
@@ -333,7 +342,7 @@ class NgramHasher:
         history.tokens[slots] = ext[tail]
         history.dead[slots] = ext_dead[tail]
         history.any_dead = history.any_dead or bool(ext_dead[tail].any())
-        return self._hash_windows(windows)
+        return self._hash_windows(windows, flat)
 
 
 @dataclass

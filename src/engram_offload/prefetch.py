@@ -504,12 +504,11 @@ class Prefetcher:
             if arrays and all(a.size == 1 for a in arrays):
                 one_each = np.concatenate(arrays)
         lengths = (1,) * len(seq_ids) if one_each is not None else tuple(a.size for a in arrays)
-        # NumPy until the Step is made (see NgramHasher.table_ids)
+        # NumPy until the Step is made, hashed straight into table ids (see NgramHasher.table_ids)
         if dead is None and one_each is not None:
-            rows = self.hasher.decode_ids(self.history, seq_ids, one_each)  # [S, L, C]
+            table_ids = self.hasher.decode_ids(self.history, seq_ids, one_each, flat=True)  # [S, L, C]
         else:
-            rows = self.hasher.pieces_ids(self.history, seq_ids, arrays, dead)  # [T, L, C]
-        table_ids = self.hasher.table_ids(rows)  # [T, L, C]
+            table_ids = self.hasher.pieces_ids(self.history, seq_ids, arrays, dead, flat=True)  # [T, L, C]
         if self.columns is not None:
             table_ids = shard_ids(table_ids, self.columns)  # [T, L, c1 - c0]
         d = dedup(table_ids)

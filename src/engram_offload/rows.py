@@ -239,7 +239,7 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
         # switch when another thread waits for it
         out = np.empty(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
-        native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks)
+        native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks, dtype == torch.float32)
         return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
     assert picks is None, "a decode with picks goes through the C helper only"
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw

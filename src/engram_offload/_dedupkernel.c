@@ -1,0 +1,162 @@
+/*
+ * Native dedup of a step's row ids: the sorted distinct ids and the inverse, in one call that
+ * keeps the GIL for a step's few thousand ids.
+ *
+ * dedup(ids, unique, inverse) -> u, or -1
+ *   ids      int64, any shape and strides (read in C order: a transposed view needs no copy)
+ *   unique   int64 [n] contiguous (written): unique[:u] the sorted distinct ids
+ *   inverse  int64 [n] contiguous (written): ids.reshape(-1)[i] == unique[inverse[i]]
+ *   Returns -1 (nothing written) when the ids span more than 2**64 / n values: the caller
+ *   then takes its NumPy path.
+ *
+ * Each id and its position pack into one 64-bit key ((id - min) << bits | position), sorted by
+ * an LSD radix sort on bytes (a byte that is the same in every key is skipped); the inverse
+ * falls out of the positions. The point is less the sort's speed than the GIL: NumPy's sort
+ * and its ufuncs over a step's ids each let go of the GIL, and while the prefetch worker waits
+ * for it, each let-go costs a thread switch (tens of microseconds on a virtual CPU), more
+ * than the whole dedup. Large batches (a prefill's ids) release the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NOGIL_MIN_IDS 65536 /* release the GIL from this many ids on (about 1 ms of work) */
+#define MAX_DIMS 32
+
+static int is_int64(const Py_buffer *b) {
+    if (b->itemsize != 8 || b->format == NULL) return 0;
+    const char *f = b->format;
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return (*f == 'l' || *f == 'q') && f[1] == '\0';
+}
+
+/* ids (any strides) -> dst [n] in C order; returns min and max through the pointers. */
+static void flatten(const Py_buffer *ids, int64_t *dst, int64_t *lo, int64_t *hi) {
+    Py_ssize_t n = ids->len / 8, idx[MAX_DIMS] = {0};
+    int nd = ids->ndim;
+    const char *base = (const char *)ids->buf;
+    int64_t mn = INT64_MAX, mx = INT64_MIN;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t off = 0;
+        for (int d = 0; d < nd; d++) off += idx[d] * ids->strides[d];
+        int64_t v = *(const int64_t *)(base + off);
+        dst[i] = v;
+        if (v < mn) mn = v;
+        if (v > mx) mx = v;
+        for (int d = nd - 1; d >= 0; d--) { /* next index in C order */
+            if (++idx[d] < ids->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+    *lo = mn;
+    *hi = mx;
+}
+
+static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+/* keys [n] sorted in place (tmp [n] scratch) by their low `bits` bits. */
+static void radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t n, int bits) {
+    int passes = (bits + 7) / 8;
+    static __thread Py_ssize_t counts[8][256];
+    memset(counts, 0, sizeof(Py_ssize_t) * 256 * (size_t)passes);
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (int p = 0; p < passes; p++) counts[p][(keys[i] >> (8 * p)) & 0xFF]++;
+    uint64_t *src = keys, *dst = tmp;
+    for (int p = 0; p < passes; p++) {
+        Py_ssize_t *c = counts[p], sum = 0;
+        if (c[(src[0] >> (8 * p)) & 0xFF] == n) continue; /* one byte value everywhere */
+        for (int b = 0; b < 256; b++) {
+            Py_ssize_t k = c[b];
+            c[b] = sum;
+            sum += k;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) dst[c[(src[i] >> (8 * p)) & 0xFF]++] = src[i];
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != keys) memcpy(keys, src, (size_t)n * sizeof(uint64_t));
+}
+
+static PyObject *dedup(PyObject *module, PyObject *args) {
+    PyObject *ids_o, *unique_o, *inverse_o;
+    if (!PyArg_ParseTuple(args, "OOO", &ids_o, &unique_o, &inverse_o)) return NULL;
+    Py_buffer ids, unique, inverse;
+    if (PyObject_GetBuffer(ids_o, &ids, PyBUF_STRIDES | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(unique_o, &unique, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(inverse_o, &inverse, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&unique);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint64_t *keys = NULL;
+    Py_ssize_t n = ids.len / 8;
+    if (!is_int64(&ids) || !is_int64(&unique) || !is_int64(&inverse)) {
+        PyErr_SetString(PyExc_TypeError, "dedup: ids, unique and inverse must be int64 arrays");
+        goto done;
+    }
+    if (ids.ndim > MAX_DIMS || ids.suboffsets != NULL) {
+        PyErr_Format(PyExc_ValueError, "dedup: ids must be a strided array of at most %d dimensions", MAX_DIMS);
+        goto done;
+    }
+    if (unique.len != n * 8 || inverse.len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "dedup: unique and inverse must hold %zd ids each", n);
+        goto done;
+    }
+    if (n == 0) {
+        result = PyLong_FromLong(0);
+        goto done;
+    }
+    keys = PyMem_RawMalloc((size_t)n * 2 * sizeof(uint64_t));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        PyThreadState *ts = n >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
+        int64_t lo, hi, *u = (int64_t *)unique.buf, *inv = (int64_t *)inverse.buf;
+        flatten(&ids, (int64_t *)keys, &lo, &hi);
+        int pos_bits = bit_length((uint64_t)(n - 1)), val_bits = bit_length((uint64_t)hi - (uint64_t)lo);
+        Py_ssize_t count = -1;
+        if (val_bits + pos_bits <= 64) {
+            for (Py_ssize_t i = 0; i < n; i++) keys[i] = (((uint64_t)keys[i] - (uint64_t)lo) << pos_bits) | (uint64_t)i;
+            radix_sort(keys, keys + n, n, val_bits + pos_bits);
+            uint64_t mask = pos_bits ? (~0ULL >> (64 - pos_bits)) : 0, prev = keys[0] >> pos_bits;
+            count = 0;
+            u[0] = (int64_t)(prev + (uint64_t)lo);
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint64_t value = keys[i] >> pos_bits;
+                if (value != prev) {
+                    u[++count] = (int64_t)(value + (uint64_t)lo);
+                    prev = value;
+                }
+                inv[keys[i] & mask] = count;
+            }
+            count++;
+        }
+        if (ts) PyEval_RestoreThread(ts);
+        result = PyLong_FromSsize_t(count);
+    }
+done:
+    PyMem_RawFree(keys);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&unique);
+    PyBuffer_Release(&inverse);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"dedup", dedup, METH_VARARGS,
+     "dedup(ids, unique, inverse) -> u: sorted distinct ids and the inverse (-1: ids span too wide a range)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dedupkernel", "Native dedup of row ids.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__dedupkernel(void) { return PyModule_Create(&module); }
