@@ -96,6 +96,30 @@ def test_decode_with_an_index_equals_decoding_the_gathered_rows(monkeypatch, nat
 
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "fp32"])
+def test_decode_reads_a_strided_index_less_its_base(monkeypatch, native, fmt):
+    """The prefetcher's layer index: a strided [T, C] view of a step's inverse whose entries
+    are positions in the step's distinct ids; less the part's first position (index_base)
+    they are positions in the part's rows. Read in C order, as index.reshape(-1) - base."""
+    from engram_offload.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(30, 64), fmt)  # the part's rows [30, row_bytes]
+    inverse = np.random.default_rng(1).integers(100, 130, size=(4, 2, 3)).astype(np.int64)  # [T, L, C]
+    inverse[2, 1, 0] = 100  # the part's first row
+    view = inverse[:, 1]  # [T, C], not contiguous
+    assert not view.flags.c_contiguous
+    want = decode_rows(raw, fmt, 64, index=np.ascontiguousarray(view).reshape(-1) - 100)
+    got = decode_rows(raw, fmt, 64, index=view, index_base=100, shape=(4, 3))
+    assert got.shape == (4, 3, 64) and torch.equal(_bits(got.reshape(12, 64)), _bits(want))
+    with pytest.raises(IndexError, match="outside"):
+        decode_rows(raw, fmt, 64, index=view, index_base=101)  # the base's own position is then -1
+
+
 def test_float32_decode_is_exact_when_the_cpu_flushes_subnormals():
     """The arithmetic float32 decode needs subnormals as IEEE has them: with FTZ/DAZ set
     (``torch.set_flush_denormal``) it must fall back to the table, not flush them."""

@@ -103,9 +103,45 @@ done:
     return result;
 }
 
+static PyObject *decode_windows(PyObject *self, PyObject *args) {
+    Py_buffer hist, slots, comp, win;
+    if (!PyArg_ParseTuple(args, "w*y*y*w*", &hist, &slots, &comp, &win)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t S = slots.len / (Py_ssize_t)sizeof(int64_t), N = S ? win.len / (S * (Py_ssize_t)sizeof(int64_t)) : 0;
+    Py_ssize_t h = N - 1, rows = h > 0 ? hist.len / (h * (Py_ssize_t)sizeof(int64_t)) : 0;
+    if (S && (N < 2 || check_len(&win, S * N, "windows") || check_len(&comp, S, "comp") ||
+              check_len(&hist, rows * h, "history")))
+        goto done;
+    const int64_t *sl = (const int64_t *)slots.buf, *c = (const int64_t *)comp.buf;
+    int64_t *hs = (int64_t *)hist.buf, *w = (int64_t *)win.buf;
+    for (Py_ssize_t i = 0; i < S; i++) {
+        if (sl[i] < 0 || sl[i] >= rows) {
+            PyErr_Format(PyExc_IndexError, "slot %lld outside the history's %zd rows", (long long)sl[i], rows);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < S; i++) {
+        int64_t *row = hs + sl[i] * h, *wi = w + i * N;
+        wi[0] = c[i];
+        for (Py_ssize_t k = 1; k < N; k++) wi[k] = row[h - k];
+        for (Py_ssize_t k = 0; k + 1 < h; k++) row[k] = row[k + 1];
+        row[h - 1] = c[i];
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&hist);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&comp);
+    PyBuffer_Release(&win);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"hash_windows", hash_windows, METH_VARARGS,
      "hash_windows(windows, multipliers, primes, magic, offsets, out, P, N, L, H): Engram row ids."},
+    {"decode_windows", decode_windows, METH_VARARGS,
+     "decode_windows(history, slots, comp, windows): a decode step's windows; each slot's history moves on."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,8 +8,9 @@
  *   table  2- or 4-byte elements [65536]: the decoded value of (scale << 8) | fp8 byte, as
  *          the reference dequantizer computes it (rows._fp8_table), so a lookup is bit-exact
  *   out    [n, head_dim] of the table's element size (written): row i decodes raw row
- *          index[i] (int64 [n], bounds-checked before anything is written), or raw row i
- *          without an index (n = m)
+ *          index[i] - index_base (index: int64 of any shape and strides, read in C order and
+ *          bounds-checked before anything is written, so a strided view of a step's inverse
+ *          needs no copy), or raw row i without an index (n = m)
  *
  * Each block reads one 256-entry slice of the table (its scale's), which stays in L1: a
  * lookup per value, no float arithmetic.
@@ -31,6 +32,7 @@
 #endif
 
 #define BLOCK 32
+#define MAX_INDEX_DIMS 32
 #define NOGIL_MIN_ROWS 4096 /* release the GIL from this many rows on (about 0.3 ms of work): a let-go
                               * with another thread waiting costs a thread switch */
 
@@ -130,7 +132,9 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     PyObject *raw_o, *table_o, *out_o, *index_o = Py_None;
     Py_ssize_t d;
     int arithmetic = 0;
-    if (!PyArg_ParseTuple(args, "OnOO|Op", &raw_o, &d, &table_o, &out_o, &index_o, &arithmetic)) return NULL;
+    long long index_base = 0;
+    if (!PyArg_ParseTuple(args, "OnOO|OpL", &raw_o, &d, &table_o, &out_o, &index_o, &arithmetic, &index_base))
+        return NULL;
     if (d <= 0 || d % BLOCK) {
         PyErr_Format(PyExc_ValueError, "decode_fp8: head_dim must be a positive multiple of %d, got %zd", BLOCK, d);
         return NULL;
@@ -148,7 +152,7 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         PyBuffer_Release(&table);
         return NULL;
     }
-    if (have_index && PyObject_GetBuffer(index_o, &index, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (have_index && PyObject_GetBuffer(index_o, &index, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&raw);
         PyBuffer_Release(&table);
         PyBuffer_Release(&out);
@@ -160,6 +164,7 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     Py_ssize_t esize = table.len / 65536;
     Py_ssize_t n = m;
     const int64_t *idx = NULL;
+    int64_t *picks = NULL;
     if (raw.len != m * rb) {
         PyErr_Format(PyExc_ValueError, "decode_fp8: raw holds %zd bytes, not whole %zd-byte rows", raw.len, rb);
         goto done;
@@ -173,19 +178,35 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         goto done;
     }
     if (have_index) {
-        if (index.itemsize != 8 || index.ndim != 1 || index.format == NULL || strchr("qlQL", index.format[strlen(index.format) - 1]) == NULL) {
-            PyErr_SetString(PyExc_TypeError, "decode_fp8: index must be a 1-d contiguous int64 array");
+        if (index.itemsize != 8 || index.ndim > MAX_INDEX_DIMS || index.suboffsets != NULL || index.format == NULL ||
+            strchr("qlQL", index.format[strlen(index.format) - 1]) == NULL) {
+            PyErr_Format(PyExc_TypeError, "decode_fp8: index must be a strided int64 array of at most %d dimensions",
+                         MAX_INDEX_DIMS);
             goto done;
         }
-        idx = (const int64_t *)index.buf;
         n = index.len / 8;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (idx[i] < 0 || idx[i] >= m) {
+        picks = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+        if (picks == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_ssize_t at[MAX_INDEX_DIMS] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) { /* C order over any strides, less the base, checked */
+            Py_ssize_t off = 0;
+            for (int k = 0; k < index.ndim; k++) off += at[k] * index.strides[k];
+            int64_t pick = *(const int64_t *)((const char *)index.buf + off) - (int64_t)index_base;
+            if (pick < 0 || pick >= m) {
                 PyErr_Format(PyExc_IndexError, "decode_fp8: index %lld (position %zd) outside the %zd raw rows",
-                             (long long)idx[i], i, m);
+                             (long long)(pick + index_base), i, m);
                 goto done;
             }
+            picks[i] = pick;
+            for (int k = index.ndim - 1; k >= 0; k--) {
+                if (++at[k] < index.shape[k]) break;
+                at[k] = 0;
+            }
         }
+        idx = picks;
     }
     if (out.len != n * d * esize) {
         PyErr_Format(PyExc_ValueError, "decode_fp8: out holds %zd bytes, expected %zd (%zd rows of %zd values)",
@@ -206,6 +227,7 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_Free(picks);
     PyBuffer_Release(&raw);
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
@@ -215,7 +237,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"decode_fp8", decode_fp8, METH_VARARGS,
-     "decode_fp8(raw, head_dim, table, out[, index[, arithmetic]]): fp8_e4m3_ue8m0 rows (raw[index]) -> "
+     "decode_fp8(raw, head_dim, table, out[, index[, arithmetic[, index_base]]]): fp8_e4m3_ue8m0 rows "
+     "(raw[index - index_base]) -> "
      "values by table lookup (arithmetic: float32 values computed, bit for bit the float32 table's)."},
     {NULL, NULL, 0, NULL},
 };

@@ -263,12 +263,15 @@ class NgramHasher:
             # a dead token among these n-grams (the last N-1 tokens): the general path
             return self.pieces_ids(history, seq_ids, tokens.reshape(-1, 1), flat=flat)
         comp = self.compress(tokens)
-        remembered = history.tokens[slots]  # [S, N-1], oldest first
-        windows = np.empty((tokens.size, self._max_n), np.int64)
-        windows[:, 0] = comp
-        windows[:, 1:] = remembered[:, ::-1]
-        history.tokens[slots, :-1] = remembered[:, 1:]
-        history.tokens[slots, -1] = comp
+        windows = np.empty((tokens.size, self._max_n), np.int64)  # [S, N]: comp, then newest first
+        if self._kernel is not None:  # no fancy indexing: each would let go of the GIL
+            self._kernel.decode_windows(history.tokens, slots, np.ascontiguousarray(comp, np.int64), windows)
+        else:
+            remembered = history.tokens[slots]  # [S, N-1], oldest first
+            windows[:, 0] = comp
+            windows[:, 1:] = remembered[:, ::-1]
+            history.tokens[slots, :-1] = remembered[:, 1:]
+            history.tokens[slots, -1] = comp
         return self._hash_windows(windows, flat)
 
     def hash_pieces(

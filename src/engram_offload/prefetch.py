@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -123,12 +124,12 @@ class Step:
     """
 
     def __init__(self, number: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...],
-                 table_ids: torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
+                 table_ids: np.ndarray | torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
                  parts: list[Part] | None = None, outputs: Outputs | None = None) -> None:
         self.number = number
         self.seq_ids = seq_ids
         self.lengths = lengths  # tokens per sequence, in seq_ids order
-        self.table_ids = table_ids  # int64 [T, L, C] flat table ids (C: the rank's columns)
+        self._table_ids = table_ids  # int64 [T, L, C] flat table ids (C: the rank's columns)
         self.dedup = d
         self.layer_ids = layer_ids
         self.parts = parts or [(0, int(d.unique.size), tuple(range(len(layer_ids))))]
@@ -155,13 +156,23 @@ class Step:
         self._when_done: list[Callable[[], None]] = []
 
     @property
+    def table_ids(self) -> torch.Tensor:
+        """int64 ``[T, L, C]``: the step's flat table ids (``C``: the rank's columns).
+
+        Made a tensor only when asked for: a tensor's end lets go of the GIL, a thread switch
+        while a prefetch worker waits for it."""
+        if isinstance(self._table_ids, np.ndarray):
+            self._table_ids = torch.from_numpy(self._table_ids)
+        return self._table_ids
+
+    @property
     def num_tokens(self) -> int:
-        return int(self.table_ids.shape[0])
+        return int(self._table_ids.shape[0])
 
     @property
     def num_columns(self) -> int:
         """Columns of each layer this step fetches (all of them, or a rank's)."""
-        return int(self.table_ids.shape[-1])
+        return int(self._table_ids.shape[-1])
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -178,13 +189,21 @@ class Step:
             self._handed_out += 1
             return p, self._handed_out >= len(self.parts)
 
-    def layer_positions(self, li: int) -> np.ndarray:
-        """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``.
+    def layer_index(self, li: int) -> tuple[np.ndarray, int]:
+        """Layer position ``li``'s ids as positions in the step's distinct ids, token-major
+        (int64 ``[T, C]``, a strided view of the inverse), and its part's first position:
+        ``index - base`` are positions in the part's rows.
 
-        NumPy, not torch: a torch op lets go of the GIL, and each let-go while the caller's
-        thread waits for it costs a thread switch (tens of microseconds on a virtual CPU)."""
+        A view and an offset, no array op: a NumPy op over a step's ids lets go of the GIL,
+        and each let-go while the caller's thread waits for it costs a thread switch (tens
+        of microseconds on a virtual CPU). The C decoder reads the view in place."""
         inverse = self.dedup.inverse.reshape(self.num_tokens, len(self.layer_ids), self.num_columns)
-        return inverse[:, li].reshape(-1) - self.parts[self._part_of[li]][0]
+        return inverse[:, li], self.parts[self._part_of[li]][0]
+
+    def layer_positions(self, li: int) -> np.ndarray:
+        """Positions in its part's rows of layer position ``li``'s ids, token-major: int64 ``[T*C]``."""
+        index, base = self.layer_index(li)
+        return index.reshape(-1) - base
 
     def part_ids(self, p: int) -> tuple[np.ndarray, int]:
         """Distinct ids of part ``p`` and how many ids of the step they stand for."""
@@ -359,7 +378,7 @@ class Prefetcher:
         self.history = history if history is not None else hasher.new_history()
         self.dtype = dtype
         self.split_min_rows = int(split_min_rows)
-        self._layer_bases = np.asarray(self.config.layer_row_bases, np.int64)  # [L] first row of each layer
+        self._layer_bases_list = [int(b) for b in self.config.layer_row_bases]  # first row of each layer
         self.device = torch.device(device) if device is not None else store.device
         if self.device != store.device:
             raise ValueError(f"the store delivers rows to {store.device}, not {self.device}: open the table "
@@ -440,9 +459,12 @@ class Prefetcher:
         """Part ``p``'s rows decoded straight into each of its layers' order (one gather and
         decode per layer, no decoded copy of the part in between): ``{layer id: [T, C, d]}``."""
         shape = (step.num_tokens, step.num_columns)
-        raw = lease.host_raw  # [u, row_bytes] (NumPy: see layer_positions)
-        return {step.layer_ids[li]: self.store.decode(raw, self.dtype, index=step.layer_positions(li), shape=shape)
-                for li in step.parts[p][2]}
+        raw = lease.host_raw  # [u, row_bytes] (NumPy: see layer_index)
+        decoded = {}
+        for li in step.parts[p][2]:
+            index, base = step.layer_index(li)
+            decoded[step.layer_ids[li]] = self.store.decode(raw, self.dtype, index=index, index_base=base, shape=shape)
+        return decoded
 
     def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:
         """Dequantize part ``p``'s raw rows into each of its layers' outputs on the fetch
@@ -466,7 +488,8 @@ class Prefetcher:
         nl = len(self.config.layer_ids)
         if nl < 2 or unique.size < max(1, self.split_min_rows):
             return None
-        cuts = np.searchsorted(unique, self._layer_bases[1:]).tolist()  # layer boundaries in unique
+        cuts = [bisect_left(unique, base) for base in self._layer_bases_list[1:]]  # layer boundaries in unique
+        # (bisect, not np.searchsorted: that lets go of the GIL, see Step.layer_index)
         bounds = [0, *cuts, int(unique.size)]
         return [(bounds[i], bounds[i + 1], (i,)) for i in range(nl)]
 
@@ -519,7 +542,7 @@ class Prefetcher:
             self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:
             self._step_count += 1
-            step = Step(self._step_count, seq_ids, lengths, torch.from_numpy(table_ids), d,
+            step = Step(self._step_count, seq_ids, lengths, table_ids, d,
                         self.config.layer_ids, self._parts(d.unique), outputs)
             self.current = step
             self._open.append(step)

@@ -124,7 +124,7 @@ class RowStore(Protocol):
     def read_raw(self, row_ids: Any) -> torch.Tensor: ...
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
+               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -218,11 +218,13 @@ class TableStore:
         return rows.index_select(0, torch.from_numpy(d.inverse).to(rows.device)).reshape(*shape, -1)
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+               index: np.ndarray | None = None, index_base: int = 0,
+               shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device);
-        with ``index`` (int64 ``[k]``) the rows ``raw[index]``, ``[k, head_dim]``; see
-        ``rows.decode_rows`` (``shape``: the result's leading dimensions)."""
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index, shape=shape)
+        with ``index`` (int64 of any shape, k entries) the rows ``raw[index - index_base]``,
+        ``[k, head_dim]``; see ``rows.decode_rows`` (``shape``: the result's leading dimensions)."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
+                           index_base=index_base, shape=shape)
 
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).

@@ -166,8 +166,10 @@ class RowClient:
         return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*(d.shape or (1,)), -1)
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index, shape=shape)
+               index: np.ndarray | None = None, index_base: int = 0,
+               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
+                           index_base=index_base, shape=shape)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
