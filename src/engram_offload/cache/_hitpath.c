@@ -22,6 +22,15 @@
  *   every id hits, their rows are copied into out while the caller's lock is still held, so
  *   the slots need no pin for the copy; pin=0 then leaves them unpinned. When some id
  *   misses, out is not written and the hits are pinned as usual.
+ * victims(count, slot_id, out) -> k
+ *   The k = min(count, evictable) evictable slots (slot_id >= 0, not pinned) with the lowest
+ *   scores into out (int64 [count]): with v the count-th lowest score, every slot scoring
+ *   below v, then slots scoring v up to count, each group in slot order (the same slots, in
+ *   the same order, as EvictionPolicy.victims). Scores are the policies' (cache/policy.py):
+ *   LRU the stamp, LFU (count << 40) | (stamp & (2**40 - 1)). A few passes over the slots
+ *   (score range; a histogram of 65,536 score buckets; v from sorting the bucket where
+ *   `count` is reached; the victims) without the GIL, where NumPy's masks, gather and
+ *   argpartition over every slot took several times as long.
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
@@ -356,7 +365,111 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
     return PyLong_FromSsize_t(under ? -1 : done);
 }
 
+#define LFU_STAMP_BITS 40 /* policy.LFUPolicy._STAMP_BITS */
+#define SCORE_BUCKETS 65536
+
+static int by_score(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static inline int evictable(const HitPath *self, const int64_t *slot_id, Py_ssize_t id_stride, Py_ssize_t s) {
+    return AT(slot_id, id_stride, s, int64_t) >= 0 && AT(self->pins.buf, self->pins_stride, s, int32_t) == 0;
+}
+
+static inline uint64_t score_of(const HitPath *self, Py_ssize_t s) {
+    uint64_t stamp = (uint64_t)AT(self->stamp.buf, self->stamp_stride, s, int64_t);
+    if (!self->have_count) return stamp;
+    uint64_t count = (uint64_t)AT(self->count.buf, self->count_stride, s, int64_t);
+    return (count << LFU_STAMP_BITS) | (stamp & ((1ULL << LFU_STAMP_BITS) - 1));
+}
+
+static PyObject *hp_victims(HitPath *self, PyObject *args) {
+    Py_ssize_t count;
+    PyObject *ids_o, *out_o;
+    if (!PyArg_ParseTuple(args, "nOO", &count, &ids_o, &out_o)) return NULL;
+    Py_buffer ib, ob;
+    if (get_strided(ids_o, &ib, 8, "slot_id") < 0) return NULL;
+    if (get_array(out_o, &ob, 8, 1, "out") < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    const Py_ssize_t cap = self->capacity;
+    if (ib.shape[0] != cap || ob.len / 8 < count || count < 0) {
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&ob);
+        PyErr_SetString(PyExc_ValueError, "victims: slot_id must have one entry per slot and out room for count");
+        return NULL;
+    }
+    const int64_t *sid = (const int64_t *)ib.buf;
+    const Py_ssize_t is = ib.strides[0];
+    int64_t *out = (int64_t *)ob.buf;
+    Py_ssize_t *hist = PyMem_RawCalloc(SCORE_BUCKETS, sizeof(Py_ssize_t));
+    uint64_t *tie = NULL;
+    Py_ssize_t k = 0, n = 0;
+    int nomem = hist == NULL;
+    PyThreadState *ts = PyEval_SaveThread();
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (Py_ssize_t s = 0; s < cap && !nomem; s++) { /* pass 1: the evictable slots' score range */
+        if (!evictable(self, sid, is, s)) continue;
+        uint64_t sc = score_of(self, s);
+        if (sc < lo) lo = sc;
+        if (sc > hi) hi = sc;
+        n++;
+    }
+    if (!nomem && count > 0 && n > 0) {
+        int shift = 0;
+        while (((hi - lo) >> shift) >= SCORE_BUCKETS) shift++;
+        for (Py_ssize_t s = 0; s < cap; s++) /* pass 2: how many slots in each score bucket */
+            if (evictable(self, sid, is, s)) hist[(score_of(self, s) - lo) >> shift]++;
+        Py_ssize_t below = 0, edge = 0; /* edge: the bucket where `count` is reached */
+        if (n > count)
+            while (below + hist[edge] < count) below += hist[edge++];
+        else
+            edge = SCORE_BUCKETS; /* every evictable slot goes */
+        /* v: the count-th lowest score (every evictable slot goes when there are not more) */
+        uint64_t v = UINT64_MAX;
+        Py_ssize_t ties = edge < SCORE_BUCKETS ? hist[edge] : 0, t = 0;
+        if (ties) {
+            tie = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
+            nomem = tie == NULL;
+            for (Py_ssize_t s = 0; s < cap && !nomem; s++) /* pass 3: the edge bucket's scores */
+                if (evictable(self, sid, is, s)) {
+                    uint64_t sc = score_of(self, s);
+                    if ((Py_ssize_t)((sc - lo) >> shift) == edge) tie[t++] = sc;
+                }
+            if (!nomem) {
+                qsort(tie, (size_t)ties, sizeof(uint64_t), by_score);
+                v = tie[count - below - 1];
+            }
+        }
+        /* pass 4: the slots below v, then those at v up to count, each in slot order (as
+         * EvictionPolicy.victims picks them, so both paths leave the same cache) */
+        Py_ssize_t at = 0, room = 0;
+        for (Py_ssize_t s = 0; s < cap && !nomem; s++)
+            if (evictable(self, sid, is, s) && score_of(self, s) < v) out[k++] = s;
+        room = count - k;
+        for (Py_ssize_t s = 0; s < cap && !nomem && v != UINT64_MAX && at < room; s++)
+            if (evictable(self, sid, is, s) && score_of(self, s) == v) {
+                out[k++] = s;
+                at++;
+            }
+        if (v == UINT64_MAX) /* every evictable slot goes: those at the top score too */
+            for (Py_ssize_t s = 0; s < cap && !nomem && k < count; s++)
+                if (evictable(self, sid, is, s) && score_of(self, s) == v) out[k++] = s;
+    }
+    PyEval_RestoreThread(ts);
+    PyMem_RawFree(hist);
+    PyMem_RawFree(tie);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&ob);
+    if (nomem) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(k);
+}
+
 static PyMethodDef hp_methods[] = {
+    {"victims", (PyCFunction)hp_victims, METH_VARARGS,
+     "victims(count, slot_id, out) -> k: the k lowest-scoring evictable slots into out."},
     {"acquire", (PyCFunction)hp_acquire, METH_VARARGS,
      "acquire(ids, slots, clock[, rows, out, pin]) -> hits: look up, pin and touch distinct int64 ids."},
     {"release", (PyCFunction)hp_release, METH_O,

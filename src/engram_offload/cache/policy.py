@@ -55,14 +55,19 @@ class EvictionPolicy(ABC):
         """int64 ``[capacity]``: lower is evicted first."""
 
     def victims(self, count: int, evictable: np.ndarray) -> np.ndarray:
-        """Up to ``count`` evictable slots with the lowest scores (bool ``evictable [capacity]``)."""
+        """Up to ``count`` evictable slots with the lowest scores (bool ``evictable [capacity]``):
+        with ``v`` the count-th lowest score, the slots scoring below ``v``, then those scoring
+        ``v`` up to ``count``, each in slot order (ties go to the lowest slots, so the choice
+        is the same wherever it is made: the caches' C helper picks the same slots)."""
         candidates = np.flatnonzero(evictable)
         if count <= 0 or candidates.size == 0:
             return np.empty(0, np.int64)
         if count >= candidates.size:
             return candidates
         scores = self.scores()[candidates]
-        return candidates[np.argpartition(scores, count - 1)[:count]]
+        v = np.partition(scores, count - 1)[count - 1]
+        below = candidates[scores < v]
+        return np.concatenate([below, candidates[scores == v][: count - below.size]])
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name}

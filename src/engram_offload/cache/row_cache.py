@@ -325,8 +325,12 @@ class RowCache:
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, count: int) -> None:
-        evictable = (self.slot_id >= 0) & (self.pins == 0)
-        victims = self.policy.victims(count, evictable)
+        if self._native is not None:  # one scan in C (NumPy's masks and argpartition: several times longer)
+            victims = np.empty(count, np.int64)
+            victims = victims[: self._native.victims(count, self.slot_id, victims)]
+        else:
+            evictable = (self.slot_id >= 0) & (self.pins == 0)
+            victims = self.policy.victims(count, evictable)
         self._drop(victims)
         self.evictions += victims.size
 
