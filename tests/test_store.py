@@ -412,6 +412,29 @@ def test_a_tier_failure_after_some_hits_lets_go_of_every_pin(v41_table):
             assert torch.equal(lease.raw, raw[[1, 2, 30]])
 
 
+def test_one_cache_level_with_some_misses_keeps_its_pins_straight(v41_table):
+    """The single-level path (native calls, NumPy buffers): hits and misses in one fetch come
+    back in order, held pins last until the lease goes, and a tier failure lets go of the
+    hits' pins."""
+    from engram_offload.errors import TierError
+
+    path, config, raw = v41_table
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        level = store.levels[0]
+        store.read_raw([3, 9])
+        with store.fetch(np.array([1, 3, 9, 40], np.int64)) as lease:  # 2 hits, 2 misses, held
+            assert torch.equal(lease.raw, raw[[1, 3, 9, 40]])
+            assert level.pinned() == 4  # the hits' pins taken over, the filled slots pinned
+        assert level.pinned() == 0 and 40 in level and 1 in level
+        assert torch.equal(store.read_raw([40, 2, 1]), raw[[40, 2, 1]])  # not held: no pin left
+        assert level.pinned() == 0
+        store.tier.read_rows = lambda ids, out: (_ for _ in ()).throw(TierError("disk went away"))
+        with pytest.raises(TierError, match="disk went away"):
+            store.fetch(np.array([1, 3, 50], np.int64))
+        assert level.pinned() == 0 and 50 not in level
+        level.check()
+
+
 def test_the_store_refuses_levels_that_do_not_fit_the_table(v41_table):
     from engram_offload.cache import RowCache
 

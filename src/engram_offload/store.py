@@ -178,6 +178,9 @@ class TableStore:
         native = native_hitpath()
         self._sorted_in_range = native.sorted_in_range if native is not None else None
         self._first_into = bool(self.levels) and self.levels[0].device.type == "cpu"
+        # one CPU cache level (the usual host set-up): its misses take _one_level_misses
+        self._native_misses = native if (native is not None and len(self.levels) == 1 and self._first_into
+                                         and self.levels[0].native) else None
         self.columns = None if columns is None else check_columns(columns, config.cols_per_layer)
         self._shard: ShardRows | None = None if self.columns is None else shard_rows(config, self.columns)
 
@@ -305,6 +308,8 @@ class TableStore:
             slots, nhit = first.acquire_into(ids, buf, hold)
             if nhit == u and out is None:  # the rows as a NumPy array: no tensor made (see Lease)
                 return buf, self._all_hit(slots, hold, t_start)
+            if out is None and self._native_misses is not None:
+                return buf, self._one_level_misses(ids, buf, slots, nhit, hold, t_start)
             out = torch.from_numpy(buf)  # [u, row_bytes]
         else:
             slots, nhit = first.acquire_counted(ids)
@@ -319,6 +324,37 @@ class TableStore:
         if nhit < u:
             return self._walk(ids, out, (slots, nhit), hold, t_start)
         return out, self._all_hit(slots, hold, t_start)
+
+    def _one_level_misses(self, ids: np.ndarray, buf: np.ndarray, slots: np.ndarray, nhit: int, hold: bool,
+                          t_start: float) -> Pins:
+        """``_walk`` for one CPU cache level in native calls and NumPy buffers: the hits copied
+        (their pins from ``acquire_into`` taken over), the misses read from the tier into
+        ``buf`` (``uint8 [u, row_bytes]``) and put into the cache. Returns the pins held (none
+        unless ``hold``). No mask, fancy index or tensor op on the way: each would let go of
+        the GIL, a thread switch while another thread waits for it."""
+        level, native, rb, u = self.levels[0], self._native_misses, self._rb, ids.size
+        assert native is not None
+        hit_slots, hit_src, hit_dst = np.empty(u, np.int64), np.empty(u, np.int64), np.empty(u, np.int64)
+        miss_ids, miss_dst = np.empty(u, np.int64), np.empty(u, np.int64)
+        native.split_slots(ids, slots, rb, hit_slots, hit_src, hit_dst, miss_ids, miss_dst)
+        hit_slots, miss_ids, miss_dst = hit_slots[:nhit], miss_ids[:u - nhit], miss_dst[:u - nhit]
+        out_bytes = buf.reshape(-1)
+        filled = _EMPTY
+        try:
+            if nhit:
+                native.move_rows(level.data.numpy().reshape(-1), hit_src[:nhit], out_bytes, hit_dst[:nhit], rb)
+            level.stats.record(u, nhit, nhit * rb, time.perf_counter() - t_start)
+            missed = np.empty((miss_ids.size, rb), np.uint8)  # [misses, row_bytes]
+            self._read_tier(miss_ids, torch.from_numpy(missed))
+            native.move_rows(missed.reshape(-1), None, out_bytes, miss_dst, rb)
+            filled = _fill_rows(level, miss_ids, missed, hold)
+        except BaseException:
+            level.release(hit_slots)
+            raise
+        if not hold:
+            level.release(hit_slots)
+            return []
+        return [(level, s) for s in (hit_slots, filled) if s.size]
 
     def _all_hit(self, slots: np.ndarray, hold: bool, t_start: float) -> Pins:
         """Count a fetch the first level served whole; its pins (none unless ``hold``)."""
@@ -510,6 +546,26 @@ def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: 
     slots = slots[kept]
     try:
         level.write(slots, out, positions[kept])
+    except BaseException:
+        level.abandon(slots)
+        raise
+    level.publish(slots, keep_pinned=hold)
+    return slots
+
+
+def _fill_rows(level: RowCache, ids: np.ndarray, rows: np.ndarray, hold: bool) -> np.ndarray:
+    """Put rows ``rows`` (``uint8 [k, row_bytes]``, ids ``ids``) into ``level`` where it takes
+    them; returns the slots filled (pinned when ``hold``)."""
+    slots = level.reserve(ids)
+    kept = slots >= 0
+    if kept.all():
+        positions = None
+    elif kept.any():
+        positions, slots = np.flatnonzero(kept), slots[kept]
+    else:
+        return _EMPTY
+    try:
+        level.write(slots, rows, positions)
     except BaseException:
         level.abandon(slots)
         raise

@@ -34,6 +34,13 @@
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
+ * split_slots(ids, slots, row_bytes, hit_slots, hit_src, hit_dst, miss_ids, miss_dst) -> hits
+ *   A lookup's result taken apart for the copies that follow it: for each hit (slots[i] >= 0),
+ *   in order, its slot, its byte offset in the cache's rows (slot * row_bytes) and in the
+ *   fetch's rows (i * row_bytes); for each miss its id and byte offset in the fetch's rows.
+ *   All int64 [n] (the first `hits`, resp. n - hits, entries written). NumPy's masks and
+ *   products would let go of the GIL half a dozen times (a thread switch each while
+ *   another thread waits for it).
  * sorted_in_range(ids, limit) -> bool
  *   Whether ids (a 1-d contiguous int64 array) are strictly increasing within [0, limit):
  *   the check a fetch of sorted distinct ids needs. False for anything else (no error).
@@ -604,7 +611,47 @@ static PyObject *sorted_in_range(PyObject *module, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *split_slots(PyObject *module, PyObject *args) {
+    PyObject *o[7];
+    Py_ssize_t rb;
+    if (!PyArg_ParseTuple(args, "OOnOOOOO", &o[0], &o[1], &rb, &o[2], &o[3], &o[4], &o[5], &o[6])) return NULL;
+    static const char *names[7] = {"ids", "slots", "hit_slots", "hit_src", "hit_dst", "miss_ids", "miss_dst"};
+    Py_buffer b[7];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 7; got++)
+        if (get_array(o[got], &b[got], 8, got >= 2, names[got]) < 0) goto done;
+    Py_ssize_t n = b[0].len / 8;
+    for (int k = 1; k < 7; k++)
+        if (b[k].len != n * 8) {
+            PyErr_Format(PyExc_ValueError, "split_slots: %s must hold %zd entries like ids", names[k], n);
+            goto done;
+        }
+    {
+        const int64_t *ids = b[0].buf, *slots = b[1].buf;
+        int64_t *hs = b[2].buf, *src = b[3].buf, *dst = b[4].buf, *mid = b[5].buf, *mdst = b[6].buf;
+        Py_ssize_t h = 0, m = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (slots[i] >= 0) {
+                hs[h] = slots[i];
+                src[h] = slots[i] * rb;
+                dst[h++] = i * rb;
+            } else {
+                mid[m] = ids[i];
+                mdst[m++] = i * rb;
+            }
+        }
+        result = PyLong_FromSsize_t(h);
+    }
+done:
+    for (int k = 0; k < got; k++) PyBuffer_Release(&b[k]);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"split_slots", split_slots, METH_VARARGS,
+     "split_slots(ids, slots, row_bytes, hit_slots, hit_src, hit_dst, miss_ids, miss_dst) -> hits: a lookup "
+     "taken apart into the hits' slots and byte offsets and the misses' ids and byte offsets."},
     {"sorted_in_range", sorted_in_range, METH_VARARGS,
      "sorted_in_range(ids, limit) -> bool: int64 ids strictly increasing within [0, limit)."},
     {"move_rows", move_rows, METH_VARARGS,

@@ -288,11 +288,14 @@ class RowCache:
             out[want] = slots
         return out
 
-    def write(self, slots: np.ndarray, rows: torch.Tensor, positions: np.ndarray | None = None) -> None:
-        """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]``, or with
-        ``positions`` (``[k]``) the rows ``rows[positions]``."""
+    def write(self, slots: np.ndarray, rows: torch.Tensor | np.ndarray, positions: np.ndarray | None = None) -> None:
+        """Bytes for reserved slots ``[k]``: rows ``uint8 [k, row_bytes]`` (a tensor, or host
+        rows as a NumPy array), or with ``positions`` (``[k]``) the rows ``rows[positions]``."""
         if slots.size:
-            if rows.device != self.device:
+            if isinstance(rows, np.ndarray):
+                if self.device.type != "cpu":
+                    rows = torch.from_numpy(rows).to(self.device)
+            elif rows.device != self.device:
                 rows = rows.to(self.device)
             move_rows(rows, positions, self.data, slots)
 
