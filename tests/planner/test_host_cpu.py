@@ -33,13 +33,13 @@ def hashing_us(tokens: int) -> float:
 
 
 def test_the_defaults_are_this_machines_measurements():
-    # begin_step at decode batches 8..512 (two runs: 0.13-0.14, 0.19-0.23, 0.47-0.55, 1.54-1.57 ms a
-    # step: 125 us + 2.8 us a token of 48 row ids); bench_fetch.py's three runs of bench-tier
+    # begin_step at decode batches 8..512 (two runs: 0.11, 0.16-0.17, 0.24-0.35, 0.86-0.88 ms a
+    # step: 110 us + 1.5 us a token of 48 row ids); bench_fetch.py's three runs of bench-tier
     # --prefetcher --cold on the 2.15 GiB V4.1-Flash table (docs/planner.md): the workers
-    # 0.28-0.32 us a hit and 6.0-7.6 us a miss
-    assert (A.host_hash_us_per_step, A.host_hash_us_per_row) == (125.0, 0.058)
-    assert (A.host_us_per_hit, A.host_us_per_miss, A.host_fetch_cores, A.dram_rows_by_gpu) == (0.32, 6.3, 1.0, True)
-    for batch, measured_ms in ((8, 0.135), (32, 0.21), (128, 0.51), (512, 1.56)):
+    # 0.24-0.27 us a hit and 6.0-6.5 us a miss
+    assert (A.host_hash_us_per_step, A.host_hash_us_per_row) == (110.0, 0.031)
+    assert (A.host_us_per_hit, A.host_us_per_miss, A.host_fetch_cores, A.dram_rows_by_gpu) == (0.26, 6.2, 1.0, True)
+    for batch, measured_ms in ((8, 0.1125), (32, 0.1635), (128, 0.294), (512, 0.869)):
         assert hashing_us(batch) == pytest.approx(measured_ms * 1e3, rel=0.1)
 
 
@@ -98,7 +98,7 @@ def test_no_stall_while_the_window_before_the_first_engram_layer_covers_the_host
     r = evaluate(V41, B300, "dram", 2, Workload(batch=1, gpus=2), quick)
     assert 0 < r.host_us < r.window_us
     assert r.predicted_stall_us == 0.0
-    # the fixed cost of beginning a step (125 us here) is longer than that window (44 us at batch 1)
+    # the fixed cost of beginning a step (110 us here) is longer than that window (44 us at batch 1)
     r = evaluate(V41, B300, "dram", 2, Workload(batch=1, gpus=2), HOST_DRAM)
     assert r.window_us < A.host_hash_us_per_step < r.host_us
     assert r.predicted_stall_us > 0

@@ -71,18 +71,18 @@ class Assumptions:
     # (2-core AMD EPYC). Hashing and deduplicating a step's row ids on the serving thread
     # (``begin_step``: a rank hashes every column, an n-gram's hash needs the whole n-gram):
     # a fixed cost per step plus a cost per row id, fitted to begin_step at decode batches
-    # of 8 to 512 (0.13-0.14, 0.19-0.23, 0.47-0.55, 1.54-1.57 ms a step in two runs;
-    # docs/planner.md). Then, on the fetch
+    # of 8 to 512 (0.11, 0.16-0.17, 0.24-0.35, 0.86-0.88 ms a step in two runs: fits of 94
+    # and 120 us a step, 0.031 us a row id; docs/planner.md). Then, on the fetch
     # worker, per row served from host DRAM (cache lookup, copy, decode) and per row read
     # from NVMe (the same plus the io_uring read's submission and completion): medians of
     # ``bench-tier --tier direct --cache-bytes 10% --prefetcher --cold --json``. The rows of
     # a table in pinned host DRAM are read by the GPU itself (``dram_rows_by_gpu``: the
     # pinned tier's unified addressing), with no host CPU a row; ``hbm`` rows are gathered
     # on the GPU. ``plan --host-*`` override them.
-    host_hash_us_per_step: float = 125.0
-    host_hash_us_per_row: float = 0.058
-    host_us_per_hit: float = 0.32
-    host_us_per_miss: float = 6.3
+    host_hash_us_per_step: float = 110.0
+    host_hash_us_per_row: float = 0.031
+    host_us_per_hit: float = 0.26
+    host_us_per_miss: float = 6.2
     dram_rows_by_gpu: bool = True
     host_fetch_cores: float = 1.0
 
