@@ -772,3 +772,17 @@ def test_one_array_must_hold_a_token_per_sequence_and_integers(table, hasher):
             pf.begin_step([1, 2], np.array([5.0, 6.0]))
         with pytest.raises(ValueError, match="2 pieces for 3 sequences"):
             pf.begin_step([1, 2, 3], [np.array([5]), np.array([6])])
+
+
+def test_a_steps_table_ids_are_a_contiguous_tensor_of_the_hashed_ids(table, hasher):
+    """Step.table_ids: made only when asked for, from the hasher's flat ids (a transposed view)."""
+    reference = NgramHasher(CONFIG, hasher.token_map)
+    with open_table(table, "memory") as store, Prefetcher(store, hasher) as pf:
+        step = pf.begin_step([0, 1], np.array([5, 9]))
+        ids = step.table_ids
+        assert isinstance(ids, torch.Tensor) and ids.is_contiguous()
+        assert ids.shape == (2, len(CONFIG.layer_ids), CONFIG.cols_per_layer)
+        want = reference.table_ids(reference.hash_decode(reference.new_history(), [0, 1], [5, 9]))
+        assert torch.equal(ids, want)
+        assert step.table_ids is ids  # made once
+        pf.end_step(step)

@@ -161,8 +161,8 @@ class Step:
 
         Made a tensor only when asked for: a tensor's end lets go of the GIL, a thread switch
         while a prefetch worker waits for it."""
-        if isinstance(self._table_ids, np.ndarray):
-            self._table_ids = torch.from_numpy(self._table_ids)
+        if isinstance(self._table_ids, np.ndarray):  # the hasher's may be a transposed view
+            self._table_ids = torch.from_numpy(np.ascontiguousarray(self._table_ids))
         return self._table_ids
 
     @property
