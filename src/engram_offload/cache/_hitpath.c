@@ -22,15 +22,16 @@
  *   every id hits, their rows are copied into out while the caller's lock is still held, so
  *   the slots need no pin for the copy; pin=0 then leaves them unpinned. When some id
  *   misses, out is not written and the hits are pinned as usual.
- * victims(count, slot_id, out) -> k
+ * victims(count, slot_id, out[, upper]) -> k
  *   The k = min(count, evictable) evictable slots (slot_id >= 0, not pinned) with the lowest
  *   scores into out (int64 [count]): with v the count-th lowest score, every slot scoring
  *   below v, then slots scoring v up to count, each group in slot order (the same slots, in
  *   the same order, as EvictionPolicy.victims). Scores are the policies' (cache/policy.py):
- *   LRU the stamp, LFU (count << 40) | (stamp & (2**40 - 1)). A few passes over the slots
- *   (score range; a histogram of 65,536 score buckets; v from sorting the bucket where
- *   `count` is reached; the victims) without the GIL, where NumPy's masks, gather and
- *   argpartition over every slot took several times as long.
+ *   LRU the stamp, LFU (count << 40) | (stamp & (2**40 - 1)). Two passes over the slots
+ *   without the GIL (a histogram of 65,536 score buckets; the slots below the bucket where
+ *   `count` is reached, and that bucket's, whose sorted scores give v), three without
+ *   `upper` (an upper bound on every score: LRU's clock), which NumPy's masks, gather and
+ *   argpartition over every slot took several times as long to do.
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
@@ -391,10 +392,16 @@ static inline uint64_t score_of(const HitPath *self, Py_ssize_t s) {
     return (count << LFU_STAMP_BITS) | (stamp & ((1ULL << LFU_STAMP_BITS) - 1));
 }
 
+static inline Py_ssize_t bucket_of(uint64_t score, uint64_t lo, int shift) {
+    uint64_t b = (score - lo) >> shift; /* monotone in the score, clamped: the order within a bucket is sorted */
+    return b < SCORE_BUCKETS ? (Py_ssize_t)b : SCORE_BUCKETS - 1;
+}
+
 static PyObject *hp_victims(HitPath *self, PyObject *args) {
     Py_ssize_t count;
     PyObject *ids_o, *out_o;
-    if (!PyArg_ParseTuple(args, "nOO", &count, &ids_o, &out_o)) return NULL;
+    long long upper = -1;
+    if (!PyArg_ParseTuple(args, "nOO|L", &count, &ids_o, &out_o, &upper)) return NULL;
     Py_buffer ib, ob;
     if (get_strided(ids_o, &ib, 8, "slot_id") < 0) return NULL;
     if (get_array(out_o, &ob, 8, 1, "out") < 0) {
@@ -412,62 +419,75 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
     const Py_ssize_t is = ib.strides[0];
     int64_t *out = (int64_t *)ob.buf;
     Py_ssize_t *hist = PyMem_RawCalloc(SCORE_BUCKETS, sizeof(Py_ssize_t));
-    uint64_t *tie = NULL;
+    uint64_t *tie_score = NULL, *sorted = NULL;
+    int64_t *tie_slot = NULL;
     Py_ssize_t k = 0, n = 0;
     int nomem = hist == NULL;
     PyThreadState *ts = PyEval_SaveThread();
-    uint64_t lo = UINT64_MAX, hi = 0;
-    for (Py_ssize_t s = 0; s < cap && !nomem; s++) { /* pass 1: the evictable slots' score range */
-        if (!evictable(self, sid, is, s)) continue;
-        uint64_t sc = score_of(self, s);
-        if (sc < lo) lo = sc;
-        if (sc > hi) hi = sc;
-        n++;
-    }
-    if (!nomem && count > 0 && n > 0) {
-        int shift = 0;
-        while (((hi - lo) >> shift) >= SCORE_BUCKETS) shift++;
-        for (Py_ssize_t s = 0; s < cap; s++) /* pass 2: how many slots in each score bucket */
-            if (evictable(self, sid, is, s)) hist[(score_of(self, s) - lo) >> shift]++;
+    uint64_t lo = 0, hi = (uint64_t)upper;
+    if (upper < 0) /* pass 0 (no bound given): the evictable slots' score range */
+        for (Py_ssize_t s = 0, first = 1; s < cap && !nomem; s++) {
+            if (!evictable(self, sid, is, s)) continue;
+            uint64_t sc = score_of(self, s);
+            if (first || sc < lo) lo = sc;
+            if (first || sc > hi) hi = sc;
+            first = 0;
+        }
+    int shift = 0;
+    while (((hi - lo) >> shift) >= SCORE_BUCKETS) shift++;
+    for (Py_ssize_t s = 0; s < cap && !nomem; s++) /* pass 1: how many slots in each score bucket */
+        if (evictable(self, sid, is, s)) {
+            hist[bucket_of(score_of(self, s), lo, shift)]++;
+            n++;
+        }
+    if (!nomem && count > 0 && n <= count) { /* every evictable slot goes, in slot order */
+        for (Py_ssize_t s = 0; s < cap; s++)
+            if (evictable(self, sid, is, s)) out[k++] = s;
+    } else if (!nomem && count > 0) {
         Py_ssize_t below = 0, edge = 0; /* edge: the bucket where `count` is reached */
-        if (n > count)
-            while (below + hist[edge] < count) below += hist[edge++];
-        else
-            edge = SCORE_BUCKETS; /* every evictable slot goes */
-        /* v: the count-th lowest score (every evictable slot goes when there are not more) */
-        uint64_t v = UINT64_MAX;
-        Py_ssize_t ties = edge < SCORE_BUCKETS ? hist[edge] : 0, t = 0;
-        if (ties) {
-            tie = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
-            nomem = tie == NULL;
-            for (Py_ssize_t s = 0; s < cap && !nomem; s++) /* pass 3: the edge bucket's scores */
-                if (evictable(self, sid, is, s)) {
-                    uint64_t sc = score_of(self, s);
-                    if ((Py_ssize_t)((sc - lo) >> shift) == edge) tie[t++] = sc;
-                }
-            if (!nomem) {
-                qsort(tie, (size_t)ties, sizeof(uint64_t), by_score);
-                v = tie[count - below - 1];
+        while (below + hist[edge] < count) below += hist[edge++];
+        Py_ssize_t ties = hist[edge], t = 0;
+        tie_score = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
+        sorted = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
+        tie_slot = PyMem_RawMalloc((size_t)ties * sizeof(int64_t));
+        nomem = tie_score == NULL || sorted == NULL || tie_slot == NULL;
+        /* pass 2: the slots of the buckets below the edge, and the edge bucket's, in slot order */
+        for (Py_ssize_t s = 0; s < cap && !nomem; s++) {
+            if (!evictable(self, sid, is, s)) continue;
+            uint64_t sc = score_of(self, s);
+            Py_ssize_t b = bucket_of(sc, lo, shift);
+            if (b < edge) {
+                out[k++] = s;
+            } else if (b == edge) {
+                tie_score[t] = sc;
+                tie_slot[t++] = s;
             }
         }
-        /* pass 4: the slots below v, then those at v up to count, each in slot order (as
-         * EvictionPolicy.victims picks them, so both paths leave the same cache) */
-        Py_ssize_t at = 0, room = 0;
-        for (Py_ssize_t s = 0; s < cap && !nomem; s++)
-            if (evictable(self, sid, is, s) && score_of(self, s) < v) out[k++] = s;
-        room = count - k;
-        for (Py_ssize_t s = 0; s < cap && !nomem && v != UINT64_MAX && at < room; s++)
-            if (evictable(self, sid, is, s) && score_of(self, s) == v) {
-                out[k++] = s;
-                at++;
+        if (!nomem) {
+            /* v: the count-th lowest score. The victims, as EvictionPolicy.victims picks them (so
+             * both paths leave the same cache): every slot scoring below v in slot order (the
+             * edge bucket's merged into those below it, from the back), then those scoring v. */
+            memcpy(sorted, tie_score, (size_t)ties * sizeof(uint64_t));
+            qsort(sorted, (size_t)ties, sizeof(uint64_t), by_score);
+            uint64_t v = sorted[count - below - 1];
+            Py_ssize_t lower = 0;
+            for (Py_ssize_t i = 0; i < ties; i++) lower += tie_score[i] < v;
+            Py_ssize_t w = below + lower, i = below - 1, j = ties - 1;
+            while (w > 0) {
+                while (j >= 0 && tie_score[j] >= v) j--;
+                if (j >= 0 && (i < 0 || tie_slot[j] > out[i])) out[--w] = tie_slot[j--];
+                else out[--w] = out[i--];
             }
-        if (v == UINT64_MAX) /* every evictable slot goes: those at the top score too */
-            for (Py_ssize_t s = 0; s < cap && !nomem && k < count; s++)
-                if (evictable(self, sid, is, s) && score_of(self, s) == v) out[k++] = s;
+            k = below + lower;
+            for (Py_ssize_t q = 0; q < ties && k < count; q++)
+                if (tie_score[q] == v) out[k++] = tie_slot[q];
+        }
     }
     PyEval_RestoreThread(ts);
     PyMem_RawFree(hist);
-    PyMem_RawFree(tie);
+    PyMem_RawFree(tie_score);
+    PyMem_RawFree(sorted);
+    PyMem_RawFree(tie_slot);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&ob);
     if (nomem) return PyErr_NoMemory();
@@ -476,7 +496,8 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
 
 static PyMethodDef hp_methods[] = {
     {"victims", (PyCFunction)hp_victims, METH_VARARGS,
-     "victims(count, slot_id, out) -> k: the k lowest-scoring evictable slots into out."},
+     "victims(count, slot_id, out[, upper]) -> k: the k lowest-scoring evictable slots into out (upper: a "
+     "bound on every score, saving a pass)."},
     {"acquire", (PyCFunction)hp_acquire, METH_VARARGS,
      "acquire(ids, slots, clock[, rows, out, pin]) -> hits: look up, pin and touch distinct int64 ids."},
     {"release", (PyCFunction)hp_release, METH_O,
