@@ -15,6 +15,8 @@ from setuptools import Extension, setup
 
 # The page checksum's C sources: both extensions that compute it compile these.
 PAGESUM_HEADERS = ["src/engram_offload/table/xxhash.h", "src/engram_offload/table/pagesum_dispatch.h"]
+# Reading a strided int64 NumPy view in place: the dedup and row-decode helpers include it.
+STRIDED_HEADER = ["src/engram_offload/strided.h"]
 
 
 def optional_helper(name: str, sources: list[str], *, opt: str = "-O3", warnings: tuple[str, ...] = (),
@@ -46,12 +48,12 @@ ext_modules += [
     # The n-gram hash kernel: portable C (NumPy is the fallback).
     optional_helper("engram_offload._hashkernel", ["src/engram_offload/_hashkernel.c"]),
     # Dedup of a step's row ids in one call that keeps the GIL (NumPy is the fallback).
-    optional_helper("engram_offload._dedupkernel", ["src/engram_offload/_dedupkernel.c"]),
+    optional_helper("engram_offload._dedupkernel", ["src/engram_offload/_dedupkernel.c"], depends=STRIDED_HEADER),
     # The row caches' hit path (lookup, pins, policy stamps in one call; the NumPy bookkeeping
     # is the fallback).
     optional_helper("engram_offload.cache._hitpath", ["src/engram_offload/cache/_hitpath.c"]),
     # fp8 row decode by table lookup (NumPy is the fallback).
-    optional_helper("engram_offload._rowdecode", ["src/engram_offload/_rowdecode.c"]),
+    optional_helper("engram_offload._rowdecode", ["src/engram_offload/_rowdecode.c"], depends=STRIDED_HEADER),
 ]
 
 setup(ext_modules=ext_modules)

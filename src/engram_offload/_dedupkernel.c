@@ -21,38 +21,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "strided.h"
+
 #define NOGIL_MIN_IDS 65536 /* release the GIL from this many ids on (about 1 ms of work) */
-#define MAX_DIMS 32
-
-static int is_int64(const Py_buffer *b) {
-    if (b->itemsize != 8 || b->format == NULL) return 0;
-    const char *f = b->format;
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    return (*f == 'l' || *f == 'q') && f[1] == '\0';
-}
-
-/* ids (any strides) -> dst [n] in C order; returns min and max through the pointers. */
-static void flatten(const Py_buffer *ids, int64_t *dst, int64_t *lo, int64_t *hi) {
-    Py_ssize_t n = ids->len / 8, idx[MAX_DIMS] = {0};
-    int nd = ids->ndim;
-    const char *base = (const char *)ids->buf;
-    int64_t mn = INT64_MAX, mx = INT64_MIN;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t off = 0;
-        for (int d = 0; d < nd; d++) off += idx[d] * ids->strides[d];
-        int64_t v = *(const int64_t *)(base + off);
-        dst[i] = v;
-        if (v < mn) mn = v;
-        if (v > mx) mx = v;
-        for (int d = nd - 1; d >= 0; d--) { /* next index in C order */
-            if (++idx[d] < ids->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
-    *lo = mn;
-    *hi = mx;
-}
-
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
 /* keys [n] sorted in place (tmp [n] scratch) by their low `bits` bits. */
@@ -96,12 +67,9 @@ static PyObject *dedup(PyObject *module, PyObject *args) {
     PyObject *result = NULL;
     uint64_t *keys = NULL;
     Py_ssize_t n = ids.len / 8;
-    if (!is_int64(&ids) || !is_int64(&unique) || !is_int64(&inverse)) {
-        PyErr_SetString(PyExc_TypeError, "dedup: ids, unique and inverse must be int64 arrays");
-        goto done;
-    }
-    if (ids.ndim > MAX_DIMS || ids.suboffsets != NULL) {
-        PyErr_Format(PyExc_ValueError, "dedup: ids must be a strided array of at most %d dimensions", MAX_DIMS);
+    if (!strided_int64_ok(&ids) || !strided_int64_ok(&unique) || !strided_int64_ok(&inverse)) {
+        PyErr_Format(PyExc_TypeError, "dedup: ids (at most %d dimensions), unique and inverse must be int64 arrays",
+                     STRIDED_MAX_DIMS);
         goto done;
     }
     if (unique.len != n * 8 || inverse.len != n * 8) {
@@ -119,8 +87,13 @@ static PyObject *dedup(PyObject *module, PyObject *args) {
     }
     {
         PyThreadState *ts = n >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
-        int64_t lo, hi, *u = (int64_t *)unique.buf, *inv = (int64_t *)inverse.buf;
-        flatten(&ids, (int64_t *)keys, &lo, &hi);
+        int64_t lo = INT64_MAX, hi = INT64_MIN, *u = (int64_t *)unique.buf, *inv = (int64_t *)inverse.buf;
+        strided_int64_copy(&ids, (int64_t *)keys);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t v = (int64_t)keys[i];
+            if (v < lo) lo = v;
+            if (v > hi) hi = v;
+        }
         int pos_bits = bit_length((uint64_t)(n - 1)), val_bits = bit_length((uint64_t)hi - (uint64_t)lo);
         Py_ssize_t count = -1;
         if (val_bits + pos_bits <= 64) {

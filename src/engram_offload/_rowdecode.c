@@ -31,8 +31,9 @@
 #include <xmmintrin.h>
 #endif
 
+#include "strided.h"
+
 #define BLOCK 32
-#define MAX_INDEX_DIMS 32
 #define NOGIL_MIN_ROWS 4096 /* release the GIL from this many rows on (about 0.3 ms of work): a let-go
                               * with another thread waiting costs a thread switch */
 
@@ -178,10 +179,9 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         goto done;
     }
     if (have_index) {
-        if (index.itemsize != 8 || index.ndim > MAX_INDEX_DIMS || index.suboffsets != NULL || index.format == NULL ||
-            strchr("qlQL", index.format[strlen(index.format) - 1]) == NULL) {
+        if (!strided_int64_ok(&index)) {
             PyErr_Format(PyExc_TypeError, "decode_fp8: index must be a strided int64 array of at most %d dimensions",
-                         MAX_INDEX_DIMS);
+                         STRIDED_MAX_DIMS);
             goto done;
         }
         n = index.len / 8;
@@ -190,20 +190,13 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
             PyErr_NoMemory();
             goto done;
         }
-        Py_ssize_t at[MAX_INDEX_DIMS] = {0};
-        for (Py_ssize_t i = 0; i < n; i++) { /* C order over any strides, less the base, checked */
-            Py_ssize_t off = 0;
-            for (int k = 0; k < index.ndim; k++) off += at[k] * index.strides[k];
-            int64_t pick = *(const int64_t *)((const char *)index.buf + off) - (int64_t)index_base;
-            if (pick < 0 || pick >= m) {
+        strided_int64_copy(&index, picks);
+        for (Py_ssize_t i = 0; i < n; i++) { /* less the base, checked */
+            picks[i] -= (int64_t)index_base;
+            if (picks[i] < 0 || picks[i] >= m) {
                 PyErr_Format(PyExc_IndexError, "decode_fp8: index %lld (position %zd) outside the %zd raw rows",
-                             (long long)(pick + index_base), i, m);
+                             (long long)(picks[i] + index_base), i, m);
                 goto done;
-            }
-            picks[i] = pick;
-            for (int k = index.ndim - 1; k >= 0; k--) {
-                if (++at[k] < index.shape[k]) break;
-                at[k] = 0;
             }
         }
         idx = picks;
