@@ -337,17 +337,18 @@ class TableStore:
         hit_slots, hit_src, hit_dst = np.empty(u, np.int64), np.empty(u, np.int64), np.empty(u, np.int64)
         miss_ids, miss_dst = np.empty(u, np.int64), np.empty(u, np.int64)
         native.split_slots(ids, slots, rb, hit_slots, hit_src, hit_dst, miss_ids, miss_dst)
-        hit_slots, miss_ids, miss_dst = hit_slots[:nhit], miss_ids[:u - nhit], miss_dst[:u - nhit]
+        hit_slots, hit_src, hit_dst = hit_slots[:nhit], hit_src[:nhit], hit_dst[:nhit]
+        miss_ids, miss_dst = miss_ids[:u - nhit], miss_dst[:u - nhit]
         out_bytes = buf.reshape(-1)
         filled = _EMPTY
         try:
             if nhit:
-                native.move_rows(level.data.numpy().reshape(-1), hit_src[:nhit], out_bytes, hit_dst[:nhit], rb)
+                native.move_rows(level.data.numpy().reshape(-1), hit_src, out_bytes, hit_dst, rb)
             level.stats.record(u, nhit, nhit * rb, time.perf_counter() - t_start)
             missed = np.empty((miss_ids.size, rb), np.uint8)  # [misses, row_bytes]
             self._read_tier(miss_ids, torch.from_numpy(missed))
             native.move_rows(missed.reshape(-1), None, out_bytes, miss_dst, rb)
-            filled = _fill_rows(level, miss_ids, missed, hold)
+            filled = _fill_level(level, miss_ids, missed, None, hold)
         except BaseException:
             level.release(hit_slots)
             raise
@@ -533,39 +534,24 @@ def _copy_from(level: RowCache, slots: np.ndarray, positions: np.ndarray | None,
     move_rows(level.data, slots, out, positions)
 
 
-def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor, positions: np.ndarray,
+def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor | np.ndarray, positions: np.ndarray | None,
                 hold: bool) -> np.ndarray:
-    """Put rows ``out[positions]`` (ids ``ids[positions]``) into ``level`` where it takes them;
-    returns the slots filled (pinned when ``hold``)."""
-    if positions.size == 0:
+    """Put rows ``out[positions]`` (ids ``ids[positions]``; None: every row of ``out``, ids
+    ``ids``) into ``level`` where it takes them; returns the slots filled (pinned when ``hold``)."""
+    asked = ids if positions is None else ids[positions]
+    if asked.size == 0:
         return _EMPTY
-    slots = level.reserve(ids[positions])
-    kept = slots >= 0
-    if not kept.any():
-        return _EMPTY
-    slots = slots[kept]
-    try:
-        level.write(slots, out, positions[kept])
-    except BaseException:
-        level.abandon(slots)
-        raise
-    level.publish(slots, keep_pinned=hold)
-    return slots
-
-
-def _fill_rows(level: RowCache, ids: np.ndarray, rows: np.ndarray, hold: bool) -> np.ndarray:
-    """Put rows ``rows`` (``uint8 [k, row_bytes]``, ids ``ids``) into ``level`` where it takes
-    them; returns the slots filled (pinned when ``hold``)."""
-    slots = level.reserve(ids)
+    slots = level.reserve(asked)
     kept = slots >= 0
     if kept.all():
-        positions = None
+        rows_at = positions
     elif kept.any():
-        positions, slots = np.flatnonzero(kept), slots[kept]
+        rows_at = np.flatnonzero(kept) if positions is None else positions[kept]
+        slots = slots[kept]
     else:
         return _EMPTY
     try:
-        level.write(slots, rows, positions)
+        level.write(slots, out, rows_at)
     except BaseException:
         level.abandon(slots)
         raise
