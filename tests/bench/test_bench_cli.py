@@ -80,6 +80,12 @@ def test_a_modeled_gpu_benchmark_end_to_end(tiny_table, tmp_path, capsys):
         assert r["step_p50_ms"] * 1e3 >= 0.5 * (r["predicted_step_us"] - r["predicted_stall_us"])
     direct = [r for r in doc["runs"] if r["tier"] == "direct"]
     assert all("predicted_stall_us_at_measured_hit" in r for r in direct)
+    # a memory map's drive reads are its page faults, its hit rate the page cache's
+    for r in (r for r in doc["runs"] if r["tier"] == "mmap"):
+        touched = r["tier_pages_touched"]
+        assert 0 < touched and 0 <= r["device_reads"] <= touched
+        assert r["page_cache_hit_rate"] == pytest.approx(1 - r["device_reads"] / touched)
+        assert "predicted_stall_us_at_measured_hit" in r
     # the mmap tier's page cache holds 4 KiB pages, the direct tier's row cache 264-byte rows
     curve = curve_for(get_model("deepseek-v4.1-flash"))[0]
     for r in doc["runs"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import shutil
 import threading
 import warnings
 
@@ -13,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
+from engram_offload.bench.cold import evict_file_pages
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import TIERS, as_row_ids, get_tier_class, is_resident, open_tier, tier_names
 from engram_offload.tiers.direct import plan_spans
+from engram_offload.tiers.mmap import guarded_copy_available
 
 CASE_IDS = [f"{t}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for t, o in TIER_CASES]
 
@@ -160,6 +163,28 @@ def test_mmap_advises_random_access(tables):
         assert t.stats()["madv_random"] is True
         flags = mapping_flags(path)
         assert flags and all("rr" in f for f in flags)  # the kernel's mark of MADV_RANDOM
+
+
+def test_mmap_counts_its_page_faults_as_drive_reads(tables, tmp_path):
+    """Cold pages fault (drive reads); the same pages again are the page cache's (no fault)."""
+    if not guarded_copy_available():
+        pytest.skip("the pread fallback takes no page faults")
+    src, _ = tables[("fp32", 64)]
+    path = tmp_path / "cold.tbl"
+    shutil.copyfile(src, path)
+    evict_file_pages(path)
+    with open_tier("mmap", read_header(path)) as t:
+        per_page = t.layout.rows_per_page
+        ids = np.arange(0, t.num_rows, per_page, dtype=np.int64)[:8]  # one row in each of 8 pages
+        t.read_rows(ids, torch.empty((len(ids), t.row_bytes), dtype=torch.uint8))
+        first = t.stats()
+        assert first["pages_touched"] == len(ids)
+        if first["page_faults"] == 0:
+            pytest.skip(f"{tmp_path} keeps its pages in memory (tmpfs?): no drive reads to count")
+        assert first["page_faults"] <= len(ids)
+        t.read_rows(ids, torch.empty((len(ids), t.row_bytes), dtype=torch.uint8))
+        again = t.stats()
+        assert again["pages_touched"] == 2 * len(ids) and again["page_faults"] == first["page_faults"]
 
 
 def test_pinned_without_cuda_says_so(tables):

@@ -232,8 +232,20 @@ def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
     }
 
 
+def _tier_delta(served: _Measured, key: str) -> int:
+    return served.after["tier"].get(key, 0) - served.before["tier"].get(key, 0)
+
+
 def _device_reads(served: _Measured) -> int:
-    return served.after["tier"].get("reads", 0) - served.before["tier"].get("reads", 0)
+    """Reads the drive served in the measurement: the tier's, or for a memory map its page
+    faults (the pages the page cache missed)."""
+    return _tier_delta(served, "page_faults" if "page_faults" in served.after["tier"] else "reads")
+
+
+def _page_cache_hit_rate(served: _Measured) -> float | None:
+    """The share of a memory map's touched pages that the page cache held (None for other tiers)."""
+    touched = _tier_delta(served, "pages_touched")
+    return 1.0 - _tier_delta(served, "page_faults") / touched if touched else None
 
 
 def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings, corpora: Corpora,
@@ -330,9 +342,13 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     }
     on_nvme = PLACEMENT_OF_TIER[tier] == "nvme"  # the planner's remote placement has no row cache
     measured_hit = served.after["store"]["hit_rate"] if on_nvme and _cache_options(tier, settings) else None
+    a = model.assumptions
+    if PLACEMENT_OF_TIER[tier] == "mmap":  # the page cache's hits, from the page faults
+        measured_hit = _page_cache_hit_rate(served)
+        out.update(page_cache_hit_rate=measured_hit, tier_pages_touched=_tier_delta(served, "pages_touched"))
+    elif measured_hit is not None and reads:
+        a = replace(a, nvme_read_bytes=_tier_delta(served, "bytes_read") / reads)
     if measured_hit is not None:
-        read_bytes = served.after["tier"].get("bytes_read", 0) - served.before["tier"].get("bytes_read", 0)
-        a = replace(model.assumptions, nvme_read_bytes=read_bytes / reads) if reads else model.assumptions
         at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a,
                                 unique=served.after["store"]["unique_ratio"] or None)
         out.update(predicted_stall_us_at_measured_hit=at["stall_us"],

@@ -51,11 +51,16 @@ class Assumptions:
     nvme_path_efficiency: float = 0.8
     # A table read through a memory map (the ``mmap`` tier: the article's first prototype):
     # each missed row is a page fault, a synchronous 4 KiB read at queue depth 1 per
-    # faulting thread (the Prefetcher's two workers), at the drive's low-queue-depth
-    # latency; the fault costs the host 30 us of CPU (``bench_tier.py``: cold ``mmap`` 30.3
-    # us a row against ``direct``'s 3.0). Used by the modeled benchmark's prediction for
-    # its ``mmap`` runs; ``plan`` never proposes it.
+    # faulting thread (the Prefetcher's two workers): the thread waits the drive's
+    # queue-depth-1 latency, then ``mmap_fault_us`` more before its next fault (the kernel's
+    # fault path, the wake-up, the copy and page check: ``bench-tier --tier mmap --cold
+    # --callers 2 --queue-depth 2 --batch 64`` read 14.6k rows/s where fio's QD 1 latency
+    # was 74 us, 63 us more a fault; page faults counted). The fault costs the host 30 us
+    # of CPU (``bench_tier.py``: cold ``mmap`` 30.3 us a row against ``direct``'s 3.0).
+    # Used by the modeled benchmark's prediction for its ``mmap`` runs; ``plan`` never
+    # proposes it.
     mmap_fault_threads: int = 2
+    mmap_fault_us: float = 60.0
     mmap_us_per_miss: float = 30.0
     # The pooled remote tier (a table published to Redis, the ``remote`` tier), measured
     # on loopback with one client and one master: 808k rows/s of 264 B through pipelined

@@ -226,8 +226,10 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
         iops_share = gpu.nvme_iops_per_server / gpu.gpus_per_server * a.nvme_path_efficiency
         fixed += gpu.nvme_latency_us + a.nvme_step_overhead_us
         bw_share = gpu.nvme_bw_per_drive * gpu.nvme_drives / gpu.gpus_per_server * a.nvme_path_efficiency
-        if name == "mmap":  # page faults: one read in flight per faulting thread, whatever the drive
-            iops_share = min(iops_share, a.mmap_fault_threads / (gpu.nvme_latency_us * 1e-6) / gpu.gpus_per_server)
+        if name == "mmap":  # page faults: one read in flight per faulting thread, whatever the drive,
+            # and the thread handles its fault before it takes the next
+            per_fault_s = (gpu.nvme_latency_us + a.mmap_fault_us) * 1e-6
+            iops_share = min(iops_share, a.mmap_fault_threads / per_fault_s / gpu.gpus_per_server)
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
         device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
     hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a)

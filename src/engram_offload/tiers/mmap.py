@@ -7,6 +7,10 @@ its checksum (``verify_pages``, on by default; a bad page is read once more with
 then ``ChecksumError``). With ``verify_reads`` each block is also checked against its
 block checksum the first time a read touches it.
 
+``stats()["page_faults"]`` counts the major page faults the copies took (the calling
+thread's, from ``getrusage(RUSAGE_THREAD)`` around each copy): the 4 KiB reads the drive
+served, where ``pages_touched`` less them are the page cache's hits.
+
 Two hazards of a mapping are kept away from readers: ``close`` waits for reads in flight
 before unmapping (``Tier.close``), and every copy out of the mapping is guarded: the
 native helper (``tiers/_safecopy.c``) catches the SIGBUS of a page past the end of a
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 
 import numpy as np
 import torch
@@ -96,6 +101,14 @@ class MmapTier(Tier):
             if os.preadv(self._fd, [view[d: d + length]], off) != length:
                 raise self._changed("ended early during a read")
 
+    def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
+                       pages: int) -> None:
+        """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it took."""
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+        self._copy(offsets, lengths, dest, dests)
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - before
+        self._count(pages_touched=pages, page_faults=faults)
+
     def _block(self, block: int) -> bytes:
         start, end = self.layout.block_range(block)
         buf = np.empty(end - start, np.uint8)
@@ -110,7 +123,9 @@ class MmapTier(Tier):
         if not self.verify_pages:
             rb = self.row_bytes
             dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
-            self._copy(offsets, np.full(len(ids), rb, np.int64), dest, np.arange(len(ids), dtype=np.int64) * rb)
+            pages = np.unique((offsets - self.layout.data_offset) // self.layout.page_bytes).size
+            self._faulting_copy(offsets, np.full(len(ids), rb, np.int64), dest,
+                                np.arange(len(ids), dtype=np.int64) * rb, pages)
             if not out.is_contiguous():
                 out.copy_(torch.from_numpy(dest))
             self._count(reads=len(ids), bytes_read=len(ids) * rb)
@@ -118,7 +133,7 @@ class MmapTier(Tier):
         plan = plan_pages(offsets, self.layout)
         page = self.layout.page_bytes
         buf = self._staging.get(plan.nbytes)
-        self._copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
+        self._faulting_copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests, len(plan.pages))
 
         def reread(bad: np.ndarray) -> None:  # from the file, not the mapping
             self._count(page_rereads=len(bad))
