@@ -35,6 +35,7 @@ from bench_tier import fio_randread, machine_facts  # the same fio run and machi
 
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
+from engram_offload.commands.bench import PREFETCH_SEQUENCES
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
                    help=f"the direct tier's reads in flight per ring (default {DEFAULT_QUEUE_DEPTH})")
     p.add_argument("--fio-queue-depth", type=int, default=128, help="fio's --iodepth (default 128)")
-    p.add_argument("--sequences", type=int, default=32, help="sequences per decode step (default 32)")
+    p.add_argument("--sequences", type=int, default=PREFETCH_SEQUENCES,
+                   help=f"sequences per decode step (default {PREFETCH_SEQUENCES}, bench-tier's)")
     p.add_argument("--run-ahead", type=int, default=2, help="steps in flight (default 2)")
     p.add_argument("--corpus", default="stdlib", help="the text (default stdlib)")
     p.add_argument("--corpus-tokens", type=int, default=300_000, help="tokens of the corpus (default 300,000)")

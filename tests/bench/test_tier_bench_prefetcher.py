@@ -66,7 +66,7 @@ def test_cold_direct_with_a_cache_reports_consistent_figures(table, capsys):
 
 def test_without_a_cache_every_row_is_a_miss(table, capsys):
     r = bench_tier(capsys, "--table", table, "--tier", "mmap", "--prefetcher", "--run-ahead", "3", *TEXT)
-    assert not r["cold"] and r["cold_method"] == [] and r["run_ahead"] == 3 and r["sequences"] == 32
+    assert not r["cold"] and r["cold_method"] == [] and r["run_ahead"] == 3 and r["sequences"] == 256
     assert r["hit_rate"] == 0.0 and r["misses"] == r["rows"] > 0 and r["hits"] == 0
     assert r["warm"] is None and r["cpu_us_per_hit"] is None and r["cache"] is None
     assert r["cpu_us_per_miss"] == pytest.approx(r["cpu_us_per_row"])
@@ -77,7 +77,7 @@ def test_the_plain_output(table, capsys):
     assert cli.main(["bench-tier", "--table", table, "--tier", "memory", "--cache-bytes", "10%", "--prefetcher",
                      *TEXT]) == 0
     out = capsys.readouterr().out
-    assert "Prefetcher: 32 sequences per decode step, 2 steps in flight" in out
+    assert "Prefetcher: 256 sequences per decode step, 2 steps in flight" in out
     assert "missed rows/s" in out and "per hit row" in out and "lru cache" in out
 
 
