@@ -187,6 +187,17 @@ def test_mmap_counts_its_page_faults_as_drive_reads(tables, tmp_path):
         assert again["pages_touched"] == 2 * len(ids) and again["page_faults"] == first["page_faults"]
 
 
+def test_mmap_through_pread_reports_no_page_faults(tables, monkeypatch):
+    """The fallback reads with pread: no faults to count, so no page-cache figures at all."""
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    path, expected = tables[("fp32", 64)]
+    with open_tier("mmap", read_header(path)) as t:
+        ids = np.array([0, 3, t.num_rows - 1], np.int64)
+        out = t.read_rows(ids, torch.empty((len(ids), t.row_bytes), dtype=torch.uint8))
+        np.testing.assert_array_equal(out.numpy(), expected[ids])
+        assert "page_faults" not in t.stats() and "pages_touched" not in t.stats()
+
+
 def test_pinned_without_cuda_says_so(tables):
     if torch.cuda.is_available():
         pytest.skip("CUDA present")

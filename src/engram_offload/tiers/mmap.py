@@ -9,7 +9,8 @@ block checksum the first time a read touches it.
 
 ``stats()["page_faults"]`` counts the major page faults the copies took (the calling
 thread's, from ``getrusage(RUSAGE_THREAD)`` around each copy): the 4 KiB reads the drive
-served, where ``pages_touched`` less them are the page cache's hits.
+served, where ``pages_touched`` less them are the page cache's hits (with the native copy;
+the ``pread`` fallback reports neither).
 
 Two hazards of a mapping are kept away from readers: ``close`` waits for reads in flight
 before unmapping (``Tier.close``), and every copy out of the mapping is guarded: the
@@ -103,7 +104,11 @@ class MmapTier(Tier):
 
     def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
                        pages: int) -> None:
-        """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it took."""
+        """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it
+        took; the ``pread`` fallback takes no faults and counts neither."""
+        if not guarded_copy_available():
+            self._copy(offsets, lengths, dest, dests)
+            return
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
         self._copy(offsets, lengths, dest, dests)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - before
