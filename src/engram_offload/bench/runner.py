@@ -347,7 +347,7 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         measured_hit = _page_cache_hit_rate(served)
         out.update(page_cache_hit_rate=measured_hit, tier_pages_touched=_tier_delta(served, "pages_touched"))
     elif measured_hit is not None and reads:
-        a = replace(a, nvme_read_bytes=_tier_delta(served, "bytes_read") / reads)
+        a = replace(a, nvme_read_bytes=_tier_delta(served, "bytes_read") // reads)
     if measured_hit is not None:
         at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a,
                                 unique=served.after["store"]["unique_ratio"] or None)
