@@ -60,6 +60,28 @@ def test_prefill_then_decode_rows_match_gathers(table, hasher):
         assert pf.stats()["steps"] == 5
 
 
+def test_rows_kept_past_their_step_stay_as_they_were(table, hasher):
+    """The decoded rows' arrays are used again for later steps only once nobody holds them."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, VOCAB, size=(4, 12))
+    with open_table(table, "mmap") as plain, open_table(table, "mmap", cache_bytes=100 * CONFIG.row_bytes) as store, \
+            Prefetcher(store, hasher, split_min_rows=1) as pf:
+        kept, copies = [], []
+        for t in range(12):
+            pf.begin_step([0, 1, 2, 3], tokens[:, t])
+            rows = [pf.rows(layer) for layer in CONFIG.layer_ids]
+            if t % 3 == 0:  # some steps' rows kept, the others let go
+                kept.append(rows)
+                copies.append([r.clone() for r in rows])
+            pf.end_step()
+        for t, (rows, copy) in zip(range(0, 12, 3), zip(kept, copies)):
+            for pos, (got, was) in enumerate(zip(rows, copy)):
+                assert torch.equal(got, was)
+                assert torch.equal(got, expected_rows(plain, hasher, tokens, pos)[:, t])
+        if pf._decoded.made:  # the C decoder's arrays (not without it): those let go of were used again
+            assert pf._decoded.reused > 0
+
+
 def test_failure_surfaces_at_rows_and_the_worker_keeps_going(table, hasher):
     with open_table(table, "mmap", cache_bytes=100 * CONFIG.row_bytes) as store, Prefetcher(store, hasher) as pf:
         real = store.tier.read_rows

@@ -61,6 +61,7 @@ from .errors import PrefetchError, StepCancelled
 from .gpu.kernels import gather_rows
 from .gpu.sync import FETCH, MAIN, DeviceSync
 from .hashing import NgramHasher, SequenceHistory
+from .recycle import RecycledArrays
 from .sharding import Columns, check_columns, shard_ids
 from .store import RowLease, RowStore
 
@@ -385,6 +386,9 @@ class Prefetcher:
                              f"with open_table(..., device={str(self.device)!r}) so rows reach the device "
                              "through pinned staging, never a pageable copy")
         self.sync = store.sync  # None: rows are on the host (or a fast cache's device) when fetched
+        # host rows decoded into arrays used again once the caller lets go of them (a new
+        # array a step comes back from the kernel as fresh pages: see recycle)
+        self._decoded = RecycledArrays()
         self._outputs = None if self.sync is None else _OutputPool(
             self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
             self.device)
@@ -463,7 +467,8 @@ class Prefetcher:
         decoded = {}
         for li in step.parts[p][2]:
             index, base = step.layer_index(li)
-            decoded[step.layer_ids[li]] = self.store.decode(raw, self.dtype, index=index, index_base=base, shape=shape)
+            decoded[step.layer_ids[li]] = self.store.decode(raw, self.dtype, index=index, index_base=base, shape=shape,
+                                                            buffers=self._decoded)
         return decoded
 
     def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ._native import native_disabled
+from .recycle import RecycledArrays
 from .rowcopy import move_rows
 
 __all__ = [
@@ -219,7 +220,8 @@ def _native_decode() -> Any:
 
 
 def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
-                lead: tuple[int, ...] | None = None, picks_base: int = 0, native: Any = None) -> torch.Tensor:
+                lead: tuple[int, ...] | None = None, picks_base: int = 0, native: Any = None,
+                buffers: RecycledArrays | None = None) -> torch.Tensor:
     """fp8 rows by table lookup: one gather of ``(scale << 8) | value`` per element.
 
     Same values as ``dequantize_fp8_ue8m0`` (about 3x faster on a CPU: no float pow, no
@@ -230,6 +232,7 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
     strides, read in C order). ``lead``: the result's
     leading dimensions (default ``[n]``). ``raw`` may be a NumPy array (host rows). ``native``:
     the C decoder as the caller found it (``_native_decode()``), looked up once per decode.
+    ``buffers``: allocates the C decoder's result (default: a new array).
     """
     n = raw.shape[0] if picks is None else picks.size
     shape = (*(lead or (n,)), head_dim)
@@ -238,7 +241,7 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
     if host and native is not None and dtype in _DECODED_BITS:
         # NumPy buffers and no torch op on the way: each would let go of the GIL, a thread
         # switch when another thread waits for it
-        out = np.empty(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
+        out = (buffers.empty if buffers is not None else np.empty)(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
         native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks, dtype == torch.float32,
                picks_base)
@@ -282,6 +285,7 @@ def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def decode_rows(
     raw: torch.Tensor | np.ndarray, fmt: str, head_dim: int, dtype: torch.dtype = torch.float32, *,
     index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
+    buffers: RecycledArrays | None = None,
 ) -> torch.Tensor:
     """Raw bytes ``uint8 [n, row_bytes]`` -> float rows ``[n, head_dim]`` of ``dtype``.
 
@@ -290,6 +294,8 @@ def decode_rows(
     in one pass on the host (no gathered copy of the raw or decoded rows in between; the C
     decoder reads a strided index in place). ``shape``: the result's leading dimensions
     instead of ``[n]`` (or ``[k]``), e.g. ``[T, C]``. ``raw`` may be a NumPy array (host rows).
+    ``buffers``: where the C decoder's results are allocated (arrays used again once
+    nobody holds them; see ``recycle``), instead of a new array each call.
     """
     rb = row_bytes(fmt, head_dim)
     ok_dtype = raw.dtype == np.uint8 if isinstance(raw, np.ndarray) else raw.dtype == torch.uint8
@@ -314,7 +320,7 @@ def decode_rows(
             else:
                 raw = _picked(torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw, _positions(index, index_base))
                 index, index_base = None, 0
-        return _decode_fp8(raw, head_dim, dtype, index, shape, index_base, native)
+        return _decode_fp8(raw, head_dim, dtype, index, shape, index_base, native, buffers)
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
     if index is not None:
         raw = _picked(raw, _positions(index, index_base))

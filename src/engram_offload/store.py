@@ -52,6 +52,7 @@ from .gpu.device_table import DeviceTable
 from .gpu.hbm_cache import HbmRowCache
 from .gpu.sync import MAIN, DeviceSync, make_sync
 from .rowcopy import move_rows
+from .recycle import RecycledArrays
 from .rows import decode_rows
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from .table.format import TableHeader, read_header
@@ -124,7 +125,8 @@ class RowStore(Protocol):
     def read_raw(self, row_ids: Any) -> torch.Tensor: ...
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
+               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
+               buffers: RecycledArrays | None = None) -> torch.Tensor: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -222,12 +224,12 @@ class TableStore:
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
                index: np.ndarray | None = None, index_base: int = 0,
-               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+               shape: tuple[int, ...] | None = None, buffers: RecycledArrays | None = None) -> torch.Tensor:
         """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device);
         with ``index`` (int64 of any shape, k entries) the rows ``raw[index - index_base]``,
         ``[k, head_dim]``; see ``rows.decode_rows`` (``shape``: the result's leading dimensions)."""
         return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape)
+                           index_base=index_base, shape=shape, buffers=buffers)
 
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).

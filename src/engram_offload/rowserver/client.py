@@ -29,6 +29,7 @@ import torch
 from ..config import EngramConfig
 from ..dedup import dedup
 from ..errors import ChecksumError, EngramError, TableFormatError, TierError
+from ..recycle import RecycledArrays
 from ..rows import decode_rows
 from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from ..table.format import read_header
@@ -167,9 +168,9 @@ class RowClient:
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
                index: np.ndarray | None = None, index_base: int = 0,
-               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+               shape: tuple[int, ...] | None = None, buffers: RecycledArrays | None = None) -> torch.Tensor:
         return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape)
+                           index_base=index_base, shape=shape, buffers=buffers)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
