@@ -13,7 +13,7 @@ from engram_offload.recycle import RecycledArrays
 
 
 def test_an_array_let_go_is_used_again_and_a_held_one_never():
-    pool = RecycledArrays()
+    pool = RecycledArrays(min_bytes=0)
     a = pool.empty((4, 8), np.float32)
     a[:] = 1.0
     b = pool.empty((4, 8), np.float32)  # a is held: a new array
@@ -26,7 +26,7 @@ def test_an_array_let_go_is_used_again_and_a_held_one_never():
 
 
 def test_a_tensor_made_from_the_array_holds_it():
-    pool = RecycledArrays()
+    pool = RecycledArrays(min_bytes=0)
     rows = torch.from_numpy(pool.empty((3, 4), np.float32))  # the array lives on in the tensor
     rows.fill_(7.0)
     view = rows[1:]  # a view of the tensor holds it too
@@ -39,23 +39,45 @@ def test_a_tensor_made_from_the_array_holds_it():
     assert pool.empty((3, 4), np.float32) is not None and pool.reused == 1
 
 
-def test_the_smallest_free_array_that_fits_is_taken_and_a_too_small_one_replaced():
-    pool = RecycledArrays()
+def address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_numpy_view_holds_the_array_too():
+    pool = RecycledArrays(min_bytes=0)
+    a = pool.empty((6,), np.int64)
+    a[:] = 5
+    view = a[2:].reshape(2, 2)
+    del a
+    gc.collect()
+    pool.empty((6,), np.int64).fill(0)  # a new array: the view still holds the first
+    assert (view == 5).all() and pool.reused == 0
+
+
+def test_the_array_let_go_of_last_is_taken_first():
+    pool = RecycledArrays(min_bytes=0)
+    first, second = pool.empty((100,), np.uint8), pool.empty((100,), np.uint8)
+    first_at, second_at = address(first), address(second)
+    del first, second  # second let go of last
+    again = pool.empty((50,), np.uint8)
+    assert address(again) == second_at
+    assert address(pool.empty((100,), np.uint8)) == first_at  # the other, while again is held
+
+
+def test_too_small_free_arrays_are_skipped_then_replaced_once_keep_is_reached():
+    pool = RecycledArrays(keep=2, min_bytes=0)
     big, small = pool.empty((1000,), np.uint8), pool.empty((10,), np.uint8)
-    big_at, small_at = big.__array_interface__["data"][0], small.__array_interface__["data"][0]
-    del big, small
-    assert pool.empty((8,), np.uint8).__array_interface__["data"][0] == small_at
-    pool2 = RecycledArrays()
-    tiny = pool2.empty((4,), np.uint8)
-    del tiny
-    grown = pool2.empty((4096,), np.uint8)  # the free 4-byte one is dropped for a larger one
-    assert grown.size == 4096 and pool2.made == 2 and len(pool2._bases) == 1
+    big_at = address(big)
+    del big, small  # small let go of last, but too small for 500
+    assert address(pool.empty((500,), np.uint8)) == big_at
+    grown = pool.empty((4096,), np.uint8)  # two kept already: the free 10-byte one is replaced
+    assert grown.size == 4096 and pool.made == 3 and len(pool._bases) == 2
     del grown
-    assert pool.empty((500,), np.uint8).__array_interface__["data"][0] == big_at
+    assert pool.empty((4000,), np.uint8).size == 4000 and pool.reused == 2
 
 
 def test_beyond_keep_arrays_are_plain_new_ones():
-    pool = RecycledArrays(keep=2)
+    pool = RecycledArrays(keep=2, min_bytes=0)
     held = [pool.empty((16,), np.int32) for _ in range(4)]
     assert pool.made == 4 and len(pool._bases) == 2
     held.clear()
@@ -65,8 +87,19 @@ def test_beyond_keep_arrays_are_plain_new_ones():
         RecycledArrays(keep=0)
 
 
+def test_arrays_under_min_bytes_are_never_kept():
+    pool = RecycledArrays(min_bytes=1024)
+    small = pool.empty((255,), np.float32)  # 1,020 bytes
+    del small
+    assert pool.empty((255,), np.float32).shape == (255,) and pool.made == pool.reused == 0
+    big = pool.empty((256,), np.float32)
+    big_at = address(big)
+    del big
+    assert address(pool.empty((256,), np.float32)) == big_at and (pool.made, pool.reused) == (1, 1)
+
+
 def test_threads_never_get_the_same_array_at_once():
-    pool = RecycledArrays(keep=4)
+    pool = RecycledArrays(keep=4, min_bytes=0)
     errors = []
 
     def work(value: int) -> None:
