@@ -87,6 +87,18 @@ def test_beyond_keep_arrays_are_plain_new_ones():
         RecycledArrays(keep=0)
 
 
+def test_the_kept_bytes_stay_within_max_bytes():
+    pool = RecycledArrays(min_bytes=0, max_bytes=1000)
+    a = pool.empty((600,), np.uint8)
+    b = pool.empty((600,), np.uint8)  # 1,200 bytes kept would be too many: b is not kept
+    assert pool.kept_bytes == 600 and len(pool._bases) == 1
+    del a, b
+    c = pool.empty((900,), np.uint8)  # a's free 600 bytes replaced by 900
+    assert pool.kept_bytes == 900 and pool.made == 3
+    del c
+    assert pool.empty((1200,), np.uint8).size == 1200 and pool.kept_bytes == 900  # never over
+
+
 def test_arrays_under_min_bytes_are_never_kept():
     pool = RecycledArrays(min_bytes=1024)
     small = pool.empty((255,), np.float32)  # 1,020 bytes

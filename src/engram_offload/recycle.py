@@ -24,16 +24,19 @@ __all__ = ["RecycledArrays"]
 
 
 class RecycledArrays:
-    """``empty(shape, dtype)`` like ``np.empty``, from up to ``keep`` arrays it keeps; the one
-    let go of last (still warm in the CPU's caches) is taken first. Arrays under ``min_bytes``
-    are plain ``np.empty`` ones: the allocator keeps blocks that small for the process
-    (at 32 sequences a step, 0.8 MiB a layer, recycling measured no better). Thread-safe."""
+    """``empty(shape, dtype)`` like ``np.empty``, from up to ``keep`` arrays of ``max_bytes``
+    in all that it keeps; the one let go of last (still warm in the CPU's caches) is taken
+    first. Arrays under ``min_bytes`` are plain ``np.empty`` ones: the allocator keeps blocks
+    that small for the process (at 32 sequences a step, 0.8 MiB a layer, recycling measured
+    no better); so are those that would take the kept bytes over ``max_bytes`` (a long
+    prefill's rows, say). Thread-safe."""
 
-    def __init__(self, keep: int = 16, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, keep: int = 16, min_bytes: int = 1 << 20, max_bytes: int = 256 << 20) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.keep = keep
         self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._bases: list[np.ndarray] = []  # uint8 [capacity] each, by slot
         self._given: list[weakref.ref[_Lent] | None] = []  # by slot: what it is lent as
@@ -58,7 +61,7 @@ class RecycledArrays:
                 self.made += 1
                 base = np.empty(max(nbytes, 1), np.uint8)
                 slot = self._slot_for(base)
-                if slot is None:  # keep arrays kept and held: this one is the caller's alone
+                if slot is None:  # no room to keep it: this one is the caller's alone
                     return base[:nbytes].view(dtype).reshape(shape)
             lent = _Lent(self._bases[slot], tuple(shape), dtype)
             self._given[slot] = weakref.ref(lent, partial(_let_go, self._free, slot))
@@ -72,17 +75,25 @@ class RecycledArrays:
                 return free.pop(k)
         return None
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the arrays kept (held or free)."""
+        return sum(b.nbytes for b in self._bases)
+
     def _slot_for(self, base: np.ndarray) -> int | None:
-        """A slot for a new array: a new one while fewer than ``keep``, else that of a free
-        array too small (which ``base`` replaces), else None."""
-        if len(self._bases) < self.keep:
+        """A slot for a new array within ``keep`` and ``max_bytes``: a new one, else that of
+        a free array too small (which ``base`` replaces), else None."""
+        kept = self.kept_bytes
+        if len(self._bases) < self.keep and kept + base.nbytes <= self.max_bytes:
             self._bases.append(base)
             self._given.append(None)
             return len(self._bases) - 1
-        if self._free:
-            slot = self._free.pop()  # too small, or _take_free would have taken it
-            self._bases[slot] = base
-            return slot
+        for k in range(len(self._free) - 1, -1, -1):  # each too small, or _take_free would have taken it
+            slot = self._free[k]
+            if kept - self._bases[slot].nbytes + base.nbytes <= self.max_bytes:
+                del self._free[k]
+                self._bases[slot] = base
+                return slot
         return None
 
     def clear(self) -> None:
