@@ -86,6 +86,31 @@ def test_every_step_gets_the_rows_of_its_tokens(table, lookahead, tier, cache):
                 assert torch.equal(seen[layer].reshape(want.shape), want)
         if cache:
             assert all(level.pinned() == 0 for level in store.levels)  # windows and steps released
+        fetched = run.step_fetched_prefill  # prefill tokens each step began to fetch
+        assert len(fetched) == run.steps
+        if lookahead == 0:  # nothing ahead: each step fetches its own prefill
+            assert fetched == [p for _, p, _ in run.step_tokens]
+        else:  # every prefill token computed was fetched by its step or one before
+            assert sum(fetched) >= run.prefill_tokens and fetched[0] >= run.step_tokens[0][1]
+
+
+@pytest.mark.parametrize("lookahead", [None, 0])
+def test_a_turn_after_a_short_answer_hashes_from_where_the_answer_ended(table, lookahead):
+    """A short answer (one decode step): the next turn's input follows it, and its rows are those of the
+    whole sequence's n-grams (the answer is not fed to the sequence's history twice)."""
+    path, config, hasher = table
+    shape = WorkloadShape("agent", prompt=12, answer=2, turns=3, tool=9)
+    with open_table(path, "mmap") as plain, open_table(path, "memory") as store, Prefetcher(store, hasher) as pf:
+        model = RowsModel(config.layer_ids)
+        engine = RecordingEngine(model, pf, concurrency=2, max_step_tokens=8, lookahead_tokens=lookahead,
+                                 window_tokens=4)
+        run = engine.run(RequestStream(corpus(), shape, seed=5), seconds=60, max_steps=40)
+        assert run.finished >= 1
+        for entry, seen in zip(engine.log, model.seen):
+            for li, layer in enumerate(config.layer_ids):
+                want = expected_rows(plain, hasher, entry, li)
+                assert torch.equal(seen[layer].reshape(want.shape), want)
+        assert sum(run.step_fetched_prefill) <= run.prefill_tokens + engine.lookahead_tokens
 
 
 class RecordingModeled:

@@ -104,6 +104,9 @@ class EngineRun:
     step_seconds: list[float] = field(default_factory=list)
     stall_seconds: list[float] = field(default_factory=list)
     step_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (decode, prefill, KV) per step
+    # prefill tokens whose rows each step began to fetch: its own pieces not fetched ahead and
+    # the windows fetched ahead of later steps (those of the last steps may never be computed)
+    step_fetched_prefill: list[int] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)  # finished, then those still running
     finished: int = 0
 
@@ -152,6 +155,7 @@ class ServingEngine:
         self._layers = list(cfg.layer_ids)
         self._windows: dict[int, list[Window]] = {}  # request number -> its input windows, in order
         self._hashed: dict[int, int] = {}  # request number -> input tokens hashed so far
+        self._issued_tokens = 0  # prefill tokens whose fetch was begun, in all
         self._run: EngineRun | None = None
         self._waiting: list[Request] = []  # active requests not in this step
 
@@ -203,9 +207,14 @@ class ServingEngine:
             end = max(end, w.end)
         return end - r.fed
 
+    def _hashed_to(self, r: Request) -> int:
+        """Where r's tokens stop being hashed: its windows' end, or its position when past them
+        (the tokens it decoded since were hashed by their decode steps)."""
+        return max(self._hashed.get(r.number, r.fed), r.fed)
+
     def _issue(self, r: Request, upto: int, urgent: bool = True) -> int:
         """Hash and start fetching r's input up to position ``upto``; returns tokens issued."""
-        hashed = self._hashed.get(r.number, r.fed)
+        hashed = self._hashed_to(r)
         issued = 0
         windows = self._windows.setdefault(r.number, [])
         while hashed < upto:
@@ -215,6 +224,7 @@ class ServingEngine:
             issued += end - hashed
             hashed = end
         self._hashed[r.number] = hashed
+        self._issued_tokens += issued
         return issued
 
     def _lookahead(self, active: list[Request]) -> None:
@@ -226,7 +236,7 @@ class ServingEngine:
             if not r.in_prefill:
                 continue
             input_end = r.turns[r.turn][0]
-            hashed = self._hashed.get(r.number, r.fed)
+            hashed = self._hashed_to(r)
             budget -= hashed - r.fed
             if budget > 0 and hashed == r.fed and hashed < input_end:
                 # nothing fetched ahead yet (a turn just started): its first window is needed
@@ -342,8 +352,10 @@ class ServingEngine:
                 self._waiting = [r for r in active if r.number not in scheduled]
                 shape = self._shape(chosen, pieces)
                 t0 = time.perf_counter()
+                issued_before = self._issued_tokens
                 stall = self._forward(chosen, pieces, shape)
                 now = time.perf_counter()
+                run.step_fetched_prefill.append(self._issued_tokens - issued_before)
                 run.step_seconds.append(now - t0)
                 run.stall_seconds.append(stall)
                 run.step_tokens.append((shape.decode_tokens, shape.prefill_tokens, shape.kv_tokens))
