@@ -166,6 +166,7 @@ def test_a_real_backbone_runs_and_figures_add_up(table):
         run = engine.run(RequestStream(corpus(1), WorkloadShape("chat", prompt=30, answer=5)), seconds=60, max_steps=30)
     f = summarize_run(run)
     assert f["tokens"] == f["prefill_tokens"] + f["decode_tokens"] == run.tokens
+    assert f["prefill_tokens_fetched"] == sum(run.step_fetched_prefill) >= f["prefill_tokens"]
     assert f["requests_finished"] >= 2 and f["output_tokens"] >= 5 * f["requests_finished"]
     assert f["throughput_tok_s"] > 0 and 0 <= f["stall_fraction"] < 1
     assert f["interactivity_tok_s_per_user"] > 0 and f["p90_itl_ms"] >= f["p50_itl_ms"] > 0

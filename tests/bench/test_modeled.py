@@ -94,14 +94,6 @@ def test_the_prediction_is_the_planners_stall_for_each_step():
         assert got["nvme_iops"] == pytest.approx(reads / sum(totals) * 1e6)
         assert got["stall_us"] > 0  # 10k IOPS cannot keep up with a B300
     assert planner_prediction(model, "memory", steps, None)["placement"] == "dram"
-    # prefill fetched ahead: a step's fetch brings what it began, its roofline what it computes
-    same = planner_prediction(model, "direct", steps, 0.5, gpu, fetched_prefill=[0, 100])
-    assert same == planner_prediction(model, "direct", steps, 0.5, gpu)
-    ahead = planner_prediction(model, "direct", steps, 0.5, gpu, fetched_prefill=[100, 300])
-    assert ahead["stall_us"] > same["stall_us"] and ahead["nvme_iops"] > same["nvme_iops"]
-    assert ahead["step_us"] - ahead["stall_us"] == pytest.approx(same["step_us"] - same["stall_us"])
-    with pytest.raises(ValueError, match="fetched_prefill has 1 steps"):
-        planner_prediction(model, "direct", steps, 0.5, gpu, fetched_prefill=[0])
 
 
 def test_an_mmap_table_reads_by_page_faults_one_per_faulting_thread():

@@ -42,6 +42,9 @@ def summarize_run(run: EngineRun) -> dict[str, Any]:
         "steps": run.steps,
         "tokens": run.tokens,
         "prefill_tokens": run.prefill_tokens,
+        # prefill tokens whose rows were fetched: those computed and the windows fetched ahead
+        # of steps the run ended before (the tier's counters include their reads)
+        "prefill_tokens_fetched": sum(run.step_fetched_prefill),
         "decode_tokens": run.decode_tokens,
         "output_tokens": output,
         "requests_started": len(run.requests),

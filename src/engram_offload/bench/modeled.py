@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from ..config import EngramConfig
 from ..planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
@@ -113,8 +113,7 @@ def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = N
 
 def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tuple[int, int, int]],
                        hit_rate: float | None, gpu: GpuSpec | None = None,
-                       assumptions: Assumptions | None = None, unique: float | None = None,
-                       fetched_prefill: Sequence[int] | None = None) -> dict[str, Any]:
+                       assumptions: Assumptions | None = None, unique: float | None = None) -> dict[str, Any]:
     """What the planner predicts for ``steps`` (``(decode, prefill, KV tokens)`` each) served
     from ``tier`` at a DRAM-cache ``hit_rate``: mean stall and step time per step (us), the
     stall's share of step time, the NVMe reads per second of the TP group and the host CPU
@@ -127,11 +126,7 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
     the earlier formula, every row of the step due at the first Engram layer. Each step reads
     its distinct rows only: ``unique`` of its row ids (a run's measured share), or by default
-    real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens).
-    ``fetched_prefill``: the prefill tokens whose rows each step began to fetch (prefill
-    fetched ahead of its step: ``EngineRun.step_fetched_prefill``); the step's fetch then
-    brings those, not the prefill it computes, so reads made for steps after the run are
-    charged too (default: each step fetches its own prefill)."""
+    real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens)."""
     placement = PLACEMENT_OF_TIER[tier]
     gpu = gpu or backbone.gpu
     model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
@@ -141,17 +136,13 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     layers = sorted(backbone.layer_ids)
     stall = first_only = step_total = reads = host = 0.0
     n = 0
-    steps = list(steps)
-    fetched = list(fetched_prefill) if fetched_prefill is not None else [p for _, p, _ in steps]
-    if len(fetched) != len(steps):
-        raise ValueError(f"fetched_prefill has {len(fetched)} steps, steps {len(steps)}")
-    for (decode, prefill, kv), ahead in zip(steps, fetched):
+    for decode, prefill, kv in steps:
         roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
         offsets = layer_offsets_us(model, layers, roofline)
         due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a,
                          unique or step_unique_fraction(decode, 0))
-        total = fetch_time(model, gpu, tp, placement, decode + ahead, hit_rate, a,
-                           unique or step_unique_fraction(decode, ahead))
+        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a,
+                           unique or step_unique_fraction(decode, prefill))
         s = max(0.0, step_stall_us(due, total, offsets, roofline))
         first_only += max(0.0, total.transfer_us - offsets[0])
         stall += s

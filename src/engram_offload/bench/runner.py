@@ -319,7 +319,7 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         # the page cache, held to the budget, keeps 4 KiB pages; a page's other rows belong to
         # unrelated n-grams (hashing spreads them), so a cached page holds about one row worth keeping
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // MMAP_PAGE_BYTES)
-    own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu, fetched_prefill=run.step_fetched_prefill)
+    own = planner_prediction(model, tier, run.step_tokens, planner_hit, gpu)
     reads = _device_reads(served)
     step_us = float(sum(run.step_seconds)) / run.steps * 1e6 if run.steps else 0.0
     stall_us = float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0
@@ -350,8 +350,7 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         a = replace(a, nvme_read_bytes=_tier_delta(served, "bytes_read") // reads)
     if measured_hit is not None:
         at = planner_prediction(model, tier, run.step_tokens, measured_hit, gpu, a,
-                                unique=served.after["store"]["unique_ratio"] or None,
-                                fetched_prefill=run.step_fetched_prefill)
+                                unique=served.after["store"]["unique_ratio"] or None)
         out.update(predicted_stall_us_at_measured_hit=at["stall_us"],
                    predicted_stall_us_all_at_first_layer_at_measured_hit=at["stall_us_all_at_first_layer"],
                    predicted_stall_fraction_at_measured_hit=at["stall_fraction"],
