@@ -96,13 +96,6 @@ class RecycledArrays:
                 return slot
         return None
 
-    def clear(self) -> None:
-        """Forget every kept array (those still held live on with their holders)."""
-        with self._lock:
-            self._given.clear()  # first: their callbacks die with them
-            self._bases.clear()
-            self._free.clear()
-
 
 class _Lent:
     """A kept array's memory lent out as ``shape`` of ``dtype``: the array made from it, every

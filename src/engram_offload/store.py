@@ -51,8 +51,8 @@ from .gpu.delivery import STAGING_BYTES, DeviceRows
 from .gpu.device_table import DeviceTable
 from .gpu.hbm_cache import HbmRowCache
 from .gpu.sync import MAIN, DeviceSync, make_sync
-from .rowcopy import move_rows
 from .recycle import RecycledArrays
+from .rowcopy import move_rows
 from .rows import decode_rows
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from .table.format import TableHeader, read_header

@@ -103,12 +103,15 @@ class MmapTier(Tier):
                 raise self._changed("ended early during a read")
 
     def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
-                       pages: int) -> None:
-        """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it
-        took; the ``pread`` fallback takes no faults and counts neither."""
+                       pages: int | None = None) -> None:
+        """``_copy``, counting the pages it touches (``pages``, or those holding ``offsets``)
+        and the major faults (drive reads) it took; the ``pread`` fallback takes no faults
+        and counts neither."""
         if not guarded_copy_available():
             self._copy(offsets, lengths, dest, dests)
             return
+        if pages is None:
+            pages = np.unique((offsets - self.layout.data_offset) // self.layout.page_bytes).size
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
         self._copy(offsets, lengths, dest, dests)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - before
@@ -128,9 +131,8 @@ class MmapTier(Tier):
         if not self.verify_pages:
             rb = self.row_bytes
             dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
-            pages = np.unique((offsets - self.layout.data_offset) // self.layout.page_bytes).size
             self._faulting_copy(offsets, np.full(len(ids), rb, np.int64), dest,
-                                np.arange(len(ids), dtype=np.int64) * rb, pages)
+                                np.arange(len(ids), dtype=np.int64) * rb)
             if not out.is_contiguous():
                 out.copy_(torch.from_numpy(dest))
             self._count(reads=len(ids), bytes_read=len(ids) * rb)
