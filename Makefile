@@ -29,7 +29,7 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 # Mutation testing of one core module against its own tests (docs/mutation.md); not in CI.
-#   make mutation MODULE=dedup        make mutation  (lists the modules)
+#   make mutation MODULE=serving/dedup   make mutation  (lists the modules)
 MODULE ?=
 WORKERS ?= 2
 $(BIN)/mutmut: $(BIN)/.installed

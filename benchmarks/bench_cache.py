@@ -38,17 +38,17 @@ import numpy as np
 import torch
 
 from engram_offload import open_table
-from engram_offload.backbone import EngramBackbone
+from engram_offload.bench.backbone import EngramBackbone
 from engram_offload.cache import RowCache, build_levels
 from engram_offload.cache.report import format_stats_table
-from engram_offload.dedup import dedup
-from engram_offload.hashing import NgramHasher
+from engram_offload.serving.dedup import dedup
+from engram_offload.engram.hashing import NgramHasher
 from engram_offload.machine import machine_facts
-from engram_offload.prefetch import Prefetcher
-from engram_offload.store import TableStore
-from engram_offload.tokenizer import cached_token_map
-from engram_offload.trace import serving_steps, stdlib_token_sequences
-from engram_offload.wiring import forward_with_prefetch, forward_with_store
+from engram_offload.serving.prefetch import Prefetcher
+from engram_offload.serving.store import TableStore
+from engram_offload.engram.tokenizer import cached_token_map
+from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
+from engram_offload.serving.wiring import forward_with_prefetch, forward_with_store
 
 POLICIES = [("lru", False), ("lru", True), ("lfu", False), ("lfu", True)]
 

@@ -32,20 +32,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import full_batch_trace, replay_hit_rate  # noqa: E402  (the same trace and replay)
 
 from engram_offload import EngramConfig, open_table  # noqa: E402
-from engram_offload.dedup import dedup  # noqa: E402
+from engram_offload.serving.dedup import dedup  # noqa: E402
 from engram_offload.machine import machine_facts  # noqa: E402
-from engram_offload.rowserver import RowClient, start_row_server  # noqa: E402
-from engram_offload.table import make_random_table, read_header  # noqa: E402
-from engram_offload.tiers.memory import MemoryTier  # noqa: E402
-from engram_offload.tiers.shared import SharedTier, process_pss  # noqa: E402
-from engram_offload.tokenizer import cached_token_map  # noqa: E402
-from engram_offload.trace import stdlib_token_sequences  # noqa: E402
+from engram_offload.serving.rowserver import RowClient, start_row_server  # noqa: E402
+from engram_offload.table import make_random_table  # noqa: E402
+from engram_offload.bench.pss import summed_pss  # noqa: E402
+from engram_offload.engram.tokenizer import cached_token_map  # noqa: E402
+from engram_offload.planner.trace import stdlib_token_sequences  # noqa: E402
 
 
 # ---------------------------------------------------------------------- 1. one cache vs private caches
@@ -128,52 +126,6 @@ def cache_comparison(args, config, steps: list[np.ndarray]) -> dict:
 
 
 # ---------------------------------------------------------------------- 2. summed PSS
-def _attach(conn, table: str, tier: str, shm_dir: str) -> None:
-    """Waits for "open", opens ``table`` on ``tier`` and touches every row; answers "pss"."""
-    header = read_header(table)
-    opened = None
-    int(torch.ones(1 << 20, dtype=torch.uint8).sum())  # torch's reduction threads and kernels, before the baseline
-    conn.send(process_pss())  # before the table
-    for command in iter(conn.recv, "exit"):
-        if command == "open":
-            opened = SharedTier(header, shm_dir=shm_dir) if tier == "shared" else MemoryTier(header)
-            int(opened.rows.sum())  # fault in every page
-        segment = getattr(opened, "segment", None)
-        conn.send((process_pss(), process_pss(mapping=segment) if segment else 0))
-    if opened is not None:
-        opened.close()
-
-
-def summed_pss(table: Path, tier: str, shm_dir: str, counts=(1, 2, 4)) -> list[dict]:
-    ctx = multiprocessing.get_context("spawn")
-    pipes, workers = [], []
-    for _ in range(max(counts)):
-        parent, child = ctx.Pipe()
-        workers.append(ctx.Process(target=_attach, args=(child, str(table), tier, shm_dir), daemon=True))
-        workers[-1].start()
-        pipes.append(parent)
-    rows, opened = [], 0
-    try:
-        baselines = [p.recv() for p in pipes]
-        for n in counts:
-            for p in pipes[opened:n]:
-                p.send("open")
-                p.recv()
-            opened = n
-            for p in pipes[:n]:
-                p.send("pss")
-            answers = [p.recv() for p in pipes[:n]]
-            rows.append({"processes": n, "tier": tier,
-                         "summed_pss_growth_bytes": sum(t - b for (t, _), b in zip(answers, baselines)),
-                         "summed_segment_pss_bytes": sum(s for _, s in answers)})
-    finally:
-        for p in pipes:
-            p.send("exit")
-        for w in workers:
-            w.join(timeout=60)
-    return rows
-
-
 def pss_comparison(args) -> dict:
     config = EngramConfig.from_name("deepseek-v4.1-flash").scaled(args.pss_scale)
     with tempfile.TemporaryDirectory(prefix="ranks-pss-", dir="/tmp") as directory, \

@@ -36,7 +36,7 @@ import hiredis
 import numpy as np
 import torch
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.machine import machine_facts
 from engram_offload.pool.client import PoolClient, encode_command
 from engram_offload.pool.layout import PoolLayout

@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device")
         return 0
 
-    from engram_offload import rows
+    from engram_offload.engram import rows
     from engram_offload.gpu import (CudaSync, RowSource, gather_raw, gather_rows, tiered_gather, uva_coherent)
     from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
-    from engram_offload.config import EngramConfig
+    from engram_offload.engram.config import EngramConfig
 
     fmt, head_dim = "fp8_e4m3_ue8m0", 256
     row_bytes = rows.row_bytes(fmt, head_dim)
@@ -176,11 +176,12 @@ def store_and_prefetch(report: dict, steps: int = 50, batch: int = 64) -> bool:
 
     import numpy as np
 
-    from engram_offload import open_table, rows, write_table
-    from engram_offload.config import EngramConfig
+    from engram_offload import open_table, write_table
+    from engram_offload.engram import rows
+    from engram_offload.engram.config import EngramConfig
     from engram_offload.gpu import CudaSync
-    from engram_offload.hashing import NgramHasher
-    from engram_offload.prefetch import Prefetcher
+    from engram_offload.engram.hashing import NgramHasher
+    from engram_offload.serving.prefetch import Prefetcher
 
     config = EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=256,
                           prime_starts=(6000, 6000), row_format="fp8_e4m3_ue8m0")  # ~50 MiB

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from tiny_tables import tiny_config as _tiny_config
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 
 
 def reference_row_ids(config: EngramConfig, token_map: np.ndarray, ids: list[int],

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 
 LAYERS = (1, 3)
 HIDDEN, HC, HEAD_DIM, N, HEADS = 40, 2, 64, 3, 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 
 
 def tiny_config(row_format: str = "fp8_e4m3_ue8m0", head_dim: int = 64, starts=(300, 500)) -> EngramConfig:

@@ -1,6 +1,6 @@
 """Mutation testing of one core module against its own tests (mutmut 3).
 
-    python tools/mutation.py dedup            # mutate src/engram_offload/dedup.py, run tests/test_dedup.py
+    python tools/mutation.py serving/dedup    # mutate src/engram_offload/serving/dedup.py, run tests/serving/test_dedup.py
     python tools/mutation.py planner/placement --workers 2
     python tools/mutation.py --list           # the modules and the tests each runs
 
@@ -32,13 +32,13 @@ SCRATCH = ROOT / ".mutation"
 
 # module -> (its source files under the package, the tests that are its own)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "hashing": (["hashing.py"], ["tests/test_hashing.py"]),
-    "config": (["config.py"], ["tests/test_config.py"]),
-    "rows": (["rows.py"], ["tests/test_rows.py"]),
-    "layer": (["layer.py"], ["tests/test_layer.py", "tests/checkpoint"]),
-    "dedup": (["dedup.py"], ["tests/test_dedup.py"]),
-    "prefetch": (["prefetch.py"], ["tests/test_prefetch.py"]),
-    "sharding": (["sharding.py"], ["tests/test_sharding.py"]),
+    "engram/hashing": (["engram/hashing.py"], ["tests/engram/test_hashing.py"]),
+    "engram/config": (["engram/config.py"], ["tests/engram/test_config.py"]),
+    "engram/rows": (["engram/rows.py"], ["tests/engram/test_rows.py"]),
+    "engram/layer": (["engram/layer.py"], ["tests/engram/test_layer.py", "tests/engram/test_released_checkpoint.py"]),
+    "serving/dedup": (["serving/dedup.py"], ["tests/serving/test_dedup.py"]),
+    "serving/prefetch": (["serving/prefetch.py"], ["tests/serving/test_prefetch.py"]),
+    "serving/sharding": (["serving/sharding.py"], ["tests/serving/test_sharding.py"]),
     "table": (["table/format.py", "table/writer.py"], ["tests/table"]),
     "tiers/base": (["tiers/base.py"], ["tests/tiers/test_tier_base.py"]),  # its closes fail fast, never hang
     "cache/policy": (["cache/policy.py"], ["tests/cache/test_policy.py", "tests/cache/test_cache_index.py"]),
@@ -48,8 +48,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "cache/row_cache": (["cache/row_cache.py"], ["tests/cache"]),
     "cache/levels": (["cache/levels.py", "cache/lease.py"],
                      ["tests/cache/test_levels.py", "tests/cache/test_cached_store.py"]),
-    "store": (["store.py"], ["tests/test_store.py", "tests/cache",  # and open_table's row_server branch:
-                             *(f"tests/rowserver/test_rowserver.py::test_{name}" for name in (
+    "serving/store": (["serving/store.py"], ["tests/serving/test_store.py", "tests/cache",  # and open_table's row_server:
+                             *(f"tests/serving/rowserver/test_rowserver.py::test_{name}" for name in (
                                  "open_table_with_a_row_server_refuses_local_options",
                                  "open_table_with_a_row_server_is_a_row_store_for_the_prefetcher",
                                  "a_row_client_with_columns_fetches_only_its_shard")),
@@ -67,7 +67,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 # tests waiting on rows that never come: 4x the tests' time (not mutmut's 15x) ends each wait
 # in seconds, still far above what a correct run of those tests takes on a loaded machine.
 SETTINGS: dict[str, dict[str, object]] = {
-    "prefetch": {"timeout_multiplier": 4.0},
+    "serving/prefetch": {"timeout_multiplier": 4.0},
 }
 
 KILLED = {"killed", "caught by type check", "timeout", "segfault"}

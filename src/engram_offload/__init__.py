@@ -15,24 +15,24 @@ __version__ = "0.1.0"
 
 # public name -> the module (relative to this package) that defines it
 _EXPORTS: dict[str, str] = {
-    "EngramConfig": ".config",
-    "PRESETS": ".config",
-    "ROW_FORMATS": ".rows",
-    "encode_rows": ".rows",
-    "decode_rows": ".rows",
-    "row_bytes": ".rows",
+    "EngramConfig": ".engram.config",
+    "PRESETS": ".engram.config",
+    "ROW_FORMATS": ".engram.rows",
+    "encode_rows": ".engram.rows",
+    "decode_rows": ".engram.rows",
+    "row_bytes": ".engram.rows",
     "EngramError": ".errors",
     "TableFormatError": ".errors",
     "ChecksumError": ".errors",
     "TierError": ".errors",
-    "NgramHasher": ".hashing",
-    "EngramLayer": ".layer",
-    "compress_tokenizer": ".tokenizer",
-    "cached_token_map": ".tokenizer",
-    "Prefetcher": ".prefetch",
-    "open_table": ".store",
-    "shard_columns": ".sharding",
-    "assemble_columns": ".sharding",
+    "NgramHasher": ".engram.hashing",
+    "EngramLayer": ".engram.layer",
+    "compress_tokenizer": ".engram.tokenizer",
+    "cached_token_map": ".engram.tokenizer",
+    "Prefetcher": ".serving.prefetch",
+    "open_table": ".serving.store",
+    "shard_columns": ".serving.sharding",
+    "assemble_columns": ".serving.sharding",
     "write_table": ".table.writer",
 }
 
@@ -53,13 +53,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from .config import PRESETS, EngramConfig
+    from .engram.config import PRESETS, EngramConfig
     from .errors import ChecksumError, EngramError, TableFormatError, TierError
-    from .hashing import NgramHasher
-    from .layer import EngramLayer
-    from .prefetch import Prefetcher
-    from .rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
-    from .sharding import assemble_columns, shard_columns
-    from .store import open_table
+    from .engram.hashing import NgramHasher
+    from .engram.layer import EngramLayer
+    from .serving.prefetch import Prefetcher
+    from .engram.rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+    from .serving.sharding import assemble_columns, shard_columns
+    from .serving.store import open_table
     from .table.writer import write_table
-    from .tokenizer import cached_token_map, compress_tokenizer
+    from .engram.tokenizer import cached_token_map, compress_tokenizer

@@ -12,13 +12,13 @@ import torch
 import torch.multiprocessing as mp
 
 from engram_offload import open_table
-from engram_offload.bench import runner
+from engram_offload.bench import sweep
 from engram_offload.bench.ranks import RankRequests, RankRole
 from engram_offload.bench.workload import RequestStream, WorkloadShape
 from engram_offload.cli import main
-from engram_offload.prefetch import Prefetcher
-from engram_offload.sharding import shard_columns
-from engram_offload.hashing import NgramHasher
+from engram_offload.serving.prefetch import Prefetcher
+from engram_offload.serving.sharding import shard_columns
+from engram_offload.engram.hashing import NgramHasher
 from engram_offload.table.format import read_header
 from test_engine import VOCAB, RecordingEngine, RowsModel, corpus, expected_rows, table  # noqa: F401 (fixture)
 
@@ -42,7 +42,7 @@ def bench_args(path, out, *extra):
 
 
 def test_two_ranks_serve_from_one_shared_table_and_one_row_server(tiny_table, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(runner, "RANKS_TIMEOUT_S", RANKS_TIMEOUT_S)
+    monkeypatch.setattr(sweep, "RANKS_TIMEOUT_S", RANKS_TIMEOUT_S)
     out = tmp_path / "out"
     assert main(bench_args(tiny_table, out, "--tiers", "memory,direct", "--ranks", "2")) == 0
     doc = json.loads((out / "results.json").read_text())
@@ -127,7 +127,7 @@ def test_tp_ranks_engram_layers_get_their_tokens_rows_all_gathered(table, tmp_pa
 
 
 def test_two_tp_ranks_end_to_end(tiny_table, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "RANKS_TIMEOUT_S", RANKS_TIMEOUT_S)
+    monkeypatch.setattr(sweep, "RANKS_TIMEOUT_S", RANKS_TIMEOUT_S)
     out = tmp_path / "out"
     assert main(bench_args(tiny_table, out, "--tiers", "direct", "--ranks", "2", "--tp", "2")) == 0
     run = json.loads((out / "results.json").read_text())["runs"][0]

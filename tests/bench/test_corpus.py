@@ -7,7 +7,7 @@ import pytest
 
 from engram_offload.bench import corpus as corpus_module
 from engram_offload.bench.corpus import load_corpus, zipf_corpus
-from engram_offload.tokenizer import load_tokenizer
+from engram_offload.engram.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from engram_offload import open_table, write_table
-from engram_offload.backbone import EngramBackbone
+from engram_offload.bench.backbone import EngramBackbone
 from engram_offload.bench.corpus import Corpus
 from engram_offload.bench.engine import ServingEngine, StepShape
 from engram_offload.bench.metrics import summarize_run
 from engram_offload.bench.workload import RequestStream, WorkloadShape
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
-from engram_offload.hashing import NgramHasher
-from engram_offload.prefetch import Prefetcher, PrefetchError
+from engram_offload.engram.hashing import NgramHasher
+from engram_offload.serving.prefetch import Prefetcher, PrefetchError
 
 VOCAB = 500
 
@@ -224,7 +224,7 @@ def test_a_turn_waits_for_its_rows_while_others_decode(table):
 
 
 def test_repeats_combine_into_medians():
-    from engram_offload.bench.runner import combine_repeats
+    from engram_offload.bench.sweep import combine_repeats
 
     runs = [{"tier": "direct", "concurrency": 8, "throughput_tok_s": t, "hit_rate": h, "p90_itl_ms": 5.0, "budget_enforced": True,
              "output_tok_s": 1, "interactivity_tok_s_per_user": None, "stall_fraction": 0.1}

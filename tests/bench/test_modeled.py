@@ -10,7 +10,7 @@ import torch
 
 from engram_offload.bench.engine import StepShape
 from engram_offload.bench.modeled import ModeledBackbone, modeled_backbone, planner_prediction
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
 from engram_offload.planner.perf import decode_step, step_time
 from engram_offload.planner.placement import fetch_time, step_stall_us

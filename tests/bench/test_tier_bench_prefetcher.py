@@ -143,7 +143,7 @@ def test_replays_use_fresh_sequence_ids_and_finish_them():
 
 
 def test_the_check_catches_a_wrong_row(table):
-    from engram_offload.store import open_table
+    from engram_offload.serving.store import open_table
 
     ids = torch.tensor([[[0, 5], [100, 7]]])  # [T=1, L=2, C=2]
     with open_table(table, "mmap") as store:

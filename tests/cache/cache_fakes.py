@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
 from tiny_tables import tiny_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache_fakes import FakeTier, small_config
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 
 
 @pytest.fixture

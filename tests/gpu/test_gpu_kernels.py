@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from engram_offload import rows
+from engram_offload.engram import rows
 from engram_offload.gpu import (dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton,
                                 tiered_gather)
 from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
@@ -150,7 +150,7 @@ def test_empty_batches_launch_nothing():
 BIG_TABLE = textwrap.dedent(
     """
     import os, sys, numpy as np, torch
-    from engram_offload import rows
+    from engram_offload.engram import rows
     from engram_offload.gpu import gather_raw, gather_rows
     path, row_bytes = sys.argv[1], 264
     num_rows = (2**31 + 40 * row_bytes) // row_bytes  # past 2**31 bytes
@@ -182,7 +182,7 @@ def test_offsets_past_2_31_bytes_in_a_read_only_sparse_file(tmp_path):
 
 def test_cpu_tensors_use_the_reference_without_the_interpreter():
     code = ("import sys, torch; from engram_offload.gpu import gather_rows, runs_triton; "
-            "from engram_offload import rows; t = rows.encode_rows(torch.ones(3, 32), 'fp8_e4m3_ue8m0'); "
+            "from engram_offload.engram import rows; t = rows.encode_rows(torch.ones(3, 32), 'fp8_e4m3_ue8m0'); "
             "assert not runs_triton(t); assert gather_rows(t, torch.tensor([2]), 'fp8_e4m3_ue8m0').eq(1).all(); "
             "assert 'triton' not in sys.modules; print('ok')")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload import rows
+from engram_offload.engram import rows
 from engram_offload.gpu import HbmRowCache, ImmediateSync, OrderingError, StagingRing, TracingSync
 from engram_offload.gpu.reference import gather_raw_ref
 

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload import open_table, rows, write_table
-from engram_offload.config import EngramConfig
+from engram_offload import open_table, write_table
+from engram_offload.engram import rows
+from engram_offload.engram.config import EngramConfig
 from engram_offload.gpu import TracingSync
-from engram_offload.hashing import NgramHasher
-from engram_offload.prefetch import Prefetcher
+from engram_offload.engram.hashing import NgramHasher
+from engram_offload.serving.prefetch import Prefetcher
 
 CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=64,
                       prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")

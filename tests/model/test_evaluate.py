@@ -28,7 +28,7 @@ def test_tiers_give_bit_identical_logits(model_dir, model, held_out_pieces, tmp_
     expected = _logits(model, held_out_pieces)
     served = load_model(model_dir, table=False)
     from engram_offload.table.convert import convert_checkpoint
-    from engram_offload.config import EngramConfig
+    from engram_offload.engram.config import EngramConfig
 
     table = convert_checkpoint(model_dir, tmp_path / "t.engram", EngramConfig.from_hf_config(model_dir), progress=False)
     with served_table(model_dir, tier, table=table, cache_bytes=cache) as store:
@@ -81,3 +81,20 @@ def test_eval_command_prints_tokens_and_perplexity(capsys):
     assert on["tokens"] == off["tokens"] == served["tokens"] > 1000
     assert served["perplexity"] == on["perplexity"] < off["perplexity"]
     assert (on["engram"], off["engram"], served["tier"]) == (True, False, "mmap")
+
+
+def test_every_reading_command_takes_the_same_model_text_and_json_options(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    model_commands.register(parser.add_subparsers(dest="command"))
+    shared = ["--model", "M", "--corpus", "C", "--all-files", "--max-tokens", "7", "--seq-len", "9",
+              "--threads", "2", "--json", "--json-out", "out.json"]
+    for command in ("eval", "scan", "cache-sim", "skip-curve"):
+        args = parser.parse_args([command, *shared])
+        assert (args.model, args.corpus, args.all_files, args.max_tokens, args.seq_len, args.threads, args.json,
+                args.json_out) == ("M", ["C"], True, 7, 9, 2, True, "out.json"), command
+
+
+def test_eval_command_writes_the_json_it_prints(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    printed = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--json-out", str(out)], capsys))
+    assert json.loads(out.read_text()) == printed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engram_offload.model.scan import rank_correlation, scan, top_rows
-from engram_offload.tokenizer import load_tokenizer
+from engram_offload.engram.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from made_up import decode_stall
 
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.planner import (
     DEFAULT_ASSUMPTIONS, GPUS, MODELS, Workload, get_gpu, get_model, make_plan,
     smallest_feasible_tp,

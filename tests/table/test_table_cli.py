@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from engram_offload import cli
-from engram_offload.config import EngramConfig
+from engram_offload.engram.config import EngramConfig
 from engram_offload.machine import free_disk_bytes
 from engram_offload.table import TableLayout, read_header
 from engram_offload.table.writer import boot_id

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from engram_offload import cli
-from engram_offload.config import EngramConfig
-from engram_offload.rows import encode_rows
-from engram_offload.store import open_table
+from engram_offload.engram.config import EngramConfig
+from engram_offload.engram.rows import encode_rows
+from engram_offload.serving.store import open_table
 from engram_offload.table.convert import convert_checkpoint
 
 HF_CONFIG = {

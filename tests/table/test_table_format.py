@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_offload.errors import ChecksumError, TableFormatError
-from engram_offload.rows import decode_rows, encode_rows
+from engram_offload.engram.rows import decode_rows, encode_rows
 from engram_offload.table import (TableLayout, TableWriter, make_random_table, random_rows,
                                   read_header, verify_table, write_table)
 from engram_offload.table.format import PAGE_BYTES, SECTOR_BYTES
@@ -415,7 +415,7 @@ def test_header_field_errors_name_the_field(table, tmp_path):
 
 
 def test_layout_geometry_of_a_small_table(tmp_path):
-    from engram_offload.config import EngramConfig
+    from engram_offload.engram.config import EngramConfig
     config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=1000, prime_starts=(10,))
     layout = TableLayout.for_config(config, block_size=5000)  # 4,000-byte rows: one a page
     assert (config.num_rows, layout.page_bytes, layout.rows_per_page) == (11, 4096, 1)
@@ -489,7 +489,7 @@ def test_row_arguments_are_checked_with_their_messages(tmp_path, config):
 
 
 def test_float_rows_in_more_than_one_encode_chunk(tmp_path):
-    from engram_offload.config import EngramConfig
+    from engram_offload.engram.config import EngramConfig
     config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=2, prime_starts=(70_000,),
                           row_format="bf16")  # 70,001 rows, above the 65,536 encoded at a time
     x = np.random.default_rng(0).standard_normal((config.num_rows, 2)).astype(np.float32)[:, ::-1]  # strided

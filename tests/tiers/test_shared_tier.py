@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import signal
@@ -16,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.config import EngramConfig
+from engram_offload.bench.pss import summed_pss
+from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers.memory import MemoryTier
-from engram_offload.tiers.shared import READY, SharedTier, _read_head, process_pss, remove_segment, segment_name
+from engram_offload.tiers.shared import READY, SharedTier, _read_head, remove_segment, segment_name
 from tiny_tables import tiny_config
 
 SHM = Path("/dev/shm")
@@ -42,7 +42,7 @@ def table(tmp_path_factory):
 
 
 def test_rows_equal_the_memory_tiers_and_the_second_open_attaches(table, shm_dir):
-    from engram_offload.store import open_table
+    from engram_offload.serving.store import open_table
 
     path, expected = table
     header = read_header(path)
@@ -115,56 +115,16 @@ def test_a_loader_killed_mid_load_leaves_a_segment_the_next_process_reloads(tabl
 
 
 # ---------------------------------------------------------------------- one copy: summed PSS
-def _attacher(conn, table: str, shm_dir: str) -> None:
-    """Waits for "attach", opens the shared tier and touches every row; answers PSS queries."""
-    header = read_header(table)
-    tier = None
-    int(torch.ones(1 << 20, dtype=torch.uint8).sum())  # torch's reduction threads and kernels, before the baseline
-    conn.send(process_pss())  # the baseline, before the segment
-    for command in iter(conn.recv, "exit"):
-        if command == "attach":
-            tier = SharedTier(header, shm_dir=shm_dir)
-            int(tier.rows.sum())  # fault in every page
-        segment = str(tier.segment) if tier is not None else None
-        conn.send((process_pss(), process_pss(mapping=segment) if segment else 0))
-    if tier is not None:
-        tier.close()
-
-
 @pytest.mark.slow
 def test_summed_pss_of_1_2_and_4_attached_processes_is_about_one_copy(tmp_path, shm_dir):
     # 8 heads x ~8k rows x 1 KiB: a 64 MiB table, large beside any per-process noise
     config = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=256, prime_starts=(8192, 8192))
     path = make_random_table(tmp_path / "big.table", config, seed=1)
     one_copy = config.num_rows * config.row_bytes
-    ctx = multiprocessing.get_context("spawn")
-    pipes, workers = [], []
-    for _ in range(4):
-        parent, child = ctx.Pipe()
-        worker = ctx.Process(target=_attacher, args=(child, str(path), str(shm_dir)), daemon=True)
-        worker.start()
-        pipes.append(parent)
-        workers.append(worker)
-    try:
-        baselines = [p.recv() for p in pipes]
-        attached = 0
-        for n in (1, 2, 4):
-            for p in pipes[attached:n]:
-                p.send("attach")
-                p.recv()
-            attached = n
-            for p in pipes[:n]:
-                p.send("pss")
-            answers = [p.recv() for p in pipes[:n]]
-            rollup = sum(total - base for (total, _), base in zip(answers, baselines))
-            segment = sum(seg for _, seg in answers)
-            assert one_copy * 0.9 < segment < 1.2 * one_copy, (n, segment, one_copy)
-            assert rollup < 1.2 * one_copy, (n, rollup, one_copy)
-    finally:
-        for p in pipes:
-            p.send("exit")
-        for w in workers:
-            w.join(timeout=30)
+    for row in summed_pss(path, "shared", shm_dir):
+        n, segment, rollup = row["processes"], row["summed_segment_pss_bytes"], row["summed_pss_growth_bytes"]
+        assert one_copy * 0.9 < segment < 1.2 * one_copy, (n, segment, one_copy)
+        assert rollup < 1.2 * one_copy, (n, rollup, one_copy)
 
 
 def test_a_damaged_table_is_refused_while_loading_and_leaves_no_segment(table, tmp_path, shm_dir):

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..tokenizer import encode_documents, load_tokenizer
+from ..engram.tokenizer import encode_documents, load_tokenizer
 
 __all__ = ["Corpus", "DOCS_GLOBS", "MAX_FILE_BYTES", "docs_root", "load_corpus", "zipf_corpus"]
 

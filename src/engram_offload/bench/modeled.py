@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from ..config import EngramConfig
+from ..engram.config import EngramConfig
 from ..planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from ..planner.hardware import GpuSpec, get_gpu
 from ..planner.models import ModelSpec, get_model

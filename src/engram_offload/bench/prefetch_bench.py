@@ -36,9 +36,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..hashing import NgramHasher
-from ..prefetch import Prefetcher, Step
-from ..store import TableStore, open_table
+from ..engram.hashing import NgramHasher
+from ..serving.prefetch import Prefetcher, Step
+from ..serving.store import TableStore, open_table
 from .corpus import Corpus, load_corpus
 from .workload import RequestStream, WorkloadShape
 
@@ -55,7 +55,7 @@ StepInput = tuple[list[int], np.ndarray, list[int]]  # (seq ids, one token each 
 def load_text(corpus: str | Corpus, max_tokens: int, seed: int) -> tuple[Corpus, np.ndarray]:
     """The corpus (a name or path for ``load_corpus``, or one already loaded) and the
     DeepSeek tokenizer's compression map."""
-    from ..tokenizer import cached_token_map, load_tokenizer
+    from ..engram.tokenizer import cached_token_map, load_tokenizer
 
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, load_tokenizer(), max_tokens=max_tokens, seed=seed)

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import EngramConfig
-from ..sharding import Columns, assemble_columns, shard_columns
+from ..engram.config import EngramConfig
+from ..serving.sharding import Columns, assemble_columns, shard_columns
 from ..table.format import read_header
 from .engine import BackboneStep, EngineRun, RowsFor, StepShape
 from .workload import Request, RequestStream
@@ -132,7 +132,7 @@ class RankRole:
         return bool(flag.item())
 
     def open(self, tier: str, options: dict[str, Any]) -> Any:
-        from ..store import open_table
+        from ..serving.store import open_table
 
         if tier == "direct":
             return _ServerStore(open_table(self.table, "direct", row_server=self.row_server, columns=self.columns))
@@ -198,7 +198,7 @@ def execute_ranked_run(tier: str, state: str, concurrency: int, settings: Any, c
     """One run served by ``ranks`` processes (``tp`` of them a tensor-parallel group)."""
     import multiprocessing
 
-    from ..rowserver import start_row_server
+    from ..serving.rowserver import start_row_server
     from ..tiers.shared import remove_segment
 
     if tier not in RANK_TIERS:

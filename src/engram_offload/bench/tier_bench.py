@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..store import TableStore, open_table
+from ..serving.store import TableStore, open_table
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from .cold import make_cold
 from .corpus import Corpus

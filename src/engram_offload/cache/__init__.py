@@ -1,6 +1,6 @@
 """Row caches in front of a tier: policies, admission, the cache itself, leases, building the levels.
 
-The store (``engram_offload.store.TableStore``) walks these levels; nothing here imports it.
+The store (``engram_offload.serving.store.TableStore``) walks these levels; nothing here imports it.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .._native import native_disabled
-from ..rowcopy import move_rows
+from ..buffers.rowcopy import move_rows
 from .admission import FrequencySketch
 from .index import DirectIndex, RowIndex, make_index
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy

@@ -162,9 +162,9 @@ def _concurrency(text: str) -> list[int]:
 
 def default_table(preset: str, scale: float, seed: int, progress: bool) -> Path:
     """The cached table for (preset, scale, seed), made on first use."""
-    from ..config import EngramConfig
+    from ..engram.config import EngramConfig
     from ..table import make_random_table
-    from ..tokenizer import engram_cache_dir
+    from ..engram.tokenizer import engram_cache_dir
 
     path = engram_cache_dir() / "tables" / f"{preset}-x{scale:g}-seed{seed}.table"
     if path.exists():
@@ -281,7 +281,7 @@ def _corpora(args: argparse.Namespace) -> tuple[Any, Any]:
     """The measured corpus (all of it) and the sweep's ``Corpora`` (measured, warm, mixed)."""
     from ..bench.corpus import Corpus, docs_root, load_corpus
     from ..bench.runner import Corpora
-    from ..tokenizer import load_tokenizer
+    from ..engram.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     specs = args.corpus or ["stdlib"]
@@ -351,8 +351,8 @@ def _remote_pool(plan: _Plan, args: argparse.Namespace, show: bool) -> Iterator[
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.report import (comparisons, comparisons_table, frontier_plot, markdown_table, stall_limits,
                                 stall_limits_table, write_json)
-    from ..bench.runner import run_sweep
-    from ..tokenizer import cached_token_map
+    from ..bench.sweep import run_sweep
+    from ..engram.tokenizer import cached_token_map
 
     show = not args.no_progress and sys.stderr.isatty()
     plan = _plan(args, show)

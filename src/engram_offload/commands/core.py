@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import EngramConfig
-from ..rows import get_row_format
-from ..config import check_config_fields
+from ..engram.config import EngramConfig
+from ..engram.rows import get_row_format
+from ..engram.config import check_config_fields
 from ..units import positive_int
 
 
@@ -144,8 +144,8 @@ def register_hash(sub: argparse._SubParsersAction) -> None:
 def cmd_hash(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from ..hashing import NgramHasher
-    from ..tokenizer import cached_token_map, load_tokenizer
+    from ..engram.hashing import NgramHasher
+    from ..engram.tokenizer import cached_token_map, load_tokenizer
 
     try:
         args.text.encode("utf-8")

@@ -38,61 +38,59 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
 
+    reads, as_json = _reading_parent(), _json_parent()
     ev = sub.add_parser(
-        "eval", help="held-out perplexity of the trained model, from any tier",
+        "eval", parents=[reads, as_json], help="held-out perplexity of the trained model, from any tier",
         description="Perplexity of the model on the held-out files of a corpus, with Engram rows from "
         "the checkpoint or served from a tier; --no-engram forces every gate to 0.",
     )
-    _add_eval_arguments(ev)
     ev.add_argument("--tier", choices=("memory", "mmap", "direct"),
                     help="serve the rows from this tier (the table is converted from the checkpoint "
                     "unless --table is given); default: the checkpoint's own rows")
     ev.add_argument("--table", help="an already converted table file of the model (with --tier)")
     ev.add_argument("--cache", type=size_arg, default=0, help="DRAM row cache in front of the tier, e.g. 1MiB")
     ev.add_argument("--no-engram", action="store_true", help="zero the Engram contribution (gate forced to 0)")
-    ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=cmd_eval)
 
     sc = sub.add_parser(
-        "scan", help="which n-grams the trained model's gates open for",
+        "scan", parents=[reads, as_json], help="which n-grams the trained model's gates open for",
         description="Every (layer, order, head) row read on the held-out text with its gate: the top "
         "n-grams by mean gate, by read count and by gate x count, and the rank correlation of gate "
         "and read frequency.",
     )
-    _add_eval_arguments(sc)
     sc.add_argument("--top", type=positive_int, default=15, help="n-grams per list (default 15)")
     sc.add_argument("--min-reads", type=positive_int, default=3,
                     help="rows read fewer times are left out of the mean-gate list (default 3)")
     sc.add_argument("--plot", help="scatter PNG of mean gate vs read count per row")
-    _add_json_arguments(sc, "the full result")
     sc.set_defaults(func=cmd_scan)
 
     cs = sub.add_parser(
-        "cache-sim", help="replay the model's held-out reads through LRU, LFU-aging and gate-aware caches",
+        "cache-sim", parents=[reads, as_json],
+        help="replay the model's held-out reads through LRU, LFU-aging and gate-aware caches",
         description="Scan the held-out text, then replay its reads (with their gates) through row caches "
         "of 1/5/10/20%% of the table under each policy: hit rate and share of the gate mass served.",
     )
-    _add_eval_arguments(cs)
-    _add_json_arguments(cs, "the table")
     cs.set_defaults(func=cmd_cache_sim)
 
     sk = sub.add_parser(
-        "skip-curve", help="EXPERIMENTAL read-skip predictor: reads saved vs perplexity",
+        "skip-curve", parents=[reads, as_json],
+        help="EXPERIMENTAL read-skip predictor: reads saved vs perplexity",
         description="Measure the experimental read-skip predictor (never on by default): skip an Engram "
         "layer's reads where the rows' remembered gates predict a weak gate, zero that contribution, "
         "and report reads saved against perplexity for each threshold.",
     )
-    _add_eval_arguments(sk)
     sk.add_argument("--thresholds", default="0.2,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
                     help="comma-separated gate thresholds (default 0.2..0.95)")
     sk.add_argument("--plot", help="PNG of reads saved vs perplexity")
-    _add_json_arguments(sk, "the curve")
     sk.set_defaults(func=cmd_skip_curve)
 
 
-def _add_json_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--json-out", help=f"write {what} as JSON here")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+def _json_parent() -> argparse.ArgumentParser:
+    """The output options every reading command shares."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json-out", help="write the result as JSON here")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    return p
 
 
 def _json_out(args: argparse.Namespace, record: dict) -> None:
@@ -101,7 +99,9 @@ def _json_out(args: argparse.Namespace, record: dict) -> None:
         write_bytes_atomic(args.json_out, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
 
 
-def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+def _reading_parent() -> argparse.ArgumentParser:
+    """The model and the text every command that reads the model's held-out text shares."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", help="checkpoint folder (default: the model shipped in the package)")
     p.add_argument("--corpus", action="append",
                    help="a folder of .py/.txt/.rst files (repeatable; default: the standard library "
@@ -111,6 +111,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of text to read (default 100,000; 0 = all)")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window (default 128)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    return p
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -139,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _held_out_pieces(args: argparse.Namespace) -> list:
     from ..model.corpus import corpus_files, split, token_sequences
     from ..model.evaluate import windows
-    from ..tokenizer import load_tokenizer
+    from ..engram.tokenizer import load_tokenizer
 
     files = corpus_files(args.corpus)
     if not args.all_files:
@@ -180,6 +181,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "engram": not args.no_engram, "windows": len(pieces), "seq_len": args.seq_len}
     if stats is not None and args.cache:
         record["cache_hit_rate"] = stats["store"]["hit_rate"]
+    _json_out(args, record)
     if args.json:
         print(json.dumps(record))
     else:
@@ -190,7 +192,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_scan(args: argparse.Namespace) -> int:
     from ..model.scan import plot_scan, rank_correlation, scan, top_rows
-    from ..tokenizer import load_tokenizer
+    from ..engram.tokenizer import load_tokenizer
 
     model_dir, model = _load(args, table=True)
     pieces = _held_out_pieces(args)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..config import EngramConfig, check_config_fields
+from ..engram.config import EngramConfig, check_config_fields
 from ..errors import ChecksumError
 from ..table.format import MAX_BLOCK_SIZE, TableLayout
 from ..units import fraction, int_in_range, non_negative_int, positive_int

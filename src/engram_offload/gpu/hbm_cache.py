@@ -26,7 +26,7 @@ import torch
 from ..cache.admission import FrequencySketch
 from ..cache.policy import make_policy
 from ..cache.stats import LevelStats
-from ..config import EngramConfig
+from ..engram.config import EngramConfig
 from .kernels import gather_raw, tiered_gather
 from .sync import Access, DeviceSync, ImmediateSync
 

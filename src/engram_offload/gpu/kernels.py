@@ -5,7 +5,7 @@ A call runs the Triton kernel when any tensor it touches is on a CUDA device, or
 that is how the tests check it); otherwise CPU tensors go to the pure-torch reference.
 
 Tables are packed rows ``uint8 [R, row_bytes]`` in one of the formats of
-``engram_offload.rows``; a table may live in device memory, in pinned host memory (read by
+``engram_offload.engram.rows``; a table may live in device memory, in pinned host memory (read by
 the GPU over UVA), or in ordinary host memory (reference only). Ids on the host are checked
 before launch and an out-of-range id raises ``IndexError``; ids already on the device are not
 checked (that would wait for the device): the kernel neither reads nor writes the rows of an
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .. import rows
-from ..config import EngramConfig
+from ..engram import rows
+from ..engram.config import EngramConfig
 from . import reference
 
 __all__ = ["gather_raw", "gather_rows", "dequant_rows", "tiered_gather", "runs_triton", "head_dim_of"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import rows
+from ..engram import rows
 
 __all__ = ["gather_raw_ref", "dequant_rows_ref", "gather_rows_ref", "tiered_gather_ref"]
 

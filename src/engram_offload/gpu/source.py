@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Callable, TypedDict, Unpack
 import numpy as np
 import torch
 
-from ..config import EngramConfig
+from ..engram.config import EngramConfig
 from .kernels import dequant_rows, gather_raw, gather_rows
 from .staging import StagingRing
 from .sync import FETCH, MAIN, DeviceSync, make_sync
 
 if TYPE_CHECKING:
-    from ..store import RowStore
+    from ..serving.store import RowStore
 
 __all__ = ["RowSource", "RowHandle", "tp_columns"]
 

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..atomic import atomic_path, write_bytes_atomic
-from ..checkpoint import INDEX_FILE, CheckpointIndex, engram_suffix
-from ..config import EngramConfig
-from ..rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue8m0_exponents
-from ..tokenizer import cached_token_map
+from ..engram.checkpoint import INDEX_FILE, CheckpointIndex, engram_suffix
+from ..engram.config import EngramConfig
+from ..engram.rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue8m0_exponents
+from ..engram.tokenizer import cached_token_map
 from .lm import EngramLM, ProbedEngramLayer
 
 __all__ = ["save_model", "load_model", "shipped_model_dir", "quantize_fp8_blocks", "model_config_json"]

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..tokenizer import encode_documents
+from ..engram.tokenizer import encode_documents
 
 __all__ = ["CorpusFile", "corpus_files", "split", "token_sequences", "DOCS_ROOT", "EOS_ID", "HELD_OUT_EVERY"]
 

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..backbone import Block
-from ..config import EngramConfig
-from ..hashing import NgramHasher
-from ..layer import EngramLayer
+from ..bench.backbone import Block
+from ..engram.config import EngramConfig
+from ..engram.hashing import NgramHasher
+from ..engram.layer import EngramLayer
 
 __all__ = ["EngramLM", "ProbedEngramLayer", "RowsFor", "UNKNOWN"]
 

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..config import EngramConfig
-from ..store import TableStore, open_table
+from ..engram.config import EngramConfig
+from ..serving.store import TableStore, open_table
 from ..table.convert import convert_checkpoint
 
 __all__ = ["served_table", "TIERS"]

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EngramConfig
-from ..tokenizer import cached_token_map, load_tokenizer
+from ..engram.config import EngramConfig
+from ..engram.tokenizer import cached_token_map, load_tokenizer
 from .checkpoint_io import save_model
 from .corpus import EOS_ID, corpus_files, split, token_sequences
 from .evaluate import evaluate, windows

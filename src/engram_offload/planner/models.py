@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import EngramConfig
+from ..engram.config import EngramConfig
 
 __all__ = ["PRECISION_BYTES", "WeightGroup", "ModelSpec", "MODELS", "get_model", "custom_model"]
 

@@ -69,8 +69,8 @@ def measure_step_unique(files: int = 4000, steps: int = 200, model: str = "deeps
     """Measure ``DECODE_UNIQUE`` and ``PREFILL_UNIQUE`` again (under a minute): the standard
     library through ``model``'s hasher, decode steps of each batch (the first 20 skipped:
     sequences just begun share their files' openings) and prefill chunks of each size."""
-    from ..tokenizer import cached_token_map
-    from ..trace import serving_steps, stdlib_token_sequences
+    from ..engram.tokenizer import cached_token_map
+    from .trace import serving_steps, stdlib_token_sequences
     from .models import get_model
 
     config, token_map = get_model(model).engram, cached_token_map()
@@ -135,8 +135,8 @@ def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.1,
     """Measure ``REAL_TEXT_HIT`` again (about a minute and a few GB of memory for a million
     tokens): the standard library through ``model``'s hasher, per-step deduplicated ids,
     SHARDS stack distances at ``rate``, the hit ratio at every cache size of the grid."""
-    from ..tokenizer import cached_token_map
-    from ..trace import serving_steps, stdlib_token_sequences
+    from ..engram.tokenizer import cached_token_map
+    from .trace import serving_steps, stdlib_token_sequences
     from .models import get_model
     from .mrc import shards_sample, stack_distances
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import EngramConfig
+from ..engram.config import EngramConfig
 from ..errors import TableFormatError
 from ..table.format import TableHeader, TableLayout
 from ..table.pagesum import CHECKSUM_NAME, row_sums

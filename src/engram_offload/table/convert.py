@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import (
+from ..engram.checkpoint import (
     DEMO_EMBED_NAME,
     EMBED_SCALE_NAMES,
     EMBED_WEIGHT_NAMES,
@@ -30,8 +30,8 @@ from ..checkpoint import (
     open_shard,
     pick,
 )
-from ..config import EngramConfig
-from ..rows import UE8M0_BIAS, dequantize_fp8_ue8m0, encode_rows
+from ..engram.config import EngramConfig
+from ..engram.rows import UE8M0_BIAS, dequantize_fp8_ue8m0, encode_rows
 from .format import DEFAULT_BLOCK_SIZE
 from .writer import TableWriter
 

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..config import EngramConfig
-from ..rows import FP8_BLOCK
+from ..engram.config import EngramConfig
+from ..engram.rows import FP8_BLOCK
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION
 from .writer import write_table
 

@@ -24,8 +24,8 @@ import torch
 import xxhash
 
 from ..atomic import fsync_dir
-from ..config import EngramConfig
-from ..rows import encode_rows
+from ..engram.config import EngramConfig
+from ..engram.rows import encode_rows
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableLayout, encode_header
 from .pagesum import page_sums
 from .progress import byte_progress

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from ..rowcopy import move_rows
+from ..buffers.rowcopy import move_rows
 
 __all__ = ["ThreadBuffers", "aligned_empty", "gather_at", "madvise_quietly", "private_mapping"]
 

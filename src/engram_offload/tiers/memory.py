@@ -32,7 +32,7 @@ import torch
 
 from ..errors import TierError
 from ..machine import available_memory_bytes
-from ..rowcopy import move_rows
+from ..buffers.rowcopy import move_rows
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker

