@@ -41,13 +41,13 @@ from engram_offload import open_table
 from engram_offload.bench.backbone import EngramBackbone
 from engram_offload.cache import RowCache, build_levels
 from engram_offload.cache.report import format_stats_table
-from engram_offload.serving.dedup import dedup
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.engram.tokenizer import cached_token_map
 from engram_offload.machine import machine_facts
+from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
+from engram_offload.serving.dedup import dedup
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.store import TableStore
-from engram_offload.engram.tokenizer import cached_token_map
-from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
 from engram_offload.serving.wiring import forward_with_prefetch, forward_with_store
 
 POLICIES = [("lru", False), ("lru", True), ("lfu", False), ("lfu", True)]

@@ -23,8 +23,8 @@ import torch
 
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
-from engram_offload.machine import machine_facts
 from engram_offload.engram.tokenizer import cached_token_map
+from engram_offload.machine import machine_facts
 
 
 def demo_style_hash(config: EngramConfig, lookup: np.ndarray, pad_id: int, multipliers: dict,

@@ -30,7 +30,9 @@ The machine may be shared: the JSON records its load average before and after.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -39,9 +41,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import ctypes
-import mmap
 
 import numpy as np
 import torch

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from engram_offload import cli
-from engram_offload.table import read_header
-from engram_offload.machine import machine_facts as shared_machine_facts
-from engram_offload.tiers import open_tier
 from engram_offload.bench.cold import evict_file_pages
 from engram_offload.bench.tier_bench import run_tier_bench
+from engram_offload.machine import machine_facts as shared_machine_facts
+from engram_offload.table import read_header
+from engram_offload.tiers import open_tier
 
 
 def machine_facts(table: Path) -> dict:

@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from engram_offload.engram import rows
-    from engram_offload.gpu import (CudaSync, RowSource, gather_raw, gather_rows, tiered_gather, uva_coherent)
-    from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
     from engram_offload.engram.config import EngramConfig
+    from engram_offload.gpu import CudaSync, RowSource, gather_raw, gather_rows, tiered_gather, uva_coherent
+    from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
 
     fmt, head_dim = "fp8_e4m3_ue8m0", 256
     row_bytes = rows.row_bytes(fmt, head_dim)
@@ -179,8 +179,8 @@ def store_and_prefetch(report: dict, steps: int = 50, batch: int = 64) -> bool:
     from engram_offload import open_table, write_table
     from engram_offload.engram import rows
     from engram_offload.engram.config import EngramConfig
-    from engram_offload.gpu import CudaSync
     from engram_offload.engram.hashing import NgramHasher
+    from engram_offload.gpu import CudaSync
     from engram_offload.serving.prefetch import Prefetcher
 
     config = EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=256,

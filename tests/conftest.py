@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engram_offload.engram.config import EngramConfig
+
 from tiny_tables import tiny_config as _tiny_config
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...], bool]] = [
     ("storage", ("tiers", "cache"), False),
     ("device path", ("gpu",), False),
     ("serving", ("serving",), False),
-    ("engine integrations", ("integrations",), False),
     ("planner", ("planner",), False),
+    ("engine integrations", ("integrations",), False),
     ("benchmark", ("bench",), False),
     ("trained model", ("model",), False),
     ("command line and public names", ("commands", "cli", "__init__"), True),
@@ -275,3 +275,21 @@ def test_the_checker_resolves_what_an_import_names(tmp_path, statement, imported
         "buffers/user.py": statement + "\n", "errors.py": "", "engram/__init__.py": "", "engram/rows.py": "",
     })
     assert [i.imported for i in package_imports(root) if i.importer.endswith("user")] == [imported]
+
+
+def test_every_public_name_loads_from_the_package_without_torch_until_used():
+    import subprocess
+    import sys
+
+    script = ("import sys, engram_offload as e\n"
+              "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
+              "missing = [n for n in e.__all__ if getattr(e, n, None) is None]\n"
+              "assert not missing, missing\n"
+              "print(len(e.__all__))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    documented = {"open_table", "Prefetcher", "NgramHasher", "EngramLayer", "EngramConfig", "shard_columns",
+                  "assemble_columns", "cached_token_map", "compress_tokenizer", "write_table", "decode_rows"}
+    import engram_offload
+
+    assert documented <= set(engram_offload.__all__)

@@ -6,8 +6,13 @@ import os
 
 import pytest
 
-from engram_offload.machine import (NotEnoughResources, available_memory_bytes, check_free_disk,
-                                    check_free_memory, free_disk_bytes)
+from engram_offload.machine import (
+    NotEnoughResources,
+    available_memory_bytes,
+    check_free_disk,
+    check_free_memory,
+    free_disk_bytes,
+)
 
 
 def test_available_memory_is_meminfo():

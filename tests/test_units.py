@@ -6,10 +6,21 @@ import argparse
 
 import pytest
 
-from engram_offload.units import (MAX_SIZE, finite_float, format_bytes, fraction, int_in_range,
-                                  non_negative_float, non_negative_int, parse_size, positive_float,
-                                  positive_int, size_arg, size_or_percent_arg,
-                                  unit_interval)
+from engram_offload.units import (
+    MAX_SIZE,
+    finite_float,
+    format_bytes,
+    fraction,
+    int_in_range,
+    non_negative_float,
+    non_negative_int,
+    parse_size,
+    positive_float,
+    positive_int,
+    size_arg,
+    size_or_percent_arg,
+    unit_interval,
+)
 
 
 @pytest.mark.parametrize("text,whole,expected", [

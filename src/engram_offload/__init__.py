@@ -54,12 +54,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .engram.config import PRESETS, EngramConfig
-    from .errors import ChecksumError, EngramError, TableFormatError, TierError
     from .engram.hashing import NgramHasher
     from .engram.layer import EngramLayer
-    from .serving.prefetch import Prefetcher
     from .engram.rows import ROW_FORMATS, decode_rows, encode_rows, row_bytes
+    from .engram.tokenizer import cached_token_map, compress_tokenizer
+    from .errors import ChecksumError, EngramError, TableFormatError, TierError
+    from .serving.prefetch import Prefetcher
     from .serving.sharding import assemble_columns, shard_columns
     from .serving.store import open_table
     from .table.writer import write_table
-    from .engram.tokenizer import cached_token_map, compress_tokenizer

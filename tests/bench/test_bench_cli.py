@@ -7,14 +7,15 @@ import socket
 
 import pytest
 
-from redis_servers import redis_single, skip_without_redis  # noqa: F401 (fixture)
+from engram_offload.cli import main
 from engram_offload.planner import get_model
 from engram_offload.planner.plan import curve_for
-from engram_offload.cli import main
 from engram_offload.pool.layout import fingerprint
 from engram_offload.pool.publish import pool_status
 from engram_offload.table import read_header
 from engram_offload.tiers.mmap import guarded_copy_available
+
+from redis_servers import redis_single, skip_without_redis  # noqa: F401 (fixture)
 
 KEYS = {"tier", "cache_state", "concurrency", "throughput_tok_s", "interactivity_tok_s_per_user", "p90_itl_ms",
         "stall_fraction", "hit_rate", "budget_enforced"}

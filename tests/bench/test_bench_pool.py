@@ -6,11 +6,12 @@ import socket
 
 import pytest
 
-from redis_servers import skip_without_redis
-from tiny_tables import tiny_config
 from engram_offload.bench.remote import bench_pool, publish
 from engram_offload.pool.publish import pool_status
 from engram_offload.table import make_random_table
+
+from redis_servers import skip_without_redis
+from tiny_tables import tiny_config
 
 
 def test_a_cold_run_gets_a_fresh_copy_and_a_warm_one_the_copy_there(tmp_path):

@@ -16,10 +16,11 @@ from engram_offload.bench import sweep
 from engram_offload.bench.ranks import RankRequests, RankRole
 from engram_offload.bench.workload import RequestStream, WorkloadShape
 from engram_offload.cli import main
+from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.sharding import shard_columns
-from engram_offload.engram.hashing import NgramHasher
 from engram_offload.table.format import read_header
+
 from test_engine import VOCAB, RecordingEngine, RowsModel, corpus, expected_rows, table  # noqa: F401 (fixture)
 
 RANKS_TIMEOUT_S = 120.0  # a test's ranks that have not reported by then fail the test

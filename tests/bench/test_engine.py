@@ -13,8 +13,8 @@ from engram_offload.bench.engine import ServingEngine, StepShape
 from engram_offload.bench.metrics import summarize_run
 from engram_offload.bench.workload import RequestStream, WorkloadShape
 from engram_offload.engram.config import EngramConfig
-from engram_offload.errors import TierError
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.errors import TierError
 from engram_offload.serving.prefetch import Prefetcher, PrefetchError
 
 VOCAB = 500

@@ -11,6 +11,7 @@ import torch
 
 from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
+
 from tiny_tables import tiny_config
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cache_fakes import FakeTier, small_config
 from engram_offload.engram.config import EngramConfig
+
+from cache_fakes import FakeTier, small_config
 
 
 @pytest.fixture

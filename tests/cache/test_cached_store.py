@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_offload.cache import RowCache, build_levels
-from engram_offload.serving.dedup import dedup
-from engram_offload.errors import TierError
 from engram_offload.engram.rows import decode_rows
+from engram_offload.errors import TierError
+from engram_offload.serving.dedup import dedup
 from engram_offload.serving.store import TableStore
 
 from cache_fakes import FakeTier, hammer, small_config

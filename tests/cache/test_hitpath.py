@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from engram_offload.cache import LFUPolicy, LRUPolicy, RowCache
 from engram_offload.cache.row_cache import native_hitpath
-
 from engram_offload.serving.store import TableStore
 
 from cache_fakes import FakeTier, small_config

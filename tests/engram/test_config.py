@@ -3,9 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import numpy as np
+import pytest
 
 from engram_offload.engram.config import PRESETS, EngramConfig, check_config_fields, is_prime, next_unused_prime
 

@@ -4,9 +4,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engram_offload.engram.config import EngramConfig
 from engram_offload.engram import hashing
+from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
+
 from reference import reference_row_ids
 
 SMALL = EngramConfig(layer_ids=(1, 4), max_ngram_size=4, n_heads=3, head_dim=32,

@@ -13,6 +13,7 @@ import torch
 from engram_offload import EngramLayer, NgramHasher, Prefetcher, open_table
 from engram_offload.engram.config import EngramConfig
 from engram_offload.table.convert import convert_checkpoint
+
 from reference import reference_v41_output
 from released_checkpoint import IMAGE_TOKEN, LAYERS, SHARDS, inputs, write_released_checkpoint
 

@@ -7,8 +7,15 @@ from hypothesis import strategies as st
 
 from engram_offload.engram import rows
 from engram_offload.engram.rows import (
-    ROW_FORMATS, decode_rows, dequantize_fp8_blocks, dequantize_fp8_ue8m0, encode_rows, quantize_fp8_ue8m0, row_bytes,
-    ue8m0_exponents, ue8m0_scales,
+    ROW_FORMATS,
+    decode_rows,
+    dequantize_fp8_blocks,
+    dequantize_fp8_ue8m0,
+    encode_rows,
+    quantize_fp8_ue8m0,
+    row_bytes,
+    ue8m0_exponents,
+    ue8m0_scales,
 )
 
 

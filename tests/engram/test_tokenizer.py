@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engram_offload.engram.tokenizer import (
     cached_token_map,

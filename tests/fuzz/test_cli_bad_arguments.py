@@ -7,10 +7,11 @@ import json
 import os
 
 import pytest
+from fuzz.table_damage import deadline
 
 from engram_offload.cli import main
 from engram_offload.table import make_random_table
-from fuzz.table_damage import deadline
+
 from tiny_tables import tiny_config
 
 PLAN = ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "h200"]

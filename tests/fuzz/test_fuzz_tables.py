@@ -26,14 +26,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fuzz.read_everywhere import TARGETS, VERIFYING, read_everywhere, warm_up
+from fuzz.sandbox import Sandbox
+from fuzz.table_damage import header_meta, rewrite_header, rows_on_disk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_offload.table import make_random_table, read_header
 from engram_offload.table.format import PREFIX
-from fuzz.read_everywhere import TARGETS, VERIFYING, read_everywhere, warm_up
-from fuzz.sandbox import Sandbox
-from fuzz.table_damage import header_meta, rewrite_header, rows_on_disk
+
 from tiny_tables import tiny_config
 
 CASE_SECONDS = 60  # two shared cores; a healthy case takes well under a second

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engram_offload.engram import rows
-from engram_offload.gpu import (dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton,
-                                tiered_gather)
+from engram_offload.gpu import dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton, tiered_gather
 from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
+
 from tiny_tables import tiny_config
 
 pytest.importorskip("triton")

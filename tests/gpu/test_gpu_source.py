@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from engram_offload.engram import rows
-from engram_offload.gpu import (OrderingError, RowSource, TracingSync, page_span, register_host, tp_columns,
-                                uva_coherent, uva_view)
+from engram_offload.gpu import (
+    OrderingError,
+    RowSource,
+    TracingSync,
+    page_span,
+    register_host,
+    tp_columns,
+    uva_coherent,
+    uva_view,
+)
+
 from tiny_tables import tiny_config
 
 

@@ -10,8 +10,8 @@ import torch
 from engram_offload import open_table, write_table
 from engram_offload.engram import rows
 from engram_offload.engram.config import EngramConfig
-from engram_offload.gpu import TracingSync
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.gpu import TracingSync
 from engram_offload.serving.prefetch import Prefetcher
 
 CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=64,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engram_offload.engram.tokenizer import load_tokenizer
 from engram_offload.model.checkpoint_io import load_model, shipped_model_dir
 from engram_offload.model.corpus import corpus_files, split, token_sequences
 from engram_offload.model.evaluate import windows
-from engram_offload.engram.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ from safetensors import safe_open
 from engram_offload.engram.checkpoint import CheckpointIndex
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.layer import EngramLayer
-from engram_offload.model.checkpoint_io import quantize_fp8_blocks
 from engram_offload.engram.rows import dequantize_fp8_blocks, dequantize_fp8_ue8m0
+from engram_offload.model.checkpoint_io import quantize_fp8_blocks
 from engram_offload.serving.store import open_table
 from engram_offload.table.convert import convert_checkpoint
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from tiers.tier_cases import direct_io_refused
 
 from engram_offload.commands import model as model_commands
 from engram_offload.model.checkpoint_io import load_model
 from engram_offload.model.evaluate import batches, evaluate, store_rows
 from engram_offload.model.serving import served_table
-from tiers.tier_cases import direct_io_refused
 
 
 def _logits(model, pieces, rows_for=None) -> list[torch.Tensor]:
@@ -27,8 +27,8 @@ def test_tiers_give_bit_identical_logits(model_dir, model, held_out_pieces, tmp_
         pytest.skip(f"O_DIRECT refused on {tmp_path}")
     expected = _logits(model, held_out_pieces)
     served = load_model(model_dir, table=False)
-    from engram_offload.table.convert import convert_checkpoint
     from engram_offload.engram.config import EngramConfig
+    from engram_offload.table.convert import convert_checkpoint
 
     table = convert_checkpoint(model_dir, tmp_path / "t.engram", EngramConfig.from_hf_config(model_dir), progress=False)
     with served_table(model_dir, tier, table=table, cache_bytes=cache) as store:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.model.scan import rank_correlation, scan, top_rows
 from engram_offload.engram.tokenizer import load_tokenizer
+from engram_offload.model.scan import rank_correlation, scan, top_rows
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engram_offload.model.corpus import corpus_files, split
 from engram_offload.model.train import TrainSettings, model_vocabulary, plot_losses, train
-
-import numpy as np
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,13 @@ from engram_offload.planner.mrc import ZipfMRC
 from engram_offload.planner.placement import evaluate, fetch_time
 from engram_offload.planner.plan import curve_for
 from engram_offload.planner.realtext import (
-    DECODE_UNIQUE, PREFILL_TOKENS, PREFILL_UNIQUE, REAL_TEXT_CACHE_TOKENS, REAL_TEXT_HIT, STEP_TOKENS, RealTextMRC,
+    DECODE_UNIQUE,
+    PREFILL_TOKENS,
+    PREFILL_UNIQUE,
+    REAL_TEXT_CACHE_TOKENS,
+    REAL_TEXT_HIT,
+    STEP_TOKENS,
+    RealTextMRC,
     step_unique_fraction,
 )
 

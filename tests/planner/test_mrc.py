@@ -3,10 +3,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engram_offload.planner.mrc import (
-    COLD, ZipfMRC, load_trace, lru_hits_bruteforce, mrc_from_trace, shards_mrc, shards_sample,
+    COLD,
+    ZipfMRC,
+    load_trace,
+    lru_hits_bruteforce,
+    mrc_from_trace,
+    shards_mrc,
+    shards_sample,
     stack_distances,
 )
 

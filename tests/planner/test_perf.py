@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from made_up import GPU, MODEL, A, approx
-
 from engram_offload.planner.models import WeightGroup
 from engram_offload.planner.perf import StepTime, allreduce_us, decode_step, decode_window_us, prefill_window_us
+
+from made_up import GPU, MODEL, A, approx
 
 
 def test_step_time_is_the_slower_of_memory_and_compute_plus_communication():

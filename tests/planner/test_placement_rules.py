@@ -10,7 +10,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx, decode_stall
 
 from engram_offload.planner import Assumptions, Workload, smallest_feasible_tp
 from engram_offload.planner.mrc import mrc_from_trace
@@ -18,6 +17,7 @@ from engram_offload.planner.perf import decode_step, decode_window_us, prefill_w
 from engram_offload.planner.placement import PLACEMENTS, PlacementResult, evaluate, evaluate_all, tp_degrees
 from engram_offload.planner.realtext import step_unique_fraction
 
+from made_up import GPU, MODEL, TABLE, WEIGHTS, A, GiB, approx, decode_stall
 
 
 def run(name: str, tp: int = 1, model=MODEL, gpu=GPU, a: Assumptions = A, **workload):

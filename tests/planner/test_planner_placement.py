@@ -3,18 +3,25 @@ import json
 from pathlib import Path
 
 import pytest
-from made_up import decode_stall
 
 from engram_offload.engram.config import EngramConfig
 from engram_offload.planner import (
-    DEFAULT_ASSUMPTIONS, GPUS, MODELS, Workload, get_gpu, get_model, make_plan,
+    DEFAULT_ASSUMPTIONS,
+    GPUS,
+    MODELS,
+    Workload,
+    get_gpu,
+    get_model,
+    make_plan,
     smallest_feasible_tp,
 )
 from engram_offload.planner.models import PRECISION_BYTES
 from engram_offload.planner.perf import decode_step
-from engram_offload.planner.realtext import step_unique_fraction
 from engram_offload.planner.placement import evaluate_all
 from engram_offload.planner.plan import curve_for
+from engram_offload.planner.realtext import step_unique_fraction
+
+from made_up import decode_stall
 
 KiB, GiB = 1024, 2**30
 RELEASED_CONFIG = Path(__file__).resolve().parents[1] / "data" / "deepseek-v4.1-flash-config.json"

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from made_up import GPU as MADE_UP_GPU
-from made_up import GiB
-
 from engram_offload.planner import Workload, get_model
 from engram_offload.planner.placement import PlacementResult
 from engram_offload.planner.recommend import recommend
+
+from made_up import GPU as MADE_UP_GPU
+from made_up import GiB
 
 GPU = dataclasses.replace(MADE_UP_GPU, price_per_hour=2.5)
 MODEL = get_model("engram-27b")

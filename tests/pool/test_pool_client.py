@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from redis_servers import redis_single  # noqa: F401 (fixture)
 from engram_offload.pool.client import PoolClient, PoolError
+
+from redis_servers import redis_single  # noqa: F401 (fixture)
 
 
 def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811

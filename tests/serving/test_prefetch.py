@@ -11,8 +11,8 @@ import torch
 
 from engram_offload import open_table, write_table
 from engram_offload.engram.config import EngramConfig
-from engram_offload.errors import TierError
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.errors import TierError
 from engram_offload.serving.prefetch import Prefetcher, PrefetchError, StepCancelled
 from engram_offload.serving.sharding import shard_columns, shard_rows
 

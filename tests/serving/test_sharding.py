@@ -13,7 +13,12 @@ from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.sharding import (
-    assemble_columns, require_in_shard, shard_columns, shard_ids, shard_rows, split_columns,
+    assemble_columns,
+    require_in_shard,
+    shard_columns,
+    shard_ids,
+    shard_rows,
+    split_columns,
 )
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows

@@ -10,8 +10,8 @@ import torch
 
 from engram_offload import open_table, write_table
 from engram_offload.engram.config import EngramConfig
-from engram_offload.errors import TableFormatError
 from engram_offload.engram.rows import decode_rows, encode_rows
+from engram_offload.errors import TableFormatError
 from engram_offload.serving.sharding import shard_columns, shard_rows
 from engram_offload.serving.store import TableStore
 

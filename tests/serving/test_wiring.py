@@ -12,8 +12,8 @@ import torch
 from engram_offload import open_table, write_table
 from engram_offload.bench.backbone import EngramBackbone
 from engram_offload.engram.config import EngramConfig
-from engram_offload.errors import TierError
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.errors import TierError
 from engram_offload.serving.prefetch import Prefetcher, PrefetchError
 from engram_offload.serving.wiring import forward_with_prefetch, forward_with_store
 

@@ -12,10 +12,10 @@ import xxhash
 
 from engram_offload import cli
 from engram_offload.errors import ChecksumError, TableFormatError
-from engram_offload.table import make_random_table, random_rows, read_header, verify_table
-from engram_offload.table import pagesum
+from engram_offload.table import make_random_table, pagesum, random_rows, read_header, verify_table
 from engram_offload.table.upgrade import upgrade_table
 from engram_offload.tiers import open_tier
+
 from tiny_tables import tiny_config
 
 

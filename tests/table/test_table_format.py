@@ -12,16 +12,23 @@ import sys
 import numpy as np
 import pytest
 import torch
+from fuzz.table_damage import deadline, header_meta, rewrite_header
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engram_offload.errors import ChecksumError, TableFormatError
 from engram_offload.engram.rows import decode_rows, encode_rows
-from engram_offload.table import (TableLayout, TableWriter, make_random_table, random_rows,
-                                  read_header, verify_table, write_table)
+from engram_offload.errors import ChecksumError, TableFormatError
+from engram_offload.table import (
+    TableLayout,
+    TableWriter,
+    make_random_table,
+    random_rows,
+    read_header,
+    verify_table,
+    write_table,
+)
 from engram_offload.table.format import PAGE_BYTES, SECTOR_BYTES
 from engram_offload.table.writer import boot_id, clean_temp_files, dead_temp_files
-from fuzz.table_damage import deadline, header_meta, rewrite_header
 
 
 def raw_rows_of(config, seed=0) -> np.ndarray:

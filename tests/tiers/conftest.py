@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from engram_offload.table import make_random_table, random_rows
-from tiny_tables import tiny_config as _tiny_config
+
 from tier_cases import FORMATS
+from tiny_tables import tiny_config as _tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from engram_offload._native import NO_NATIVE_ENV
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers import open_tier, uring
+
 from test_page_checks import flip
 from tier_cases import read, skip_unavailable
 from tiny_tables import tiny_config

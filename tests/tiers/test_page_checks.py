@@ -13,6 +13,7 @@ import pytest
 from engram_offload.errors import ChecksumError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import open_tier
+
 from tier_cases import read, skip_unavailable
 from tiny_tables import tiny_config
 

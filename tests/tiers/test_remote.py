@@ -15,9 +15,6 @@ import pytest
 import torch
 import xxhash
 
-from redis_servers import fresh_pool, redis_cluster, redis_single, skip_without_redis  # noqa: F401 (fixtures)
-from tier_cases import FORMATS
-from tiny_tables import tiny_config
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.pool.client import PoolClient, PoolError
 from engram_offload.pool.layout import PoolLayout, PoolLayoutError, fingerprint
@@ -26,6 +23,10 @@ from engram_offload.pool.servers import free_port_base
 from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.remote import RemoteTier, open_pool_table
+
+from redis_servers import fresh_pool, redis_cluster, redis_single, skip_without_redis  # noqa: F401 (fixtures)
+from tier_cases import FORMATS
+from tiny_tables import tiny_config
 
 EXTENT_ROWS = 97  # small and odd: many extents, some of them short
 

@@ -21,6 +21,7 @@ from engram_offload.errors import TierError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers.memory import MemoryTier
 from engram_offload.tiers.shared import READY, SharedTier, _read_head, remove_segment, segment_name
+
 from tiny_tables import tiny_config
 
 SHM = Path("/dev/shm")

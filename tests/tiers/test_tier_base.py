@@ -11,6 +11,7 @@ import torch
 
 from engram_offload.table import read_header
 from engram_offload.tiers import as_row_ids, open_tier
+
 from tier_cases import read
 
 

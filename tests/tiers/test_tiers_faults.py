@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tier_cases import read, skip_unavailable, uring_available
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import read_header
-from engram_offload.tiers import open_tier
 from engram_offload.tiers import direct as direct_module
 from engram_offload.tiers import memory as memory_module
+from engram_offload.tiers import open_tier
+
+from tier_cases import read, skip_unavailable, uring_available
 
 
 @pytest.fixture

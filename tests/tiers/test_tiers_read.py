@@ -13,12 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
 from engram_offload.bench.cold import evict_file_pages
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import TIERS, as_row_ids, get_tier_class, is_resident, open_tier, tier_names
 from engram_offload.tiers.direct import plan_spans
 from engram_offload.tiers.mmap import guarded_copy_available
+
+from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
 
 CASE_IDS = [f"{t}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for t, o in TIER_CASES]
 

@@ -18,13 +18,14 @@ import torch
 import xxhash
 
 from engram_offload.errors import TierError
+from engram_offload.machine import available_memory_bytes
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.table.format import TableLayout, encode_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.direct import DEFAULT_RINGS
-from engram_offload.machine import available_memory_bytes
-from tiny_tables import tiny_config
+
 from tier_cases import direct_io_refused, read, skip_unavailable, uring_available
+from tiny_tables import tiny_config
 
 CRASH_CASES = Path(__file__).with_name("crash_cases.py")
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-
 TIER_CASES = [
     ("memory", {}),
     ("pinned", {}),

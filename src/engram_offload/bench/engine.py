@@ -39,8 +39,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from .backbone import packed_causal_mask
 from ..serving.prefetch import Prefetcher, Step
+from .backbone import packed_causal_mask
 from .workload import Request, RequestStream
 
 __all__ = ["EngineRun", "RowsFor", "ServingEngine", "StepModel", "StepShape", "Window"]

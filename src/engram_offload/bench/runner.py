@@ -51,20 +51,20 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from .backbone import EngramBackbone
 from ..engram.config import EngramConfig
 from ..engram.hashing import NgramHasher
 from ..serving.prefetch import Prefetcher
 from ..serving.store import TableStore, open_table
 from ..table.format import read_header
 from ..tiers import TIERS, is_resident
+from .backbone import EngramBackbone
 from .cold import make_cold
 from .corpus import Corpus
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
-from .remote import publish
 from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
+from .remote import publish
 from .workload import RequestStream, WorkloadShape
 
 if TYPE_CHECKING:

@@ -12,14 +12,14 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import UsageError
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import format_bytes, parse_size
+from . import UsageError
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
@@ -163,8 +163,8 @@ def _concurrency(text: str) -> list[int]:
 def default_table(preset: str, scale: float, seed: int, progress: bool) -> Path:
     """The cached table for (preset, scale, seed), made on first use."""
     from ..engram.config import EngramConfig
-    from ..table import make_random_table
     from ..engram.tokenizer import engram_cache_dir
+    from ..table import make_random_table
 
     path = engram_cache_dir() / "tables" / f"{preset}-x{scale:g}-seed{seed}.table"
     if path.exists():
@@ -349,8 +349,15 @@ def _remote_pool(plan: _Plan, args: argparse.Namespace, show: bool) -> Iterator[
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.report import (comparisons, comparisons_table, frontier_plot, markdown_table, stall_limits,
-                                stall_limits_table, write_json)
+    from ..bench.report import (
+        comparisons,
+        comparisons_table,
+        frontier_plot,
+        markdown_table,
+        stall_limits,
+        stall_limits_table,
+        write_json,
+    )
     from ..bench.sweep import run_sweep
     from ..engram.tokenizer import cached_token_map
 

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engram.config import EngramConfig
+from ..engram.config import EngramConfig, check_config_fields
 from ..engram.rows import get_row_format
-from ..engram.config import check_config_fields
 from ..units import positive_int
 
 

@@ -138,9 +138,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _held_out_pieces(args: argparse.Namespace) -> list:
+    from ..engram.tokenizer import load_tokenizer
     from ..model.corpus import corpus_files, split, token_sequences
     from ..model.evaluate import windows
-    from ..engram.tokenizer import load_tokenizer
 
     files = corpus_files(args.corpus)
     if not args.all_files:
@@ -191,8 +191,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from ..model.scan import plot_scan, rank_correlation, scan, top_rows
     from ..engram.tokenizer import load_tokenizer
+    from ..model.scan import plot_scan, rank_correlation, scan, top_rows
 
     model_dir, model = _load(args, table=True)
     pieces = _held_out_pieces(args)

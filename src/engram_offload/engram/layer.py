@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import (
-    DEMO_EMBED_NAME, EMBED_SCALE_NAMES, EMBED_WEIGHT_NAMES, WKV_SCALE_NAMES, CheckpointIndex,
+    DEMO_EMBED_NAME,
+    EMBED_SCALE_NAMES,
+    EMBED_WEIGHT_NAMES,
+    WKV_SCALE_NAMES,
+    CheckpointIndex,
     missing_message,
 )
 from .config import EngramConfig

@@ -8,8 +8,8 @@ Install the kernels with ``pip install 'engram-offload[gpu]'``.
 
 from __future__ import annotations
 
-from .hbm_cache import HbmRowCache
 from ..buffers.hostmem import HostRegistration, page_span, register_host, uva_coherent, uva_view
+from .hbm_cache import HbmRowCache
 from .kernels import dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton, tiered_gather
 from .reference import dequant_rows_ref, gather_raw_ref, gather_rows_ref, tiered_gather_ref
 from .source import RowHandle, RowSource, tp_columns

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engram.config import EngramConfig
 from ..buffers.hostmem import HostRegistration, register_host
+from ..engram.config import EngramConfig
 from .kernels import gather_raw, gather_rows, head_dim_of
 
 __all__ = ["DeviceTable"]

@@ -21,8 +21,8 @@ from typing import Any
 
 from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .hardware import GpuSpec
-from .mrc import MissRatioCurve
 from .models import ModelSpec
+from .mrc import MissRatioCurve
 from .perf import StepTime, decode_step, decode_window_us, layer_offsets_us, prefill_window_us
 from .realtext import step_unique_fraction
 

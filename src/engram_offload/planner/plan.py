@@ -11,8 +11,8 @@ from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .hardware import GpuSpec
 from .models import ModelSpec
 from .mrc import MissRatioCurve, ZipfMRC, mrc_from_trace
-from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .placement import PlacementResult, Workload, evaluate_all, tp_degrees
+from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .recommend import Recommendation, recommend
 
 __all__ = ["Plan", "make_plan", "curve_for"]

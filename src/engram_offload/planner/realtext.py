@@ -70,8 +70,8 @@ def measure_step_unique(files: int = 4000, steps: int = 200, model: str = "deeps
     library through ``model``'s hasher, decode steps of each batch (the first 20 skipped:
     sequences just begun share their files' openings) and prefill chunks of each size."""
     from ..engram.tokenizer import cached_token_map
-    from .trace import serving_steps, stdlib_token_sequences
     from .models import get_model
+    from .trace import serving_steps, stdlib_token_sequences
 
     config, token_map = get_model(model).engram, cached_token_map()
     sequences = stdlib_token_sequences(REAL_TEXT_TOKENS)
@@ -136,9 +136,9 @@ def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.1,
     tokens): the standard library through ``model``'s hasher, per-step deduplicated ids,
     SHARDS stack distances at ``rate``, the hit ratio at every cache size of the grid."""
     from ..engram.tokenizer import cached_token_map
-    from .trace import serving_steps, stdlib_token_sequences
     from .models import get_model
     from .mrc import shards_sample, stack_distances
+    from .trace import serving_steps, stdlib_token_sequences
 
     config = get_model(model).engram
     rows_per_token = len(config.layer_ids) * config.cols_per_layer

@@ -25,8 +25,16 @@ from ..table.format import TableHeader, read_header
 from ..table.progress import byte_progress
 from ..table.verify import bad_pages, checksum_error, page_checksum_error
 from .client import PoolClient, PoolError
-from .layout import (DEFAULT_EXTENT_ROWS, POOL_LAYOUT_VERSION, PoolLayout, header_from_record,
-                     layout_version_problem, meta_key, rows_with_sums, stored_layout_version)
+from .layout import (
+    DEFAULT_EXTENT_ROWS,
+    POOL_LAYOUT_VERSION,
+    PoolLayout,
+    header_from_record,
+    layout_version_problem,
+    meta_key,
+    rows_with_sums,
+    stored_layout_version,
+)
 
 __all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete"]
 

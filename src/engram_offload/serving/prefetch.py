@@ -56,12 +56,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .dedup import Dedup, dedup
+from ..buffers.recycle import RecycledArrays
+from ..engram.hashing import NgramHasher, SequenceHistory
 from ..errors import PrefetchError, StepCancelled
 from ..gpu.kernels import gather_rows
 from ..gpu.sync import FETCH, MAIN, DeviceSync
-from ..engram.hashing import NgramHasher, SequenceHistory
-from ..buffers.recycle import RecycledArrays
+from .dedup import Dedup, dedup
 from .sharding import Columns, check_columns, shard_ids
 from .store import RowLease, RowStore
 

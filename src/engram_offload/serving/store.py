@@ -40,24 +40,24 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, overload
 import numpy as np
 import torch
 
+from ..buffers.recycle import RecycledArrays
+from ..buffers.rowcopy import move_rows, native_move_rows
 from ..cache.admission import FrequencySketch
 from ..cache.lease import Lease, Pins
 from ..cache.levels import build_levels, capped_bytes
 from ..cache.row_cache import RowCache, native_hitpath
 from ..cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from ..engram.config import EngramConfig
-from .dedup import dedup
+from ..engram.rows import decode_rows
 from ..gpu.delivery import STAGING_BYTES, DeviceRows
 from ..gpu.device_table import DeviceTable
 from ..gpu.hbm_cache import HbmRowCache
 from ..gpu.sync import MAIN, DeviceSync, make_sync
-from ..buffers.recycle import RecycledArrays
-from ..buffers.rowcopy import move_rows, native_move_rows
-from ..engram.rows import decode_rows
-from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from ..table.format import TableHeader, read_header
 from ..tiers import Tier, as_row_ids, open_tier
 from ..tiers.memory import MemoryTier
+from .dedup import dedup
+from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 
 if TYPE_CHECKING:
     from .rowserver.client import RowClient

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableHeader, TableLayout, read_header
 from .generate import make_random_table, random_rows
-from .verify import BlockVerifier, verify_table
 from .upgrade import upgrade_table
+from .verify import BlockVerifier, verify_table
 from .writer import TableWriter, write_table
 
 __all__ = [

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..engram.config import EngramConfig, check_config_fields, check_int as _check_int
+from ..engram.config import EngramConfig, check_config_fields
+from ..engram.config import check_int as _check_int
 from ..errors import TableFormatError
 
 __all__ = [

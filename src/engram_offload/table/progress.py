@@ -19,8 +19,7 @@ def byte_progress(
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(),

@@ -30,9 +30,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ..buffers.rowcopy import move_rows
 from ..errors import TierError
 from ..machine import available_memory_bytes
-from ..buffers.rowcopy import move_rows
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
 from ..table.verify import BlockStreamChecker

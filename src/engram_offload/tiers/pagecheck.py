@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..table.format import TableLayout, TableHeader
+from ..table.format import TableHeader, TableLayout
 from ..table.verify import bad_pages, page_checksum_error
 
 __all__ = ["PagePlan", "plan_pages", "run_of_pages", "check_pages"]

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.serving.dedup import dedup
-from engram_offload.errors import EngramError, TierError
 from engram_offload.engram.hashing import NgramHasher
+from engram_offload.errors import EngramError, TierError
+from engram_offload.serving.dedup import dedup
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.rowserver import RowClient, RowServer, start_row_server
 from engram_offload.serving.sharding import shard_columns
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows
+
 from tiny_tables import tiny_config
 
 CACHE_ROWS = 400

@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...engram.config import EngramConfig
-from ..dedup import dedup
-from ...errors import ChecksumError, EngramError, TableFormatError, TierError
 from ...buffers.recycle import RecycledArrays
+from ...engram.config import EngramConfig
 from ...engram.rows import decode_rows
-from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
+from ...errors import ChecksumError, EngramError, TableFormatError, TierError
 from ...table.format import read_header
 from ...tiers import as_row_ids
+from ..dedup import dedup
+from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from . import protocol as p
 
 __all__ = ["RemoteLease", "RowClient", "start_row_server"]

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import EngramError
-from ..store import TableStore, open_table
 from ...units import size_arg
+from ..store import TableStore, open_table
 from . import protocol as p
 
 __all__ = ["RowServer", "DEFAULT_MAX_ROWS", "main"]
