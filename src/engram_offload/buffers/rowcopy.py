@@ -89,7 +89,7 @@ def move_rows(src: torch.Tensor | np.ndarray, src_rows: np.ndarray | None,
         return
     src_off = None if src_rows is None else _offsets(src_rows, 1 if src_byte_offsets else rb)
     dst_off = None if dst_rows is None else _offsets(dst_rows, rb)
-    native = None if native_disabled() else _built_move()
+    native = native_move_rows()
     if native is not None:
         native(s, src_off, d, dst_off, rb)
         return
