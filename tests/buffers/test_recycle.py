@@ -127,3 +127,17 @@ def test_threads_never_get_the_same_array_at_once():
     for t in threads:
         t.join()
     assert not errors and pool.reused > 0
+
+
+def test_a_replaced_free_slot_is_taken_off_the_free_list():
+    """The free slot whose small array a new one replaces is lent again: it must no longer be
+    free, or the next request gets the very memory the first caller still holds."""
+    pool = RecycledArrays(keep=1, min_bytes=0)
+    small = pool.empty((10,), np.uint8)
+    del small  # the one slot is free, too small for what comes next
+    grown = pool.empty((4096,), np.uint8)  # replaces the free slot's array
+    other = pool.empty((100,), np.uint8)  # fits in grown's array: must not be handed out
+    assert not np.shares_memory(grown, other)
+    grown[:] = 1
+    other[:] = 2
+    assert (grown == 1).all()
