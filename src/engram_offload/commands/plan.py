@@ -6,15 +6,17 @@ import argparse
 import json
 import shutil
 from dataclasses import replace
+from typing import Any
 
 from ..planner import DEFAULT_ASSUMPTIONS, OBJECTIVES, custom_model, get_gpu, get_model, make_plan
-from ..planner.hardware import GPUS
+from ..planner.hardware import GPUS, GpuSpec
 from ..planner.models import MODELS
 from ..planner.mrc import load_trace
-from ..planner.placement import Workload
+from ..planner.placement import PlacementResult, Workload
 from ..planner.plan import Plan, curve_for
 from ..planner.ranks import MachineDram, machine_dram
-from ..units import fraction, non_negative_float, positive_float, positive_int, unit_interval
+from ..planner.server import SERVER_KEYS, SERVER_PRESETS, ServerFigure, load_server_file, server_for
+from ..units import fraction, non_negative_float, non_negative_int, positive_float, positive_int, size_arg, unit_interval
 from .core import load_hf_config
 
 GiB = 2**30
@@ -38,11 +40,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zipf", type=positive_float, default=None,
                    help="Zipf exponent of row popularity when no trace (default: no Zipf, real text's measured "
                    "curve, docs/planner.md)")
-    p.add_argument("--target-hit-rate", type=fraction, default=0.9, help="DRAM cache hit rate for the nvme placement (default 0.9)")
+    p.add_argument("--target-hit-rate", type=fraction, default=0.9,
+                   help="DRAM cache hit rate the nvme placement's cache is sized for (default 0.9)")
+    p.add_argument("--cache-bytes", type=size_arg, default=None,
+                   help="the nvme placement's DRAM row cache per replica instead, a size (e.g. 256G; binary units); "
+                   "the cache table lists it beside other sizes")
     p.add_argument("--min-interactivity", type=positive_float, default=50.0, help="decode tokens/s per user to meet (default 50)")
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
     p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (overrides the preset)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--wide", action="store_true", help="every column of the table (default: the ones that fit 100 columns)")
+    s = p.add_argument_group("the server around the GPUs (default: the GPU preset's reference server, a DGX; "
+                             "the output names every figure given and assumed)")
+    s.add_argument("--server", default="dgx",
+                   help=f"a preset ({'; '.join(f'{k}: {v}' for k, v in SERVER_PRESETS.items())}) or a JSON file of "
+                   f"the figures below (keys {', '.join(SERVER_KEYS)}; 'preset' too); flags override it (default dgx)")
+    s.add_argument("--gpus-per-server", type=positive_int, default=None, help="GPUs in one server (default: the preset's)")
+    s.add_argument("--host-dram", type=size_arg, default=None,
+                   help="host DRAM of one server, a size (e.g. 1T, 1TiB, 768G; binary units; default: the preset's, "
+                   "2 TB for a DGX)")
+    s.add_argument("--nvme-drives", type=non_negative_int, default=None, help="NVMe data drives in one server")
+    s.add_argument("--nvme-iops", type=positive_float, default=None,
+                   help="each drive's 4 KiB random reads/s (e.g. fio --bs=4k --iodepth=128; default: the preset's)")
+    s.add_argument("--nvme-bytes-per-s", type=positive_float, default=None,
+                   help="each drive's read bandwidth, bytes/s (e.g. 6.9e9; default: the preset's)")
+    s.add_argument("--nvme-capacity", type=size_arg, default=None,
+                   help="each drive's capacity, a size (binary units: a 3.84 TB drive is 3.49T; default: the preset's)")
+    s.add_argument("--nvme-latency-us", type=positive_float, default=None,
+                   help="a 4 KiB read's latency at queue depth 1, us (default: the preset's, 80)")
+    s.add_argument("--pcie", type=int, choices=(4, 5, 6), default=None,
+                   help="the GPUs' host link: PCIe generation, x16 (default: the preset's)")
+    s.add_argument("--host-cores", type=positive_int, default=None,
+                   help="host CPU cores in one server; each GPU's fetch path keeps 1 + --host-fetch-cores busy, and "
+                   "fewer cores than that slow it (default: the preset's)")
+    s.add_argument("--dram-price", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.dram_price_per_gib,
+                   help=f"dollars per GiB of server DRAM (default {DEFAULT_ASSUMPTIONS.dram_price_per_gib:g}: an "
+                   "assumed list price)")
+    s.add_argument("--nvme-price", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.nvme_price_per_tb,
+                   help=f"dollars per TB of NVMe (default {DEFAULT_ASSUMPTIONS.nvme_price_per_tb:g}: an assumed "
+                   "list price)")
     d = p.add_argument_group("ranks on one machine (host DRAM per machine)")
     d.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas on one machine (default 1)")
     d.add_argument("--shared-host-copy", action=argparse.BooleanOptionalAction, default=None,
@@ -100,18 +136,26 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         )
     else:
         model = get_model(args.model)
-    gpu = get_gpu(args.gpu).with_price(args.price)
+    gpu, server = server_from_args(get_gpu(args.gpu).with_price(args.price), args)
     trace = load_trace(args.trace) if args.trace else None
     curve, label = curve_for(model, trace, args.zipf)
     workload = Workload(context=args.context, batch=args.batch, gpus=args.gpus,
-                        min_interactivity=args.min_interactivity,
+                        min_interactivity=args.min_interactivity, cache_bytes=args.cache_bytes,
                         target_hit_rate=args.target_hit_rate, curve=curve, curve_label=label)
     assumptions = replace(DEFAULT_ASSUMPTIONS, remote_latency_us=args.pool_rtt_us, remote_bw=args.pool_gbps * 1e9 / 8,
                           host_hash_us_per_step=args.host_hash_us_per_step,
                           host_hash_us_per_row=args.host_hash_us_per_row, host_us_per_hit=args.host_us_per_hit,
                           dram_rows_by_gpu=not args.host_serves_dram,
-                          host_us_per_miss=args.host_us_per_miss, host_fetch_cores=args.host_fetch_cores)
-    return make_plan(model, gpu, workload, args.objective, assumptions)
+                          host_us_per_miss=args.host_us_per_miss, host_fetch_cores=args.host_fetch_cores,
+                          dram_price_per_gib=args.dram_price, nvme_price_per_tb=args.nvme_price)
+    return make_plan(model, gpu, workload, args.objective, assumptions, server)
+
+
+def server_from_args(gpu: GpuSpec, args: argparse.Namespace) -> tuple[GpuSpec, list[ServerFigure]]:
+    """``gpu`` in the server of ``--server`` (a preset or a JSON file) and the server flags."""
+    preset, file = (args.server, None) if args.server in SERVER_PRESETS else ("dgx", load_server_file(args.server))
+    given = {key: getattr(args, key) for key in SERVER_KEYS}
+    return server_for(gpu, preset, file, given)
 
 
 def dram_per_machine(plan: Plan, args: argparse.Namespace) -> list[MachineDram]:
@@ -127,46 +171,75 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**plan.to_dict(), "dram_per_machine": [m.to_dict() for m in machine]}, indent=2))
         return 0
-    print_plan(plan, machine)
+    print_plan(plan, machine, wide=args.wide)
     return 0
 
 
-def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
+NARROW = 100  # columns of the default output
+
+
+def _cache_cell(r: PlacementResult) -> str:
+    if r.name != "nvme" or r.cache_hit_rate is None:
+        return ""
+    return f"{r.cache_bytes_per_gpu * r.tp / GiB:.1f} GiB, {r.cache_hit_rate:.0%}"
+
+
+def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool = False) -> None:
+    """The plan as text: the server, the table of placements (``wide``: every column, else
+    what fits 100 columns), the DRAM cache sizes in front of NVMe, memory prices, the choice."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(160, shutil.get_terminal_size((160, 24)).columns), highlight=False)
+    width = max(200, shutil.get_terminal_size((200, 24)).columns) if wide else NARROW
+    console = Console(width=width, highlight=False, soft_wrap=False)
     e, w, g = plan.model.engram, plan.workload, plan.gpu
     console.print(
         f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {e.table_bytes / GiB:.1f} GiB, "
         f"{e.bytes_per_token / 1024:.1f} KiB per token, weights {plan.model.weight_bytes / GiB:.1f} GiB, "
         f"context {w.context:,}, floor {w.min_interactivity:g} tok/s/user"
     )
-    t = Table(show_lines=False)
-    for col in ("placement", "TP", "fits", "KV GiB/GPU", "seqs", "KiB/tok/GPU", "batch",
-                "fetch us", "window us", "stall us", "tok/s/user", "tok/s/GPU", "cache", "DRAM GiB/machine"):
-        t.add_column(col, justify="left" if col in ("placement", "fits", "cache") else "right")
+    if plan.server:
+        given = [f"{f.key} {f.text}" for f in plan.server if f.given]
+        assumed = [f"{f.key} {f.text}" for f in plan.server if not f.given]
+        source = next((f.source for f in plan.server if not f.given), "")
+        console.print(f"Server ({g.server}, host link {g.host_link}): given: {', '.join(given) or 'nothing'}; "
+                      + (f"{source}: {', '.join(assumed)}" if assumed else "nothing assumed"))
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    cols = ["placement", "TP", "fits", "KV GiB", "batch", "fetch us", "stall us", "tok/s/user", "tok/s/GPU", "cache, hit"]
+    if wide:
+        cols[4:4] = ["seqs", "KiB/tok/GPU"]
+        cols += ["window us", "largest fetch term", "NVMe kIOPS", "memory $", "DRAM GiB/machine"]
+    heads = {"KV GiB": "KV\nGiB", "fetch us": "fetch\nus", "stall us": "stall\nus", "tok/s/user": "tok/s\n/user",
+             "tok/s/GPU": "tok/s\n/GPU", "cache, hit": "DRAM cache\nhit rate", "KiB/tok/GPU": "KiB/tok\n/GPU",
+             "window us": "window\nus", "NVMe kIOPS": "NVMe\nkIOPS", "DRAM GiB/machine": "DRAM GiB\n/machine",
+             "largest fetch term": "largest\nfetch term", "memory $": "memory\n$"}
+    for col in cols:
+        t.add_column(heads.get(col, col), no_wrap=True,
+                     justify="left" if col in ("placement", "fits", "cache, hit", "largest fetch term") else "right")
     why: list[str] = []
     for i, r in enumerate(plan.placements):
-        cache = ""
-        if r.name == "nvme" and r.cache_hit_rate is not None:
-            cache = f"{r.cache_bytes_per_gpu / GiB:.1f} GiB, {r.cache_hit_rate:.0%} hit"
         ok = r.fits and r.batch > 0
+
         def dash(text: str, ok: bool = ok) -> str:
             return text if ok else "-"
 
-        t.add_row(
-            r.name, str(r.tp), "yes" if r.fits else "[red]no[/]",
-            f"{r.hbm_free_bytes / GiB:.1f}", f"{r.max_concurrent_seqs:,}",
-            f"{r.bytes_per_token_per_gpu / 1024:.1f}", dash(str(r.batch)),
-            dash(f"{r.transfer_us:.0f}"), dash(f"{r.window_us:.0f}"),
-            dash(f"{r.predicted_stall_us:.0f}"), dash(f"{r.interactivity:.0f}"),
-            dash(f"{r.tokens_per_s_per_gpu:,.0f}"), cache,
-            dash(f"{machine[i].total_bytes / GiB:.1f}") if machine else "-",
-        )
+        cells = {"placement": r.name, "TP": str(r.tp), "fits": "yes" if r.fits else "[red]no[/]",
+                 "KV GiB": f"{r.hbm_free_bytes / GiB:.1f}", "seqs": f"{r.max_concurrent_seqs:,}",
+                 "KiB/tok/GPU": f"{r.bytes_per_token_per_gpu / 1024:.1f}", "batch": dash(str(r.batch)),
+                 "fetch us": dash(f"{r.transfer_us:,.0f}"), "stall us": dash(f"{r.predicted_stall_us:,.0f}"),
+                 "tok/s/user": dash(f"{r.interactivity:.0f}"), "tok/s/GPU": dash(f"{r.tokens_per_s_per_gpu:,.0f}"),
+                 "cache, hit": _cache_cell(r), "window us": dash(f"{r.window_us:,.0f}"),
+                 "largest fetch term": dash(_largest(r)),
+                 "NVMe kIOPS": f"{r.nvme_iops_needed / 1e3:,.0f}" if r.name == "nvme" and ok else "",
+                 "memory $": f"{plan.costs[i].dollars:,.0f}" if plan.costs and plan.costs[i].dollars else "",
+                 "DRAM GiB/machine": dash(f"{machine[i].total_bytes / GiB:.1f}") if machine else "-"}
+        t.add_row(*(cells[c] for c in cols))
         why.extend(f"{r.name} TP={r.tp}: {reason}" for reason in r.why_not)
+        if r.cache_note and r.fits:
+            why.append(f"{r.name} TP={r.tp}: {r.cache_note}")
     console.print(t)
-    if machine:
+    if machine and wide:
         m = machine[0]
         console.print(f"  [dim]DRAM per machine at --dp {m.dp}: host copy x {1 if m.shared_host_copy else m.dp} "
                       f"({'shared' if m.shared_host_copy else 'one a replica'}) + row cache x "
@@ -174,6 +247,8 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
                       f"+ step buffers x {m.dp}[/]")
     for line in why:
         console.print(f"  [dim]{line}[/]")
+    _print_cache_sweep(console, plan)
+    _print_memory(console, plan)
     rec = plan.recommendation
     if rec.choice is not None:
         console.print(f"[bold]Recommendation ({OBJECTIVES[rec.objective]}):[/] "
@@ -182,3 +257,53 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None) -> None:
         console.print("[bold]Recommendation:[/] none fits")
     for reason in rec.reasons:
         console.print(f"  - {reason}")
+
+
+def _largest(r: PlacementResult) -> str:
+    if not r.fetch_terms:
+        return ""
+    name, us = max(r.fetch_terms.items(), key=lambda kv: kv[1])
+    return f"{name} {us:,.0f} us"
+
+
+def _print_cache_sweep(console: Any, plan: Plan) -> None:
+    """The nvme placement at each DRAM cache size: the operator's 'I have this much DRAM'."""
+    from rich import box
+    from rich.table import Table
+
+    if not plan.cache_sweep:
+        return
+    tp = plan.cache_sweep[0].tp
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+              title=f"NVMe behind a DRAM row cache of each size (TP={tp}, per replica; {plan.workload.curve_label})",
+              title_justify="left")
+    for col in ("DRAM cache", "hit", "batch", "stall us", "tok/s/user", "tok/s/GPU", "note"):
+        t.add_column(col, justify="left" if col == "note" else "right", no_wrap=col != "note")
+    given = plan.workload.cache_bytes
+    for r in plan.cache_sweep:
+        size = r.cache_bytes_per_gpu * r.tp
+        ok = r.fits and r.batch > 0
+        note = "; ".join([*(["--cache-bytes"] if given is not None and abs(size - min(given, plan.model.engram.table_bytes))
+                             < 1 else []), *r.why_not[:1], *([r.cache_note] if r.cache_note else [])])
+        t.add_row(f"{size / GiB:,.1f} GiB", f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
+                  f"{r.predicted_stall_us:,.0f}" if ok else "-", f"{r.interactivity:.0f}" if ok else "-",
+                  f"{r.tokens_per_s_per_gpu:,.0f}" if ok else "-", note)
+    console.print(t)
+
+
+def _print_memory(console: Any, plan: Plan) -> None:
+    """What the host memory of the best dram and nvme options costs, and the plain verdict."""
+    a, g = plan.assumptions, plan.gpu
+    console.print(f"[bold]Memory[/] (assumed list prices: DRAM ${a.dram_price_per_gib:g}/GiB, NVMe "
+                  f"${a.nvme_price_per_tb:g}/TB, paid off over {a.hardware_years:g} years; GPUs "
+                  f"${g.price_per_hour:.2f}/GPU-hour; --dram-price, --nvme-price, --price):")
+    for name in ("dram", "nvme"):
+        pairs = [(r, c) for r, c in zip(plan.placements, plan.costs) if r.name == name and r.fits]
+        if not pairs:
+            continue
+        r, c = max(pairs, key=lambda rc: rc[0].tokens_per_s_per_gpu)
+        held = (f"{c.dram_bytes / GiB:,.1f} GiB DRAM" + (f" + {c.nvme_bytes / 1e12:.2f} TB NVMe" if c.nvme_bytes else ""))
+        console.print(f"  - {name} at TP={r.tp}: {held} = ${c.dollars:,.0f} once, {c.gpu_hours:,.0f} hours of its "
+                      f"{r.tp} GPU(s); ${c.dollars_per_hour:.3f}/hour against ${c.gpu_dollars_per_hour:.2f}/hour of GPUs")
+    if plan.verdict:
+        console.print(f"  {plan.verdict}")

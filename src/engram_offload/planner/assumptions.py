@@ -90,6 +90,14 @@ class Assumptions:
     host_us_per_miss: float = 6.2
     dram_rows_by_gpu: bool = True
     host_fetch_cores: float = 1.0
+    # List prices of the memory a placement buys, beside the GPU-hours (``plan --dram-price``,
+    # ``--nvme-price``): server DDR5 RDIMMs about $5 a GiB (64 GB modules at about $300
+    # in 2025 distributor list prices; they rose steeply in late 2025: give today's), and
+    # enterprise TLC NVMe about $120 a TB (7.68 TB Gen4/Gen5 U.2 drives at about $900).
+    # The hardware is paid off over ``hardware_years`` to compare it with GPU-hours.
+    dram_price_per_gib: float = 5.0
+    nvme_price_per_tb: float = 120.0
+    hardware_years: float = 3.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -39,6 +39,8 @@ class GpuSpec:
     nvme_capacity_per_drive: float
     price_per_hour: float
     nvme_latency_us: float = 80.0  # 4 KiB random read at low queue depth, TLC NVMe
+    host_cores: int = 112  # per server (DGX H100/H200/B200: 2 x 56-core Xeon)
+    server: str = "DGX"  # the server these per-server figures describe
     sources: tuple[str, ...] = ()
 
     def peak_flops(self, precision: str) -> float:
@@ -124,7 +126,7 @@ GPUS: dict[str, GpuSpec] = {
         name="B300 (HGX)", hbm_bytes=288 * GB, hbm_bw=8 * TB,
         flops={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 15e15}, nvlink_bw=900 * GB,
         host_link="PCIe Gen5 x16 (Gen6 GPU, Gen5 host)", host_link_bw=PCIE_GEN5_X16,
-        host_dram_per_gpu=2 * TB / 8, gpus_per_server=8, price_per_hour=6.00,
+        host_dram_per_gpu=2 * TB / 8, gpus_per_server=8, price_per_hour=6.00, host_cores=128,
         **_DGX_BLACKWELL_STORAGE,
         sources=("nvidia.com/en-us/data-center/hgx", "Inside NVIDIA Blackwell Ultra (NVIDIA blog)",
                  "DGX B300 datasheet"),
@@ -137,7 +139,7 @@ GPUS: dict[str, GpuSpec] = {
         flops={"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15}, nvlink_bw=900 * GB,
         host_link="NVLink-C2C (shared by 2 GPUs)", host_link_bw=450 * GB / 2,
         host_dram_per_gpu=480 * GB / 2, gpus_per_server=4, price_per_hour=5.50,
-        **_NVL72_TRAY_STORAGE,
+        host_cores=144, server="NVL72 compute tray", **_NVL72_TRAY_STORAGE,
         sources=("nvidia.com/en-us/data-center/gb200-nvl72",),
     ),
     # GB300 NVL72 (nvidia.com/en-us/data-center/gb300-nvl72): 288 GB HBM3e, 8 TB/s, FP4
@@ -147,7 +149,7 @@ GPUS: dict[str, GpuSpec] = {
         flops={"bf16": 2.5e15, "fp8": 5e15, "fp4": 15e15}, nvlink_bw=900 * GB,
         host_link="NVLink-C2C (shared by 2 GPUs)", host_link_bw=450 * GB / 2,
         host_dram_per_gpu=480 * GB / 2, gpus_per_server=4, price_per_hour=7.00,
-        **_NVL72_TRAY_STORAGE,
+        host_cores=144, server="NVL72 compute tray", **_NVL72_TRAY_STORAGE,
         sources=("nvidia.com/en-us/data-center/gb300-nvl72",),
     ),
     # AMD Instinct MI355X (amd.com/en/products/accelerators/instinct/mi350/mi355x.html):
@@ -157,7 +159,8 @@ GPUS: dict[str, GpuSpec] = {
         name="MI355X", hbm_bytes=288 * GB, hbm_bw=8 * TB,
         flops={"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15}, nvlink_bw=7 * 153.6 * GB / 2,
         host_link="PCIe Gen5 x16", host_link_bw=PCIE_GEN5_X16, host_dram_per_gpu=2 * TB / 8,
-        gpus_per_server=8, price_per_hour=3.50, **_DGX_BLACKWELL_STORAGE,
+        gpus_per_server=8, price_per_hour=3.50, host_cores=128, server="8-GPU OAM server (assumed)",
+        **_DGX_BLACKWELL_STORAGE,
         sources=("amd.com Instinct MI355X product page",),
     ),
 }

@@ -27,6 +27,7 @@ from .perf import StepTime, decode_step, decode_window_us, layer_offsets_us, pre
 from .realtext import step_unique_fraction
 
 __all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time", "host_cpu_us",
+           "host_core_share",
            "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
@@ -44,6 +45,7 @@ class Workload:
     target_hit_rate: float = 0.9
     curve: MissRatioCurve | None = None
     curve_label: str = "none"
+    cache_bytes: float | None = None  # the nvme placement's DRAM row cache per replica; None: by target_hit_rate
 
     def __post_init__(self) -> None:
         if self.context < 1:
@@ -54,6 +56,8 @@ class Workload:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
         if not 0 < self.target_hit_rate <= 1:
             raise ValueError(f"--target-hit-rate must be in (0, 1], got {self.target_hit_rate}")
+        if self.cache_bytes is not None and self.cache_bytes < 0:
+            raise ValueError(f"--cache-bytes must be a size >= 0, got {self.cache_bytes}")
 
 
 @dataclass
@@ -74,6 +78,7 @@ class PlacementResult:
     link_bytes_per_step: float = 0.0  # per GPU
     transfer_us: float = 0.0
     host_us: float = 0.0  # host CPU per step: hashing, plus the fetch worker's over its cores
+    fetch_terms: dict[str, float] = field(default_factory=dict)  # Fetch.terms() of the chosen batch
     window_us: float = 0.0  # forward entry to the first Engram layer
     predicted_stall_us: float = 0.0
     prefill_transfer_us: float = 0.0
@@ -81,6 +86,7 @@ class PlacementResult:
     prefill_stall_us: float = 0.0
     cache_bytes_per_gpu: float = 0.0
     cache_hit_rate: float | None = None
+    cache_note: str = ""  # how the nvme cache was sized, when not simply by the target hit rate
     nvme_iops_needed: float = 0.0  # per server
     nvme_iops_available: float = 0.0
     step_us: float = 0.0
@@ -152,14 +158,34 @@ def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
                 f"table {table / 1e12:.2f} TB exceeds the server's NVMe "
                 f"{gpu.nvme_bytes_per_server / 1e12:.1f} TB"
             )
-        curve = w.curve
-        rows = model.engram.num_rows
+        _size_cache(model, tp, w, dram_cap, r)
+
+
+def _size_cache(model: ModelSpec, tp: int, w: Workload, dram_cap: float, r: PlacementResult) -> None:
+    """The nvme placement's DRAM row cache: ``w.cache_bytes`` when given, else the smallest
+    reaching ``w.target_hit_rate``, within the host DRAM of the replica's GPUs; every way it
+    falls short of what was asked is said in ``r.cache_note``."""
+    curve, rows, row_bytes = w.curve, model.engram.num_rows, model.engram.row_bytes
+    cap_rows = int(dram_cap * tp // row_bytes)
+    if w.cache_bytes is not None:
+        want: int | None = int(w.cache_bytes // row_bytes)
+        if want is not None and want > cap_rows:
+            r.why_not.append(f"a {w.cache_bytes / GiB:.1f} GiB cache exceeds the {cap_rows * row_bytes / GiB:.1f} GiB "
+                             f"of host DRAM the replica's {tp} GPU(s) may use")
+    else:
         want = curve.rows_for_hit_rate(w.target_hit_rate) if curve else rows
-        cap_rows = int(dram_cap * tp // model.engram.row_bytes)
-        cache_rows = min(rows if want is None else want, cap_rows, rows)
-        r.cache_bytes_per_gpu = cache_rows * model.engram.row_bytes / tp
-        r.host_bytes_per_gpu = r.cache_bytes_per_gpu
-        r.cache_hit_rate = 1.0 if cache_rows >= rows else (curve.hit_ratio(cache_rows) if curve else 0.0)
+        if want is None:
+            r.cache_note = (f"the {w.target_hit_rate:.0%} target is above what the curve reaches: the largest "
+                            "cache host DRAM allows")
+        elif want > cap_rows:
+            r.cache_note = (f"the {w.target_hit_rate:.0%} target needs {want * row_bytes / GiB:.1f} GiB, over the "
+                            "host DRAM allowed: the largest cache it allows")
+    cache_rows = min(rows if want is None else want, cap_rows, rows)
+    if cache_rows >= rows:
+        r.cache_note = "the whole table: the dram placement, NVMe behind it"
+    r.cache_bytes_per_gpu = cache_rows * row_bytes / tp
+    r.host_bytes_per_gpu = r.cache_bytes_per_gpu
+    r.cache_hit_rate = 1.0 if cache_rows >= rows else (curve.hit_ratio(cache_rows) if curve else 0.0)
 
 
 @dataclass(frozen=True)
@@ -175,6 +201,20 @@ class Fetch:
     nvme_reads: float  # rows missed by the DRAM cache
     hash_us: float = 0.0  # host CPU hashing and deduplicating the row ids (in fixed_us)
     host_cpu_us: float = 0.0  # the fetch worker's CPU over its cores (within rows_us)
+    link_us: float = 0.0  # the rows' bytes over the host link or the pool (within rows_us)
+    device_us: float = 0.0  # the drives' reads of the misses (within rows_us)
+    latency_us: float = 0.0  # the link's or pool's round trip, the drive's latency and step overhead
+
+    def terms(self) -> dict[str, float]:
+        """What the fetch time is made of (us): the fixed terms add, and of the row terms
+        only the slowest of the drives and the fetch worker counts beside the link."""
+        paced = "NVMe reads" if self.device_us >= self.host_cpu_us else "host fetch worker"
+        return {"host hashing": self.hash_us, "latency": self.latency_us, "link": self.link_us,
+                paced: max(self.device_us, self.host_cpu_us)}
+
+    def largest_term(self) -> tuple[str, float]:
+        """The term of ``terms`` that takes longest."""
+        return max(self.terms().items(), key=lambda kv: kv[1])
 
     @property
     def transfer_us(self) -> float:
@@ -187,21 +227,33 @@ class Fetch:
 
 
 def host_cpu_us(model: ModelSpec, name: str, tokens: int, hits: float, misses: float,
-                a: Assumptions) -> tuple[float, float]:
+                a: Assumptions, gpu: GpuSpec | None = None) -> tuple[float, float]:
     """Host CPU time of one GPU's fetch path for ``tokens`` tokens (``hits`` and ``misses``:
     the rows served from host DRAM and read from NVMe): hashing and dedup of every row id of
     the tokens (one thread, before the fetch starts: a cost per step and one per row id), and
     the fetch worker's per-row work over ``host_fetch_cores`` cores. ``hbm`` rows are gathered
     on the GPU, ``dram`` rows read by it from pinned memory (unless not ``dram_rows_by_gpu``)
-    and the pool's measured rate holds its client's CPU: hashing only."""
+    and the pool's measured rate holds its client's CPU: hashing only. With ``gpu``, both
+    slow down when its server has fewer cores than its GPUs' fetch threads
+    (``host_core_share``)."""
     if tokens <= 0:
         return 0.0, 0.0
     e = model.engram
-    hash_us = a.host_hash_us_per_step + tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row
+    share = host_core_share(gpu, a) if gpu is not None else 1.0
+    hash_us = (a.host_hash_us_per_step
+               + tokens * len(e.layer_ids) * e.cols_per_layer * a.host_hash_us_per_row) / share
     if name in ("hbm", "remote") or (name == "dram" and a.dram_rows_by_gpu):
         return hash_us, 0.0
     per_miss = a.mmap_us_per_miss if name == "mmap" else a.host_us_per_miss
-    return hash_us, (hits * a.host_us_per_hit + misses * per_miss) / a.host_fetch_cores
+    return hash_us, (hits * a.host_us_per_hit + misses * per_miss) / a.host_fetch_cores / share
+
+
+def host_core_share(gpu: GpuSpec, a: Assumptions) -> float:
+    """The share of a core each fetch thread gets: every GPU of the server runs a hashing
+    thread and ``host_fetch_cores`` of fetch worker; with fewer host cores than that, they
+    share them (1.0: enough cores)."""
+    need = gpu.gpus_per_server * (1.0 + a.host_fetch_cores)
+    return min(1.0, gpu.host_cores / need) if gpu.host_cores > 0 else 1.0
 
 
 def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, hit_rate: float | None,
@@ -232,11 +284,12 @@ def fetch_time(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, tokens: int, 
             iops_share = min(iops_share, a.mmap_fault_threads / per_fault_s / gpu.gpus_per_server)
         # a drive's IOPS and its bandwidth are two limits on the same reads, not two costs
         device = max(misses / iops_share, misses * a.nvme_read_bytes / bw_share) * 1e6
-    hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a)
+    hash_us, cpu_us = host_cpu_us(model, name, tokens, tokens * rows_per_token - misses, misses, a, gpu)
     # the worker's CPU and the drives serve the same rows side by side (reads in flight while
     # others are decoded): the slower of the two paces them
     return Fetch(link_bytes=link_bytes, fixed_us=fixed + hash_us, rows_us=rows + max(device, cpu_us),
-                 nvme_reads=misses, hash_us=hash_us, host_cpu_us=cpu_us)
+                 nvme_reads=misses, hash_us=hash_us, host_cpu_us=cpu_us, link_us=rows, device_us=device,
+                 latency_us=fixed)
 
 
 def layered_stall_us(fetch_us: list[float], offsets_us: list[float]) -> float:
@@ -273,6 +326,7 @@ class _DecodePoint:
     stall_us: float
     step_us: float
     iops: float
+    fetch: Fetch
 
 
 def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: Workload,
@@ -287,7 +341,7 @@ def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: W
     iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
     return _DecodePoint(step=step, window_us=decode_window_us(model, step), link_bytes=fetch.link_bytes,
                         transfer_us=fetch.transfer_us, host_us=fetch.hash_us + fetch.host_cpu_us, stall_us=stall,
-                        step_us=step_us, iops=iops)
+                        step_us=step_us, iops=iops, fetch=fetch)
 
 
 def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workload,
@@ -318,6 +372,7 @@ def evaluate(model: ModelSpec, gpu: GpuSpec, name: str, tp: int, workload: Workl
         r.link_bytes_per_step = d.link_bytes
         r.transfer_us = d.transfer_us
         r.host_us = d.host_us
+        r.fetch_terms = d.fetch.terms()
         r.window_us = d.window_us
         r.predicted_stall_us = d.stall_us
         r.step_us = d.step_us

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from .costs import MemoryCost, dram_verdict, memory_cost
 from .hardware import GpuSpec
 from .models import ModelSpec
 from .mrc import MissRatioCurve, ZipfMRC, mrc_from_trace
-from .placement import PlacementResult, Workload, evaluate_all, tp_degrees
+from .placement import PlacementResult, Workload, evaluate, evaluate_all, tp_degrees
 from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .recommend import Recommendation, recommend
+from .server import ServerFigure
 
-__all__ = ["Plan", "make_plan", "curve_for"]
+__all__ = ["Plan", "make_plan", "curve_for", "cache_sizes"]
 
+GiB = 2**30
 
 
 @dataclass
@@ -27,6 +30,10 @@ class Plan:
     assumptions: Assumptions
     placements: list[PlacementResult]
     recommendation: Recommendation
+    server: list[ServerFigure] = field(default_factory=list)
+    cache_sweep: list[PlacementResult] = field(default_factory=list)  # nvme at one TP, by cache size
+    costs: list[MemoryCost] = field(default_factory=list)  # of each placement in ``placements``
+    verdict: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         e = self.model.engram
@@ -36,9 +43,17 @@ class Plan:
             "gpu": {"name": self.gpu.name, "hbm_bytes": self.gpu.hbm_bytes,
                     "host_link": self.gpu.host_link, "price_per_hour": self.gpu.price_per_hour,
                     "sources": list(self.gpu.sources)},
+            "server": {f.key: f.to_dict() for f in self.server},
+            "assumed": [f.key for f in self.server if not f.given],
             "workload": {"context": w.context, "batch": w.batch, "gpus": w.gpus,
-                         "min_interactivity": w.min_interactivity,
+                         "min_interactivity": w.min_interactivity, "cache_bytes": w.cache_bytes,
                          "target_hit_rate": w.target_hit_rate, "miss_ratio_curve": w.curve_label},
+            "dram_verdict": self.verdict,
+            "memory_costs": [c.to_dict() for c in self.costs],
+            "cache_sweep": [{"tp": r.tp, "cache_bytes": r.cache_bytes_per_gpu * r.tp,
+                             "hit_rate": r.cache_hit_rate, "fits": r.fits, "batch": r.batch,
+                             "stall_us": r.predicted_stall_us, "tokens_per_s_per_user": r.interactivity,
+                             "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu} for r in self.cache_sweep],
             "table_bytes": e.table_bytes,
             "bytes_per_token": e.bytes_per_token,
             "bytes_per_token_per_gpu": {str(tp): e.bytes_per_token_per_gpu(tp)
@@ -66,13 +81,35 @@ def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
     heads = len(e.layer_ids) * e.cols_per_layer
     if zipf is not None:
         return ZipfMRC(zipf, max(1, e.num_rows // heads), heads), f"Zipf s={zipf:g} per head (Che approximation)"
-    return RealTextMRC(heads), f"real text (source code, a {REAL_TEXT_TOKENS:,}-token trace), LRU curve"
+    curve = RealTextMRC(heads, e.num_rows)
+    return curve, (f"real text (source code, a {REAL_TEXT_TOKENS:,}-token trace), LRU curve, measured to "
+                   f"{curve.measured_rows * e.row_bytes / GiB:.1f} GiB and extrapolated to 100% at the whole table")
 
 
 def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,
               objective: str = "tokens-per-gpu",
-              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Plan:
+              assumptions: Assumptions = DEFAULT_ASSUMPTIONS, server: list[ServerFigure] | None = None) -> Plan:
     """Evaluate every placement and TP degree and recommend one."""
     results = evaluate_all(model, gpu, workload, assumptions)
     rec = recommend(model, gpu, results, workload, objective)
-    return Plan(model, gpu, workload, assumptions, results, rec)
+    nvme = [r for r in results if r.name == "nvme" and r.fits]
+    sweep: list[PlacementResult] = []
+    if nvme:  # the cache in front of NVMe at each size, at the nvme placement's best TP
+        tp = (rec.choice.tp if rec.choice is not None and rec.choice.name == "nvme"
+              else max(nvme, key=lambda r: r.tokens_per_s_per_gpu).tp)
+        sweep = [evaluate(model, gpu, "nvme", tp, replace(workload, cache_bytes=size), assumptions)
+                 for size in cache_sizes(model.engram.table_bytes, workload.cache_bytes)]
+    costs = [memory_cost(r, model, gpu, assumptions) for r in results]
+    verdict = dram_verdict(model, gpu, assumptions, [r for r in results if r.name == "dram" and r.fits], nvme)
+    return Plan(model, gpu, workload, assumptions, results, rec, server=list(server or []), cache_sweep=sweep,
+                costs=costs, verdict=verdict)
+
+
+def cache_sizes(table_bytes: float, given: float | None = None) -> list[float]:
+    """DRAM cache sizes to show in front of NVMe: powers of two from 16 GiB below the table,
+    the whole table, and ``given``."""
+    sizes = {float(2**k * GiB) for k in range(4, 60) if 2**k * GiB < table_bytes}
+    sizes.add(float(table_bytes))
+    if given is not None:
+        sizes.add(float(min(given, table_bytes)))
+    return sorted(sizes)

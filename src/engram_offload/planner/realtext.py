@@ -7,13 +7,16 @@ large enough for few collisions), and it grows with the rows a token reads: so t
 below is kept per *token-equivalent* of cache (cache rows / rows read per token) and holds
 for any table whose tokens read rows the way V4.1-Flash's do.
 
-``REAL_TEXT_HIT`` was measured by ``measure_real_text_curve``: a million tokens of CPython
-3.11's standard library (the benchmark corpus), tokenized with the DeepSeek tokenizer and
-hashed into the full ``deepseek-v4.1-flash`` table, 32 sequences of 16-token pieces a step,
-each step's ids deduplicated (as the store sees them), stack distances by SHARDS at 10%;
-the cache starts empty, so first touches count as misses. Source code repeats itself more
-than prose, so prose will hit less; a cache that has served fewer tokens hits less too
-(docs/planner.md: 0.44-0.52 measured after 12-35 thousand tokens where this curve says 0.56).
+``REAL_TEXT_HIT`` was measured by ``measure_real_text_curve``: the whole of CPython 3.11's
+standard library (8.2 million tokens, the benchmark corpus), tokenized with the DeepSeek
+tokenizer and hashed into the full ``deepseek-v4.1-flash`` table, 32 sequences of 16-token
+pieces a step, each step's ids deduplicated (as the store sees them), stack distances by
+SHARDS; the cache starts empty, so first touches count as misses. The trace touches
+``REAL_TEXT_DISTINCT`` token-equivalents of rows (11% of that table): a cache that large
+holds every row it reads again, and above it ``RealTextMRC`` extrapolates to the whole
+table (and says so). Source code repeats itself more than prose, so prose will hit less; a
+cache that has served fewer tokens hits less too (docs/planner.md: 0.44-0.52 measured
+after 12-35 thousand tokens of a young cache).
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_HIT", "REAL_TEXT_TOKENS", "measure_real_text_curve",
+__all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_DISTINCT", "REAL_TEXT_FIRST_TOUCH", "REAL_TEXT_HIT",
+           "REAL_TEXT_TOKENS", "measure_real_text_curve",
            "measure_step_unique", "step_unique_fraction"]
 
-REAL_TEXT_TOKENS = 1_048_576
-"""Tokens of the measured trace."""
+REAL_TEXT_TOKENS = 8_243_595
+"""Tokens of the measured trace (every file of the standard library of 16 tokens or more)."""
 REAL_TEXT_CACHE_TOKENS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 """Cache sizes, in token-equivalents (cache rows / rows read per token)."""
-REAL_TEXT_HIT = (0.0040, 0.0299, 0.2097, 0.3766, 0.5138, 0.6050, 0.6472, 0.6484)
+REAL_TEXT_HIT = (0.0007, 0.0026, 0.206, 0.4192, 0.5531, 0.6386, 0.7065, 0.7621)
 """Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``measure_real_text_curve``; see the module doc)."""
+REAL_TEXT_FIRST_TOUCH = 0.2301
+"""The share of the trace's reads that are a row's first (the misses of an unbounded cache)."""
+REAL_TEXT_DISTINCT = 1_687_397
+"""The rows the trace touched, in token-equivalents: a cache this large hits every re-read."""
 
 
 STEP_TOKENS = (1, 8, 32, 128, 512)
@@ -91,36 +99,71 @@ def measure_step_unique(files: int = 4000, steps: int = 200, model: str = "deeps
 
 def _interp_log(x: float) -> float:
     """``REAL_TEXT_HIT`` at ``x`` token-equivalents, linear in log(x) between the measured
-    sizes, linear to 0 at no cache below the smallest, flat above the largest."""
-    xs = np.log(np.asarray(REAL_TEXT_CACHE_TOKENS, dtype=np.float64))
+    sizes, linear to 0 at no cache below the smallest, flat at the trace's reuse
+    (``1 - REAL_TEXT_FIRST_TOUCH``) from ``REAL_TEXT_DISTINCT`` on."""
+    xs = np.log(np.asarray((*REAL_TEXT_CACHE_TOKENS, REAL_TEXT_DISTINCT), dtype=np.float64))
+    ys = (*REAL_TEXT_HIT, 1.0 - REAL_TEXT_FIRST_TOUCH)
     if x < REAL_TEXT_CACHE_TOKENS[0]:
         return REAL_TEXT_HIT[0] * max(x, 0.0) / REAL_TEXT_CACHE_TOKENS[0]
-    return float(np.interp(math.log(x), xs, REAL_TEXT_HIT))
+    return float(np.interp(math.log(x), xs, ys))
 
 
 @dataclass(frozen=True)
 class RealTextMRC:
-    """``REAL_TEXT_HIT`` for a table whose tokens read ``rows_per_token`` rows each. Above
-    the largest cache measured the hit ratio stays at its value there (a conservative
-    ceiling: the trace's own reuse)."""
+    """``REAL_TEXT_HIT`` for a table of ``table_rows`` rows whose tokens read
+    ``rows_per_token`` rows each, over every cache size up to the whole table.
+
+    Measured up to the rows the trace touched (``REAL_TEXT_DISTINCT`` token-equivalents);
+    above, EXTRAPOLATED: the trace's first touches (``REAL_TEXT_FIRST_TOUCH`` of its reads)
+    are reads of rows no n-gram of the trace read before, and a server that has run long
+    read them last before anything the trace read. A cache larger than the rows the trace
+    touched holds ``cache - touched`` of the table's ``table - touched`` other rows, so it
+    serves that share of the first touches (taking every such row as equally likely: new
+    n-grams hash uniformly, and text that returns to old n-grams would hit more). The hit
+    ratio so rises linearly from the trace's reuse to 1.0 at the whole table (every row
+    cached). ``table_rows=None``: no extrapolation, flat at the trace's reuse."""
 
     rows_per_token: int
+    table_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows_per_token < 1:
             raise ValueError(f"rows_per_token must be >= 1, got {self.rows_per_token}")
+        if self.table_rows is not None and self.table_rows < 1:
+            raise ValueError(f"table_rows must be >= 1, got {self.table_rows}")
+
+    @property
+    def measured_rows(self) -> float:
+        """The largest cache (rows) the measured curve covers; the extrapolation starts there
+        (at half the table for a table smaller than the rows the trace touched)."""
+        touched = REAL_TEXT_DISTINCT * self.rows_per_token
+        return touched if self.table_rows is None else min(touched, self.table_rows / 2)
 
     def hit_ratio(self, rows: float) -> float:
         """Fraction of row reads a cache of ``rows`` rows serves."""
-        return _interp_log(rows / self.rows_per_token) if rows > 0 else 0.0
+        if rows <= 0:
+            return 0.0
+        start = self.measured_rows
+        if self.table_rows is None or rows <= start:
+            return _interp_log(rows / self.rows_per_token)
+        if rows >= self.table_rows:
+            return 1.0
+        base = _interp_log(start / self.rows_per_token)
+        return base + (1.0 - base) * (rows - start) / (self.table_rows - start)
+
+    def extrapolated(self, rows: float) -> bool:
+        """Whether ``hit_ratio(rows)`` is the extrapolation, not the measurement."""
+        return self.table_rows is not None and self.measured_rows < rows < self.table_rows
 
     def rows_for_hit_rate(self, hit_rate: float) -> int | None:
-        """The smallest cache (rows) reaching ``hit_rate``; None above the curve's ceiling."""
+        """The smallest cache (rows) reaching ``hit_rate``; None above the curve's ceiling
+        (only without ``table_rows``)."""
         if not 0.0 <= hit_rate <= 1.0:
             raise ValueError(f"hit rate must be within [0, 1], got {hit_rate}")
-        if hit_rate > REAL_TEXT_HIT[-1]:
+        top = float(self.table_rows if self.table_rows is not None else self.measured_rows)
+        if hit_rate > self.hit_ratio(top):
             return None
-        lo, hi = 0.0, float(REAL_TEXT_CACHE_TOKENS[-1] * self.rows_per_token)
+        lo, hi = 0.0, top
         for _ in range(100):
             mid = (lo + hi) / 2
             if self.hit_ratio(mid) >= hit_rate:
@@ -130,11 +173,12 @@ class RealTextMRC:
         return int(math.ceil(hi))
 
 
-def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.1,
+def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.03,
                             model: str = "deepseek-v4.1-flash") -> dict[str, Any]:
-    """Measure ``REAL_TEXT_HIT`` again (about a minute and a few GB of memory for a million
-    tokens): the standard library through ``model``'s hasher, per-step deduplicated ids,
-    SHARDS stack distances at ``rate``, the hit ratio at every cache size of the grid."""
+    """Measure ``REAL_TEXT_HIT``, ``REAL_TEXT_FIRST_TOUCH`` and ``REAL_TEXT_DISTINCT`` again
+    (a few minutes and about a GB of memory for the whole standard library): ``model``'s
+    hasher over 32 sequences of 16-token pieces a step, each step's ids deduplicated and
+    SHARDS-sampled at ``rate`` as they come, stack distances of the sample."""
     from ..engram.tokenizer import cached_token_map
     from .models import get_model
     from .mrc import shards_sample, stack_distances
@@ -142,11 +186,13 @@ def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.1,
 
     config = get_model(model).engram
     rows_per_token = len(config.layer_ids) * config.cols_per_layer
-    steps = serving_steps(config, cached_token_map(), stdlib_token_sequences(tokens), batch=32, chunk=16)
-    ids = np.concatenate([np.unique(step.reshape(-1)) for step in steps])
-    sampled = ids[np.isin(ids, shards_sample(np.unique(ids), rate))]
+    sequences = stdlib_token_sequences(tokens)
+    steps = serving_steps(config, cached_token_map(), sequences, batch=32, chunk=16)
+    sampled = np.concatenate([shards_sample(np.unique(step.reshape(-1)), rate) for step in steps])
     distances = stack_distances(sampled) / rate  # rows; negative: a first access
     hit = [round(float(np.mean((distances >= 0) & (distances < c * rows_per_token))), 4)
            for c in REAL_TEXT_CACHE_TOKENS]
-    return {"model": model, "tokens": tokens, "rows_per_token": rows_per_token, "rate": rate,
-            "cache_tokens": list(REAL_TEXT_CACHE_TOKENS), "hit": hit}
+    return {"model": model, "tokens": int(sum(s.size for s in sequences)), "rows_per_token": rows_per_token,
+            "rate": rate, "cache_tokens": list(REAL_TEXT_CACHE_TOKENS), "hit": hit,
+            "first_touch": round(float(np.mean(distances < 0)), 4),
+            "distinct_token_equivalents": int(np.sum(distances < 0) / rate / rows_per_token)}

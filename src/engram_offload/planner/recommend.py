@@ -139,9 +139,10 @@ def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[st
                    else f"a {c.predicted_stall_us:.0f} us stall per step")
         out.append(
             f"Each decode step moves {c.batch} x {c.bytes_per_token_per_gpu:,} B = "
-            f"{_fmt_bytes(c.link_bytes_per_step)} per GPU over {c.link} in about "
-            f"{c.transfer_us:.0f} us; the layers before Engram layer {model.first_engram_layer} "
-            f"take {c.window_us:.0f} us, and each Engram layer waits only for its own rows: {verdict}."
+            f"{_fmt_bytes(c.link_bytes_per_step)} per GPU over {c.link}; its fetch takes about "
+            f"{c.transfer_us:,.0f} us{_fetch_terms(c)}; the layers before Engram layer "
+            f"{model.first_engram_layer} take {c.window_us:,.0f} us, and each Engram layer waits only for "
+            f"its own rows: {verdict}."
         )
         if c.prefill_stall_us > 0:
             out.append(
@@ -155,6 +156,25 @@ def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[st
             f"{c.nvme_iops_needed / 1e3:,.0f}k IOPS per server of {c.nvme_iops_available / 1e6:.1f}M."
         )
     return out
+
+
+TERM_WORDS = {
+    "host hashing": "hashing and deduplicating the step's row ids on one host thread (--host-hash-us-*)",
+    "link": "the bytes over the link",
+    "NVMe reads": "the NVMe reads of the cache's misses",
+    "host fetch worker": "the host's fetch worker serving the rows (--host-us-per-hit/-miss, --host-fetch-cores)",
+    "latency": "round trips and the NVMe step overhead",
+}
+
+
+def _fetch_terms(c: PlacementResult) -> str:
+    """The fetch time's largest term named, and the others' sizes."""
+    if not c.fetch_terms or c.transfer_us <= 0:
+        return ""
+    terms = sorted(c.fetch_terms.items(), key=lambda kv: -kv[1])
+    name, us = terms[0]
+    rest = ", ".join(f"{n} {t:,.0f}" for n, t in terms[1:] if t >= 1)
+    return (f", {us:,.0f} us of it {TERM_WORDS.get(name, name)}" + (f" (then {rest} us)" if rest else ""))
 
 
 def _figures(c: PlacementResult, gpu: GpuSpec, w: Workload) -> str:
