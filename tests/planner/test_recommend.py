@@ -111,7 +111,7 @@ def test_the_reasons_for_a_dram_choice():
         f"moving the table frees {TABLE / 2 / GiB:.1f} GiB of HBM per GPU at TP=2.",
         "dram at TP=2: weights 20.0 GiB per GPU leave 50.0 GiB for KV cache, 1,234 sequences of 4,096 tokens "
         "per replica.",
-        "Each decode step moves 16 x 2,560 B = 40.0 KiB per GPU over test link in about 123 us; the layers "
+        "Each decode step moves 16 x 2,560 B = 40.0 KiB per GPU over test link; its fetch takes about 123 us; the layers "
         f"before Engram layer {FIRST} take 457 us, and each Engram layer waits only for its own rows: no stall.",
         "At batch 16: 900 tokens/s per GPU, 61 tokens/s per user (meets the 50 floor), 2.5M tokens per dollar "
         "at $2.50/GPU-hour.",
@@ -123,7 +123,7 @@ def test_the_reasons_for_a_stalling_dram_choice_with_a_prefill_wait():
     results = [dram_choice(stall=12.6, prefill_stall_us=2345.0, link_bytes_per_step=3 * 2**20)]
     _, rec = picks(results)
     assert rec.reasons[0] == f"The {TABLE / GiB:.1f} GiB table does not fit in HBM at any TP up to 8."
-    assert rec.reasons[2].endswith("= 3.0 MiB per GPU over test link in about 123 us; the layers before Engram "
+    assert rec.reasons[2].endswith("= 3.0 MiB per GPU over test link; its fetch takes about 123 us; the layers before Engram "
                                    f"layer {FIRST} take 457 us, and each Engram layer waits only for its own "
                                    "rows: a 13 us stall per step.")
     assert rec.reasons[3] == ("A prefill chunk would wait 2.3 ms for its rows unless they are fetched a chunk ahead "

@@ -210,6 +210,8 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool 
     if wide:
         cols[4:4] = ["seqs", "KiB/tok/GPU"]
         cols += ["window us", "largest fetch term", "NVMe kIOPS", "memory $", "DRAM GiB/machine"]
+    elif machine and machine[0].dp > 1:
+        cols.append("DRAM GiB/machine")
     heads = {"KV GiB": "KV\nGiB", "fetch us": "fetch\nus", "stall us": "stall\nus", "tok/s/user": "tok/s\n/user",
              "tok/s/GPU": "tok/s\n/GPU", "cache, hit": "DRAM cache\nhit rate", "KiB/tok/GPU": "KiB/tok\n/GPU",
              "window us": "window\nus", "NVMe kIOPS": "NVMe\nkIOPS", "DRAM GiB/machine": "DRAM GiB\n/machine",
@@ -239,7 +241,7 @@ def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool 
         if r.cache_note and r.fits:
             why.append(f"{r.name} TP={r.tp}: {r.cache_note}")
     console.print(t)
-    if machine and wide:
+    if machine and "DRAM GiB/machine" in cols:
         m = machine[0]
         console.print(f"  [dim]DRAM per machine at --dp {m.dp}: host copy x {1 if m.shared_host_copy else m.dp} "
                       f"({'shared' if m.shared_host_copy else 'one a replica'}) + row cache x "
