@@ -281,12 +281,12 @@ def _print_cache_sweep(console: Any, plan: Plan) -> None:
               title_justify="left")
     for col in ("DRAM cache", "hit", "batch", "stall us", "tok/s/user", "tok/s/GPU", "note"):
         t.add_column(col, justify="left" if col == "note" else "right", no_wrap=col != "note")
-    given = plan.workload.cache_bytes
+    given, e = plan.workload.cache_bytes, plan.model.engram
     for r in plan.cache_sweep:
         size = r.cache_bytes_per_gpu * r.tp
         ok = r.fits and r.batch > 0
-        note = "; ".join([*(["--cache-bytes"] if given is not None and abs(size - min(given, plan.model.engram.table_bytes))
-                             < 1 else []), *r.why_not[:1], *([r.cache_note] if r.cache_note else [])])
+        asked = given is not None and abs(size - min(given, e.table_bytes)) < e.row_bytes
+        note = "; ".join([*(["--cache-bytes"] if asked else []), *r.why_not[:1], *([r.cache_note] if r.cache_note else [])])
         t.add_row(f"{size / GiB:,.1f} GiB", f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
                   f"{r.predicted_stall_us:,.0f}" if ok else "-", f"{r.interactivity:.0f}" if ok else "-",
                   f"{r.tokens_per_s_per_gpu:,.0f}" if ok else "-", note)

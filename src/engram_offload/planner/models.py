@@ -221,6 +221,19 @@ def get_model(name: str) -> ModelSpec:
         ) from None
 
 
+def _model_name(data: Mapping[str, Any], path: Path) -> str:
+    """A custom model's name: the config's ``_name_or_path``, else the file's stem (its
+    folder's name for a ``config.json``: a checkpoint folder), with its architecture."""
+    given = data.get("_name_or_path")
+    if isinstance(given, str) and given.strip():
+        return Path(given.strip()).name
+    name = path.parent.resolve().name if path.stem == "config" else path.stem
+    arch = data.get("architectures")
+    if isinstance(arch, list) and arch and isinstance(arch[0], str):
+        return f"{name} ({arch[0]})" if name else arch[0]
+    return name or "custom"
+
+
 def custom_model(
     config: str | Path | Mapping[str, Any],
     *,
@@ -244,7 +257,7 @@ def custom_model(
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {path}") from None
-        name = name or path.parent.name or path.stem
+        name = name or _model_name(data, path)
     else:
         data = dict(config)
     text_config = data.get("text_config")
@@ -267,6 +280,12 @@ def custom_model(
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or 0)
     top_k = int(text.get("num_experts_per_tok") or 0)
     if routed_fraction is None:
+        if not experts and expert_precision and expert_precision != precision:
+            raise ValueError(
+                f"config.json names no routed experts (n_routed_experts), so --expert-precision {expert_precision} "
+                "would apply to nothing: give --routed-fraction, the share of --total-params in routed experts "
+                "(e.g. 0.985 for DeepSeek-V4.1-Flash)"
+            )
         routed_fraction = 0.95 if experts else 0.0
     routed = total_params * routed_fraction
     groups = [WeightGroup("non-routed", total_params - routed, precision)]

@@ -31,6 +31,8 @@ __all__ = [
     "MissRatioCurve",
     "TraceMRC",
     "ZipfMRC",
+    "ExtrapolatedMRC",
+    "ramp_to_whole_table",
     "stack_distances",
     "lru_hits_bruteforce",
     "shards_sample",
@@ -160,6 +162,58 @@ class TraceMRC:
         if need > self.distances.shape[0]:
             return None
         return int(math.floor(self.distances[need - 1])) + 1
+
+
+def ramp_to_whole_table(measured_hit: float, measured_rows: float, table_rows: float, rows: float) -> float:
+    """The hit ratio of a cache of ``rows`` rows above the largest one a trace measures
+    (``measured_rows``, hitting ``measured_hit``): the trace's remaining misses are first
+    touches, reads of rows no access of the trace read before, which a server that has run
+    long last read before anything the trace read; a cache larger than the rows the trace
+    touched holds ``rows - measured_rows`` of the table's ``table_rows - measured_rows``
+    other rows, and so serves that share of them (each such row taken as equally likely:
+    hashed n-grams spread uniformly). Linear from ``measured_hit`` to 1.0 at the whole table."""
+    if rows >= table_rows:
+        return 1.0
+    if rows <= measured_rows:
+        return measured_hit
+    return measured_hit + (1.0 - measured_hit) * (rows - measured_rows) / (table_rows - measured_rows)
+
+
+@dataclass(frozen=True)
+class ExtrapolatedMRC:
+    """A measured curve up to ``measured_rows``, extrapolated above by ``ramp_to_whole_table``
+    to a hit ratio of 1.0 at ``table_rows`` (every row cached)."""
+
+    base: MissRatioCurve
+    measured_rows: float
+    table_rows: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.measured_rows <= self.table_rows:
+            raise ValueError(f"measured_rows must be within (0, table_rows], got {self.measured_rows} "
+                             f"of {self.table_rows}")
+
+    def extrapolated(self, rows: float) -> bool:
+        """Whether ``hit_ratio(rows)`` is the extrapolation, not the measurement."""
+        return self.measured_rows < rows < self.table_rows
+
+    def hit_ratio(self, rows: float) -> float:
+        if rows <= self.measured_rows:
+            return self.base.hit_ratio(rows)
+        return ramp_to_whole_table(self.base.hit_ratio(self.measured_rows), self.measured_rows, self.table_rows, rows)
+
+    def rows_for_hit_rate(self, hit_rate: float) -> int | None:
+        """The smallest cache (rows) reaching ``hit_rate`` (never None: 1.0 at the whole table)."""
+        _check_rate(hit_rate)
+        top = self.base.hit_ratio(self.measured_rows)
+        if hit_rate <= top:
+            found = self.base.rows_for_hit_rate(hit_rate)
+            if found is not None:
+                return min(found, math.ceil(self.measured_rows))
+        if hit_rate >= 1.0:
+            return self.table_rows
+        share = (hit_rate - top) / (1.0 - top)
+        return min(self.table_rows, math.ceil(self.measured_rows + share * (self.table_rows - self.measured_rows)))
 
 
 def _check_rate(hit_rate: float) -> None:

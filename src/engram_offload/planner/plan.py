@@ -11,7 +11,7 @@ from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .costs import MemoryCost, dram_verdict, memory_cost
 from .hardware import GpuSpec
 from .models import ModelSpec
-from .mrc import MissRatioCurve, ZipfMRC, mrc_from_trace
+from .mrc import ExtrapolatedMRC, MissRatioCurve, ZipfMRC, mrc_from_trace
 from .placement import PlacementResult, Workload, evaluate, evaluate_all, tp_degrees
 from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .recommend import Recommendation, recommend
@@ -77,7 +77,13 @@ def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
                 f"is the trace for {model.name}? (global row ids, layers back to back)"
             )
         curve = mrc_from_trace(trace)
-        return curve, f"trace of {curve.trace_length:,} ids, {curve.method} LRU curve"
+        label = f"trace of {curve.trace_length:,} ids, {curve.method} LRU curve"
+        touched = max(1, min(curve.distinct_ids, e.num_rows))
+        if touched >= e.num_rows:
+            return curve, label
+        return ExtrapolatedMRC(curve, touched, e.num_rows), (
+            f"{label}, measured to {touched * e.row_bytes / GiB:.1f} GiB (the rows it touched) and extrapolated "
+            "to 100% at the whole table")
     heads = len(e.layer_ids) * e.cols_per_layer
     if zipf is not None:
         return ZipfMRC(zipf, max(1, e.num_rows // heads), heads), f"Zipf s={zipf:g} per head (Che approximation)"

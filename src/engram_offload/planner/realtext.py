@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .mrc import ramp_to_whole_table
+
 __all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_DISTINCT", "REAL_TEXT_FIRST_TOUCH", "REAL_TEXT_HIT",
            "REAL_TEXT_TOKENS", "measure_real_text_curve",
            "measure_step_unique", "step_unique_fraction"]
@@ -35,11 +37,11 @@ REAL_TEXT_TOKENS = 8_243_595
 """Tokens of the measured trace (every file of the standard library of 16 tokens or more)."""
 REAL_TEXT_CACHE_TOKENS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 """Cache sizes, in token-equivalents (cache rows / rows read per token)."""
-REAL_TEXT_HIT = (0.0007, 0.0026, 0.206, 0.4192, 0.5531, 0.6386, 0.7065, 0.7621)
+REAL_TEXT_HIT = (0.0008, 0.0026, 0.2084, 0.4218, 0.5573, 0.6426, 0.7098, 0.7647)
 """Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``measure_real_text_curve``; see the module doc)."""
-REAL_TEXT_FIRST_TOUCH = 0.2301
+REAL_TEXT_FIRST_TOUCH = 0.2275
 """The share of the trace's reads that are a row's first (the misses of an unbounded cache)."""
-REAL_TEXT_DISTINCT = 1_687_397
+REAL_TEXT_DISTINCT = 1_687_765
 """The rows the trace touched, in token-equivalents: a cache this large hits every re-read."""
 
 
@@ -114,14 +116,11 @@ class RealTextMRC:
     ``rows_per_token`` rows each, over every cache size up to the whole table.
 
     Measured up to the rows the trace touched (``REAL_TEXT_DISTINCT`` token-equivalents);
-    above, EXTRAPOLATED: the trace's first touches (``REAL_TEXT_FIRST_TOUCH`` of its reads)
-    are reads of rows no n-gram of the trace read before, and a server that has run long
-    read them last before anything the trace read. A cache larger than the rows the trace
-    touched holds ``cache - touched`` of the table's ``table - touched`` other rows, so it
-    serves that share of the first touches (taking every such row as equally likely: new
-    n-grams hash uniformly, and text that returns to old n-grams would hit more). The hit
-    ratio so rises linearly from the trace's reuse to 1.0 at the whole table (every row
-    cached). ``table_rows=None``: no extrapolation, flat at the trace's reuse."""
+    above, EXTRAPOLATED (``mrc.ramp_to_whole_table``): the trace's first touches
+    (``REAL_TEXT_FIRST_TOUCH`` of its reads) are served in the share of the table's other
+    rows the cache holds beyond the ones the trace touched, linear to 1.0 at the whole
+    table (text that returns to old n-grams more than uniformly would hit more).
+    ``table_rows=None``: no extrapolation, flat at the trace's reuse."""
 
     rows_per_token: int
     table_rows: int | None = None
@@ -148,8 +147,7 @@ class RealTextMRC:
             return _interp_log(rows / self.rows_per_token)
         if rows >= self.table_rows:
             return 1.0
-        base = _interp_log(start / self.rows_per_token)
-        return base + (1.0 - base) * (rows - start) / (self.table_rows - start)
+        return ramp_to_whole_table(_interp_log(start / self.rows_per_token), start, self.table_rows, rows)
 
     def extrapolated(self, rows: float) -> bool:
         """Whether ``hit_ratio(rows)`` is the extrapolation, not the measurement."""

