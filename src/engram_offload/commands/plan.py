@@ -16,7 +16,15 @@ from ..planner.placement import PlacementResult, Workload
 from ..planner.plan import Plan, curve_for
 from ..planner.ranks import MachineDram, machine_dram
 from ..planner.server import SERVER_KEYS, SERVER_PRESETS, ServerFigure, load_server_file, server_for
-from ..units import fraction, non_negative_float, non_negative_int, positive_float, positive_int, size_arg, unit_interval
+from ..units import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    size_arg,
+    unit_interval,
+)
 from .core import load_hf_config
 
 GiB = 2**30

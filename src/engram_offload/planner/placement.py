@@ -167,9 +167,10 @@ def _size_cache(model: ModelSpec, tp: int, w: Workload, dram_cap: float, r: Plac
     falls short of what was asked is said in ``r.cache_note``."""
     curve, rows, row_bytes = w.curve, model.engram.num_rows, model.engram.row_bytes
     cap_rows = int(dram_cap * tp // row_bytes)
+    want: int | None
     if w.cache_bytes is not None:
-        want: int | None = int(w.cache_bytes // row_bytes)
-        if want is not None and want > cap_rows:
+        want = int(w.cache_bytes // row_bytes)
+        if want > cap_rows:
             r.why_not.append(f"a {w.cache_bytes / GiB:.1f} GiB cache exceeds the {cap_rows * row_bytes / GiB:.1f} GiB "
                              f"of host DRAM the replica's {tp} GPU(s) may use")
     else:

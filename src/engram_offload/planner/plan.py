@@ -87,9 +87,9 @@ def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
     heads = len(e.layer_ids) * e.cols_per_layer
     if zipf is not None:
         return ZipfMRC(zipf, max(1, e.num_rows // heads), heads), f"Zipf s={zipf:g} per head (Che approximation)"
-    curve = RealTextMRC(heads, e.num_rows)
-    return curve, (f"real text (source code, a {REAL_TEXT_TOKENS:,}-token trace), LRU curve, measured to "
-                   f"{curve.measured_rows * e.row_bytes / GiB:.1f} GiB and extrapolated to 100% at the whole table")
+    text = RealTextMRC(heads, e.num_rows)
+    return text, (f"real text (source code, a {REAL_TEXT_TOKENS:,}-token trace), LRU curve, measured to "
+                  f"{text.measured_rows * e.row_bytes / GiB:.1f} GiB and extrapolated to 100% at the whole table")
 
 
 def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,
