@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 from dataclasses import replace
@@ -195,12 +196,19 @@ def _cache_cell(r: PlacementResult) -> str:
 def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool = False) -> None:
     """The plan as text: the server, the table of placements (``wide``: every column, else
     what fits 100 columns), the DRAM cache sizes in front of NVMe, memory prices, the choice."""
-    from rich import box
     from rich.console import Console
-    from rich.table import Table
 
     width = max(200, shutil.get_terminal_size((200, 24)).columns) if wide else NARROW
-    console = Console(width=width, highlight=False, soft_wrap=False)
+    console = Console(width=width, highlight=False, soft_wrap=False, record=True, file=io.StringIO())
+    _print_plan(console, plan, machine, wide)
+    # the recorded text, each line without the padding rich adds to the width
+    print("\n".join(line.rstrip() for line in console.export_text(styles=False).splitlines()))
+
+
+def _print_plan(console: Any, plan: Plan, machine: list[MachineDram] | None, wide: bool) -> None:
+    from rich import box
+    from rich.table import Table
+
     e, w, g = plan.model.engram, plan.workload, plan.gpu
     console.print(
         f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {e.table_bytes / GiB:.1f} GiB, "
