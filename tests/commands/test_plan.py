@@ -170,3 +170,12 @@ def test_config_json_in_a_checkpoint_folder_is_named_after_the_folder_or_its_nam
     assert run_json(capsys, *args)["model"]["name"] == "DeepSeek-V4.1-Flash (DeepseekV41ForCausalLM)"
     (folder / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "deepseek-ai/DeepSeek-V4.1-Flash"}))
     assert run_json(capsys, *args)["model"]["name"] == "DeepSeek-V4.1-Flash"
+
+
+def test_the_readme_example_is_the_commands_real_output(capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("### Where should the table live?", 1)[1].split("```console\n", 1)[1].split("\n```", 1)[0]
+    command, shown = block.split("\n", 1)
+    assert command.startswith("$ engram-offload plan ") and "--host-dram 1T" in command
+    assert main(command.split()[2:]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == shown
