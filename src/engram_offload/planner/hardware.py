@@ -39,8 +39,11 @@ class GpuSpec:
     nvme_capacity_per_drive: float
     price_per_hour: float
     nvme_latency_us: float = 80.0  # 4 KiB random read at low queue depth, TLC NVMe
-    host_cores: int = 112  # per server (DGX H100/H200/B200: 2 x 56-core Xeon)
-    server: str = "DGX"  # the server these per-server figures describe
+    # Host CPU cores per server: DGX H100/H200 2 x Xeon Platinum 8480C, DGX B200 2 x Xeon
+    # Platinum 8570, 56 cores each (DGX datasheets); DGX B300 2 x Xeon 6776P, 64 each; an
+    # NVL72 tray 2 x Grace, 72 Arm cores each; MI355X servers 2 x 64 cores (assumed).
+    host_cores: int = 112
+    server: str = "DGX"  # the server these per-server figures describe (``planner.server``)
     sources: tuple[str, ...] = ()
 
     def peak_flops(self, precision: str) -> float:
