@@ -13,9 +13,14 @@ from ..engram import rows
 __all__ = ["gather_raw_ref", "dequant_rows_ref", "gather_rows_ref", "tiered_gather_ref"]
 
 
-def gather_raw_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``table [R, row_bytes]`` rows ``ids [n]`` -> ``[n, row_bytes]``."""
-    return table.index_select(0, ids.to(device=table.device, dtype=torch.int64))
+def gather_raw_ref(table: torch.Tensor, ids: torch.Tensor, *, zero_bad: bool = False) -> torch.Tensor:
+    """``table [R, row_bytes]`` rows ``ids [n]`` -> ``[n, row_bytes]``; ``zero_bad``: zeros for
+    ids outside the table (device ids, as the kernels do), else such an id raises."""
+    ids = ids.to(device=table.device, dtype=torch.int64)  # [n]
+    if not zero_bad:
+        return table.index_select(0, ids)
+    ok = (ids >= 0) & (ids < table.shape[0])  # [n]
+    return table.index_select(0, torch.where(ok, ids, 0)) * ok[:, None].to(table.dtype)
 
 
 def dequant_rows_ref(raw: torch.Tensor, fmt: str, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
