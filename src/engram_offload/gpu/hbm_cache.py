@@ -12,7 +12,11 @@ sketch of ``engram_offload.cache.admission``). After a step, one ``gather_raw`` 
 admitted rows (from the table, or from the step's rows already on the device) fills the
 victim slots, on a fill stream that first waits for every earlier step: an HBM slot or
 slot-map entry is overwritten only after the last step reading it has finished. The next
-step waits for the fill. Not thread-safe: its user serializes the calls.
+step waits for the fill. Host arrays (ids, slot maps, fill indices) reach the device through
+``DeviceSync.upload``, never a blocking copy. Not thread-safe: its user serializes the calls.
+
+The slot map is dense (``int32 [num_rows]``: 3.07 GB of HBM for V4.1-Flash's 768 M rows,
+plus an int64 host mirror); see ``docs/gpu.md`` for why it stays so for now.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ..cache.policy import make_policy
 from ..cache.stats import LevelStats
 from ..engram.config import EngramConfig
 from .kernels import gather_raw, tiered_gather
-from .sync import Access, DeviceSync, ImmediateSync
+from .sync import MAIN, Access, DeviceSync, ImmediateSync
 
 __all__ = ["HbmRowCache"]
 
@@ -66,10 +70,13 @@ class HbmRowCache:
         self.evictions = 0
         self.slots = torch.empty((self.capacity, self.row_bytes), dtype=torch.uint8, device=self.device)
         self.slot_of_row = torch.full((int(num_rows),), -1, dtype=torch.int32, device=self.device)
+        if table is not None and table.device.type == "cpu":
+            self.sync.host_mapped(table)
         self._slot_host = np.full(int(num_rows), -1, np.int64)  # host mirror of slot_of_row
         self._row_host = np.full(self.capacity, -1, np.int64)  # the row each slot holds, or -1
-        self._pending: list[object] = []  # events of steps not yet known to be finished
-        self._fill_event: object = None
+        made = self.sync.record(MAIN)  # the slot map's -1 fill runs on the caller's stream
+        self._pending: list[object] = [made]  # events of steps not yet known to be finished
+        self._fill_event: object = made
 
     @property
     def resident(self) -> int:
@@ -99,13 +106,16 @@ class HbmRowCache:
         """One ``tiered_gather`` on ``stream``: ``out[i]`` from slot ``slot_map[ids[i]]`` where it
         is >= 0, else ``source[ids[i]]``; ``hit_slots`` are the slots it reads. Waits for the
         last fill first; returns the step's event (the fill after it waits for it). Host
-        ``ids`` and ``slot_map`` move to the device on ``stream``; ``reads`` names ``source``
-        for ``DeviceSync`` when it is a buffer written by other work."""
+        ``ids`` and ``slot_map`` are uploaded on ``stream`` (a pinned ring, no blocking copy);
+        ``reads`` names ``source`` for ``DeviceSync`` when it is a buffer written by other work."""
         self.sync.wait(stream, self._fill_event)
+        if slot_map.device != self.device:
+            slot_map = self.sync.upload(stream, slot_map.numpy(), self.device)
+        if ids.device != self.device:
+            ids = self.sync.upload(stream, ids.numpy(), self.device)
 
         def step() -> None:
-            tiered_gather(source, self.slots, slot_map.to(self.device), ids, out,
-                          config_or_format=config_or_format)
+            tiered_gather(source, self.slots, slot_map, ids, out, config_or_format=config_or_format)
 
         self.sync.run(stream, step, reads={"hbm_slots": hit_slots, "slot_map": None, **(reads or {})})
         event = self.sync.record(stream)
@@ -158,14 +168,16 @@ class HbmRowCache:
         for event in [*self._pending, ready]:
             self.sync.wait(FILL_STREAM, event)
         self._pending = []  # later fills follow this one on the same stream
-        device = self.device
+        k, e = admitted.size, evicted.size
+        # [rows k | admitted k | targets k | evicted e], one upload
+        indices = self.sync.upload(FILL_STREAM, np.concatenate([rows, admitted, targets, evicted]).astype(np.int64),
+                                   self.device)
 
         def fill() -> None:
-            rows_dev = torch.from_numpy(rows).to(device)
-            ids_dev = torch.from_numpy(admitted).to(device)
-            slots_dev = torch.from_numpy(targets).to(device)
+            rows_dev, ids_dev = indices[:k], indices[k:2 * k]
+            slots_dev, evicted_dev = indices[2 * k:3 * k], indices[3 * k:3 * k + e]
             self.slots.index_copy_(0, slots_dev, gather_raw(source, rows_dev))
-            self.slot_of_row.index_fill_(0, torch.from_numpy(evicted).to(device), -1)
+            self.slot_of_row.index_fill_(0, evicted_dev, -1)
             self.slot_of_row.index_copy_(0, ids_dev, slots_dev.to(torch.int32))
 
         self.sync.run(FILL_STREAM, fill, writes={"hbm_slots": targets, "slot_map": None})
@@ -186,7 +198,8 @@ class HbmRowCache:
         unique = np.unique(ids_host)
         slots = self.lookup(unique)
         hit = slots >= 0
-        self.read(self.table, self.slot_of_row, torch.from_numpy(ids_host), out, slots[hit], stream=stream,
+        ids_dev = self.sync.upload(stream, ids_host, self.device)  # [n]
+        self.read(self.table, self.slot_of_row, ids_dev, out, slots[hit], stream=stream,
                   config_or_format=config_or_format)
         self.admit(unique[~hit], slots[hit])
         hits = int(hit[np.searchsorted(unique, ids_host)].sum()) if ids_host.size else 0
