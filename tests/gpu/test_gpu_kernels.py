@@ -203,3 +203,61 @@ def test_persistent_grid_follows_the_programs_not_the_batch():
     assert _grid(cpu, 10**6, background=False) == INTERPRETER_PROGRAMS
     assert _grid(cpu, 10**6, background=True) == INTERPRETER_PROGRAMS // 2
     assert _grid(cpu, BLOCK_R, background=False) == 1  # never more programs than tiles
+
+
+@pytest.mark.parametrize("fmt", [FP8, "int8", "bf16"])
+@pytest.mark.parametrize("out_dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_out_of_range_device_ids_give_zero_rows(device, fmt, out_dtype):
+    """Ids already on the device are not checked on the host: the kernel writes zeros for the
+    rows of bad ids (as vLLM does), never leaves what the buffer held before."""
+    from engram_offload.gpu.kernels import _launch_decode, _launch_words
+    table = table_of(fmt).to(device)
+    ids = torch.tensor([3, -1, 40, 2**40, 39], device=device)  # rows 1-3 are outside the table
+    width = table.shape[1] if out_dtype == torch.uint8 else 64
+    out = torch.full((5, width), 7, dtype=out_dtype, device=device)
+    if out_dtype == torch.uint8:
+        _launch_words(table, ids, None, None, out, background=False)
+        want = table.cpu()[[3, 0, 0, 0, 39]]
+    else:
+        _launch_decode(table, ids, None, None, out, fmt, 64, background=False)
+        want = rows.decode_rows(table.cpu()[[3, 0, 0, 0, 39]], fmt, 64, out_dtype)
+    want[1:4] = 0
+    assert torch.equal(out.cpu(), want)
+
+
+def test_the_reference_gives_zero_rows_for_bad_device_ids_too():
+    from engram_offload.gpu.reference import gather_raw_ref
+    table = table_of(FP8)
+    ids = torch.tensor([1, 40, -2])
+    got = gather_raw_ref(table, ids, zero_bad=True)
+    assert torch.equal(got[0], table[1]) and not got[1:].any()
+    with pytest.raises(IndexError):
+        gather_raw_ref(table, ids)
+
+
+def test_slots_beyond_the_cache_raise_on_the_host_and_read_as_misses_on_the_device(device):
+    from engram_offload.gpu.kernels import _launch_words
+    table = table_of(FP8, num_rows=30)
+    slots = torch.zeros(2, table.shape[1], dtype=torch.uint8)
+    slot_of_row = torch.full((30,), -1, dtype=torch.int32)
+    slot_of_row[4] = 5  # beyond the 2 slots
+    out = torch.empty(2, table.shape[1], dtype=torch.uint8, device=device)
+    with pytest.raises(IndexError, match="slot 5 is outside the cache's 2 slots"):
+        tiered_gather(table, slots, slot_of_row, torch.tensor([4, 1]), out)
+    _launch_words(table.to(device), torch.tensor([4, 1], device=device), slot_of_row.to(device), slots.to(device),
+                  out, background=False)
+    assert torch.equal(out.cpu(), table[[4, 1]])  # the table's row, not memory past the cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hardware_fp8_decode_is_exact_for_every_pair(device, dtype, monkeypatch):
+    """The sm_89+ path (hardware e4m3 convert, then a power-of-two multiply) against the
+    reference for all 65,536 (scale, value) pairs: under the interpreter here, on the GPU's
+    convert when run with -m gpu on sm_89 or later."""
+    from engram_offload.gpu import kernels
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 convert before sm_89")
+    monkeypatch.setattr(kernels, "HW_FP8", True)
+    raw = all_fp8_pairs()
+    got = dequant_rows(raw.to(device), FP8, dtype=dtype)
+    assert same(got, rows.decode_rows(raw, FP8, 256, dtype))
