@@ -18,6 +18,9 @@ from tiny_tables import tiny_config
 
 pytest.importorskip("triton")
 
+# `pytest -m gpu` runs every kernel test on a GPU; without one they run under the interpreter
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
+
 FORMATS = list(rows.ROW_FORMATS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP8 = "fp8_e4m3_ue8m0"
@@ -43,6 +46,7 @@ def all_fp8_pairs() -> torch.Tensor:
     return torch.cat([values, scales], dim=1).contiguous()  # [256, 264]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run on the GPU, not the interpreter")
 def test_kernels_run_under_the_interpreter_here():
     assert runs_triton(torch.zeros(1)), "the tests must exercise the Triton kernels"
 
@@ -177,6 +181,38 @@ def test_offsets_past_2_31_bytes_in_a_read_only_sparse_file(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", BIG_TABLE, str(tmp_path / "big.bin")],
                             env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+BIG_TABLE_GPU = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from engram_offload.engram import rows
+    from engram_offload.gpu import gather_raw, gather_rows, register_host
+    row_bytes = 264
+    num_rows = (2**31 + 40 * row_bytes) // row_bytes  # past 2**31 bytes
+    picks = (0, num_rows // 2 + 7, num_rows - 1)
+    enc = rows.encode_rows(torch.randn(3, 256, generator=torch.Generator().manual_seed(5)), "fp8_e4m3_ue8m0")
+    ids = torch.tensor([num_rows - 1, 0, num_rows // 2 + 7, num_rows - 1], device="cuda")
+    want = enc[[2, 0, 1, 2]]
+    host = torch.zeros((num_rows, row_bytes), dtype=torch.uint8)  # registered in place: read over UVA
+    host[list(picks)] = enc
+    device = host.cuda()  # in HBM
+    with register_host(host):
+        for table in (host, device):
+            assert torch.equal(gather_raw(table, ids).cpu(), want), "raw rows differ"
+            got = gather_rows(table, ids, "fp8_e4m3_ue8m0", dtype=torch.float32).cpu()
+            assert torch.equal(got, rows.decode_rows(want, "fp8_e4m3_ue8m0", 256)), "decoded rows differ"
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real 64-bit addresses: host memory over UVA and HBM")
+def test_offsets_past_2_31_bytes_on_the_gpu():
+    """A table past 2**31 bytes registered in host memory and one in HBM (a child process)."""
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", BIG_TABLE_GPU], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
