@@ -199,3 +199,36 @@ def test_row_source_over_any_store(tmp_path, tier, options):
             assert device_store.stats()["levels"][0]["hits"] > 0
     with pytest.raises(ValueError, match="from_store"):
         RowSource(config=config, device="meta", store=device_store)
+
+
+@pytest.mark.gpu
+def test_row_source_gather_captured_in_a_cuda_graph():
+    """The capturable path: ids and output static, the gather inside the graph; replays read
+    whatever ids the engine wrote into the static tensor."""
+    from engram_offload.gpu import CudaSync
+    config = tiny_config(head_dim=64)
+    table = make_table(config).pin_memory()
+    source = RowSource.from_table(table, config=config, device="cuda", sync=CudaSync(), max_tokens=4)
+    static_ids = local_ids(config, tokens=4).cuda()
+    out = torch.empty(4, config.cols_per_layer, 64, dtype=torch.bfloat16, device="cuda")
+    source.gather(static_ids, 3, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        source.gather(static_ids, 3, out=out)
+    for seed in range(3):
+        new = local_ids(config, tokens=4, seed=seed + 10)
+        static_ids.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), expected(config, table, new, 3, 0, config.cols_per_layer))
+
+
+@pytest.mark.gpu
+def test_row_source_buffers_stay_put_on_cuda_when_steps_grow():
+    from engram_offload.gpu import CudaSync
+    config = tiny_config(head_dim=64)
+    table = make_table(config).pin_memory()
+    source = RowSource.from_table(table, config=config, device="cuda", sync=CudaSync(), max_tokens=64)
+    addresses = {source.start(local_ids(config, tokens=t).cuda()).rows(1).data_ptr() for t in (1, 8, 64, 2)}
+    assert len(addresses) == 1

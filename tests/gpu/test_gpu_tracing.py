@@ -245,3 +245,21 @@ def test_device_prefetcher_buffers_keep_their_addresses_when_steps_grow(table_fi
     (a graph captured around the layers stays valid); a step over max_tokens raises."""
     addresses = run_prefetcher(table_file, (1, 3, 2), max_tokens=12)  # 4, 12, 8 tokens a step
     assert len(addresses) == len(tiny_config().layer_ids)
+
+
+def test_row_source_gather_on_the_callers_stream_equals_the_fetch():
+    """Item 11: the capturable path (static ids, static output, the caller's stream) gives
+    the rows the side-stream fetch gives."""
+    config = tiny_config(head_dim=64)
+    table = make_table(config)
+    sync = traced()
+    source = RowSource.from_table(table, config=config, device="cpu", sync=sync)
+    with sync.tracking():
+        ids = device_ids(sync, config, 5, seed=2)
+        out = sync.empty(MAIN, (5, 2, 64), torch.bfloat16, "cpu")
+        got = source.gather(ids, 3, out=out, columns=(2, 4))
+        assert got is out
+        with sync.paused():
+            assert torch.equal(out, expected(config, table, ids, 3, 2, 4))
+    with pytest.raises(ValueError, match="out must be"):
+        source.gather(ids, 3, out=torch.empty(5, 4, 64))

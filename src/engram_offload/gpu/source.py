@@ -220,6 +220,39 @@ class RowSource:
             events = [fetch(ids_host[i], buffers[i], i) for i in range(len(config.layer_ids))]
         return RowHandle(self, buffers, events)
 
+    def gather(self, layer_local_ids: torch.Tensor, layer_id: int, *, out: torch.Tensor | None = None,
+               columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Layer ``layer_id``'s rows ``[T, c1 - c0, width]`` gathered on the caller's stream, now:
+        no side stream, no event, no host work on the device's data. With ``layer_local_ids``
+        and ``out`` static device tensors it can be captured in a CUDA graph with the layers
+        around it (vLLM's way: the lookup inside the graph). Only for a source over a table
+        the device reads (``from_table``); a store's tiers read on the host cannot be captured."""
+        if self.table is None:
+            raise ValueError("gather() reads a table the device reads directly: make the source with from_table")
+        config = self.config
+        index = self.layer_index(layer_id)
+        c0, c1 = columns if columns is not None else (0, config.cols_per_layer)
+        if not 0 <= c0 < c1 <= config.cols_per_layer:
+            raise ValueError(f"columns {(c0, c1)} are not a range within [0, {config.cols_per_layer}]")
+        tokens = layer_local_ids.shape[0]
+        width, dtype = self._width()
+        if out is None:
+            out = torch.empty((tokens, c1 - c0, width), dtype=dtype, device=self.device)
+        elif tuple(out.shape) != (tokens, c1 - c0, width) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {dtype} {[tokens, c1 - c0, width]}, "
+                             f"got {out.dtype} {list(out.shape)}")
+        table = self.table
+
+        def gather() -> torch.Tensor:
+            ids = (layer_local_ids[:, index, c0:c1].to(torch.int64) + self._bases[index]).reshape(-1)  # [T*c]
+            flat = out.view(-1, width)
+            if self.dequantize:
+                return gather_rows(table, ids, config, out=flat)
+            return gather_raw(table, ids, out=flat)
+
+        self.sync.run(MAIN, gather)
+        return out
+
     def _gather_into(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, index: int) -> object:
         """One kernel on the fetch stream: rows ``ids [n]`` of ``table`` (dequantized unless
         raw rows are asked for) into layer ``index``'s ``out [T, c, width]``; returns its event."""
