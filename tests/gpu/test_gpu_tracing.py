@@ -50,13 +50,13 @@ def test_a_freed_block_needs_the_other_streams_keep_alive():
     with sync.tracking():
         buf = sync.empty(MAIN, (16,), torch.uint8, "cpu")
         sync.wait_stream("side", MAIN)
-        sync.run("side", lambda: buf.sum())  # read on "side", which main never waits for
+        sync.run("side", buf.sum)  # read on "side", which main never waits for
         del buf  # back to main's pool: main's next allocation may overwrite it
         with pytest.raises(OrderingError, match="freed while"):
             sync.check()
         kept = sync.empty(MAIN, (16,), torch.uint8, "cpu")
         sync.wait_stream("side", MAIN)
-        sync.run("side", lambda: kept.sum())
+        sync.run("side", kept.sum)
         sync.keep_alive(kept, "side")  # record_stream: the allocator waits for "side"
         del kept
         sync.check()
