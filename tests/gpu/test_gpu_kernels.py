@@ -297,3 +297,24 @@ def test_hardware_fp8_decode_is_exact_for_every_pair(device, dtype, monkeypatch)
     raw = all_fp8_pairs()
     got = dequant_rows(raw.to(device), FP8, dtype=dtype)
     assert same(got, rows.decode_rows(raw, FP8, 256, dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.uint8, torch.bfloat16])
+def test_tiered_gather_with_a_slot_per_id(device, out_dtype):
+    """A step's slots (one per id, known on the host) instead of a map over every table row."""
+    table = table_of(FP8, num_rows=30, seed=4)
+    slots = torch.zeros(3, table.shape[1], dtype=torch.uint8)
+    slots[[2, 0]] = table[[7, 29]]
+    slots[2, :4] = 0  # stale bytes show the slot was read
+    ids = torch.tensor([7, 3, 29, 7, 28])
+    step_slots = torch.tensor([2, -1, 0, -1, -1], dtype=torch.int32)  # the second 7 reads the table
+    width = table.shape[1] if out_dtype == torch.uint8 else 64
+    out = torch.empty(5, width, dtype=out_dtype, device=device)
+    tiered_gather(table.to(device), slots.to(device), step_slots.to(device), ids.to(device), out,
+                  config_or_format=FP8, slots_by_position=True)
+    want = torch.stack([slots[2], table[3], slots[0], table[7], table[28]])
+    if out_dtype != torch.uint8:
+        want = rows.decode_rows(want, FP8, 64, out_dtype)
+    assert same(out, want) if out_dtype != torch.uint8 else torch.equal(out.cpu(), want)
+    with pytest.raises(ValueError, match="one slot or -1 per id"):
+        tiered_gather(table, slots, step_slots[:4], ids, out.cpu(), config_or_format=FP8, slots_by_position=True)

@@ -28,9 +28,10 @@ _RUNTIME = ["n", "num_rows", "num_slots", "width", "src_stride", "cache_stride",
 
 @triton.jit
 def _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, INDEXED: tl.constexpr,
-                  TIERED: tl.constexpr, BLOCK_R: tl.constexpr):
+                  TIERED: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_BY_POS: tl.constexpr):
     """The tile's rows: (output mask, valid-id mask, source row int64, HBM hit mask, slot
-    int64), each [BLOCK_R]. Rows of the output mask are written; only valid ones are read."""
+    int64), each [BLOCK_R]. Rows of the output mask are written; only valid ones are read.
+    SLOT_BY_POS: ``slot_of_row`` holds a slot per position ``i`` (a step's slots), not per row."""
     r = start + tl.arange(0, BLOCK_R)
     live = r < n
     if INDEXED:
@@ -40,7 +41,10 @@ def _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, INDEXED: tl.c
         row = r.to(tl.int64)
         ok = live
     if TIERED:
-        slot = tl.load(slot_of_row + row, mask=ok, other=-1).to(tl.int64)
+        if SLOT_BY_POS:
+            slot = tl.load(slot_of_row + r, mask=ok, other=-1).to(tl.int64)
+        else:
+            slot = tl.load(slot_of_row + row, mask=ok, other=-1).to(tl.int64)
         hit = ok & (slot >= 0) & (slot < num_slots)
     else:
         slot = row
@@ -61,13 +65,13 @@ def _load_tiered(src, cache, row_off, slot_off, hit, offs, mask, TIERED: tl.cons
 @triton.jit(do_not_specialize=_RUNTIME)
 def gather_words_kernel(src, ids, slot_of_row, cache, out, n, num_rows, num_slots, width, src_stride,
                         cache_stride, out_stride, grid, TIERED: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_W: tl.constexpr):
+                        BLOCK_W: tl.constexpr, SLOT_BY_POS: tl.constexpr):
     """Copy rows of ``width`` words: ``out[i] = cache[slot_of_row[ids[i]]]`` on a hit, else
     ``src[ids[i]]``; zeros for an id outside the table."""
     cols = tl.arange(0, BLOCK_W).to(tl.int64)
     for start in tl.range(tl.program_id(0) * BLOCK_R, n, grid * BLOCK_R):
         live, ok, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, True, TIERED,
-                                                 BLOCK_R)
+                                                 BLOCK_R, SLOT_BY_POS)
         out_off = (start + tl.arange(0, BLOCK_R)).to(tl.int64) * out_stride
         for c0 in tl.range(0, width, BLOCK_W):
             c = c0 + cols
@@ -154,14 +158,14 @@ def _decode_bits(src, cache, row_off, slot_off, hit, c, mask, head_dim, FMT: tl.
 def gather_decode_kernel(src, ids, slot_of_row, cache, out, n, num_rows, num_slots, width, src_stride,
                          cache_stride, out_stride, grid, FMT: tl.constexpr, OUT: tl.constexpr,
                          INDEXED: tl.constexpr, TIERED: tl.constexpr, HW_FP8: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BY_POS: tl.constexpr):
     """Decode rows of ``width`` (head_dim) values into ``out``: row ``ids[i]`` (INDEXED) or row
     ``i``, read from the cache slot on a hit (TIERED); zeros for an id outside the table.
     Strides are in elements of each view. HW_FP8: fp8 through the hardware convert."""
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
     for start in tl.range(tl.program_id(0) * BLOCK_R, n, grid * BLOCK_R):
         live, ok, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, INDEXED, TIERED,
-                                                 BLOCK_R)
+                                                 BLOCK_R, SLOT_BY_POS)
         out_off = (start + tl.arange(0, BLOCK_R)).to(tl.int64) * out_stride
         for c0 in tl.range(0, width, BLOCK_D):
             c = c0 + cols

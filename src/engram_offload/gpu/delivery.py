@@ -96,6 +96,9 @@ class DeviceRows:
             ids_t, table = self.sync.upload(self.stream, ids, self.device), self.table.table  # [u]
             if hbm is None:
                 self.sync.run(self.stream, lambda: gather_raw(table, ids_t, out=out))
+            elif hbm.slot_of_row is None:  # the step's slots, one per id: no dense map on the device
+                step_slots = self.sync.upload(self.stream, slots, self.device)  # [u], -1 for a miss
+                hbm.read(table, step_slots, ids_t, out, hit_slots, stream=self.stream, by_position=True)
             else:
                 hbm.read(table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
         elif hit_slots.size == 0:

@@ -215,7 +215,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ launches
-def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool) -> None:
+def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool, by_position: bool = False) -> None:
     tiered = slot_of_row is not None
     word = _word_view(table, out, *([cache] if tiered else []))
     src, dst = _as(table, word), _as(out, word)
@@ -228,11 +228,12 @@ def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool) -> N
         kernels.gather_words_kernel[(grid,)](
             src, ids, slot_of_row if tiered else ids, store, dst, n, table.shape[0], store.shape[0], width,
             src.stride(0), store.stride(0), dst.stride(0), grid,
-            TIERED=tiered, BLOCK_R=BLOCK_R, BLOCK_W=_block(width),
+            TIERED=tiered, BLOCK_R=BLOCK_R, BLOCK_W=_block(width), SLOT_BY_POS=by_position,
         )
 
 
-def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int, *, background: bool) -> None:
+def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int, *, background: bool,
+                   by_position: bool = False) -> None:
     view = _ELEMENT_VIEW[fmt]
     src = _as(table, view)
     tiered = slot_of_row is not None
@@ -248,6 +249,7 @@ def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int,
             n, table.shape[0], store.shape[0], head_dim, src.stride(0), store.stride(0), dst.stride(0), grid,
             FMT=_FORMAT_CODES[fmt], OUT=_OUT_CODES[out.dtype], INDEXED=ids is not None, TIERED=tiered,
             HW_FP8=fmt == "fp8_e4m3_ue8m0" and _use_hw_fp8(out.device), BLOCK_R=BLOCK_R, BLOCK_D=_block(head_dim),
+            SLOT_BY_POS=by_position,
         )
 
 
@@ -315,10 +317,12 @@ def dequant_rows(raw: torch.Tensor, config_or_format: EngramConfig | str, *, out
 
 def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row: torch.Tensor,
                   ids: torch.Tensor, out: torch.Tensor, *, config_or_format: EngramConfig | str | None = None,
-                  background: bool = False) -> torch.Tensor:
+                  background: bool = False, slots_by_position: bool = False) -> torch.Tensor:
     """Rows ``ids [n]`` in one launch: from ``hbm_slots[slot_of_row[id]]`` where that slot is >= 0
     (an HBM hit), else from ``host_table[id]`` (pinned host memory over UVA).
 
+    ``slots_by_position``: ``slot_of_row`` is ``[n]``, the slot (or -1) of each position ``i``
+    (a step's slots, known on the host), instead of a map over every table row.
     ``out`` is ``uint8 [n, row_bytes]`` for the raw rows, or ``[n, head_dim]`` float32, bfloat16
     or float16 for dequantized rows (then ``config_or_format`` names the row format).
     """
@@ -326,12 +330,11 @@ def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row
     _check_table(hbm_slots, "hbm_slots")
     if hbm_slots.shape[1] != host_table.shape[1]:
         raise ValueError(f"hbm_slots rows are {hbm_slots.shape[1]} bytes, the table's {host_table.shape[1]}")
-    if slot_of_row.dim() != 1 or slot_of_row.shape[0] != host_table.shape[0] \
-            or slot_of_row.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_of_row must be int32 or int64 [{host_table.shape[0]}] (one slot or -1 per table row), "
-            f"got {slot_of_row.dtype} {tuple(slot_of_row.shape)}"
-        )
+    map_rows = ids.shape[0] if slots_by_position else host_table.shape[0]
+    if slot_of_row.dim() != 1 or slot_of_row.shape[0] != map_rows or slot_of_row.dtype not in (torch.int32, torch.int64):
+        what = "one slot or -1 per id" if slots_by_position else "one slot or -1 per table row"
+        raise ValueError(f"slot_of_row must be int32 or int64 [{map_rows}] ({what}), "
+                         f"got {slot_of_row.dtype} {tuple(slot_of_row.shape)}")
     _check_slots(slot_of_row, hbm_slots.shape[0])
     ids = _check_ids(ids, host_table.shape[0], out.device)
     raw = out.dtype == torch.uint8
@@ -347,10 +350,13 @@ def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row
     if ids.shape[0] == 0:
         return out
     if not runs_triton(host_table, hbm_slots, slot_of_row, ids, out):
-        gathered = reference.tiered_gather_ref(_on_device(host_table, out.device), hbm_slots, slot_of_row, ids)
+        gathered = reference.tiered_gather_ref(_on_device(host_table, out.device), hbm_slots, slot_of_row, ids,
+                                               slots_by_position=slots_by_position)
         return out.copy_(gathered if raw else reference.dequant_rows_ref(gathered, fmt, head_dim, out.dtype))
     if raw:
-        _launch_words(host_table, ids, slot_of_row, hbm_slots, out, background=background)
+        _launch_words(host_table, ids, slot_of_row, hbm_slots, out, background=background,
+                      by_position=slots_by_position)
     else:
-        _launch_decode(host_table, ids, slot_of_row, hbm_slots, out, fmt, head_dim, background=background)
+        _launch_decode(host_table, ids, slot_of_row, hbm_slots, out, fmt, head_dim, background=background,
+                       by_position=slots_by_position)
     return out

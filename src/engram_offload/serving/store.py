@@ -695,7 +695,8 @@ def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, syn
         sketch = FrequencySketch(max(256, 4 * capacity)) if admission else None
         try:
             hbm = HbmRowCache(table.table if table is not None else None, capacity, device=device, policy=policy,
-                              sync=sync, admission=sketch, num_rows=num_rows, row_bytes=row_bytes)
+                              sync=sync, admission=sketch, num_rows=num_rows, row_bytes=row_bytes,
+                              device_map=False)  # per-step slots: no int32 [num_rows] map in HBM
         except BaseException:
             if table is not None:
                 table.close()
