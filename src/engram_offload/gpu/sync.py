@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["DeviceSync", "CudaSync", "ImmediateSync", "TracingSync", "OrderingError", "PageableCopyError",
-           "make_sync", "kernel_access"]
+           "make_sync", "kernel_access", "upload_buffers"]
 
 Access = Mapping[str, Iterable[int] | np.ndarray | None]
 HOST = "host"
@@ -139,6 +139,13 @@ class DeviceSync(ABC):
         if key not in rings:
             rings[key] = _UploadRing(self, torch.device(device))
         return rings[key].put(stream, array)
+
+
+def upload_buffers(sync: DeviceSync) -> list[torch.Tensor]:
+    """The pinned buffers of ``sync``'s upload rings (tests check copies leave from these or
+    from a staging ring)."""
+    rings = sync.__dict__.get("_upload_rings", {})
+    return [b for ring in rings.values() for b in ring.buffers if b is not None]
 
 
 class _UploadRing:
