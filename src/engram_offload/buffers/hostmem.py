@@ -89,14 +89,28 @@ def _bind_context() -> None:
     _check_cuda(torch.cuda.cudart().cudaFree(0), "cudaFree(0)")
 
 
+def _has_driver() -> bool:
+    try:
+        _driver()
+        return True
+    except OSError:  # no libcuda (ROCm): the runtime's calls, hipified by torch
+        return False
+
+
 def _driver_register(start: int, length: int, flags: int) -> None:
     _bind_context()
+    if not _has_driver():
+        _check_cuda(torch.cuda.cudart().cudaHostRegister(start, length, flags), "cudaHostRegister")
+        return
     _check_driver(_driver().cuMemHostRegister_v2(ctypes.c_void_p(start), ctypes.c_size_t(length),
                                                  ctypes.c_uint(flags)), "cuMemHostRegister")
 
 
 def _driver_unregister(start: int) -> None:
     _bind_context()
+    if not _has_driver():
+        _check_cuda(torch.cuda.cudart().cudaHostUnregister(start), "cudaHostUnregister")
+        return
     _check_driver(_driver().cuMemHostUnregister(ctypes.c_void_p(start)), "cuMemHostUnregister")
 
 

@@ -36,6 +36,10 @@ __all__ = ["gather_raw", "gather_rows", "dequant_rows", "tiered_gather", "runs_t
 BLOCK_R = 16  # rows per tile
 MAX_BLOCK = 256  # columns per tile step
 INTERPRETER_PROGRAMS = 4  # the persistent grid under TRITON_INTERPRET (each program costs ms there)
+# Programs per SM on a GPU: one 4-warp program an SM keeps too few loads in flight for HBM
+# (about 3 MB are needed); more fit where the kernel's registers allow. Tuned on hardware
+# (benchmarks/gpu_smoke.py, bandwidth); 1 until measured.
+PROGRAMS_PER_SM = 1
 
 _FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3_ue8m0": 3, "int8": 4}
 _ELEMENT_VIEW = {"fp32": torch.int32, "bf16": torch.int16, "fp16": torch.int16,
@@ -97,9 +101,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def _grid(device: torch.device, rows_to_do: int, background: bool) -> int:
-    """Persistent grid: one program per SM (half of them in the background), never more than tiles."""
+    """Persistent grid: ``PROGRAMS_PER_SM`` programs per SM (half as many in the background),
+    never more than tiles."""
     if device.type == "cuda":
-        programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        programs = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                               else torch.cuda.current_device())
     else:
         programs = INTERPRETER_PROGRAMS
     if background:
