@@ -173,14 +173,14 @@ def test_smoke_benchmark_says_no_cuda_device_in_one_line():
 
 @pytest.mark.parametrize("tier,options", [("direct", {"cache_bytes": 40 * 66, "fast_cache_bytes": 64 * 66}),
                                           ("memory", {"fast_cache_bytes": 64 * 66}), ("mmap", {})])
-def test_row_source_over_any_store(tmp_path, tier, options):
+def test_row_source_over_any_store(disk_dir, tier, options):
     """from_store: a store that delivers to the device (kernels under the interpreter on a CPU),
     and a host store read through read_raw; both give each rank's columns of every layer."""
     from engram_offload import open_table, write_table
 
     config = tiny_config(head_dim=64)
     x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(0))
-    path = write_table(tmp_path / "t.tbl", config, x)
+    path = write_table(disk_dir / f"{tier}.tbl", config, x)  # the direct tier needs O_DIRECT: not tmpfs
     table = rows.encode_rows(x, config.row_format)
     sync = TracingSync()
     with open_table(path, tier, device="cpu", sync=sync, **options) as device_store, \

@@ -157,10 +157,10 @@ def test_row_source_buffers_keep_their_addresses_when_steps_grow():
 
 # ---------------------------------------------------------------------- a store with a device
 @pytest.fixture(scope="module")
-def table_file(tmp_path_factory):
+def table_file(disk_dir):
     config = tiny_config(head_dim=64)
     x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(3))
-    path = write_table(tmp_path_factory.mktemp("tracing") / "t.tbl", config, x)
+    path = write_table(disk_dir / "t.tbl", config, x)  # the direct tier needs O_DIRECT: not tmpfs
     return path, rows.encode_rows(x, config.row_format)
 
 
