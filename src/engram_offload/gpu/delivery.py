@@ -16,9 +16,10 @@ Three sources, fastest first, all enqueued on the fetch stream (``sync.FETCH``):
 The step's misses are then admitted into the HBM level, filled from the step's rows already
 on the device (never read over the link a second time). Ids, slot maps and row orders reach
 the device through ``DeviceSync.upload`` (a pinned ring, ``non_blocking``): a fetch never
-blocks the host on the device. The staging copies wait for the fetch stream, which
-allocated their destination (the caching allocator orders a block's reuse only on its own
-stream). ``close`` waits for the fetch, fill and copy streams before the table is
+blocks the host on the device. Staged rows land in blocks allocated on the copy stream
+that writes them and kept alive on the fetch stream that reads them (the caching allocator
+orders a block's reuse only on its own stream, and waits for the streams it was kept alive
+on), so the copies never wait for the fetch stream. ``close`` waits for the fetch, fill and copy streams before the table is
 unregistered. Calls are serialized by a lock.
 """
 
@@ -81,13 +82,22 @@ class DeviceRows:
         """``uint8 [rows, row_bytes]`` on the device, allocated for the fetch stream."""
         return self.sync.empty(self.stream, (rows, self.row_bytes), torch.uint8, self.device)
 
+    def _empty_staged(self, rows: int) -> torch.Tensor:
+        """``uint8 [rows, row_bytes]`` allocated on the copy stream that writes it (so the
+        copies need not wait for the fetch stream), kept alive on the fetch stream that reads it."""
+        assert self.ring is not None
+        buffer = self.sync.empty(self.ring.stream, (rows, self.row_bytes), torch.uint8, self.device)
+        self.sync.keep_alive(buffer, self.stream)
+        return buffer
+
     def _fetch(self, ids: np.ndarray, read_host: ReadHost) -> Delivery:
         start = time.perf_counter()
         u, hbm = ids.size, self.hbm
-        out = self._empty(u)  # [u, row_bytes]
         slots = hbm.lookup(ids) if hbm is not None else np.full(u, -1, np.int64)
         hit = slots >= 0
         hit_slots = slots[hit]
+        staged_only = self.table is None and hit_slots.size == 0  # the copies land in the result
+        out = self._empty_staged(u) if staged_only else self._empty(u)  # [u, row_bytes]
         pins: Pins = []
         uva_rows = 0
         staged_name = f"staged_rows{next(self._numbers)}"
@@ -101,7 +111,7 @@ class DeviceRows:
                 hbm.read(table, step_slots, ids_t, out, hit_slots, stream=self.stream, by_position=True)
             else:
                 hbm.read(table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
-        elif hit_slots.size == 0:
+        elif staged_only:
             pins = self._stage(ids, read_host, out, staged_name)  # straight into the result
         else:
             pins = self._stage_around_hits(ids, hit, hit_slots, read_host, out, staged_name)
@@ -119,7 +129,7 @@ class DeviceRows:
         which rows ``[m, u)`` stand for the hits (a step-local slot map sends them to HBM)."""
         assert self.hbm is not None, "hits come from the HBM level"
         u, m = ids.size, ids.size - hit_slots.size
-        staged = self._empty(u)  # [u, row_bytes]; rows [m, u) are never read
+        staged = self._empty_staged(u)  # [u, row_bytes]; rows [m, u) are never read
         pins = self._stage(ids[~hit], read_host, staged[:m], name) if m else []
         try:
             source_row = np.empty(u, np.int64)  # [u] the row of `staged` each position reads
@@ -135,12 +145,11 @@ class DeviceRows:
 
     def _stage(self, ids: np.ndarray, read_host: ReadHost, dst: torch.Tensor, name: str) -> Pins:
         """Rows ``ids [m]`` read on the host into pinned buffers and copied into ``dst [m, row_bytes]``
-        (``name`` for ``DeviceSync``), a buffer at a time; the fetch stream waits for every copy."""
+        (allocated on the copy stream: ``_empty_staged``; ``name`` for ``DeviceSync``), a buffer
+        at a time; the fetch stream waits for every copy."""
         assert self.ring is not None
         rb = self.row_bytes
         per_buffer = self.ring.buffer_bytes // rb
-        self.sync.wait_stream(self.ring.stream, self.stream)  # dst's block is the fetch stream's
-        self.sync.keep_alive(dst, self.ring.stream)
         pins: Pins = []
         try:
             for lo in range(0, ids.size, per_buffer):

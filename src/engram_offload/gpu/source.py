@@ -293,7 +293,9 @@ class RowSource:
         if self._ring is None or self._ring.buffer_bytes < nbytes:
             self._ring = StagingRing(self._staging_buffers, max(nbytes, 1 << 20), device=self.device, sync=self.sync)
         ring = self._ring
-        raw_dev = self.sync.empty(self.stream, (nbytes,), torch.uint8, self.device)  # [u * row_bytes]
+        # allocated on the copy stream that writes it, kept alive on the fetch stream that reads it
+        raw_dev = self.sync.empty(ring.stream, (nbytes,), torch.uint8, self.device)  # [u * row_bytes]
+        self.sync.keep_alive(raw_dev, self.stream)
         order = self.sync.upload(self.stream, inverse.reshape(-1), self.device)  # [T*c] rows of raw_dev
 
         def read_into(buffer: torch.Tensor) -> int:
@@ -304,8 +306,6 @@ class RowSource:
             buffer[:nbytes].view(unique.size, row_bytes).numpy()[:] = raw.numpy()
             return nbytes
 
-        self.sync.wait_stream(ring.stream, self.stream)  # raw_dev's block is the fetch stream's
-        self.sync.keep_alive(raw_dev, ring.stream)
         staged = ring.stage(read_into, raw_dev)
         self.sync.wait(self.stream, staged)
         return self._gather_into(raw_dev.view(unique.size, row_bytes), order, out, index)

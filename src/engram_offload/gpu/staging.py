@@ -5,10 +5,10 @@ to the device and records an event, and buffer ``k`` is written again only after
 event: the host never overwrites bytes a copy may still be reading. Device copies come only
 from pinned buffers (a pageable copy would block and stage through a driver buffer).
 
-The copy stream does not wait for the stream that allocated ``dst``: a caller that
-allocated it on another stream makes the copy stream wait for that one first
-(``sync.wait_stream(ring.stream, allocating_stream)``), since the caching allocator only
-orders a block's reuse on its own stream.
+The copy stream does not wait for the stream that allocated ``dst``: allocate it on the
+copy stream (``sync.empty(ring.stream, ...)``) and ``keep_alive`` it on the streams that
+read it, or make the copy stream wait for the allocating stream first; the caching
+allocator orders a block's reuse only on its own stream.
 """
 
 from __future__ import annotations
