@@ -19,8 +19,8 @@ the device through ``DeviceSync.upload`` (a pinned ring, ``non_blocking``): a fe
 blocks the host on the device. Staged rows land in blocks allocated on the copy stream
 that writes them and kept alive on the fetch stream that reads them (the caching allocator
 orders a block's reuse only on its own stream, and waits for the streams it was kept alive
-on), so the copies never wait for the fetch stream. ``close`` waits for the fetch, fill and copy streams before the table is
-unregistered. Calls are serialized by a lock.
+on), so the copies never wait for the fetch stream. ``close`` waits for the fetch, fill
+and copy streams before the table is unregistered. Calls are serialized by a lock.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ MAIN = "main"
 FETCH = "engram_fetch"  # the side stream that fetches a step's rows
 
 
-UPLOAD_BUFFERS = 8  # pinned buffers of the upload ring: the host waits for the copy 8 uploads back
+UPLOAD_BUFFERS = 32  # pinned buffers of the upload ring: the host waits for the copy 32 uploads back
 UPLOAD_MIN_BYTES = 1 << 16
 _UPLOAD_RINGS = itertools.count()
 
