@@ -103,3 +103,77 @@ def test_a_cpu_device_reads_host_memory_in_place():
     assert device_reads_in_place(torch.zeros(4), "cpu")
     if not torch.cuda.is_available():
         assert not device_reads_in_place(torch.zeros(4), "cuda")
+
+
+def test_the_shared_tiers_segment_registers_read_only(tmp_path):
+    """The shared tier maps its segment read-only: registration must pass the read-only flag
+    (without it cuMemHostRegister fails on x86 hosts), and a store on a CPU device reads it in place."""
+    from engram_offload import open_table, write_table
+    from engram_offload.gpu import TracingSync
+
+    from tiny_tables import tiny_config
+
+    config = tiny_config(head_dim=64)
+    x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(1))
+    path = write_table(tmp_path / "t.tbl", config, x)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with open_table(path, "shared", shm_dir=shm, device="cpu", sync=TracingSync()) as store:
+        rows_ = store.tier.rows
+        assert mapped_read_only(rows_.data_ptr(), rows_.numel())
+        driver = Driver()
+        registration = register_host(rows_, registry=PageRegistry(driver.register, driver.unregister))
+        assert driver.calls[0][3] == 0x0B  # portable | mapped | read-only
+        registration.close()
+        ids = np.array([0, 7, config.num_rows - 1])
+        with store.fetch(ids) as lease:
+            assert store._device_rows.table is not None  # read in place
+            assert torch.equal(lease.raw, rows_[torch.from_numpy(ids)])
+
+
+@pytest.mark.gpu
+def test_registration_on_cuda_shares_pages_and_leaves_no_runtime_error(tmp_path):
+    buffer = torch.zeros(3 * PAGE, dtype=torch.uint8)
+    base = -buffer.data_ptr() % PAGE
+    first = register_host(buffer[base: base + 100])
+    second = register_host(buffer[base + 200: base + PAGE + 10])  # shares the first page
+    first.close()
+    assert buffer[base + 200: base + PAGE + 10].is_pinned()  # still registered for the second
+    second.close()
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(4 * PAGE))
+    with open(path, "rb") as f:
+        read_only = mmap.mmap(f.fileno(), 4 * PAGE, prot=mmap.PROT_READ)
+    view = torch.frombuffer(read_only, dtype=torch.uint8)
+    try:
+        register_host(view, read_only=False).close()  # may fail on this host: it must fail here
+    except RuntimeError:
+        pass
+    torch.ones(4, device="cuda").sum().item()  # no error left behind for an unrelated op
+    del view
+
+
+@pytest.mark.gpu
+def test_a_shared_table_opens_on_cuda_in_place_or_staged(tmp_path):
+    from engram_offload import open_table, write_table
+
+    from tiny_tables import tiny_config
+
+    config = tiny_config(head_dim=64)
+    x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(1))
+    path = write_table(tmp_path / "t.tbl", config, x)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ids = np.array([0, 7, config.num_rows - 1])
+    with open_table(path, "shared", shm_dir=shm, device="cuda") as store:
+        got = store.read_raw(ids)
+        assert got.is_cuda and torch.equal(got.cpu(), store.tier.rows[torch.from_numpy(ids)])
+
+
+@pytest.mark.gpu
+def test_the_fetch_stream_runs_at_high_priority():
+    from engram_offload.gpu import CudaSync
+    from engram_offload.gpu.sync import FETCH
+
+    sync = CudaSync()
+    assert sync.stream(FETCH).priority < sync.stream("other").priority
