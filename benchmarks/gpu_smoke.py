@@ -1,14 +1,27 @@
 """GPU smoke test and figures: one script, a few minutes on one GPU.
 
-    python benchmarks/gpu_smoke.py [--table-gib 8] [--rows 1000000] [--json out.json]
+    python benchmarks/gpu_smoke.py [--table-gib 8] [--rows 1000000] [--json out.json] [--workdir DIR]
 
-Checks UVA coherence; builds a pinned fp8 table; checks the UVA gather and the tiered
-gather against the reference; measures rows/s and GB/s of random 264-byte rows through UVA
-and from HBM (full and half grid) beside the host link's bandwidth (a large pinned copy);
-times a side-stream fetch overlapping a matmul; replays one captured graph with new ids;
-runs a store that delivers rows to the GPU (HBM level over a direct tier, pinned staging)
-and the device Prefetcher over it, checking their rows against the table.
-Targets: UVA gather >= 70% of the link copy bandwidth; HBM hits >= 10x the UVA rows/s.
+Sections, each timed and checked on its own; the JSON is written after every section (a
+late failure keeps every earlier number, and a failed section records its error):
+
+- env: device, SMs, capability, torch/Triton/CUDA versions, UVA coherence, read-only host
+  registration, whether fp8 decodes in hardware, the work folder's file system;
+- correct: UVA and tiered gathers against the reference; all 65,536 fp8 byte pairs through
+  the integer and (sm_89+) hardware decode; zero rows for out-of-range device ids;
+- bandwidth: the host link (pinned copy), random 264-byte rows over UVA and from HBM (raw
+  and decoded, full and half grid) beside ``index_select``, and their ratios;
+- step_latency: a ``RowSource`` step of 12,288 rows (384 tokens x 2 layers x 16 heads):
+  host time of ``start()`` and GPU time to the last layer's rows, p50 and p99;
+- overlap: the step's fetch on the side stream beside an 8192x8192 matmul, at default and
+  high fetch priority: the fraction of the fetch hidden, and ``start()``'s host time while
+  the main stream is busy (it must not wait for the matmul);
+- graphs: a consumer graph replayed with new ids, buffer addresses kept when steps grow
+  (``max_tokens``), the gather itself captured in a graph (``RowSource.gather``);
+- store: a store on the ``direct`` tier delivering to the GPU (HBM level, DRAM level, pinned
+  staging) and the device Prefetcher over it, in ``--workdir`` (O_DIRECT needs a real
+  file system: tmpfs refuses it, so the default is a folder under the current directory).
+
 Without CUDA it prints one line, "no CUDA device", and exits.
 """
 
@@ -16,13 +29,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import shutil
 import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+FMT, HEAD_DIM = "fp8_e4m3_ue8m0", 256
 
-def timed(fn, repeats: int = 5) -> float:
+
+def timed(fn: Callable[[], Any], repeats: int = 5) -> float:
     """Median seconds of ``fn()`` on the current stream, timed with events."""
     fn()
     samples = []
@@ -36,144 +57,260 @@ def timed(fn, repeats: int = 5) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--table-gib", type=float, default=8.0)
-    parser.add_argument("--rows", type=int, default=1_000_000, help="random rows per gather")
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device")
-        return 0
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+
+def filesystem(path: Path) -> str:
+    """The type of the file system holding ``path`` (from /proc/mounts), or "unknown"."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+class Context:
+    """What the sections share: the arguments, the pinned table, the random ids."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from engram_offload.engram import rows
+
+        self.args = args
+        self.row_bytes = rows.row_bytes(FMT, HEAD_DIM)
+        self.num_rows = int(args.table_gib * 2**30) // self.row_bytes
+        self.table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8, pin_memory=True)
+        chunk = 1 << 20
+        block = torch.randint(0, 0x7F, (chunk, self.row_bytes), dtype=torch.uint8)  # finite fp8 values
+        for i, start in enumerate(range(0, self.num_rows, chunk)):  # scales differ by chunk
+            n = min(chunk, self.num_rows - start)
+            block[:, HEAD_DIM:] = 112 + i % 24
+            self.table[start:start + n] = block[:n]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.ids = torch.randint(0, self.num_rows, (args.rows,), device="cuda", generator=gen)
+        self.ids[0], self.ids[1] = 0, self.num_rows - 1
+
+
+def env(ctx: Context) -> dict:
+    import triton  # noqa: F401 - its version is reported
+
+    from engram_offload.buffers.hostmem import read_only_register_supported, uva_coherent
+    from engram_offload.gpu import kernels
+
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {"device": props.name, "capability": list(torch.cuda.get_device_capability(index)),
+            "sms": props.multi_processor_count, "memory_bytes": props.total_memory, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": sys.modules["triton"].__version__,
+            "python": platform.python_version(), "uva_coherent": uva_coherent(index),
+            "read_only_host_register": read_only_register_supported(index),
+            "hw_fp8_decode": kernels._use_hw_fp8(torch.device("cuda", index)),
+            "table_bytes": ctx.num_rows * ctx.row_bytes, "workdir": str(ctx.args.workdir),
+            "workdir_filesystem": filesystem(ctx.args.workdir)}
+
+
+def correct(ctx: Context) -> dict:
     from engram_offload.engram import rows
-    from engram_offload.engram.config import EngramConfig
-    from engram_offload.gpu import CudaSync, RowSource, gather_raw, gather_rows, tiered_gather, uva_coherent
+    from engram_offload.gpu import dequant_rows, gather_rows, kernels, tiered_gather
     from engram_offload.gpu.reference import gather_rows_ref, tiered_gather_ref
 
-    fmt, head_dim = "fp8_e4m3_ue8m0", 256
-    row_bytes = rows.row_bytes(fmt, head_dim)
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "python": platform.python_version()}
-    report["uva_coherent"] = coherent = uva_coherent()
-    print(f"device {report['device']}; uva_coherent {coherent}", flush=True)
-    if not coherent:
-        print("UVA is not coherent on this machine: the UVA path must not be used")
-        return 1
-
-    num_rows = int(args.table_gib * 2**30) // row_bytes
-    table = torch.empty((num_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
-    chunk = 1 << 20
-    block = torch.randint(0, 0x7F, (chunk, row_bytes), dtype=torch.uint8)  # finite fp8 values
-    for i, start in enumerate(range(0, num_rows, chunk)):  # one random block, scales differ by chunk
-        n = min(chunk, num_rows - start)
-        block[:, head_dim:] = 112 + i % 24
-        table[start:start + n] = block[:n]
-    report["table_bytes"] = num_rows * row_bytes
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, num_rows, (args.rows,), device="cuda", generator=gen)
-    ids[0], ids[1] = 0, num_rows - 1
-
-    # Correctness: the UVA gather and the tiered gather against the reference.
+    out: dict[str, Any] = {}
+    table, ids = ctx.table, ctx.ids
     check = ids[:4096]
-    got = gather_rows(table, check, fmt, dtype=torch.float32)
-    ok = torch.equal(got.cpu(), gather_rows_ref(table, check.cpu(), fmt, head_dim, torch.float32))
+    got = gather_rows(table, check, FMT, dtype=torch.float32)
+    out["uva_gather_rows"] = torch.equal(got.cpu(), gather_rows_ref(table, check.cpu(), FMT, HEAD_DIM, torch.float32))
     capacity = 65536
     hot = torch.unique(ids[: capacity // 2]).cpu()
     slots = table[hot].cuda()
-    slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device="cuda")
+    slot_of_row = torch.full((ctx.num_rows,), -1, dtype=torch.int32, device="cuda")
     slot_of_row[hot.cuda()] = torch.arange(hot.numel(), dtype=torch.int32, device="cuda")
     mixed = torch.cat([ids[: capacity // 4], ids[-capacity // 4:]])  # hits and misses
-    out = torch.empty(mixed.numel(), row_bytes, dtype=torch.uint8, device="cuda")
-    tiered_gather(table, slots, slot_of_row, mixed, out)
-    ok &= torch.equal(out.cpu(), tiered_gather_ref(table, slots.cpu(), slot_of_row.cpu(), mixed.cpu()))
-    report["correct"] = bool(ok)
-    print(f"uva and tiered gathers equal the reference: {ok}", flush=True)
+    raw = torch.empty(mixed.numel(), ctx.row_bytes, dtype=torch.uint8, device="cuda")
+    tiered_gather(table, slots, slot_of_row, mixed, raw)
+    out["tiered_gather"] = torch.equal(raw.cpu(), tiered_gather_ref(table, slots.cpu(), slot_of_row.cpu(), mixed.cpu()))
+    values = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # every (scale, value) byte pair
+    pairs = torch.cat([values, torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 8)], dim=1).contiguous()
+    for hw in (False, True):
+        if hw and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        kernels.HW_FP8 = hw
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a = dequant_rows(pairs.cuda(), FMT, dtype=dtype).float().cpu()
+            b = rows.decode_rows(pairs, FMT, HEAD_DIM, dtype).float()
+            same = (a.isnan() & b.isnan()) | ((a == b) & (a.signbit() == b.signbit()))
+            out[f"fp8_all_pairs_{'hw' if hw else 'int'}_{str(dtype).split('.')[-1]}"] = bool(same.all())
+    kernels.HW_FP8 = None
+    bad = torch.tensor([5, -1, ctx.num_rows, 7], device="cuda")
+    zeros = torch.full((4, HEAD_DIM), 3.0, device="cuda")
+    gather_rows(table, bad, FMT, out=zeros)
+    out["bad_device_ids_give_zero_rows"] = bool((zeros[1:3] == 0).all())
+    out["ok"] = all(v for k, v in out.items())
+    return out
 
-    # Bandwidth: the host link, UVA gathers, HBM gathers.
-    big = table[: min(num_rows, (2 << 30) // row_bytes)]
+
+def bandwidth(ctx: Context) -> dict:
+    from engram_offload.gpu import gather_raw, gather_rows
+
+    out: dict[str, Any] = {}
+    table, ids, n, rb = ctx.table, ctx.ids, ctx.args.rows, ctx.row_bytes
+    big = table[: min(ctx.num_rows, (2 << 30) // rb)]
     dst = torch.empty_like(big, device="cuda")
-    link = big.numel() / timed(lambda: dst.copy_(big, non_blocking=True))
-    report["link_copy_GBps"] = link / 1e9
-    raw = torch.empty(args.rows, row_bytes, dtype=torch.uint8, device="cuda")
-    hbm_table = table[: min(num_rows, (4 << 30) // row_bytes)].cuda()
+    out["link_h2d_GBps"] = big.numel() / timed(lambda: dst.copy_(big, non_blocking=True)) / 1e9
+    hbm_table = table[: min(ctx.num_rows, (4 << 30) // rb)].cuda()
+    out["hbm_copy_GBps"] = 2 * hbm_table.numel() / timed(lambda: hbm_table.clone()) / 1e9
     hbm_ids = ids % hbm_table.shape[0]
+    raw = torch.empty(n, rb, dtype=torch.uint8, device="cuda")
+    dec = torch.empty(n, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     for background in (False, True):
-        name = "half" if background else "full"
-        uva = timed(lambda: gather_raw(table, ids, out=raw, background=background))
-        hbm = timed(lambda: gather_raw(hbm_table, hbm_ids, out=raw, background=background))
-        report[f"uva_{name}_rows_per_s"] = args.rows / uva
-        report[f"uva_{name}_GBps"] = args.rows * row_bytes / uva / 1e9
-        report[f"hbm_{name}_rows_per_s"] = args.rows / hbm
-        report[f"hbm_{name}_GBps"] = args.rows * row_bytes / hbm / 1e9
-        print(f"{name} grid: UVA {args.rows / uva / 1e6:.1f} M rows/s {report[f'uva_{name}_GBps']:.1f} GB/s; "
-              f"HBM {args.rows / hbm / 1e6:.1f} M rows/s; link copy {link / 1e9:.1f} GB/s", flush=True)
-    report["uva_vs_link"] = report["uva_full_GBps"] / report["link_copy_GBps"]
-    report["hbm_vs_uva_rows"] = report["hbm_full_rows_per_s"] / report["uva_full_rows_per_s"]
-    report["targets_met"] = report["uva_vs_link"] >= 0.7 and report["hbm_vs_uva_rows"] >= 10
-    del hbm_table, dst
+        grid = "half" if background else "full"
+        cases = {
+            "uva_raw": lambda bg=background: gather_raw(table, ids, out=raw, background=bg),
+            "uva_decode": lambda bg=background: gather_rows(table, ids, FMT, out=dec, background=bg),
+            "hbm_raw": lambda bg=background: gather_raw(hbm_table, hbm_ids, out=raw, background=bg),
+            "hbm_decode": lambda bg=background: gather_rows(hbm_table, hbm_ids, FMT, out=dec, background=bg),
+        }
+        for name, fn in cases.items():
+            seconds = timed(fn)
+            out[f"{name}_{grid}_rows_per_s"] = n / seconds
+            out[f"{name}_{grid}_GBps"] = n * rb / seconds / 1e9  # bytes of rows read
+    out["hbm_index_select_GBps"] = n * rb / timed(lambda: torch.index_select(hbm_table, 0, hbm_ids, out=raw)) / 1e9
+    out["uva_raw_vs_link"] = out["uva_raw_full_GBps"] / out["link_h2d_GBps"]
+    out["uva_decode_vs_link"] = out["uva_decode_full_GBps"] / out["link_h2d_GBps"]
+    out["hbm_vs_uva_rows"] = out["hbm_raw_full_rows_per_s"] / out["uva_raw_full_rows_per_s"]
+    out["hbm_raw_vs_index_select"] = out["hbm_raw_full_GBps"] / out["hbm_index_select_GBps"]
+    return out
 
-    # Side-stream fetch beside a matmul; then a graph replayed with new ids.
-    config = EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=head_dim,
-                          prime_starts=(num_rows // 40,) * 2, row_format=fmt)
-    layer_table = table[: config.num_rows]
-    source = RowSource.from_table(layer_table, config=config, device="cuda", sync=CudaSync())
-    tokens = 4096
-    local = torch.stack([torch.randint(0, config.rows_per_layer[i], (tokens, config.cols_per_layer), device="cuda")
-                         for i in config.layer_ids], dim=1)
+
+def step_config(ctx: Context):
+    from engram_offload.engram.config import EngramConfig
+
+    # 2 layers x (3 - 1) orders x 8 heads = 32 rows a token: 384 tokens are 12,288 rows
+    return EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=HEAD_DIM,
+                        prime_starts=(ctx.num_rows // 40,) * 2, row_format=FMT)
+
+
+def local_ids(config, tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.stack([torch.randint(0, config.rows_per_layer[i], (tokens, config.cols_per_layer), device="cuda",
+                                      generator=gen) for i in config.layer_ids], dim=1)  # [T, L, C]
+
+
+def step_latency(ctx: Context, tokens: int = 384, steps: int = 200) -> dict:
+    from engram_offload.gpu import CudaSync, RowSource
+
+    config = step_config(ctx)
+    source = RowSource.from_table(ctx.table[: config.num_rows], config=config, device="cuda", sync=CudaSync(),
+                                  max_tokens=tokens)
+    batches = [local_ids(config, tokens, seed) for seed in range(8)]
+    host, gpu = [], []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        t0 = time.perf_counter()
+        handle = source.start(batches[step % len(batches)])
+        host.append(time.perf_counter() - t0)
+        for layer in config.layer_ids:
+            handle.rows(layer)
+        end.record()
+        end.synchronize()
+        gpu.append(begin.elapsed_time(end) / 1e3)
+    rows = tokens * len(config.layer_ids) * config.cols_per_layer
+    return {"rows_per_step": rows, "tokens": tokens,
+            "start_host_ms_p50": quantile(host, 0.5) * 1e3, "start_host_ms_p99": quantile(host, 0.99) * 1e3,
+            "step_gpu_ms_p50": quantile(gpu, 0.5) * 1e3, "step_gpu_ms_p99": quantile(gpu, 0.99) * 1e3,
+            "rows_per_s_p50": rows / quantile(gpu, 0.5)}
+
+
+def overlap(ctx: Context, tokens: int = 384) -> dict:
+    from engram_offload.gpu import CudaSync, RowSource
+    from engram_offload.gpu.sync import FETCH
+
+    config = step_config(ctx)
+    ids = local_ids(config, tokens)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    alone = timed(lambda: a @ a)
-    fetch = timed(lambda: source.start(local).rows(15))
+    matmul = timed(lambda: a @ a)
+    out: dict[str, Any] = {"matmul_ms": matmul * 1e3}
+    for name, priority in (("default", 0), ("high", -1)):
+        source = RowSource.from_table(ctx.table[: config.num_rows], config=config, device="cuda",
+                                      sync=CudaSync(priorities={FETCH: priority}), max_tokens=tokens)
+        fetch = timed(lambda source=source: [source.start(ids).rows(layer) for layer in config.layer_ids])
+        host_while_busy: list[float] = []
 
-    def fetch_beside_matmul() -> None:
-        handle = source.start(local)  # side stream
-        a @ a  # main stream, meanwhile
-        handle.rows(15)  # main waits for the fetch
+        def both(source=source, host_while_busy=host_while_busy) -> None:
+            a @ a  # main stream busy
+            t0 = time.perf_counter()
+            handle = source.start(ids)  # must return without waiting for the matmul
+            host_while_busy.append(time.perf_counter() - t0)
+            for layer in config.layer_ids:
+                handle.rows(layer)
 
-    both = timed(fetch_beside_matmul)
-    report.update(matmul_s=alone, fetch_s=fetch, overlapped_s=both)
-    flat = local[:, 1].reshape(-1) + config.layer_row_base(15)
-    ok = torch.equal(source.start(local).rows(15).reshape(-1, head_dim).cpu(),
-                     gather_rows_ref(layer_table, flat.cpu(), fmt, head_dim, torch.bfloat16))
-    print(f"side-stream fetch {fetch * 1e3:.2f} ms, matmul {alone * 1e3:.2f} ms, both {both * 1e3:.2f} ms; "
-          f"equal to the reference: {ok}", flush=True)
-    rows_15 = source.start(local).rows(15)
-    weight = torch.randn(head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
+        together = timed(both)
+        hidden = (matmul + fetch - together) / fetch if fetch > 0 else 0.0
+        out.update({f"{name}_fetch_ms": fetch * 1e3, f"{name}_with_matmul_ms": together * 1e3,
+                    f"{name}_fetch_hidden_fraction": hidden,
+                    f"{name}_start_host_ms_main_busy": quantile(host_while_busy, 0.5) * 1e3,
+                    f"{name}_start_blocked_on_main": quantile(host_while_busy, 0.5) > 0.5 * matmul})
+    return out
+
+
+def graphs(ctx: Context, tokens: int = 256) -> dict:
+    from engram_offload.gpu import CudaSync, RowSource
+    from engram_offload.gpu.reference import gather_rows_ref
+
+    config = step_config(ctx)
+    layer_table = ctx.table[: config.num_rows]
+    source = RowSource.from_table(layer_table, config=config, device="cuda", sync=CudaSync(), max_tokens=tokens)
+    ids = local_ids(config, tokens)
+    rows_15 = source.start(ids).rows(15)
+    weight = torch.randn(HEAD_DIM, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     warm = torch.cuda.Stream()  # cuBLAS sets up outside the capture
     warm.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm):
         rows_15 @ weight
     torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         result = rows_15 @ weight
-    replay_ok = True
-    for seed in range(100):
-        new = local.roll(seed + 1, dims=0)
-        source.start(new).rows(15)
-        graph.replay()
-        if seed % 25 == 0:
+    replay_ok, addresses = True, set()
+    for seed in range(50):
+        step_tokens = [1, 32, tokens][seed % 3]  # steps of different sizes: the buffer must not move
+        new = ids.roll(seed + 1, dims=0)[:step_tokens]
+        addresses.add(source.start(new).rows(15).data_ptr())
+        if step_tokens == tokens:
+            graph.replay()
             flat = new[:, 1].reshape(-1) + config.layer_row_base(15)
-            want = gather_rows_ref(layer_table, flat.cpu(), fmt, head_dim, torch.bfloat16).cuda()
-            replay_ok &= torch.allclose(result.float(), (want.view(tokens, -1, head_dim) @ weight).float(),
+            want = gather_rows_ref(layer_table, flat.cpu(), FMT, HEAD_DIM, torch.bfloat16).cuda()
+            replay_ok &= torch.allclose(result.float(), (want.view(tokens, -1, HEAD_DIM) @ weight).float(),
                                         rtol=1e-2, atol=1e-2)
-    report["graph_replays_correct"] = bool(replay_ok) and bool(ok)
-    print(f"graph replayed 100 times with new ids, correct: {replay_ok}; targets met: {report['targets_met']}")
-    del table, a
-    report["store_correct"] = store_and_prefetch(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0 if report["correct"] and report["graph_replays_correct"] and report["store_correct"] else 1
+    static_ids = ids.clone()
+    captured_out = torch.empty(tokens, config.cols_per_layer, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    source.gather(static_ids, 15, out=captured_out)
+    torch.cuda.synchronize()
+    gather_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gather_graph):
+        source.gather(static_ids, 15, out=captured_out)
+    static_ids.copy_(ids.roll(7, dims=0))
+    gather_graph.replay()
+    torch.cuda.synchronize()
+    captured_ok = torch.equal(captured_out, source.start(static_ids).rows(15))
+    replay_s = timed(gather_graph.replay)
+    return {"consumer_replays_correct": bool(replay_ok), "buffer_addresses_seen": len(addresses),
+            "gather_captured_correct": bool(captured_ok), "gather_captured_replay_ms": replay_s * 1e3,
+            "ok": bool(replay_ok) and len(addresses) == 1 and bool(captured_ok)}
 
 
-def store_and_prefetch(report: dict, steps: int = 50, batch: int = 64) -> bool:
+def store(ctx: Context, steps: int = 50, batch: int = 64) -> dict:
     """A store on a direct tier delivering to the GPU (HBM level, DRAM level, pinned staging)
     and the device Prefetcher over it: rows equal the table's; rows/s, hit rates, step times."""
-    import tempfile
-    import time
-
     import numpy as np
 
     from engram_offload import open_table, write_table
@@ -183,34 +320,34 @@ def store_and_prefetch(report: dict, steps: int = 50, batch: int = 64) -> bool:
     from engram_offload.gpu import CudaSync
     from engram_offload.serving.prefetch import Prefetcher
 
-    config = EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=256,
-                          prime_starts=(6000, 6000), row_format="fp8_e4m3_ue8m0")  # ~50 MiB
+    config = EngramConfig(layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=HEAD_DIM,
+                          prime_starts=(6000, 6000), row_format=FMT)  # ~50 MiB
     x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(0))
     raw = rows.encode_rows(x, config.row_format)
     rng = np.random.default_rng(0)
     hot = rng.choice(config.num_rows, config.num_rows // 20, replace=False)
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_table(f"{tmp}/smoke.tbl", config, x)
+    ok, out = True, {}
+    folder = ctx.args.workdir / "store"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        path = write_table(folder / "smoke.tbl", config, x)
         with open_table(path, "direct", device="cuda", sync=CudaSync(), cache_bytes=8 << 20,
-                        fast_cache_bytes=4 << 20) as store:
+                        fast_cache_bytes=4 << 20) as st:
             requested, start = 0, time.perf_counter()
             for step in range(steps):
                 ids = np.r_[rng.choice(hot, 8 * batch), rng.integers(0, config.num_rows, 2 * batch)]
-                got = store.read_raw(ids)
+                got = st.read_raw(ids)
                 requested += ids.size
                 if step % 10 == 0:
                     ok &= torch.equal(got.cpu(), raw[ids])
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            levels = {lv["level"]: lv for lv in store.stats()["levels"]}
-            report.update(store_rows_per_s=requested / seconds, store_hbm_hit_rate=levels["hbm"]["hit_rate"],
-                          store_dram_hit_rate=levels["dram"]["hit_rate"])
-            print(f"store (direct + DRAM + HBM) to the GPU: {requested / seconds / 1e6:.2f} M rows/s, HBM hit rate "
-                  f"{levels['hbm']['hit_rate']:.2f}, DRAM {levels['dram']['hit_rate']:.2f}; equal: {ok}", flush=True)
+            levels = {lv["level"]: lv for lv in st.stats()["levels"]}
+            out.update(store_rows_per_s=requested / seconds, hbm_hit_rate=levels["hbm"]["hit_rate"],
+                       dram_hit_rate=levels["dram"]["hit_rate"])
             hasher = NgramHasher(config, np.arange(50_000, dtype=np.int64) % 40_000)
             tokens = rng.integers(0, 50_000, size=(batch, steps))
-            with Prefetcher(store, hasher) as pf:
+            with Prefetcher(st, hasher, max_tokens=batch) as pf:
                 times = []
                 for t in range(steps):
                     begin = time.perf_counter()
@@ -223,10 +360,63 @@ def store_and_prefetch(report: dict, steps: int = 50, batch: int = 64) -> bool:
                         want = rows.decode_rows(raw[ids], config.row_format, config.head_dim)
                         ok &= torch.equal(layer_rows[1].reshape(-1, config.head_dim).cpu(), want)
                     pf.end_step(step)
-            report["prefetch_step_ms_p50"] = sorted(times)[len(times) // 2] * 1e3
-            print(f"device Prefetcher, {batch} decode tokens a step: p50 {report['prefetch_step_ms_p50']:.2f} ms "
-                  f"from begin_step to both layers' rows on the GPU; equal: {ok}", flush=True)
-    return bool(ok)
+            out["prefetch_step_ms_p50"] = quantile(times, 0.5) * 1e3
+            out["prefetch_step_ms_p99"] = quantile(times, 0.99) * 1e3
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out["ok"] = bool(ok)
+    return out
+
+
+SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
+    ("env", env), ("correct", correct), ("bandwidth", bandwidth), ("step_latency", step_latency),
+    ("overlap", overlap), ("graphs", graphs), ("store", store)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--table-gib", type=float, default=8.0)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="random rows per gather")
+    parser.add_argument("--json", help="write the figures here (after every section)")
+    parser.add_argument("--workdir", type=Path, default=Path.cwd() / ".gpu_smoke_work",
+                        help="scratch folder for table files, on a file system with O_DIRECT (not tmpfs)")
+    parser.add_argument("--only", nargs="*", help="run only these sections")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 0
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {}
+
+    def save() -> None:
+        if args.json:
+            tmp = f"{args.json}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+            os.replace(tmp, args.json)  # a reader never sees half a file
+
+    failed = False
+    try:
+        ctx = Context(args)
+    except Exception as exc:  # noqa: BLE001 - reported, then nothing else can run
+        report["setup"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
+        print(f"setup failed: {exc}")
+        return 1
+    for name, section in SECTIONS:
+        if args.only and name not in args.only:
+            continue
+        started = time.perf_counter()
+        try:
+            result = section(ctx)
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+        result["seconds"] = time.perf_counter() - started
+        report[name] = result
+        failed |= "error" in result or result.get("ok") is False
+        save()
+        print(f"{name}: {json.dumps(result, default=str)[:600]}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

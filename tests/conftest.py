@@ -20,8 +20,8 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
+    for item in items:  # "interpreter": runs under Triton's interpreter without CUDA, on the GPU with it
+        if item.get_closest_marker("gpu") is not None and item.get_closest_marker("interpreter") is None:
             item.add_marker(skip_gpu)
 
 

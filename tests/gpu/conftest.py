@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,3 +23,38 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def device() -> torch.device:
     return DEVICE
 
+
+
+def o_direct_works(folder: Path) -> bool:
+    """Whether files in ``folder`` can be read with O_DIRECT (tmpfs refuses it)."""
+    probe = folder / ".o_direct_probe"
+    probe.write_bytes(bytes(4096))
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    os.close(fd)
+    return True
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    """A folder for table files the ``direct`` tier reads: the test's temporary folder, or,
+    where that is tmpfs (common in containers), one under /var/tmp or the working folder."""
+    folder = tmp_path_factory.mktemp("disk")
+    if o_direct_works(folder):
+        yield folder
+        return
+    for parent in (Path("/var/tmp"), Path.cwd()):
+        try:
+            candidate = Path(tempfile.mkdtemp(prefix="engram-direct-", dir=parent))
+        except OSError:
+            continue
+        if o_direct_works(candidate):
+            yield candidate
+            shutil.rmtree(candidate, ignore_errors=True)
+            return
+        shutil.rmtree(candidate, ignore_errors=True)
+    pytest.skip("no folder here accepts O_DIRECT (the direct tier): set --basetemp to a disk folder")

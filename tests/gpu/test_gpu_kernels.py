@@ -18,6 +18,9 @@ from tiny_tables import tiny_config
 
 pytest.importorskip("triton")
 
+# `pytest -m gpu` runs every kernel test on a GPU; without one they run under the interpreter
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
+
 FORMATS = list(rows.ROW_FORMATS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP8 = "fp8_e4m3_ue8m0"
@@ -43,6 +46,7 @@ def all_fp8_pairs() -> torch.Tensor:
     return torch.cat([values, scales], dim=1).contiguous()  # [256, 264]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run on the GPU, not the interpreter")
 def test_kernels_run_under_the_interpreter_here():
     assert runs_triton(torch.zeros(1)), "the tests must exercise the Triton kernels"
 
@@ -180,6 +184,38 @@ def test_offsets_past_2_31_bytes_in_a_read_only_sparse_file(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+BIG_TABLE_GPU = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from engram_offload.engram import rows
+    from engram_offload.gpu import gather_raw, gather_rows, register_host
+    row_bytes = 264
+    num_rows = (2**31 + 40 * row_bytes) // row_bytes  # past 2**31 bytes
+    picks = (0, num_rows // 2 + 7, num_rows - 1)
+    enc = rows.encode_rows(torch.randn(3, 256, generator=torch.Generator().manual_seed(5)), "fp8_e4m3_ue8m0")
+    ids = torch.tensor([num_rows - 1, 0, num_rows // 2 + 7, num_rows - 1], device="cuda")
+    want = enc[[2, 0, 1, 2]]
+    host = torch.zeros((num_rows, row_bytes), dtype=torch.uint8)  # registered in place: read over UVA
+    host[list(picks)] = enc
+    device = host.cuda()  # in HBM
+    with register_host(host):
+        for table in (host, device):
+            assert torch.equal(gather_raw(table, ids).cpu(), want), "raw rows differ"
+            got = gather_rows(table, ids, "fp8_e4m3_ue8m0", dtype=torch.float32).cpu()
+            assert torch.equal(got, rows.decode_rows(want, "fp8_e4m3_ue8m0", 256)), "decoded rows differ"
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real 64-bit addresses: host memory over UVA and HBM")
+def test_offsets_past_2_31_bytes_on_the_gpu():
+    """A table past 2**31 bytes registered in host memory and one in HBM (a child process)."""
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", BIG_TABLE_GPU], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_cpu_tensors_use_the_reference_without_the_interpreter():
     code = ("import sys, torch; from engram_offload.gpu import gather_rows, runs_triton; "
             "from engram_offload.engram import rows; t = rows.encode_rows(torch.ones(3, 32), 'fp8_e4m3_ue8m0'); "
@@ -203,3 +239,82 @@ def test_persistent_grid_follows_the_programs_not_the_batch():
     assert _grid(cpu, 10**6, background=False) == INTERPRETER_PROGRAMS
     assert _grid(cpu, 10**6, background=True) == INTERPRETER_PROGRAMS // 2
     assert _grid(cpu, BLOCK_R, background=False) == 1  # never more programs than tiles
+
+
+@pytest.mark.parametrize("fmt", [FP8, "int8", "bf16"])
+@pytest.mark.parametrize("out_dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_out_of_range_device_ids_give_zero_rows(device, fmt, out_dtype):
+    """Ids already on the device are not checked on the host: the kernel writes zeros for the
+    rows of bad ids (as vLLM does), never leaves what the buffer held before."""
+    from engram_offload.gpu.kernels import _launch_decode, _launch_words
+    table = table_of(fmt).to(device)
+    ids = torch.tensor([3, -1, 40, 2**40, 39], device=device)  # rows 1-3 are outside the table
+    width = table.shape[1] if out_dtype == torch.uint8 else 64
+    out = torch.full((5, width), 7, dtype=out_dtype, device=device)
+    if out_dtype == torch.uint8:
+        _launch_words(table, ids, None, None, out, background=False)
+        want = table.cpu()[[3, 0, 0, 0, 39]]
+    else:
+        _launch_decode(table, ids, None, None, out, fmt, 64, background=False)
+        want = rows.decode_rows(table.cpu()[[3, 0, 0, 0, 39]], fmt, 64, out_dtype)
+    want[1:4] = 0
+    assert torch.equal(out.cpu(), want)
+
+
+def test_the_reference_gives_zero_rows_for_bad_device_ids_too():
+    from engram_offload.gpu.reference import gather_raw_ref
+    table = table_of(FP8)
+    ids = torch.tensor([1, 40, -2])
+    got = gather_raw_ref(table, ids, zero_bad=True)
+    assert torch.equal(got[0], table[1]) and not got[1:].any()
+    with pytest.raises(IndexError):
+        gather_raw_ref(table, ids)
+
+
+def test_slots_beyond_the_cache_raise_on_the_host_and_read_as_misses_on_the_device(device):
+    from engram_offload.gpu.kernels import _launch_words
+    table = table_of(FP8, num_rows=30)
+    slots = torch.zeros(2, table.shape[1], dtype=torch.uint8)
+    slot_of_row = torch.full((30,), -1, dtype=torch.int32)
+    slot_of_row[4] = 5  # beyond the 2 slots
+    out = torch.empty(2, table.shape[1], dtype=torch.uint8, device=device)
+    with pytest.raises(IndexError, match="slot 5 is outside the cache's 2 slots"):
+        tiered_gather(table, slots, slot_of_row, torch.tensor([4, 1]), out)
+    _launch_words(table.to(device), torch.tensor([4, 1], device=device), slot_of_row.to(device), slots.to(device),
+                  out, background=False)
+    assert torch.equal(out.cpu(), table[[4, 1]])  # the table's row, not memory past the cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hardware_fp8_decode_is_exact_for_every_pair(device, dtype, monkeypatch):
+    """The sm_89+ path (hardware e4m3 convert, then a power-of-two multiply) against the
+    reference for all 65,536 (scale, value) pairs: under the interpreter here, on the GPU's
+    convert when run with -m gpu on sm_89 or later."""
+    from engram_offload.gpu import kernels
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 convert before sm_89")
+    monkeypatch.setattr(kernels, "HW_FP8", True)
+    raw = all_fp8_pairs()
+    got = dequant_rows(raw.to(device), FP8, dtype=dtype)
+    assert same(got, rows.decode_rows(raw, FP8, 256, dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.uint8, torch.bfloat16])
+def test_tiered_gather_with_a_slot_per_id(device, out_dtype):
+    """A step's slots (one per id, known on the host) instead of a map over every table row."""
+    table = table_of(FP8, num_rows=30, seed=4)
+    slots = torch.zeros(3, table.shape[1], dtype=torch.uint8)
+    slots[[2, 0]] = table[[7, 29]]
+    slots[2, :4] = 0  # stale bytes show the slot was read
+    ids = torch.tensor([7, 3, 29, 7, 28])
+    step_slots = torch.tensor([2, -1, 0, -1, -1], dtype=torch.int32)  # the second 7 reads the table
+    width = table.shape[1] if out_dtype == torch.uint8 else 64
+    out = torch.empty(5, width, dtype=out_dtype, device=device)
+    tiered_gather(table.to(device), slots.to(device), step_slots.to(device), ids.to(device), out,
+                  config_or_format=FP8, slots_by_position=True)
+    want = torch.stack([slots[2], table[3], slots[0], table[7], table[28]])
+    if out_dtype != torch.uint8:
+        want = rows.decode_rows(want, FP8, 64, out_dtype)
+    assert same(out, want) if out_dtype != torch.uint8 else torch.equal(out.cpu(), want)
+    with pytest.raises(ValueError, match="one slot or -1 per id"):
+        tiered_gather(table, slots, step_slots[:4], ids, out.cpu(), config_or_format=FP8, slots_by_position=True)

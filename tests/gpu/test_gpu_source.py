@@ -173,14 +173,14 @@ def test_smoke_benchmark_says_no_cuda_device_in_one_line():
 
 @pytest.mark.parametrize("tier,options", [("direct", {"cache_bytes": 40 * 66, "fast_cache_bytes": 64 * 66}),
                                           ("memory", {"fast_cache_bytes": 64 * 66}), ("mmap", {})])
-def test_row_source_over_any_store(tmp_path, tier, options):
+def test_row_source_over_any_store(disk_dir, tier, options):
     """from_store: a store that delivers to the device (kernels under the interpreter on a CPU),
     and a host store read through read_raw; both give each rank's columns of every layer."""
     from engram_offload import open_table, write_table
 
     config = tiny_config(head_dim=64)
     x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(0))
-    path = write_table(tmp_path / "t.tbl", config, x)
+    path = write_table(disk_dir / f"{tier}.tbl", config, x)  # the direct tier needs O_DIRECT: not tmpfs
     table = rows.encode_rows(x, config.row_format)
     sync = TracingSync()
     with open_table(path, tier, device="cpu", sync=sync, **options) as device_store, \
@@ -199,3 +199,36 @@ def test_row_source_over_any_store(tmp_path, tier, options):
             assert device_store.stats()["levels"][0]["hits"] > 0
     with pytest.raises(ValueError, match="from_store"):
         RowSource(config=config, device="meta", store=device_store)
+
+
+@pytest.mark.gpu
+def test_row_source_gather_captured_in_a_cuda_graph():
+    """The capturable path: ids and output static, the gather inside the graph; replays read
+    whatever ids the engine wrote into the static tensor."""
+    from engram_offload.gpu import CudaSync
+    config = tiny_config(head_dim=64)
+    table = make_table(config).pin_memory()
+    source = RowSource.from_table(table, config=config, device="cuda", sync=CudaSync(), max_tokens=4)
+    static_ids = local_ids(config, tokens=4).cuda()
+    out = torch.empty(4, config.cols_per_layer, 64, dtype=torch.bfloat16, device="cuda")
+    source.gather(static_ids, 3, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        source.gather(static_ids, 3, out=out)
+    for seed in range(3):
+        new = local_ids(config, tokens=4, seed=seed + 10)
+        static_ids.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), expected(config, table, new, 3, 0, config.cols_per_layer))
+
+
+@pytest.mark.gpu
+def test_row_source_buffers_stay_put_on_cuda_when_steps_grow():
+    from engram_offload.gpu import CudaSync
+    config = tiny_config(head_dim=64)
+    table = make_table(config).pin_memory()
+    source = RowSource.from_table(table, config=config, device="cuda", sync=CudaSync(), max_tokens=64)
+    addresses = {source.start(local_ids(config, tokens=t).cuda()).rows(1).data_ptr() for t in (1, 8, 64, 2)}
+    assert len(addresses) == 1

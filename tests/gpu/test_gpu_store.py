@@ -20,9 +20,9 @@ VOCAB = 1000
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory):
+def table(disk_dir):
     x = torch.randn(CONFIG.num_rows, CONFIG.head_dim, generator=torch.Generator().manual_seed(3))
-    path = write_table(tmp_path_factory.mktemp("gpu_store") / "t.tbl", CONFIG, x)
+    path = write_table(disk_dir / "t.tbl", CONFIG, x)  # the direct tier needs O_DIRECT: not tmpfs
     return path, rows.encode_rows(x, CONFIG.row_format)
 
 

@@ -7,8 +7,9 @@ Conventions shared by both kernels:
 - Batch sizes, row counts and strides are runtime arguments that are never specialised:
   one compiled variant serves every batch of a table.
 - Every offset is int64, so tables far beyond 2**31 bytes are addressed correctly.
-- Ids outside ``[0, num_rows)`` are not read and their output rows are not written (the
-  host side of each call rejects them before launch when the ids are on the host).
+- Ids outside ``[0, num_rows)`` are not read and their output rows are written as zeros, as
+  vLLM's lookup does (the host side of each call rejects them before launch when the ids
+  are on the host). Slots outside ``[0, num_slots)`` are read as misses.
 - Values are decoded with integer operations on their bits, so every result is exact,
   needs no fp8 hardware, and does not depend on how the device treats subnormals.
 """
@@ -22,27 +23,33 @@ import triton.language as tl
 FP32, BF16, FP16, FP8_E4M3_UE8M0, INT8 = 0, 1, 2, 3, 4
 OUT_FP32, OUT_BF16, OUT_FP16 = 0, 1, 2
 
-_RUNTIME = ["n", "num_rows", "width", "src_stride", "cache_stride", "out_stride", "grid"]
+_RUNTIME = ["n", "num_rows", "num_slots", "width", "src_stride", "cache_stride", "out_stride", "grid"]
 
 
 @triton.jit
-def _rows_of_tile(ids, slot_of_row, start, n, num_rows, INDEXED: tl.constexpr, TIERED: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
-    """The tile's rows: (live mask, source row int64, HBM hit mask, slot int64), each [BLOCK_R]."""
+def _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, INDEXED: tl.constexpr,
+                  TIERED: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_BY_POS: tl.constexpr):
+    """The tile's rows: (output mask, valid-id mask, source row int64, HBM hit mask, slot
+    int64), each [BLOCK_R]. Rows of the output mask are written; only valid ones are read.
+    SLOT_BY_POS: ``slot_of_row`` holds a slot per position ``i`` (a step's slots), not per row."""
     r = start + tl.arange(0, BLOCK_R)
     live = r < n
     if INDEXED:
         row = tl.load(ids + r, mask=live, other=0).to(tl.int64)
-        live = live & (row >= 0) & (row < num_rows)
+        ok = live & (row >= 0) & (row < num_rows)
     else:
         row = r.to(tl.int64)
+        ok = live
     if TIERED:
-        slot = tl.load(slot_of_row + row, mask=live, other=-1).to(tl.int64)
-        hit = live & (slot >= 0)
+        if SLOT_BY_POS:
+            slot = tl.load(slot_of_row + r, mask=ok, other=-1).to(tl.int64)
+        else:
+            slot = tl.load(slot_of_row + row, mask=ok, other=-1).to(tl.int64)
+        hit = ok & (slot >= 0) & (slot < num_slots)
     else:
         slot = row
-        hit = live & (row < 0)  # no cache: never a hit
-    return live, row, hit, slot
+        hit = ok & (row < 0)  # no cache: never a hit
+    return live, ok, row, hit, slot
 
 
 @triton.jit
@@ -56,18 +63,22 @@ def _load_tiered(src, cache, row_off, slot_off, hit, offs, mask, TIERED: tl.cons
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def gather_words_kernel(src, ids, slot_of_row, cache, out, n, num_rows, width, src_stride, cache_stride,
-                        out_stride, grid, TIERED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Copy rows of ``width`` words: ``out[i] = cache[slot_of_row[ids[i]]]`` on a hit, else ``src[ids[i]]``."""
+def gather_words_kernel(src, ids, slot_of_row, cache, out, n, num_rows, num_slots, width, src_stride,
+                        cache_stride, out_stride, grid, TIERED: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_W: tl.constexpr, SLOT_BY_POS: tl.constexpr):
+    """Copy rows of ``width`` words: ``out[i] = cache[slot_of_row[ids[i]]]`` on a hit, else
+    ``src[ids[i]]``; zeros for an id outside the table."""
     cols = tl.arange(0, BLOCK_W).to(tl.int64)
     for start in tl.range(tl.program_id(0) * BLOCK_R, n, grid * BLOCK_R):
-        live, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, True, TIERED, BLOCK_R)
+        live, ok, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, True, TIERED,
+                                                 BLOCK_R, SLOT_BY_POS)
         out_off = (start + tl.arange(0, BLOCK_R)).to(tl.int64) * out_stride
         for c0 in tl.range(0, width, BLOCK_W):
             c = c0 + cols
-            mask = live[:, None] & (c < width)[None, :]
+            in_row = (c < width)[None, :]
+            mask = ok[:, None] & in_row
             words = _load_tiered(src, cache, row * src_stride, slot * cache_stride, hit, c[None, :], mask, TIERED)
-            tl.store(out + out_off[:, None] + c[None, :], words, mask=mask)
+            tl.store(out + out_off[:, None] + c[None, :], words, mask=live[:, None] & in_row)
 
 
 @triton.jit
@@ -102,8 +113,20 @@ def _bf16_bits_rne(bits):
 
 
 @triton.jit
+def _fp8_ue8m0_bits_hw(v, s):
+    """As ``_fp8_ue8m0_bits``, through the fp8 convert of sm_89+: e4m3 -> float32, then a
+    multiply by the power of two ``s << 23`` (exact: the product is at least 2**-135, a
+    float32 subnormal, and fp32 multiplies are not flushed). NaN codes are set apart, so the
+    result does not depend on how a convert treats them."""
+    x = v.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale = (s << 23).to(tl.float32, bitcast=True)
+    bits = (x * scale).to(tl.int32, bitcast=True)
+    return tl.where((v & 0x7F) == 0x7F, 0x7FC00000, bits)
+
+
+@triton.jit
 def _decode_bits(src, cache, row_off, slot_off, hit, c, mask, head_dim, FMT: tl.constexpr,
-                 TIERED: tl.constexpr):
+                 TIERED: tl.constexpr, HW_FP8: tl.constexpr):
     """float32 bits (int32 [BLOCK_R, BLOCK_D]) of columns ``c`` of each row, in format FMT."""
     if FMT == 0:  # fp32: int32 words
         bits = _load_tiered(src, cache, row_off, slot_off, hit, c[None, :], mask, TIERED)
@@ -116,7 +139,10 @@ def _decode_bits(src, cache, row_off, slot_off, hit, c, mask, head_dim, FMT: tl.
     elif FMT == 3:  # fp8 e4m3 values, then one ue8m0 scale byte per 32 values
         v = _load_tiered(src, cache, row_off, slot_off, hit, c[None, :], mask, TIERED)
         s = _load_tiered(src, cache, row_off, slot_off, hit, (head_dim + c // 32)[None, :], mask, TIERED)
-        bits = _fp8_ue8m0_bits(v.to(tl.int32), s.to(tl.int32))
+        if HW_FP8:
+            bits = _fp8_ue8m0_bits_hw(v.to(tl.int32), s.to(tl.int32))
+        else:
+            bits = _fp8_ue8m0_bits(v.to(tl.int32), s.to(tl.int32))
     else:  # int8 values, then one little-endian float32 scale
         q = _load_tiered(src, cache, row_off, slot_off, hit, c[None, :], mask, TIERED)
         scale_bits = tl.zeros_like(q.to(tl.int32))
@@ -129,19 +155,26 @@ def _decode_bits(src, cache, row_off, slot_off, hit, c, mask, head_dim, FMT: tl.
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def gather_decode_kernel(src, ids, slot_of_row, cache, out, n, num_rows, width, src_stride, cache_stride,
-                         out_stride, grid, FMT: tl.constexpr, OUT: tl.constexpr, INDEXED: tl.constexpr,
-                         TIERED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def gather_decode_kernel(src, ids, slot_of_row, cache, out, n, num_rows, num_slots, width, src_stride,
+                         cache_stride, out_stride, grid, FMT: tl.constexpr, OUT: tl.constexpr,
+                         INDEXED: tl.constexpr, TIERED: tl.constexpr, HW_FP8: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BY_POS: tl.constexpr):
     """Decode rows of ``width`` (head_dim) values into ``out``: row ``ids[i]`` (INDEXED) or row
-    ``i``, read from the cache slot on a hit (TIERED). Strides are in elements of each view."""
+    ``i``, read from the cache slot on a hit (TIERED); zeros for an id outside the table.
+    Strides are in elements of each view. HW_FP8: fp8 through the hardware convert."""
     cols = tl.arange(0, BLOCK_D).to(tl.int64)
     for start in tl.range(tl.program_id(0) * BLOCK_R, n, grid * BLOCK_R):
-        live, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, INDEXED, TIERED, BLOCK_R)
+        live, ok, row, hit, slot = _rows_of_tile(ids, slot_of_row, start, n, num_rows, num_slots, INDEXED, TIERED,
+                                                 BLOCK_R, SLOT_BY_POS)
         out_off = (start + tl.arange(0, BLOCK_R)).to(tl.int64) * out_stride
         for c0 in tl.range(0, width, BLOCK_D):
             c = c0 + cols
-            mask = live[:, None] & (c < width)[None, :]
-            bits = _decode_bits(src, cache, row * src_stride, slot * cache_stride, hit, c, mask, width, FMT, TIERED)
+            in_row = (c < width)[None, :]
+            mask = ok[:, None] & in_row
+            bits = _decode_bits(src, cache, row * src_stride, slot * cache_stride, hit, c, mask, width, FMT, TIERED,
+                                HW_FP8)
+            bits = tl.where(ok[:, None], bits, 0)  # +0.0 for an id outside the table
+            mask = live[:, None] & in_row
             dst = out + out_off[:, None] + c[None, :]
             if OUT == 0:
                 tl.store(dst, bits, mask=mask)

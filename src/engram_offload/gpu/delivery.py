@@ -13,8 +13,14 @@ Three sources, fastest first, all enqueued on the fetch stream (``sync.FETCH``):
   hits and staged misses in order: staged rows are rows ``[0, m)`` of the source, and rows
   ``[m, u)`` stand for the hits through a step-local slot map.
 
-The step's misses are then admitted into the HBM level (filled from the table, or from the
-step's rows already on the device). Calls are serialized by a lock.
+The step's misses are then admitted into the HBM level, filled from the step's rows already
+on the device (never read over the link a second time). Ids, slot maps and row orders reach
+the device through ``DeviceSync.upload`` (a pinned ring, ``non_blocking``): a fetch never
+blocks the host on the device. Staged rows land in blocks allocated on the copy stream
+that writes them and kept alive on the fetch stream that reads them (the caching allocator
+orders a block's reuse only on its own stream, and waits for the streams it was kept alive
+on), so the copies never wait for the fetch stream. ``close`` waits for the fetch, fill
+and copy streams before the table is unregistered. Calls are serialized by a lock.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from ..cache.lease import Pins
 from .device_table import DeviceTable
-from .hbm_cache import HbmRowCache
+from .hbm_cache import FILL_STREAM, HbmRowCache
 from .kernels import gather_raw
 from .staging import StagingRing
 from .sync import FETCH, DeviceSync
@@ -63,6 +69,8 @@ class DeviceRows:
             staging_buffers, max(int(staging_bytes), self.row_bytes), device=self.device, sync=sync)
         self._lock = threading.Lock()
         self._numbers = itertools.count()  # names each fetch's staged rows for DeviceSync
+        if table is not None and table.table.device.type == "cpu":
+            sync.host_mapped(table.table)  # pinned or registered: the device reads it in place
 
     def fetch(self, ids: np.ndarray, read_host: ReadHost) -> Delivery:
         """Raw rows of sorted distinct ids ``[u]`` (u >= 1) on the device; ``read_host`` reads
@@ -72,36 +80,46 @@ class DeviceRows:
 
     def _empty(self, rows: int) -> torch.Tensor:
         """``uint8 [rows, row_bytes]`` on the device, allocated for the fetch stream."""
-        return self.sync.run(self.stream, lambda: torch.empty((rows, self.row_bytes), dtype=torch.uint8,
-                                                              device=self.device))
+        return self.sync.empty(self.stream, (rows, self.row_bytes), torch.uint8, self.device)
+
+    def _empty_staged(self, rows: int) -> torch.Tensor:
+        """``uint8 [rows, row_bytes]`` allocated on the copy stream that writes it (so the
+        copies need not wait for the fetch stream), kept alive on the fetch stream that reads it."""
+        assert self.ring is not None
+        buffer = self.sync.empty(self.ring.stream, (rows, self.row_bytes), torch.uint8, self.device)
+        self.sync.keep_alive(buffer, self.stream)
+        return buffer
 
     def _fetch(self, ids: np.ndarray, read_host: ReadHost) -> Delivery:
         start = time.perf_counter()
         u, hbm = ids.size, self.hbm
-        out = self._empty(u)  # [u, row_bytes]
         slots = hbm.lookup(ids) if hbm is not None else np.full(u, -1, np.int64)
         hit = slots >= 0
         hit_slots = slots[hit]
+        staged_only = self.table is None and hit_slots.size == 0  # the copies land in the result
+        out = self._empty_staged(u) if staged_only else self._empty(u)  # [u, row_bytes]
         pins: Pins = []
         uva_rows = 0
         staged_name = f"staged_rows{next(self._numbers)}"
         if self.table is not None:  # misses over UVA, in the same launch as the hits
             uva_rows = u - hit_slots.size
-            ids_t, table = torch.from_numpy(ids), self.table.table
+            ids_t, table = self.sync.upload(self.stream, ids, self.device), self.table.table  # [u]
             if hbm is None:
                 self.sync.run(self.stream, lambda: gather_raw(table, ids_t, out=out))
+            elif hbm.slot_of_row is None:  # the step's slots, one per id: no dense map on the device
+                step_slots = self.sync.upload(self.stream, slots, self.device)  # [u], -1 for a miss
+                hbm.read(table, step_slots, ids_t, out, hit_slots, stream=self.stream, by_position=True)
             else:
                 hbm.read(table, hbm.slot_of_row, ids_t, out, hit_slots, stream=self.stream)
-        elif hit_slots.size == 0:
+        elif staged_only:
             pins = self._stage(ids, read_host, out, staged_name)  # straight into the result
         else:
             pins = self._stage_around_hits(ids, hit, hit_slots, read_host, out, staged_name)
         # the rows are the fetch stream's now: it has waited for every copy into them
         self.sync.run(self.stream, _hand_over, reads={staged_name: None})
         ready = self.sync.record(self.stream)
-        if hbm is not None:
-            source = None if self.table is not None else out
-            hbm.admit(ids[~hit], hit_slots, source, ids, ready=ready)
+        if hbm is not None:  # filled from the rows just gathered, not over the link again
+            hbm.admit(ids[~hit], hit_slots, out, ids, ready=ready)
             hbm.stats.record(u, hit_slots.size, hit_slots.size * self.row_bytes, time.perf_counter() - start)
         return Delivery(out, pins, ready, uva_rows)
 
@@ -111,15 +129,15 @@ class DeviceRows:
         which rows ``[m, u)`` stand for the hits (a step-local slot map sends them to HBM)."""
         assert self.hbm is not None, "hits come from the HBM level"
         u, m = ids.size, ids.size - hit_slots.size
-        staged = self._empty(u)  # [u, row_bytes]; rows [m, u) are never read
+        staged = self._empty_staged(u)  # [u, row_bytes]; rows [m, u) are never read
         pins = self._stage(ids[~hit], read_host, staged[:m], name) if m else []
         try:
             source_row = np.empty(u, np.int64)  # [u] the row of `staged` each position reads
             source_row[~hit] = np.arange(m)
             source_row[hit] = np.arange(m, u)
-            step_map = np.concatenate([np.full(m, -1, np.int64), hit_slots]).astype(np.int32)  # [u]
-            self.hbm.read(staged, torch.from_numpy(step_map), torch.from_numpy(source_row), out, hit_slots,
-                          stream=self.stream, reads={name: None})
+            step_map = np.concatenate([np.full(m, -1, np.int64), hit_slots])  # [u]
+            both = self.sync.upload(self.stream, np.concatenate([step_map, source_row]), self.device)  # [2u]
+            self.hbm.read(staged, both[:u], both[u:], out, hit_slots, stream=self.stream, reads={name: None})
         except BaseException:
             _release(pins)
             raise
@@ -127,11 +145,11 @@ class DeviceRows:
 
     def _stage(self, ids: np.ndarray, read_host: ReadHost, dst: torch.Tensor, name: str) -> Pins:
         """Rows ``ids [m]`` read on the host into pinned buffers and copied into ``dst [m, row_bytes]``
-        (``name`` for ``DeviceSync``), a buffer at a time; the fetch stream waits for every copy."""
+        (allocated on the copy stream: ``_empty_staged``; ``name`` for ``DeviceSync``), a buffer
+        at a time; the fetch stream waits for every copy."""
         assert self.ring is not None
         rb = self.row_bytes
         per_buffer = self.ring.buffer_bytes // rb
-        self.sync.keep_alive(dst, self.ring.stream)
         pins: Pins = []
         try:
             for lo in range(0, ids.size, per_buffer):
@@ -149,8 +167,14 @@ class DeviceRows:
         return pins
 
     def close(self) -> None:
-        if self.table is not None:
-            self.table.close()
+        """Wait for the fetch, fill and copy streams, then unregister the table the device read."""
+        with self._lock:
+            streams = [self.stream, FILL_STREAM] + ([self.ring.stream] if self.ring is not None else [])
+            for stream in streams:
+                self.sync.synchronize(self.sync.record(stream))
+            if self.table is not None:
+                self.sync.release_host(self.table.table)
+                self.table.close()
 
 
 def _hand_over() -> None:

@@ -8,8 +8,13 @@ Tables are packed rows ``uint8 [R, row_bytes]`` in one of the formats of
 ``engram_offload.engram.rows``; a table may live in device memory, in pinned host memory (read by
 the GPU over UVA), or in ordinary host memory (reference only). Ids on the host are checked
 before launch and an out-of-range id raises ``IndexError``; ids already on the device are not
-checked (that would wait for the device): the kernel neither reads nor writes the rows of an
-out-of-range device id, so validate device ids where they are made.
+checked (that would wait for the device): the row of an out-of-range device id is written as
+zeros, as vLLM's lookup does, so validate device ids where they are made.
+
+Without Triton, CUDA tensors take the same references on the device (``index_select`` and
+the torch decode; out-of-range device ids give zero rows there too). On sm_89 and later
+the fp8 rows decode through the hardware fp8 convert (``HW_FP8``), elsewhere (older GPUs,
+ROCm, the interpreter) through integer operations; both are exact.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ import torch
 from ..engram import rows
 from ..engram.config import EngramConfig
 from . import reference
+from .sync import kernel_access
 
 __all__ = ["gather_raw", "gather_rows", "dequant_rows", "tiered_gather", "runs_triton", "head_dim_of"]
 
 BLOCK_R = 16  # rows per tile
 MAX_BLOCK = 256  # columns per tile step
 INTERPRETER_PROGRAMS = 4  # the persistent grid under TRITON_INTERPRET (each program costs ms there)
+# Programs per SM on a GPU: one 4-warp program an SM keeps too few loads in flight for HBM
+# (about 3 MB are needed); more fit where the kernel's registers allow. Tuned on hardware
+# (benchmarks/gpu_smoke.py, bandwidth); 1 until measured.
+PROGRAMS_PER_SM = 1
 
 _FORMAT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3_ue8m0": 3, "int8": 4}
 _ELEMENT_VIEW = {"fp32": torch.int32, "bf16": torch.int16, "fp16": torch.int16,
@@ -39,13 +49,24 @@ _OUT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+HW_FP8: bool | None = None  # None: the fp8 hardware convert where the device has it (sm_89+, CUDA)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def runs_triton(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call over ``tensors`` runs the Triton kernel (else the torch reference)."""
-    return _interpreting() or any(t is not None and t.is_cuda for t in tensors)
+    """Whether a call over ``tensors`` runs the Triton kernel (else the torch reference, on
+    the tensors' device: the CPU, or a CUDA device without Triton installed)."""
+    return _interpreting() or (_have_triton() and any(t is not None and t.is_cuda for t in tensors))
 
 
 def _kernels() -> Any:
@@ -59,14 +80,32 @@ def _kernels() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def _hw_fp8(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` converts fp8 e4m3 in hardware (sm_89 and later, not ROCm)."""
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _use_hw_fp8(device: torch.device) -> bool:
+    if HW_FP8 is not None:
+        return HW_FP8
+    if device.type != "cuda" or _interpreting():
+        return False
+    return _hw_fp8(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _grid(device: torch.device, rows_to_do: int, background: bool) -> int:
-    """Persistent grid: one program per SM (half of them in the background), never more than tiles."""
+    """Persistent grid: ``PROGRAMS_PER_SM`` programs per SM (half as many in the background),
+    never more than tiles."""
     if device.type == "cuda":
-        programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        programs = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                               else torch.cuda.current_device())
     else:
         programs = INTERPRETER_PROGRAMS
     if background:
@@ -123,7 +162,18 @@ def _check_ids(ids: torch.Tensor, num_rows: int, device: torch.device) -> torch.
             raise IndexError(f"row id {bad} is outside the table's {num_rows} rows [0, {num_rows})")
     if ids.dtype not in (torch.int64, torch.int32):
         ids = ids.to(torch.int64)
-    return ids.to(device).contiguous()
+    if ids.device != device:
+        ids = ids.to(device)  # host ids given to a device gather: a blocking copy (the fetch path uploads)
+    return ids.contiguous()
+
+
+def _check_slots(slot_of_row: torch.Tensor, capacity: int) -> None:
+    """Slots of a host slot map must name a slot of the cache (or be -1); a device slot map is
+    not read back (a slot beyond the cache reads as a miss in the kernel)."""
+    if slot_of_row.device.type == "cpu" and slot_of_row.numel():
+        high = int(slot_of_row.max())
+        if high >= capacity:
+            raise IndexError(f"slot {high} is outside the cache's {capacity} slots")
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
@@ -156,12 +206,22 @@ def _word_view(*tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
+def _on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` where the torch reference on ``device`` can read it: a pinned host table seen
+    through its UVA view (the fallback without Triton)."""
+    if device.type != "cuda" or table.is_cuda:
+        return table
+    from ..buffers.hostmem import uva_view
+
+    return uva_view(table, device)
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.view(dtype)
 
 
 # ------------------------------------------------------------------ launches
-def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool) -> None:
+def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool, by_position: bool = False) -> None:
     tiered = slot_of_row is not None
     word = _word_view(table, out, *([cache] if tiered else []))
     src, dst = _as(table, word), _as(out, word)
@@ -169,15 +229,17 @@ def _launch_words(table, ids, slot_of_row, cache, out, *, background: bool) -> N
     width, n = dst.shape[1], ids.shape[0]
     kernels = _kernels()
     grid = _grid(out.device, n, background)
-    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext(), \
+            kernel_access([table, ids, slot_of_row, cache], [out], "gather_words_kernel"):
         kernels.gather_words_kernel[(grid,)](
-            src, ids, slot_of_row if tiered else ids, store, dst, n, table.shape[0], width,
+            src, ids, slot_of_row if tiered else ids, store, dst, n, table.shape[0], store.shape[0], width,
             src.stride(0), store.stride(0), dst.stride(0), grid,
-            TIERED=tiered, BLOCK_R=BLOCK_R, BLOCK_W=_block(width),
+            TIERED=tiered, BLOCK_R=BLOCK_R, BLOCK_W=_block(width), SLOT_BY_POS=by_position,
         )
 
 
-def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int, *, background: bool) -> None:
+def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int, *, background: bool,
+                   by_position: bool = False) -> None:
     view = _ELEMENT_VIEW[fmt]
     src = _as(table, view)
     tiered = slot_of_row is not None
@@ -186,12 +248,14 @@ def _launch_decode(table, ids, slot_of_row, cache, out, fmt: str, head_dim: int,
     n = out.shape[0]
     kernels = _kernels()
     grid = _grid(out.device, n, background)
-    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext(), \
+            kernel_access([table, ids, slot_of_row, cache], [out], "gather_decode_kernel"):
         kernels.gather_decode_kernel[(grid,)](
             src, ids if ids is not None else src, slot_of_row if tiered else src, store, dst,
-            n, table.shape[0], head_dim, src.stride(0), store.stride(0), dst.stride(0), grid,
+            n, table.shape[0], store.shape[0], head_dim, src.stride(0), store.stride(0), dst.stride(0), grid,
             FMT=_FORMAT_CODES[fmt], OUT=_OUT_CODES[out.dtype], INDEXED=ids is not None, TIERED=tiered,
-            BLOCK_R=BLOCK_R, BLOCK_D=_block(head_dim),
+            HW_FP8=fmt == "fp8_e4m3_ue8m0" and _use_hw_fp8(out.device), BLOCK_R=BLOCK_R, BLOCK_D=_block(head_dim),
+            SLOT_BY_POS=by_position,
         )
 
 
@@ -214,7 +278,7 @@ def gather_raw(table: torch.Tensor, ids: torch.Tensor, *, out: torch.Tensor | No
     if ids.shape[0] == 0:
         return out
     if not runs_triton(table, ids, out):
-        return out.copy_(reference.gather_raw_ref(table, ids))
+        return out.copy_(reference.gather_raw_ref(_on_device(table, device), ids, zero_bad=ids.is_cuda))
     _launch_words(table, ids, None, None, out, background=background)
     return out
 
@@ -234,7 +298,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, config_or_format: Engram
     if ids.shape[0] == 0:
         return out
     if not runs_triton(table, ids, out):
-        return out.copy_(reference.gather_rows_ref(table, ids, fmt, head_dim, dtype))
+        raw = reference.gather_raw_ref(_on_device(table, device), ids, zero_bad=ids.is_cuda)
+        return out.copy_(reference.dequant_rows_ref(raw, fmt, head_dim, dtype))
     _launch_decode(table, ids, None, None, out, fmt, head_dim, background=background)
     return out
 
@@ -258,10 +323,12 @@ def dequant_rows(raw: torch.Tensor, config_or_format: EngramConfig | str, *, out
 
 def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row: torch.Tensor,
                   ids: torch.Tensor, out: torch.Tensor, *, config_or_format: EngramConfig | str | None = None,
-                  background: bool = False) -> torch.Tensor:
+                  background: bool = False, slots_by_position: bool = False) -> torch.Tensor:
     """Rows ``ids [n]`` in one launch: from ``hbm_slots[slot_of_row[id]]`` where that slot is >= 0
     (an HBM hit), else from ``host_table[id]`` (pinned host memory over UVA).
 
+    ``slots_by_position``: ``slot_of_row`` is ``[n]``, the slot (or -1) of each position ``i``
+    (a step's slots, known on the host), instead of a map over every table row.
     ``out`` is ``uint8 [n, row_bytes]`` for the raw rows, or ``[n, head_dim]`` float32, bfloat16
     or float16 for dequantized rows (then ``config_or_format`` names the row format).
     """
@@ -269,12 +336,12 @@ def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row
     _check_table(hbm_slots, "hbm_slots")
     if hbm_slots.shape[1] != host_table.shape[1]:
         raise ValueError(f"hbm_slots rows are {hbm_slots.shape[1]} bytes, the table's {host_table.shape[1]}")
-    if slot_of_row.dim() != 1 or slot_of_row.shape[0] != host_table.shape[0] \
-            or slot_of_row.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_of_row must be int32 or int64 [{host_table.shape[0]}] (one slot or -1 per table row), "
-            f"got {slot_of_row.dtype} {tuple(slot_of_row.shape)}"
-        )
+    map_rows = ids.shape[0] if slots_by_position else host_table.shape[0]
+    if slot_of_row.dim() != 1 or slot_of_row.shape[0] != map_rows or slot_of_row.dtype not in (torch.int32, torch.int64):
+        what = "one slot or -1 per id" if slots_by_position else "one slot or -1 per table row"
+        raise ValueError(f"slot_of_row must be int32 or int64 [{map_rows}] ({what}), "
+                         f"got {slot_of_row.dtype} {tuple(slot_of_row.shape)}")
+    _check_slots(slot_of_row, hbm_slots.shape[0])
     ids = _check_ids(ids, host_table.shape[0], out.device)
     raw = out.dtype == torch.uint8
     if raw:
@@ -289,10 +356,13 @@ def tiered_gather(host_table: torch.Tensor, hbm_slots: torch.Tensor, slot_of_row
     if ids.shape[0] == 0:
         return out
     if not runs_triton(host_table, hbm_slots, slot_of_row, ids, out):
-        gathered = reference.tiered_gather_ref(host_table, hbm_slots, slot_of_row, ids)
+        gathered = reference.tiered_gather_ref(_on_device(host_table, out.device), hbm_slots, slot_of_row, ids,
+                                               slots_by_position=slots_by_position)
         return out.copy_(gathered if raw else reference.dequant_rows_ref(gathered, fmt, head_dim, out.dtype))
     if raw:
-        _launch_words(host_table, ids, slot_of_row, hbm_slots, out, background=background)
+        _launch_words(host_table, ids, slot_of_row, hbm_slots, out, background=background,
+                      by_position=slots_by_position)
     else:
-        _launch_decode(host_table, ids, slot_of_row, hbm_slots, out, fmt, head_dim, background=background)
+        _launch_decode(host_table, ids, slot_of_row, hbm_slots, out, fmt, head_dim, background=background,
+                       by_position=slots_by_position)
     return out

@@ -4,6 +4,11 @@ A read lands in buffer ``k`` (host work), a ``non_blocking`` copy on a copy stre
 to the device and records an event, and buffer ``k`` is written again only after that
 event: the host never overwrites bytes a copy may still be reading. Device copies come only
 from pinned buffers (a pageable copy would block and stage through a driver buffer).
+
+The copy stream does not wait for the stream that allocated ``dst``: allocate it on the
+copy stream (``sync.empty(ring.stream, ...)``) and ``keep_alive`` it on the streams that
+read it, or make the copy stream wait for the allocating stream first; the caching
+allocator orders a block's reuse only on its own stream.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class StagingRing:
         self.stream = stream
         pin = self.device.type == "cuda"  # a CPU-only run has no pinned memory to ask for
         self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+        for buffer in self.buffers:
+            self.sync.host_mapped(buffer)
         self._events: list[object] = [None] * count
         self._next = 0
         self.name = f"staging{next(_RING_NUMBERS)}"  # this ring's buffers, as DeviceSync names them

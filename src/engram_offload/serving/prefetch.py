@@ -27,7 +27,10 @@ UVA reads, or pinned staging), and the worker dequantizes every layer's rows on 
 stream into that layer's output buffer. ``rows(layer)`` makes the caller's stream wait for
 the part's event and returns a view of the buffer. Buffers are reused from step to step
 (a step takes the set the last ended step gave back), so their addresses stay fixed and a
-CUDA graph can be captured around the layers that read them, with the fetch outside it.
+CUDA graph can be captured around the layers that read them, with the fetch outside it
+(``max_tokens`` allocates them at once, so they do not move when a step grows). Ids and
+row orders go to the device through ``DeviceSync.upload`` (a pinned ring), never a blocking
+copy.
 
 Failures: an error in the worker is kept with its step and raised by ``rows()`` as a
 ``PrefetchError`` whose ``__cause__`` is the original error; the worker goes on serving
@@ -72,23 +75,35 @@ Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.uniq
 
 class Outputs:
     """One set of per-layer output buffers on the device, ``[T_max, C, head_dim]`` each (``C``:
-    the columns fetched),
-    reused from step to step (fixed addresses while ``T_max`` suffices)."""
+    the columns fetched), reused from step to step. With ``max_tokens`` they are allocated at
+    once and never move (a larger step raises); without, they grow (new addresses) when a
+    step has more tokens than any before."""
 
     def __init__(self, name: str, sync: DeviceSync, shape: tuple[int, int], layers: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, max_tokens: int | None = None) -> None:
         self.name = name  # how DeviceSync names these buffers (one part per layer)
         self.sync = sync
         self._shape, self._layers, self._dtype, self._device = shape, layers, dtype, device
+        self.max_tokens = max_tokens
         self._buffers: list[torch.Tensor] = []
+        if max_tokens is not None:
+            self._allocate(max_tokens)
+
+    def _allocate(self, tokens: int) -> None:
+        """Buffers allocated on the caller's stream, kept alive on the fetch stream that writes them."""
+        self._buffers = [self.sync.empty(MAIN, (tokens, *self._shape), self._dtype, self._device)
+                         for _ in range(self._layers)]
+        for buffer in self._buffers:
+            self.sync.keep_alive(buffer, FETCH)
 
     def views(self, tokens: int) -> list[torch.Tensor]:
-        """Per-layer ``[tokens, C, head_dim]`` views; the buffers grow (new addresses) only when too small."""
+        """Per-layer ``[tokens, C, head_dim]`` views of the buffers."""
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"a step of {tokens} tokens is more than max_tokens={self.max_tokens}: the output "
+                             "buffers keep their addresses (for CUDA graphs); make the Prefetcher with a larger "
+                             "max_tokens")
         if not self._buffers or self._buffers[0].shape[0] < tokens:
-            self._buffers = [torch.empty((tokens, *self._shape), dtype=self._dtype, device=self._device)
-                             for _ in range(self._layers)]
-            for buffer in self._buffers:
-                self.sync.keep_alive(buffer, FETCH)
+            self._allocate(tokens)
         return [b[:tokens] for b in self._buffers]
 
 
@@ -96,18 +111,23 @@ class _OutputPool:
     """Output sets handed to steps; the last one given back is taken first."""
 
     def __init__(self, sync: DeviceSync, shape: tuple[int, int], layers: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self._make = lambda n: Outputs(f"prefetch_rows{n}", sync, shape, layers, dtype, device)
+                 device: torch.device, max_tokens: int | None = None) -> None:
+        self._make = lambda n: Outputs(f"prefetch_rows{n}", sync, shape, layers, dtype, device, max_tokens)
         self._free: list[Outputs] = []
         self._made = 0
         self._lock = threading.Lock()
+        if max_tokens is not None:
+            self._free.append(self._make_one())  # the first set exists before the first capture
+
+    def _make_one(self) -> Outputs:
+        self._made += 1
+        return self._make(self._made)
 
     def take(self) -> Outputs:
         with self._lock:
             if self._free:
                 return self._free.pop()
-            self._made += 1
-            return self._make(self._made)
+            return self._make_one()
 
     def give(self, outputs: Outputs) -> None:
         with self._lock:
@@ -353,6 +373,11 @@ class Prefetcher:
 
     ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
     store's ``columns``, else every column); see the module doc.
+
+    ``max_tokens`` (on a device): the most tokens a step may have; the first set of output
+    buffers is allocated at once for that many and never moves, so a CUDA graph captured
+    around the consuming layers stays valid even when steps grow (a larger step raises).
+    A step fetched ahead while another is open takes another set (fixed too).
     """
 
     def __init__(
@@ -365,6 +390,7 @@ class Prefetcher:
         device: str | torch.device | None = None,
         split_min_rows: int = 512,
         columns: Columns | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if store.config.num_rows != hasher.config.num_rows or store.config.layer_ids != hasher.config.layer_ids:
             raise ValueError(
@@ -391,7 +417,7 @@ class Prefetcher:
         self._decoded = RecycledArrays()
         self._outputs = None if self.sync is None else _OutputPool(
             self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
-            self.device)
+            self.device, max_tokens)
         queue_lock = threading.Lock()
         # each worker waits on its own condition, so a new step wakes only the one it needs
         self._wake = {False: threading.Condition(queue_lock), True: threading.Condition(queue_lock)}
@@ -480,7 +506,7 @@ class Prefetcher:
         sync.keep_alive(lease.raw, FETCH)
         for li in step.parts[p][2]:
             out = step.layer_outputs[li].view(-1, self.config.head_dim)  # [T*C, d]
-            index = torch.from_numpy(step.layer_positions(li))  # [T*C] rows of lease.raw
+            index = sync.upload(FETCH, step.layer_positions(li), self.device)  # [T*C] rows of lease.raw, pinned ring
 
             def dequantize(out: torch.Tensor = out, index: torch.Tensor = index) -> None:
                 gather_rows(lease.raw, index, self.config, out=out)
@@ -544,13 +570,20 @@ class Prefetcher:
         if self._outputs is not None:
             assert self.sync is not None, "outputs are pooled only for a store with a DeviceSync"
             outputs = self._outputs.take()
-            self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._lock:
             self._step_count += 1
-            step = Step(self._step_count, seq_ids, lengths, table_ids, d,
-                        self.config.layer_ids, self._parts(d.unique), outputs)
+            try:
+                step = Step(self._step_count, seq_ids, lengths, table_ids, d,
+                            self.config.layer_ids, self._parts(d.unique), outputs)
+            except BaseException:
+                if outputs is not None and self._outputs is not None:
+                    self._outputs.give(outputs)  # e.g. a step over max_tokens: the set stays in the pool
+                raise
             self.current = step
             self._open.append(step)
+        if outputs is not None:  # after the Step made (maybe allocated) its outputs on the caller's stream
+            assert self.sync is not None
+            self.sync.wait_stream(FETCH, MAIN)  # the ids are made and the last step's rows read
         with self._wake[False]:
             (self._urgent if urgent else self._background).append(step)
             self._wake_a_worker(urgent)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, overload
 import numpy as np
 import torch
 
+from ..buffers.hostmem import device_reads_in_place
 from ..buffers.recycle import RecycledArrays
 from ..buffers.rowcopy import move_rows, native_move_rows
 from ..cache.admission import FrequencySketch
@@ -681,7 +682,9 @@ def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, syn
     """The device branch of a store: the HBM level, and the table in place or a staging ring."""
     num_rows, row_bytes = header.layout.num_rows, header.layout.row_bytes
     table = None
-    if isinstance(tier, MemoryTier):
+    # a table in DRAM is read in place where the device can (UVA coherent; read-only shared
+    # pages only with read-only registration), else through pinned staging like a file tier
+    if isinstance(tier, MemoryTier) and device_reads_in_place(tier.rows, device):
         if cache_bytes:
             raise ValueError(f"the {tier.name} tier holds the table in DRAM and the device reads it there: "
                              "drop cache_bytes (fast_cache_bytes sizes the HBM cache)")
@@ -692,7 +695,8 @@ def _device_rows(tier: RowSource, header: TableHeader, device: torch.device, syn
         sketch = FrequencySketch(max(256, 4 * capacity)) if admission else None
         try:
             hbm = HbmRowCache(table.table if table is not None else None, capacity, device=device, policy=policy,
-                              sync=sync, admission=sketch, num_rows=num_rows, row_bytes=row_bytes)
+                              sync=sync, admission=sketch, num_rows=num_rows, row_bytes=row_bytes,
+                              device_map=False)  # per-step slots: no int32 [num_rows] map in HBM
         except BaseException:
             if table is not None:
                 table.close()

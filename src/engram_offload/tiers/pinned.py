@@ -3,8 +3,10 @@
 With CUDA, the dense rows are page-locked where they were loaded (``cudaHostRegister``,
 no second copy of the table), so device copies are asynchronous DMA and an
 ``out`` tensor on the GPU is filled by a host gather into a pinned staging buffer and
-one non-blocking copy. Without CUDA there is nothing to pin for: the tier warns, reports
-``pinned: False`` in its stats, and behaves exactly as the memory tier.
+one non-blocking copy (the next read waits for that copy's event before it writes the
+staging buffer again; the caller's stream is never synchronized). Without CUDA there is
+nothing to pin for: the tier warns, reports ``pinned: False`` in its stats, and behaves
+exactly as the memory tier.
 """
 
 from __future__ import annotations
@@ -59,13 +61,19 @@ class PinnedTier(MemoryTier):
             super()._read(ids, out)
             return
         staging = getattr(self._staging, "buf", None)
+        copied = getattr(self._staging, "event", None)
+        if copied is not None:
+            copied.synchronize()  # the last copy out of this thread's staging buffer has finished
         if staging is None or staging.shape[0] < len(ids):
             staging = torch.empty((max(len(ids), 1024), self.row_bytes), dtype=torch.uint8, pin_memory=True)
             self._staging.buf = staging
         rows = staging[: len(ids)]  # [n, row_bytes] pinned
         move_rows(self._rows, ids, rows, None)
+        stream = torch.cuda.current_stream(out.device)
         out.copy_(rows, non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()  # staging is reused next call
+        event = torch.cuda.Event()
+        event.record(stream)  # waited on before the buffer is written again, not the whole stream now
+        self._staging.event = event
         self._count(bytes_read=len(ids) * self.row_bytes)
 
     def stats(self) -> dict:
