@@ -29,6 +29,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import resource
 import signal
 import socket
 import stat
@@ -145,9 +146,7 @@ class RowServer:
     def _refuse_without_descriptors(self) -> None:
         """``accept`` failed for want of file descriptors: give up the spare one to accept the
         waiting connection and refuse it (a busy loop otherwise: it stays in the backlog)."""
-        limit = _descriptor_limit()
-        why = (f"the row server is out of file descriptors (ulimit -n {limit}, {self.max_connections} connections "
-               "allowed): close idle clients, or raise its limit")
+        why = self._out_of_descriptors()
         if self._spare < 0:
             time.sleep(0.05)
         else:
@@ -163,6 +162,10 @@ class RowServer:
             self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._spare = -1
+
+    def _out_of_descriptors(self) -> str:
+        return (f"the row server is out of file descriptors (ulimit -n {_descriptor_limit()}, "
+                f"{self.max_connections} connections allowed): close idle clients, or raise its limit")
 
     def _log(self, line: str) -> None:
         """One line on stderr, for the first ``_LOG_LINES`` events and then one in 1,000."""
@@ -202,9 +205,12 @@ class RowServer:
                 os.ftruncate(fd, nbytes)
                 buffer = mmap.mmap(fd, nbytes)
             except OSError as exc:
-                conn.send(p.encode(p.ERROR, payload={"type": "TierError", "message": (
-                    f"the row server cannot make this connection's {nbytes / 2**20:.0f} MiB buffer ({exc.strerror}): "
-                    "close idle clients, or start it with fewer max_rows")}))
+                why = (self._out_of_descriptors() if exc.errno in (errno.EMFILE, errno.ENFILE) else
+                       f"the row server cannot make this connection's {nbytes / 2**20:.0f} MiB buffer "
+                       f"({exc.strerror}): close idle clients, or start it with fewer max_rows")
+                conn.send(p.encode(p.ERROR, payload={"type": "TierError", "message": why}))
+                with self._state:
+                    self._refused += 1
                 self._log(f"no buffer for a connection: {exc}")
                 return
             ids_view = np.frombuffer(buffer, np.int64, count=self.max_rows)  # [max_rows]
@@ -356,8 +362,6 @@ def _remove_stale_socket(socket_path: Path) -> None:
 
 
 def _descriptor_limit() -> int:
-    import resource
-
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
