@@ -257,7 +257,7 @@ def test_a_server_out_of_file_descriptors_refuses_and_goes_on(table, socket_dir)
         resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (in_use, limits[1]))  # accept() fails: EMFILE
         for _ in range(3):
             with pytest.raises(TierError, match=f"out of file descriptors \\(ulimit -n {in_use}"):
-                RowClient(sock, timeout_s=10)
+                RowClient(sock)
         assert server.poll() is None
         resource.prlimit(server.pid, resource.RLIMIT_NOFILE, limits)
         with RowClient(sock) as client:
