@@ -229,40 +229,49 @@ def test_a_transient_bad_row_is_read_again_and_served(tables, fresh_pool):
         assert stats["checksum_rereads"] == 1 and stats.get("checksum_failures", 0) == 0
 
 
-def as_layout_version_1(url: str, path) -> None:
-    """Rewrite a published table as pool layout version 1 wrote it: bare rows, no checksums."""
+def as_old_layout(url: str, path, version: int) -> None:
+    """Rewrite a published table as an older pool layout wrote it: version 1 bare rows, version 2
+    each row followed by the checksum of its bytes alone."""
     import json
+
+    from engram_offload.table.pagesum import row_sums
 
     playout = PoolLayout(read_header(path), EXTENT_ROWS)
     rb = playout.header.layout.row_bytes
     with PoolClient(url) as client:
         for key in playout.keys:
-            rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride)
-            client.call("SET", key, rows[:, :rb].tobytes())
+            rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride).copy()
+            if version == 1:
+                client.call("SET", key, rows[:, :rb].tobytes())
+            else:
+                rows[:, rb:] = row_sums(rows, rb, playout.stride).astype("<u4").view(np.uint8).reshape(-1, 4)
+                client.call("SET", key, rows.tobytes())
         record = json.loads(client.call("GET", playout.header_key))
-        record["pool_layout"] = 1
-        del record["row_checksum"]
+        record["pool_layout"] = version
+        if version == 1:
+            del record["row_checksum"]
         client.call("SET", playout.header_key, json.dumps(record, sort_keys=True).encode())
 
 
-def test_a_pool_of_the_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys):
+@pytest.mark.parametrize("version, why", [(1, "rows without checksums"), (2, "row checksums not bound")])
+def test_a_pool_of_an_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys, version, why):
     pool = fresh_pool(1)
     path, expected = tables[("fp16", 48)]
     header = read_header(path)
     fp = fingerprint(header)
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    as_layout_version_1(pool.url, path)
+    as_old_layout(pool.url, path, version)
     for opening in (lambda: RemoteTier(header, pool=pool.url), lambda: open_pool_table(f"{pool.url}/{fp}")):
-        with pytest.raises(PoolLayoutError, match="pool layout version 1 .*rows without checksums.*publish the "
-                           "table again"):
+        with pytest.raises(PoolLayoutError, match=f"pool layout version {version} .*{why}.*re-publish with "
+                           "engram-offload pool publish"):
             opening()
     [status] = pool_status(pool.url)["tables"]
-    assert status["pool_layout"] == 1 and not status["complete"] and "publish the table again" in status["problems"][0]
+    assert status["pool_layout"] == version and not status["complete"] and "re-publish" in status["problems"][0]
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
-    assert "pool layout v1, INCOMPLETE: " in capsys.readouterr().out
+    assert f"pool layout v{version}, INCOMPLETE: " in capsys.readouterr().out
     result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert result["sent"] == result["extents"]  # every old extent replaced
-    assert pool_status(pool.url)["tables"][0]["pool_layout"] == 2
+    assert pool_status(pool.url)["tables"][0]["pool_layout"] == 3
     with RemoteTier(header, pool=pool.url) as remote:
         assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)
 
@@ -353,7 +362,7 @@ def test_cli_publish_status_drop(tables, fresh_pool, capsys):
     assert f"table {fp} is in the pool" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
     out = capsys.readouterr().out
-    assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v2, complete")
+    assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v3, complete")
     assert pool_cli(["pool", "drop", fp, "--redis", pool.url]) == 0
     assert "keys deleted" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0

@@ -88,9 +88,11 @@ def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tu
     """(extent index, its bytes) in order; the bytes are valid until the next item."""
     sizes = (playout.counts * playout.stride).tolist()
     buf = np.empty(max(sizes), np.uint8)
-    extent, filled = 0, 0
+    extent, filled, first_row = 0, 0, 0
     for rows in _dense_chunks(playout.header, advance):
-        flat, pos = rows_with_sums(rows).reshape(-1), 0
+        ids = np.arange(first_row, first_row + len(rows))
+        first_row += len(rows)
+        flat, pos = rows_with_sums(rows, playout.fingerprint, ids).reshape(-1), 0
         while pos < len(flat):
             take = min(sizes[extent] - filled, len(flat) - pos)
             buf[filled: filled + take] = flat[pos: pos + take]

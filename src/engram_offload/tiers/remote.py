@@ -32,10 +32,9 @@ import torch
 
 from ..errors import TierError
 from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
-from ..pool.layout import PoolLayout, fingerprint, rows_with_sums
+from ..pool.layout import PoolLayout, bad_rows, fingerprint, rows_with_sums
 from ..pool.publish import check_complete, read_pool_table
 from ..table.format import TableHeader, read_header
-from ..table.pagesum import bad_row_sums
 from .base import Tier
 
 __all__ = ["RemoteTier", "open_pool_table"]
@@ -231,7 +230,7 @@ class RemoteTier(Tier):
         data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
         in_order = order is None and len(data) == len(uniq) * stride  # data row i holds uniq[i]
         wanted = None if in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
-        bad = bad_row_sums(data, self.row_bytes, stride)
+        bad = bad_rows(data, self.row_bytes, stride, self.fingerprint, uniq if in_order else self._data_row_ids(runs))
         if bad.size and wanted is not None and len(wanted) * stride != len(data):
             bad = bad[np.isin(bad, wanted)]  # rows between merged ones were not asked for
         if bad.size:
@@ -268,6 +267,13 @@ class RemoteTier(Tier):
         if run_of is None:
             return runs.pos // self.stride
         return runs.pos[run_of] // self.stride + (q - runs.q0[run_of])
+
+    def _data_row_ids(self, runs: "_Runs") -> np.ndarray:
+        """The table row id of every data row of ``runs`` (int64 ``[data rows]``)."""
+        ids, slots = runs.row_ids(self._starts, np.arange(len(runs.ext)))
+        row_of = np.empty_like(ids)
+        row_of[slots] = ids
+        return row_of
 
     def _copy_rows(self, data: np.ndarray, index: np.ndarray | None, out: torch.Tensor) -> None:
         """``out[i]`` = the row of data row ``index[i]`` (None: data row ``i``), without its
@@ -412,10 +418,7 @@ class RemoteTier(Tier):
     def _reread(self, bad: np.ndarray, runs: "_Runs", data: np.ndarray) -> np.ndarray:
         """``data`` with its rows at positions ``bad`` (their checksums failed) read once
         more; rows failing again come from the fallback tier, or raise ``TierError``."""
-        ids, slots = runs.row_ids(self._starts, np.arange(len(runs.ext)))
-        row_of = np.empty_like(ids)
-        row_of[slots] = ids  # the table row of every data row
-        ids = row_of[bad]
+        ids = self._data_row_ids(runs)[bad]
         order = np.argsort(ids)
         ids, bad = ids[order], bad[order]
         self._count(checksum_rereads=len(ids))
@@ -429,7 +432,7 @@ class RemoteTier(Tier):
         got = got.reshape(-1, self.stride)[again.pos // self.stride]  # [bad rows, stride] in ``ids`` order
         data = data if data.flags.writeable else data.copy()
         data.reshape(-1, self.stride)[bad] = got
-        still = bad_row_sums(got, self.row_bytes, self.stride)
+        still = bad_rows(got, self.row_bytes, self.stride, self.fingerprint, ids)
         if still.size:
             self._count(checksum_failures=len(still))
             first = int(still[0])
@@ -446,7 +449,7 @@ class RemoteTier(Tier):
             raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
                             "and no fallback tier is configured")
         got = self._fallback.read_rows(ids, torch.empty((len(ids), self.row_bytes), dtype=torch.uint8)).numpy()
-        data.reshape(-1, self.stride)[slots] = rows_with_sums(got)
+        data.reshape(-1, self.stride)[slots] = rows_with_sums(got, self.fingerprint, ids)
         self._count(fallback_rows=len(ids), fallback_requests=1)
 
     # -- bookkeeping --------------------------------------------------------------------
