@@ -467,3 +467,84 @@ def test_open_table_serves_the_pool_by_file_or_by_url_behind_a_cache(tables, red
             assert by_file.stats()["levels"][0]["hits"] > 0
     with pytest.raises(ValueError, match="tier='remote'"):
         open_table(f"{redis_single.url}/{fp}", "mmap")
+
+
+# ---------------------------------------------------------------------- rows out of place (pool layout 3)
+def test_a_row_copied_over_another_with_its_checksum_is_caught(tables, fresh_pool):
+    """A row and its checksum written over another row of its extent: its checksum holds for
+    its own id only, so the read raises or comes from the fallback, and open finds the extent
+    no longer matching its manifest digest."""
+    pool = fresh_pool(1)
+    path, expected = tables[("int8", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    options = dict(pool=pool.url, retries=0, verify_extents="none")
+    with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
+        playout, stride = bare.pool_layout, bare.stride
+        key, first = playout.keys[2], int(playout.starts[2])
+        with PoolClient(pool.url) as client:
+            moved = client.call("GETRANGE", key, 3 * stride, 4 * stride - 1)
+            client.call("SETRANGE", key, 7 * stride, moved)
+        with pytest.raises(TierError, match=f"row {first + 7} of extent {key} failed its checksum"):
+            read(bare, [first + 7])
+        assert np.array_equal(read(guarded, [first + 3, first + 7]), expected[[first + 3, first + 7]])
+        assert guarded.stats()["fallback_rows"] == 1
+    with pytest.raises(PoolError, match=f"altered after it was published: extent {key} does not match its manifest"):
+        RemoteTier(header, pool=pool.url, verify_extents="all")
+
+
+def test_an_extent_swapped_for_another_of_the_same_length_is_caught(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    options = dict(pool=pool.url, retries=0, verify_extents="none")
+    with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
+        playout = bare.pool_layout
+        assert playout.counts[0] == playout.counts[1]
+        with PoolClient(pool.url) as client:
+            client.call("SET", playout.keys[0], client.call("GET", playout.keys[1]))
+        ids = np.arange(int(playout.counts[0]))  # every row of extent 0
+        with pytest.raises(TierError, match=f"extent {playout.keys[0]} failed its checksum"):
+            read(bare, ids)
+        assert np.array_equal(read(guarded, ids), expected[ids])
+        assert guarded.stats()["fallback_rows"] == ids.size
+    with pytest.raises(PoolError, match=f"extent {playout.keys[0]} does not match its manifest digest"):
+        RemoteTier(header, pool=pool.url, verify_extents="all")
+
+
+# ---------------------------------------------------------------------- a stopped node: the circuit breaker
+def test_a_stopped_node_is_marked_down_and_reads_go_to_the_fallback_at_once(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    node = pool.nodes[0].process
+    options = dict(pool=pool.url, retries=2, timeout_s=0.5, retry_backoff_s=0.01, verify_extents="none")
+    with RemoteTier(header, fallback=path, down_s=600, **options) as guarded, \
+            RemoteTier(header, down_s=600, **options) as bare, \
+            RemoteTier(header, fallback=path, down_s=0.2, **options) as brief:
+        node.send_signal(signal.SIGSTOP)
+        try:
+            for seed in range(5):
+                ids = np.random.default_rng(seed).integers(0, header.layout.num_rows, 50)
+                assert np.array_equal(read(guarded, ids), expected[ids])
+            stats = guarded.stats()
+            assert stats["timeouts"] == 1 and stats.get("retries", 0) == 0  # one wait, then none
+            assert stats["down_skips"] == 4 and stats["fallback_requests"] == 5
+            with pytest.raises(TierError, match="no reply .timed out after 0.5 s.*without a retry"):
+                read(bare, [1])
+            with pytest.raises(TierError, match="marked down for 600 s after it timed out"):
+                read(bare, [2])
+            assert bare.stats()["timeouts"] == 1
+            assert np.array_equal(read(brief, [3]), expected[[3]])
+        finally:
+            node.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30  # once its mark ends, a read tries the node again
+        while time.monotonic() < deadline:
+            before = brief.stats()["fallback_requests"]
+            assert np.array_equal(read(brief, [5, 6]), expected[[5, 6]])
+            if brief.stats()["fallback_requests"] == before:
+                break
+            time.sleep(0.05)
+        assert brief.stats()["fallback_requests"] == before

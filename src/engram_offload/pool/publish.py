@@ -36,7 +36,8 @@ from .layout import (
     stored_layout_version,
 )
 
-__all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete"]
+__all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete",
+           "check_extent_digests"]
 
 READ_CHUNK_BYTES = 32 << 20
 
@@ -116,7 +117,7 @@ def _lengths(client: PoolClient, playout: PoolLayout) -> np.ndarray:
 
 
 def _complete_record(playout: PoolLayout, manifest: dict[str, str]) -> bytes:
-    digests = "\n".join(manifest[str(e)] for e in range(playout.num_extents))
+    digests = "\n".join(manifest.get(str(e), "") for e in range(playout.num_extents))
     return json.dumps({
         "fingerprint": playout.fingerprint,
         "extents": playout.num_extents,
@@ -142,6 +143,18 @@ def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
     wrong = np.flatnonzero(lengths != expected)
     return [f"extent {playout.keys[int(e)]} holds {int(lengths[e]):,} bytes, expected {int(expected[e]):,}"
             for e in wrong[:5]] + ([f"... and {len(wrong) - 5} more extents"] if len(wrong) > 5 else [])
+
+
+def check_extent_digests(client: PoolClient, playout: PoolLayout, extents: Sequence[int]) -> list[str]:
+    """The ``extents`` whose bytes in the pool differ from their manifest digest (empty when
+    all match): each is read whole and hashed here."""
+    manifest = _hgetall(client, playout.manifest_key)
+    problems = []
+    for extent in extents:
+        value = client.call("GET", playout.keys[extent])
+        if value is None or xxhash.xxh3_64_hexdigest(value) != manifest.get(str(extent)):
+            problems.append(f"extent {playout.keys[extent]} does not match its manifest digest")
+    return problems
 
 
 def publish_table(
