@@ -437,7 +437,8 @@ def test_a_hung_node_times_out_within_the_bound(tables, fresh_pool):
     pool = fresh_pool(1)
     path, expected = tables[("fp16", 48)]
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0) as remote:
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0,
+                    down_s=0) as remote:  # no mark: the read right after SIGCONT tries the node
         process = pool.nodes[0].process
         process.send_signal(signal.SIGSTOP)
         try:
@@ -478,7 +479,7 @@ def test_a_row_copied_over_another_with_its_checksum_is_caught(tables, fresh_poo
     path, expected = tables[("int8", 64)]
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     header = read_header(path)
-    options = dict(pool=pool.url, retries=0, verify_extents="none")
+    options = dict(pool=pool.url, retries=0)
     with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
         playout, stride = bare.pool_layout, bare.stride
         key, first = playout.keys[2], int(playout.starts[2])
@@ -498,7 +499,7 @@ def test_an_extent_swapped_for_another_of_the_same_length_is_caught(tables, fres
     path, expected = tables[("fp8_e4m3_ue8m0", 64)]
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     header = read_header(path)
-    options = dict(pool=pool.url, retries=0, verify_extents="none")
+    options = dict(pool=pool.url, retries=0)
     with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
         playout = bare.pool_layout
         assert playout.counts[0] == playout.counts[1]
