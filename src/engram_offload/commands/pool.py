@@ -146,21 +146,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_password(path: Path) -> str:
+    """The password in ``path``, a file of this uid that no other uid may read."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} must be a file of yours that no other user may read (chmod 600 {path})")
+        password = f.read().strip()
+    if not password or any(c.isspace() for c in password):
+        raise ValueError(f"{path} holds no password (one word on one line): remove it to have one generated")
+    return password
+
+
 def _serve_password(path: Path) -> str:
     """The password in ``path`` (a file of this uid, not readable by others), or a new one
     written there with mode 0600 when it does not exist."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd) as f:
-            info = os.fstat(f.fileno())
-            if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"{path} must be a file of yours that no other user may read (chmod 600 {path})")
-            password = f.read().strip()
-        if not password or any(c.isspace() for c in password):
-            raise ValueError(f"{path} holds no password (one word on one line): remove it to have one generated")
-        return password
+        return _read_password(path)
     password = secrets.token_urlsafe(24)
     with os.fdopen(fd, "w") as f:
         f.write(password + "\n")

@@ -78,7 +78,9 @@ def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str
     addresses, fingerprint or None, credentials or None). Without a password in the URL,
     ``$ENGRAM_OFFLOAD_POOL_PASSWORD`` is used when set. Messages never show a password."""
     text = url if isinstance(url, str) else ",".join(url)
-    seeds, fp, auth = [], None, None
+    seeds: list[tuple[str, int]] = []
+    fp: str | None = None
+    auth: Auth | None = None
     for i, part in enumerate(text.split(",")):
         part = part.strip()
         if not part:
