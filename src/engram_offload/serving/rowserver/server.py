@@ -30,6 +30,7 @@ import itertools
 import mmap
 import os
 import resource
+import select
 import signal
 import socket
 import stat
@@ -100,12 +101,14 @@ class RowServer:
             except OSError as exc:
                 if self._closed.is_set():
                     return
-                if exc.errno in _OUT_OF_DESCRIPTORS:
-                    self._refuse_without_descriptors()
+                if exc.errno not in _OUT_OF_DESCRIPTORS:
+                    if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                        continue
+                    raise
+                accepted = self._accept_short_of_descriptors()
+                if accepted is None:
                     continue
-                if exc.errno in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
-                    continue
-                raise
+                conn = accepted
             why = self._why_refused(conn)
             if why is not None:
                 self._refuse(conn, why)
@@ -143,25 +146,47 @@ class RowServer:
         finally:
             conn.close()
 
-    def _refuse_without_descriptors(self) -> None:
-        """``accept`` failed for want of file descriptors: give up the spare one to accept the
-        waiting connection and refuse it (a busy loop otherwise: it stays in the backlog)."""
-        why = self._out_of_descriptors()
+    def _accept_short_of_descriptors(self) -> socket.socket | None:
+        """``accept`` failed for want of a file descriptor (it fails at once then, connection
+        or not). Once a connection waits: accept it if a descriptor was freed meanwhile (the
+        caller serves it), else give up the spare descriptor to accept it and refuse it (it
+        would wait in the backlog with no answer)."""
         if self._spare < 0:
-            time.sleep(0.05)
-        else:
+            try:
+                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                time.sleep(0.05)  # not even one: wait for a connection to close
+                return None
+        ready, _, _ = select.select([self._listener], [], [], 0.5)
+        if not ready or self._closed.is_set():
+            return None
+        conn = None
+        self._listener.setblocking(False)
+        try:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_DESCRIPTORS:
+                    return None  # gone meanwhile
+            else:
+                conn.setblocking(True)
+                return conn
             os.close(self._spare)
             self._spare = -1
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                time.sleep(0.05)  # not even one: wait for a connection to close
-            else:
-                self._refuse(conn, why)
+                conn = None
+        finally:
+            self._listener.setblocking(True)
+        if conn is not None:
+            conn.setblocking(True)
+            self._refuse(conn, self._out_of_descriptors())
         try:
             self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._spare = -1
+        return None
 
     def _out_of_descriptors(self) -> str:
         return (f"the row server is out of file descriptors (ulimit -n {_descriptor_limit()}, "
