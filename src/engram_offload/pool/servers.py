@@ -81,7 +81,10 @@ def free_port_base(nodes: int, low: int = 10000, high: int = 65535, rng: random.
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server could bind ``port`` on 127.0.0.1 now (as redis-server does, with
+    ``SO_REUSEADDR``: connections of a server just stopped do not hold it)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
