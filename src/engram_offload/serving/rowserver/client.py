@@ -41,6 +41,7 @@ from ...engram.config import EngramConfig
 from ...engram.rows import decode_rows
 from ...errors import ChecksumError, EngramError, TableFormatError, TierError
 from ...table.format import TableHeader, read_header
+from ...table.pagesum import page_sums
 from ...tiers import as_row_ids
 from ...tiers.mmap import MmapTier
 from ..dedup import dedup
@@ -157,12 +158,12 @@ class RowClient:
         self.closed = False
         self.verify = verify if header is not None else "none"
         self._rng = np.random.default_rng()
-        self._file: MmapTier | None = None
+        self._file: _FileRows | None = None
         self.rows_verified = 0
         if self.verify != "none":
             assert header is not None
             try:
-                self._file = _checked_reader(header)
+                self._file = _FileRows(header)
                 probe = np.unique(self._rng.integers(0, self._num_rows, VERIFY_AT_CONNECT))
                 self._fetch(probe, False, None)  # compared with the file in full
             except BaseException:
@@ -279,15 +280,14 @@ class RowClient:
             return
         pick = np.arange(ids.size)
         if self.verify == "sample" and ids.size > VERIFY_PER_FETCH and self.rows_verified >= VERIFY_AT_CONNECT:
-            pick = np.sort(self._rng.choice(ids.size, VERIFY_PER_FETCH, replace=False))
-        want = torch.empty((pick.size, self._rb), dtype=torch.uint8)
-        self._file.read_rows(ids[pick], want)
-        wrong = np.flatnonzero((want.numpy() != rows[pick]).any(axis=1))
+            pick = np.unique(self._rng.integers(0, ids.size, VERIFY_PER_FETCH))
+        want = self._file.rows(ids[pick])  # [k, row_bytes]
+        wrong = np.flatnonzero((want != rows[pick]).any(axis=1))
         self.rows_verified += int(pick.size)
         if wrong.size:
             row = int(ids[pick[wrong[0]]])
             raise TierError(f"the row server at {self.socket_path} sent row {row} different from "
-                            f"{self._file.header.path} ({wrong.size} of {pick.size} rows checked): it serves wrong "
+                            f"{self._file.path} ({wrong.size} of {pick.size} rows checked): it serves wrong "
                             "rows; stop it and start a server for this table")
 
     def _ask(self, message: bytes, what: str) -> tuple[int, int, Any]:
@@ -381,9 +381,42 @@ def _map_buffer(fd: int, hello: dict[str, Any], socket_path: str) -> mmap.mmap:
     return mmap.mmap(fd, nbytes)
 
 
-def _checked_reader(header: TableHeader) -> MmapTier:
-    """The table file read as the client's check: page checksums (format 2), else block checksums."""
-    return MmapTier(header, verify_reads=header.page_sums is None)
+class _FileRows:
+    """Rows read from the table file itself, checked against its page checksums (format 2:
+    one ``pread`` of each row's page), else through an ``mmap`` tier checking blocks."""
+
+    def __init__(self, header: TableHeader) -> None:
+        self.path = header.path
+        self._layout = header.layout
+        self._sums = header.page_sums
+        self._fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC) if self._sums is not None else -1
+        self._tier = MmapTier(header, verify_reads=True) if self._sums is None else None
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``uint8 [k, row_bytes]`` of ``ids``, each from a page that passed its checksum."""
+        layout = self._layout
+        if self._tier is not None:
+            out = torch.empty((ids.size, layout.row_bytes), dtype=torch.uint8)
+            return self._tier.read_rows(ids, out).numpy()
+        assert self._sums is not None
+        rpp, page_bytes, rb = layout.rows_per_page, layout.page_bytes, layout.row_bytes
+        out = np.empty((ids.size, rb), np.uint8)
+        for i, row in enumerate(ids.tolist()):
+            page = row // rpp
+            data = os.pread(self._fd, page_bytes, layout.data_offset + page * page_bytes)
+            if len(data) != page_bytes or int(page_sums(data, page_bytes)[0]) != int(self._sums[page]):
+                raise ChecksumError(f"{self.path}: data page {page} fails its checksum (or the file is short): "
+                                    "the table file is damaged; check it with engram-offload verify TABLE")
+            start = (row % rpp) * rb
+            out[i] = np.frombuffer(data, np.uint8, rb, start)
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tier is not None:
+            self._tier.close()
 
 
 def start_row_server(table: str | os.PathLike[str], socket_path: str | os.PathLike[str], *, tier: str = "direct",
