@@ -396,8 +396,8 @@ class _FileRows:
         """Rows ``uint8 [k, row_bytes]`` of ``ids``, each from a page that passed its checksum."""
         layout = self._layout
         if self._tier is not None:
-            out = torch.empty((ids.size, layout.row_bytes), dtype=torch.uint8)
-            return self._tier.read_rows(ids, out).numpy()
+            read = torch.empty((ids.size, layout.row_bytes), dtype=torch.uint8)
+            return self._tier.read_rows(ids, read).numpy()
         assert self._sums is not None
         rpp, page_bytes, rb = layout.rows_per_page, layout.page_bytes, layout.row_bytes
         out = np.empty((ids.size, rb), np.uint8)
