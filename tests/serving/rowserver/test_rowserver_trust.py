@@ -397,3 +397,18 @@ def test_rows_through_a_row_client_are_exact(table, socket_dir):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_version_1_table_is_verified_through_its_block_checksums(tmp_path, socket_dir):
+    config = tiny_config("int8", 64)
+    path = make_random_table(tmp_path / "v1.table", config, seed=4, block_size=16384, version=1)
+    expected = np.concatenate(list(random_rows(config, 4)))
+    server = start_row_server(path, socket_dir / "rows.sock")
+    try:
+        with RowClient(socket_dir / "rows.sock", table=path, verify="all") as client:
+            ids = np.arange(0, len(expected), 5)
+            assert np.array_equal(client.read_raw(ids).numpy(), expected[ids])
+            assert client.rows_verified >= ids.size
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
