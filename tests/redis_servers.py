@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from engram_offload.pool.servers import LocalPool, free_port_base, redis_server_missing, start_local_pool
+from engram_offload.pool.servers import LocalPool, redis_server_missing, start_local_pool
 
 
 def skip_without_redis() -> None:
@@ -26,7 +26,7 @@ def skip_without_redis() -> None:
 
 def start_pool(nodes: int, directory) -> LocalPool:
     skip_without_redis()
-    return start_local_pool(nodes, free_port_base(nodes), directory)
+    return start_local_pool(nodes, None, directory)  # free ports, retried when one is taken meanwhile
 
 
 @pytest.fixture(scope="module")

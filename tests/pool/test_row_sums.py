@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from engram_offload.pool.layout import ROW_SUM_BYTES, rows_with_sums
+from engram_offload.pool.layout import ROW_SUM_BYTES, bad_rows, row_keys, rows_with_sums
 from engram_offload.table import pagesum
 from engram_offload.table.pagesum import bad_row_sums, row_sums
 
@@ -28,16 +28,45 @@ def test_row_sums_are_the_low_half_of_xxh3_of_each_row(helper, row_bytes):
     assert row_sums(rows, row_bytes, row_bytes + 9).tolist() == want
 
 
-def test_bad_row_sums_finds_each_altered_row_or_sum(helper):
+def test_bad_rows_finds_each_altered_row_or_sum(helper):
     rows = np.random.default_rng(1).integers(0, 256, (300, 264), dtype=np.uint8)
-    packed = rows_with_sums(rows)
+    fp, ids = "5f3a09c2e1d4b7a8", np.arange(1000, 1300)
+    packed = rows_with_sums(rows, fp, ids)
     stride = 264 + ROW_SUM_BYTES
     assert packed.shape == (300, stride) and np.array_equal(packed[:, :264], rows)
-    assert bad_row_sums(packed, 264, stride).size == 0
+    assert bad_rows(packed, 264, stride, fp, ids).size == 0
     packed[0, 0] ^= 1  # a row byte
     packed[150, 263] ^= 0x80  # the row's last byte
     packed[299, 264 + 3] ^= 2  # a byte of the stored sum
-    assert bad_row_sums(packed, 264, stride).tolist() == [0, 150, 299]
+    assert bad_rows(packed, 264, stride, fp, ids).tolist() == [0, 150, 299]
+
+
+def test_a_row_holds_its_checksum_only_at_its_own_place_in_its_own_table(helper):
+    """The checksum binds the row id and the table: a row moved with its checksum, an extent
+    read as another of the same length, another table's rows under this table's key all fail."""
+    rows = np.random.default_rng(2).integers(0, 256, (200, 68), dtype=np.uint8)
+    fp, ids = "00000000000000ff", np.arange(200)
+    packed = rows_with_sums(rows, fp, ids)
+    assert bad_rows(packed, 68, 72, fp, ids).size == 0
+    moved = packed.copy()
+    moved[7] = packed[3]  # row 3 and its checksum written over row 7
+    assert bad_rows(moved, 68, 72, fp, ids).tolist() == [7]
+    assert bad_rows(packed, 68, 72, fp, ids + 200).size == 200  # the same bytes as another extent's rows
+    assert bad_rows(packed, 68, 72, "00000000000000fe", ids).size == 200  # as another table's
+    assert bad_rows(np.roll(packed, 1, axis=0), 68, 72, fp, ids).size == 200
+    assert np.unique(row_keys(fp, np.arange(1 << 16))).size > (1 << 16) - 5  # distinct keys
+
+
+def test_bad_row_sums_finds_each_altered_row_or_sum(helper):
+    rows = np.random.default_rng(1).integers(0, 256, (300, 264), dtype=np.uint8)
+    stride = 264 + ROW_SUM_BYTES
+    packed = np.empty((300, stride), np.uint8)
+    packed[:, :264] = rows
+    packed[:, 264:] = row_sums(rows, 264, 264).astype("<u4").view(np.uint8).reshape(300, 4)
+    assert bad_row_sums(packed, 264, stride).size == 0
+    packed[0, 0] ^= 1
+    packed[299, 264 + 3] ^= 2
+    assert bad_row_sums(packed, 264, stride).tolist() == [0, 299]
 
 
 def test_a_buffer_of_partial_rows_is_refused(helper):
@@ -45,3 +74,5 @@ def test_a_buffer_of_partial_rows_is_refused(helper):
         bad_row_sums(bytes(268 * 2 + 1), 264, 268)
     with pytest.raises(ValueError, match="and 4 bytes after it"):
         bad_row_sums(bytes(266 * 2), 264, 266)
+    with pytest.raises(ValueError, match="cannot hold a 264-byte row and its checksum"):
+        bad_rows(bytes(266 * 2), 264, 266, "00", np.arange(2))

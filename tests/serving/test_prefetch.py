@@ -562,7 +562,7 @@ def test_errors_name_the_step_the_layer_and_the_cause(table, hasher):
     with open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
         _gate_layers(store, gates)
         step = pf.begin_step([1], [[5, 6, 7]])
-        with pytest.raises(TimeoutError, match=r"^rows of layer 3 of step 1 not ready after 0\.05 s$"):
+        with pytest.raises(TimeoutError, match=r"^rows of layer 3 of step 1 not delivered after 0\.05 s: TableStore\(.*\) did not return them"):
             pf.rows(3, timeout=0.05)
         for gate in gates:
             gate.set()

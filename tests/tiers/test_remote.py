@@ -229,40 +229,49 @@ def test_a_transient_bad_row_is_read_again_and_served(tables, fresh_pool):
         assert stats["checksum_rereads"] == 1 and stats.get("checksum_failures", 0) == 0
 
 
-def as_layout_version_1(url: str, path) -> None:
-    """Rewrite a published table as pool layout version 1 wrote it: bare rows, no checksums."""
+def as_old_layout(url: str, path, version: int) -> None:
+    """Rewrite a published table as an older pool layout wrote it: version 1 bare rows, version 2
+    each row followed by the checksum of its bytes alone."""
     import json
+
+    from engram_offload.table.pagesum import row_sums
 
     playout = PoolLayout(read_header(path), EXTENT_ROWS)
     rb = playout.header.layout.row_bytes
     with PoolClient(url) as client:
         for key in playout.keys:
-            rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride)
-            client.call("SET", key, rows[:, :rb].tobytes())
+            rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride).copy()
+            if version == 1:
+                client.call("SET", key, rows[:, :rb].tobytes())
+            else:
+                rows[:, rb:] = row_sums(rows, rb, playout.stride).astype("<u4").view(np.uint8).reshape(-1, 4)
+                client.call("SET", key, rows.tobytes())
         record = json.loads(client.call("GET", playout.header_key))
-        record["pool_layout"] = 1
-        del record["row_checksum"]
+        record["pool_layout"] = version
+        if version == 1:
+            del record["row_checksum"]
         client.call("SET", playout.header_key, json.dumps(record, sort_keys=True).encode())
 
 
-def test_a_pool_of_the_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys):
+@pytest.mark.parametrize("version, why", [(1, "rows without checksums"), (2, "row checksums not bound")])
+def test_a_pool_of_an_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys, version, why):
     pool = fresh_pool(1)
     path, expected = tables[("fp16", 48)]
     header = read_header(path)
     fp = fingerprint(header)
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    as_layout_version_1(pool.url, path)
+    as_old_layout(pool.url, path, version)
     for opening in (lambda: RemoteTier(header, pool=pool.url), lambda: open_pool_table(f"{pool.url}/{fp}")):
-        with pytest.raises(PoolLayoutError, match="pool layout version 1 .*rows without checksums.*publish the "
-                           "table again"):
+        with pytest.raises(PoolLayoutError, match=f"pool layout version {version} .*{why}.*re-publish with "
+                           "engram-offload pool publish"):
             opening()
     [status] = pool_status(pool.url)["tables"]
-    assert status["pool_layout"] == 1 and not status["complete"] and "publish the table again" in status["problems"][0]
+    assert status["pool_layout"] == version and not status["complete"] and "re-publish" in status["problems"][0]
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
-    assert "pool layout v1, INCOMPLETE: " in capsys.readouterr().out
+    assert f"pool layout v{version}, INCOMPLETE: " in capsys.readouterr().out
     result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert result["sent"] == result["extents"]  # every old extent replaced
-    assert pool_status(pool.url)["tables"][0]["pool_layout"] == 2
+    assert pool_status(pool.url)["tables"][0]["pool_layout"] == 3
     with RemoteTier(header, pool=pool.url) as remote:
         assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)
 
@@ -353,7 +362,7 @@ def test_cli_publish_status_drop(tables, fresh_pool, capsys):
     assert f"table {fp} is in the pool" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
     out = capsys.readouterr().out
-    assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v2, complete")
+    assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v3, complete")
     assert pool_cli(["pool", "drop", fp, "--redis", pool.url]) == 0
     assert "keys deleted" in capsys.readouterr().out
     assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
@@ -428,7 +437,8 @@ def test_a_hung_node_times_out_within_the_bound(tables, fresh_pool):
     pool = fresh_pool(1)
     path, expected = tables[("fp16", 48)]
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0) as remote:
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, timeout_s=0.3, retry_backoff_s=0,
+                    down_s=0) as remote:  # no mark: the read right after SIGCONT tries the node
         process = pool.nodes[0].process
         process.send_signal(signal.SIGSTOP)
         try:
@@ -458,3 +468,84 @@ def test_open_table_serves_the_pool_by_file_or_by_url_behind_a_cache(tables, red
             assert by_file.stats()["levels"][0]["hits"] > 0
     with pytest.raises(ValueError, match="tier='remote'"):
         open_table(f"{redis_single.url}/{fp}", "mmap")
+
+
+# ---------------------------------------------------------------------- rows out of place (pool layout 3)
+def test_a_row_copied_over_another_with_its_checksum_is_caught(tables, fresh_pool):
+    """A row and its checksum written over another row of its extent: its checksum holds for
+    its own id only, so the read raises or comes from the fallback, and open finds the extent
+    no longer matching its manifest digest."""
+    pool = fresh_pool(1)
+    path, expected = tables[("int8", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    options = dict(pool=pool.url, retries=0)
+    with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
+        playout, stride = bare.pool_layout, bare.stride
+        key, first = playout.keys[2], int(playout.starts[2])
+        with PoolClient(pool.url) as client:
+            moved = client.call("GETRANGE", key, 3 * stride, 4 * stride - 1)
+            client.call("SETRANGE", key, 7 * stride, moved)
+        with pytest.raises(TierError, match=f"row {first + 7} of extent {key} failed its checksum"):
+            read(bare, [first + 7])
+        assert np.array_equal(read(guarded, [first + 3, first + 7]), expected[[first + 3, first + 7]])
+        assert guarded.stats()["fallback_rows"] == 1
+    with pytest.raises(PoolError, match=f"altered after it was published: extent {key} does not match its manifest"):
+        RemoteTier(header, pool=pool.url, verify_extents="all")
+
+
+def test_an_extent_swapped_for_another_of_the_same_length_is_caught(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    options = dict(pool=pool.url, retries=0)
+    with RemoteTier(header, **options) as bare, RemoteTier(header, fallback=path, **options) as guarded:
+        playout = bare.pool_layout
+        assert playout.counts[0] == playout.counts[1]
+        with PoolClient(pool.url) as client:
+            client.call("SET", playout.keys[0], client.call("GET", playout.keys[1]))
+        ids = np.arange(int(playout.counts[0]))  # every row of extent 0
+        with pytest.raises(TierError, match=f"extent {playout.keys[0]} failed its checksum"):
+            read(bare, ids)
+        assert np.array_equal(read(guarded, ids), expected[ids])
+        assert guarded.stats()["fallback_rows"] == ids.size
+    with pytest.raises(PoolError, match=f"extent {playout.keys[0]} does not match its manifest digest"):
+        RemoteTier(header, pool=pool.url, verify_extents="all")
+
+
+# ---------------------------------------------------------------------- a stopped node: the circuit breaker
+def test_a_stopped_node_is_marked_down_and_reads_go_to_the_fallback_at_once(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("fp8_e4m3_ue8m0", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    node = pool.nodes[0].process
+    options = dict(pool=pool.url, retries=2, timeout_s=0.5, retry_backoff_s=0.01, verify_extents="none")
+    with RemoteTier(header, fallback=path, down_s=600, **options) as guarded, \
+            RemoteTier(header, down_s=600, **options) as bare, \
+            RemoteTier(header, fallback=path, down_s=0.2, **options) as brief:
+        node.send_signal(signal.SIGSTOP)
+        try:
+            for seed in range(5):
+                ids = np.random.default_rng(seed).integers(0, header.layout.num_rows, 50)
+                assert np.array_equal(read(guarded, ids), expected[ids])
+            stats = guarded.stats()
+            assert stats["timeouts"] == 1 and stats.get("retries", 0) == 0  # one wait, then none
+            assert stats["down_skips"] == 4 and stats["fallback_requests"] == 5
+            with pytest.raises(TierError, match="no reply .timed out after 0.5 s.*without a retry"):
+                read(bare, [1])
+            with pytest.raises(TierError, match="marked down for 600 s after it timed out"):
+                read(bare, [2])
+            assert bare.stats()["timeouts"] == 1
+            assert np.array_equal(read(brief, [3]), expected[[3]])
+        finally:
+            node.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30  # once its mark ends, a read tries the node again
+        while time.monotonic() < deadline:
+            before = brief.stats()["fallback_requests"]
+            assert np.array_equal(read(brief, [5, 6]), expected[[5, 6]])
+            if brief.stats()["fallback_requests"] == before:
+                break
+            time.sleep(0.05)
+        assert brief.stats()["fallback_requests"] == before

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from ..pool.layout import fingerprint
 from ..pool.publish import drop_table, publish_table
-from ..pool.servers import free_port_base, start_local_pool
+from ..pool.servers import start_local_pool
 from ..table.format import read_header
 
 __all__ = ["bench_pool", "publish"]
@@ -27,7 +27,7 @@ def bench_pool(url: str | None, nodes: int = 1) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    pool = start_local_pool(nodes, free_port_base(nodes))
+    pool = start_local_pool(nodes, None)
     try:
         yield pool.url
     finally:

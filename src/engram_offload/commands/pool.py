@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import signal
+import stat
 import threading
+from pathlib import Path
 
 DEFAULT_URL = "redis://127.0.0.1:7001"
 
@@ -52,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--nodes", type=int, default=3, help="servers to start (default 3)")
     serve.add_argument("--port", type=int, default=7001, help="first port (default 7001)")
     serve.add_argument("--dir", help="working folder for the servers' logs (default: a temporary one)")
+    serve.add_argument("--requirepass", metavar="FILE",
+                       help="require a password: read from FILE (yours, mode 0600), or generated and written "
+                       "there 0600 when FILE does not exist; clients give it in the URL or in "
+                       "$ENGRAM_OFFLOAD_POOL_PASSWORD. Without it any local user may rewrite the pool")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -61,6 +69,7 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from ..pool.client import redact
     from ..pool.publish import publish_table
 
     result = publish_table(args.table, args.redis, extent_rows=args.extent_rows,
@@ -68,11 +77,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    url = redact(args.redis)
     print(f"table {result['fingerprint']} is in the pool ({result['nodes']} node(s)): "
           f"{result['extents']:,} extents, {result['sent']:,} sent ({result['bytes_sent'] / 2**20:,.1f} MiB), "
           f"{result['skipped']:,} already there")
-    print(f"open it with tier='remote', pool='{args.redis}', or without the file as "
-          f"{args.redis}/{result['fingerprint']}")
+    print(f"open it with tier='remote', pool='{url}', or without the file as {url}/{result['fingerprint']}")
     return 0
 
 
@@ -91,6 +100,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no tables")
     for t in status["tables"]:
         state = "complete" if t["complete"] else "INCOMPLETE: " + "; ".join(t["problems"])
+        if "rows" not in t:  # not readable as a table
+            print(f"table {t['fingerprint']}: {state}")
+            continue
         print(f"table {t['fingerprint']}: {t['rows']:,} rows of {t['row_bytes']} bytes ({t['row_format']}), "
               f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
               f"pool layout v{t['pool_layout']}, {state}")
@@ -109,17 +121,51 @@ def cmd_drop(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..pool.servers import start_local_pool
 
+    password = _serve_password(Path(args.requirepass)) if args.requirepass else None
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        with start_local_pool(args.nodes, args.port, args.dir) as pool:
+    handled = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal stops the servers too
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
+    try:  # the servers die with this process, even when it is killed (PR_SET_PDEATHSIG)
+        with start_local_pool(args.nodes, args.port, args.dir, password=password, die_with_parent=True) as pool:
             kind = "a Redis Cluster" if pool.cluster else "one Redis server"
             print(f"serving {kind} on {pool.url} (no persistence, 127.0.0.1 only); Ctrl-C stops it", flush=True)
+            if password:
+                print(f"  password required: it is in {args.requirepass}; give it as redis://:PASSWORD@... or in "
+                      "$ENGRAM_OFFLOAD_POOL_PASSWORD", flush=True)
+            else:
+                print("  no password: any local user may read and rewrite the pool (--requirepass FILE sets one)",
+                      flush=True)
             print(f"  engram-offload pool publish TABLE --redis {pool.url}", flush=True)
             try:
                 stop.wait()
             except KeyboardInterrupt:
                 pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _read_password(path: Path) -> str:
+    """The password in ``path``, a file of this uid that no other uid may read."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} must be a file of yours that no other user may read (chmod 600 {path})")
+        password = f.read().strip()
+    if not password or any(c.isspace() for c in password):
+        raise ValueError(f"{path} holds no password (one word on one line): remove it to have one generated")
+    return password
+
+
+def _serve_password(path: Path) -> str:
+    """The password in ``path`` (a file of this uid, not readable by others), or a new one
+    written there with mode 0600 when it does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return _read_password(path)
+    password = secrets.token_urlsafe(24)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password

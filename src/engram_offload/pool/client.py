@@ -8,7 +8,7 @@ pipeline and follows ``MOVED`` by re-reading the slot map. The remote tier uses
 
 from __future__ import annotations
 
-import re
+import os
 import socket
 import threading
 from typing import Iterable, Sequence
@@ -23,6 +23,7 @@ __all__ = ["PoolError", "NodeConnection", "PoolClient", "encode_command", "parse
 
 NUM_SLOTS = 16384
 RECV_BYTES = 1 << 20
+PASSWORD_ENV = "ENGRAM_OFFLOAD_POOL_PASSWORD"  # the password when the URL has none (kept off command lines)
 
 
 class PoolError(TierError):
@@ -74,39 +75,58 @@ Auth = tuple[str | None, str]  # (ACL user or None, password)
 
 def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str | None, Auth | None]:
     """``redis://[[user]:password@]host:port[,host:port...][/FINGERPRINT]`` -> (seed
-    addresses, fingerprint or None, credentials or None)."""
+    addresses, fingerprint or None, credentials or None). Without a password in the URL,
+    ``$ENGRAM_OFFLOAD_POOL_PASSWORD`` is used when set. Messages never show a password."""
     text = url if isinstance(url, str) else ",".join(url)
-    seeds, fp, auth = [], None, None
-    for part in text.split(","):
+    seeds: list[tuple[str, int]] = []
+    fp: str | None = None
+    auth: Auth | None = None
+    for i, part in enumerate(text.split(",")):
         part = part.strip()
         if not part:
             continue
+        shown = redact(part)
         if "://" not in part:
+            if not seeds and i == 0:
+                raise ValueError(f"pool address {shown!r} lacks its scheme: use redis://{shown}")
             part = "redis://" + part
         split = urlsplit(part)
         if split.scheme != "redis":
-            raise ValueError(f"pool address {part!r} is not a redis:// URL (redis://host:port[,host:port...])")
-        try:
-            host, port = split.hostname, split.port
-        except ValueError:
-            host, port = None, None
-        if not host or not port:
-            raise ValueError(f"pool address {part!r} lacks a host and port: use redis://host:port")
-        seeds.append((host, port))
+            raise ValueError(f"pool address {shown!r} is not a redis:// URL (redis://host:port[,host:port...])")
+        host = split.hostname
+        port_text = split.netloc.rsplit("@", 1)[-1].rpartition(":")[2] if ":" in split.netloc.rsplit("@", 1)[-1] else ""
+        if not host or not port_text:
+            raise ValueError(f"pool address {shown!r} lacks a host and port: use redis://host:port")
+        if not port_text.isdigit():
+            raise ValueError(f"pool address {shown!r} lacks a port number: use redis://host:port (a password "
+                             "with '/', '@' or ':' is written percent-encoded)")
+        if not 1 <= int(port_text) <= 65535:
+            raise ValueError(f"pool address {shown!r}: port {int(port_text)} is out of range (1-65535)")
+        seeds.append((host, int(port_text)))
         if split.password is not None:
             auth = (split.username or None, split.password)
         path = split.path.strip("/")
         if path:
             fp = path
     if not seeds:
-        raise ValueError(f"no pool address in {text!r}: use redis://host:port[,host:port...]")
+        raise ValueError(f"no pool address in {redact(text)!r}: use redis://host:port[,host:port...]")
+    if auth is None and os.environ.get(PASSWORD_ENV):
+        auth = (None, os.environ[PASSWORD_ENV])
     return seeds, fp, auth
 
 
 def redact(url: str | Sequence[str]) -> str:
     """``url`` with any password replaced by ``***`` (for messages)."""
     text = url if isinstance(url, str) else ",".join(url)
-    return re.sub(r"(://[^:/@,]*:)[^@]*@", r"\1***@", text)
+    return ",".join(_redact_part(part) for part in text.split(","))
+
+
+def _redact_part(part: str) -> str:
+    scheme, sep, rest = part.rpartition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return part
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
 
 
 class NodeConnection:
@@ -140,8 +160,15 @@ class NodeConnection:
         """
         reader, recv = self._reader, self.sock.recv_into
         reader.feed(b"*%d\r\n" % n)
+        got = 0
         while True:
-            replies = reader.gets()
+            try:
+                replies = reader.gets()
+            except _import_hiredis().ProtocolError:
+                self._reader = _import_hiredis().Reader()  # its state is lost; the caller drops the socket
+                sent = bytes(self._view[: min(got, 40)])
+                raise ConnectionError(f"{self.address} does not speak the Redis protocol (it sent {sent!r}): "
+                                      "is that port a Redis server's?") from None
             if replies is not False:
                 return replies
             got = recv(self._buf)

@@ -3,10 +3,13 @@
 Rows are cut along the table's natural extents: per layer, per (order, head) in the
 order of ``EngramConfig.head_sizes``, each head's rows are split into extents of at most
 ``extent_rows`` rows. One string key per extent holds its rows back to back, each row in
-the table's packed row format followed by its checksum (the low 32 bits of XXH3-64 of
-the row, little-endian: ``ROW_SUM_BYTES``), so row ``r`` of an extent starting at row
-``s`` lies at byte ``(r - s) * stride`` with ``stride = row_bytes + 4``, and one
-``GETRANGE`` reads a row with its checksum::
+the table's packed row format followed by its checksum (``ROW_SUM_BYTES``, little-endian:
+the low 32 bits of XXH3-64 of the row, XOR a 32-bit key of the table's fingerprint and
+the row's id, ``row_keys``), so row ``r`` of an extent starting at row ``s`` lies at byte
+``(r - s) * stride`` with ``stride = row_bytes + 4``, and one ``GETRANGE`` reads a row
+with its checksum. The key binds a row to its place: a row copied (with its checksum)
+over another, an extent's value swapped for another's, or another table's extent under
+this table's key fails the check, not only a changed byte::
 
     <fp>:engram:l<L>:h<H>:e<k>      extent k of head H (order * n_heads + head) of layer L
     {<fp>}:engram:header            JSON: pool layout version, extent_rows, the table header
@@ -20,8 +23,9 @@ braces, so Redis Cluster hashes the whole key and spreads a table's extents over
 together in one slot. Every key of a table starts with its fingerprint, so dropping a
 table never touches another's.
 
-Pool layout versions: 1 held bare rows (no per-row checksums); 2 (this one) adds them.
-A pool of another version is refused with a request to publish the table again.
+Pool layout versions: 1 held bare rows (no per-row checksums); 2 added checksums of the
+rows' bytes alone; 3 (this one) binds them to the row id and the table's fingerprint. A
+pool of another version is refused with a request to publish the table again.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from ..table.pagesum import CHECKSUM_NAME, row_sums
 from .client import PoolError
 
 __all__ = ["POOL_LAYOUT_VERSION", "ROW_SUM_BYTES", "ROW_CHECKSUM", "DEFAULT_EXTENT_ROWS", "MAX_EXTENT_BYTES",
-           "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums"]
+           "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums", "row_keys",
+           "bad_rows"]
 
-POOL_LAYOUT_VERSION = 2
-ROW_SUM_BYTES = 4  # after every row: u32 little-endian, the low 32 bits of its XXH3-64
-ROW_CHECKSUM = CHECKSUM_NAME
+POOL_LAYOUT_VERSION = 3
+ROW_SUM_BYTES = 4  # after every row: u32 little-endian, its checksum XOR its key (row_keys)
+ROW_CHECKSUM = f"{CHECKSUM_NAME}^splitmix64(fingerprint,row)"
 DEFAULT_EXTENT_ROWS = 1 << 18
 MAX_EXTENT_BYTES = 512 << 20  # Redis's largest string
 
@@ -147,14 +152,44 @@ def meta_key(fp: str, what: str) -> str:
     return f"{{{fp}}}:engram:{what}"
 
 
-def rows_with_sums(rows: np.ndarray) -> np.ndarray:
-    """Rows ``[n, row_bytes]`` -> the pool's rows ``[n, row_bytes + 4]``: each row, then its checksum."""
+def row_keys(fp: str, ids: np.ndarray) -> np.ndarray:
+    """The 32-bit key of each row id of table ``fp`` (uint32 ``[n]``): the low half of
+    SplitMix64's finalizer of ``fingerprint ^ (id * golden ratio)``. Not a secret: it makes a
+    row's checksum hold only at its own place in its own table."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(ids, np.int64).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z ^= np.uint64(int(fp, 16))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def rows_with_sums(rows: np.ndarray, fp: str, ids: np.ndarray) -> np.ndarray:
+    """Rows ``[n, row_bytes]`` of table ``fp`` with ids ``ids [n]`` -> the pool's rows
+    ``[n, row_bytes + 4]``: each row, then its checksum bound to its id (``row_keys``)."""
     rows = np.ascontiguousarray(rows)
     n, rb = rows.shape
     packed = np.empty((n, rb + ROW_SUM_BYTES), np.uint8)
     packed[:, :rb] = rows
-    packed[:, rb:] = row_sums(rows, rb, rb).astype("<u4").view(np.uint8).reshape(n, ROW_SUM_BYTES)
+    sums = row_sums(rows, rb, rb) ^ row_keys(fp, ids)
+    packed[:, rb:] = sums.astype("<u4").view(np.uint8).reshape(n, ROW_SUM_BYTES)
     return packed
+
+
+def bad_rows(data, row_bytes: int, stride: int, fp: str, ids: np.ndarray) -> np.ndarray:
+    """Positions (int64 ``[bad]``) of the rows of ``data`` (each ``stride`` bytes: a row, then
+    its stored checksum) that fail their check as rows ``ids`` of table ``fp``: the bytes
+    changed, or the row (or its extent) is not where it belongs. Empty when all hold."""
+    view = memoryview(data).cast("B")
+    if stride < row_bytes + ROW_SUM_BYTES:
+        raise ValueError(f"a stride of {stride} bytes cannot hold a {row_bytes}-byte row and its checksum")
+    n = len(view) // stride
+    if len(ids) != n:
+        raise ValueError(f"{n} rows to check against {len(ids)} row ids")
+    sums = row_sums(view, row_bytes, stride)  # [n], in C (off the GIL) when built; validates the shape
+    stored = np.ndarray((n,), "<u4", view, row_bytes, (stride,))  # [n], unaligned view of the stored sums
+    return np.flatnonzero(sums ^ row_keys(fp, ids) != stored)
 
 
 class PoolLayoutError(PoolError):
@@ -170,11 +205,14 @@ def stored_layout_version(record: bytes) -> int | None:
     return version if isinstance(version, int) else None
 
 
+_OLD_LAYOUTS = {1: " (rows without checksums)", 2: " (row checksums not bound to the rows' places)"}
+
+
 def layout_version_problem(where: str, version: int | None) -> str:
     """Why a table stored with pool layout ``version`` (not this one) cannot be read."""
-    return (f"{where} was published with pool layout version {version}"
-            f"{' (rows without checksums)' if version == 1 else ''}; this engram-offload reads version "
-            f"{POOL_LAYOUT_VERSION}: publish the table again (engram-offload pool publish TABLE --redis URL)")
+    return (f"{where} was published with pool layout version {version}{_OLD_LAYOUTS.get(version or 0, '')}; "
+            f"this engram-offload reads version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish "
+            "TABLE --redis URL (it replaces the old layout's keys)")
 
 
 def header_from_record(record: bytes, where: str, *, any_version: bool = False) -> tuple[TableHeader, int]:

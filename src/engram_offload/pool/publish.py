@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence, TypedDict
 import numpy as np
 import xxhash
 
+from ..errors import TableFormatError
 from ..table.format import TableHeader, read_header
 from ..table.progress import byte_progress
 from ..table.verify import bad_pages, checksum_error, page_checksum_error
@@ -36,7 +37,8 @@ from .layout import (
     stored_layout_version,
 )
 
-__all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete"]
+__all__ = ["publish_table", "PublishResult", "pool_status", "drop_table", "read_pool_table", "check_complete",
+           "check_extent_digests"]
 
 READ_CHUNK_BYTES = 32 << 20
 
@@ -88,9 +90,11 @@ def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tu
     """(extent index, its bytes) in order; the bytes are valid until the next item."""
     sizes = (playout.counts * playout.stride).tolist()
     buf = np.empty(max(sizes), np.uint8)
-    extent, filled = 0, 0
+    extent, filled, first_row = 0, 0, 0
     for rows in _dense_chunks(playout.header, advance):
-        flat, pos = rows_with_sums(rows).reshape(-1), 0
+        ids = np.arange(first_row, first_row + len(rows))
+        first_row += len(rows)
+        flat, pos = rows_with_sums(rows, playout.fingerprint, ids).reshape(-1), 0
         while pos < len(flat):
             take = min(sizes[extent] - filled, len(flat) - pos)
             buf[filled: filled + take] = flat[pos: pos + take]
@@ -114,7 +118,7 @@ def _lengths(client: PoolClient, playout: PoolLayout) -> np.ndarray:
 
 
 def _complete_record(playout: PoolLayout, manifest: dict[str, str]) -> bytes:
-    digests = "\n".join(manifest[str(e)] for e in range(playout.num_extents))
+    digests = "\n".join(manifest.get(str(e), "") for e in range(playout.num_extents))
     return json.dumps({
         "fingerprint": playout.fingerprint,
         "extents": playout.num_extents,
@@ -142,6 +146,18 @@ def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
             for e in wrong[:5]] + ([f"... and {len(wrong) - 5} more extents"] if len(wrong) > 5 else [])
 
 
+def check_extent_digests(client: PoolClient, playout: PoolLayout, extents: Sequence[int]) -> list[str]:
+    """The ``extents`` whose bytes in the pool differ from their manifest digest (empty when
+    all match): each is read whole and hashed here."""
+    manifest = _hgetall(client, playout.manifest_key)
+    problems = []
+    for extent in extents:
+        value = client.call("GET", playout.keys[extent])
+        if value is None or xxhash.xxh3_64_hexdigest(value) != manifest.get(str(extent)):
+            problems.append(f"extent {playout.keys[extent]} does not match its manifest digest")
+    return problems
+
+
 def publish_table(
     path: str | os.PathLike[str],
     url: str | Sequence[str],
@@ -158,6 +174,7 @@ def publish_table(
     """
     playout = PoolLayout(read_header(path), extent_rows)
     with PoolClient(url, timeout=timeout) as client:
+        _refuse_evicting_nodes(client)
         stored = client.call("GET", playout.header_key)
         if stored is not None and stored_layout_version(stored) != POOL_LAYOUT_VERSION:
             _drop_keys(client, playout.fingerprint)  # another layout's extents: start afresh
@@ -201,6 +218,16 @@ def publish_table(
     return result
 
 
+def _refuse_evicting_nodes(client: PoolClient) -> None:
+    """``PoolError`` when a node may evict keys when full: extents would vanish silently."""
+    for node, info in enumerate(client.each_node("INFO", "memory")):
+        limit, policy = _info_field(info, "maxmemory"), _info_text(info, "maxmemory_policy")
+        if limit > 0 and policy not in ("noeviction", ""):
+            raise PoolError(f"pool node {client.address(node)} evicts keys when full (maxmemory {limit:,} bytes, "
+                            f"maxmemory-policy {policy}): published extents would vanish; set maxmemory-policy "
+                            "noeviction (CONFIG SET maxmemory-policy noeviction)")
+
+
 def read_pool_table(client: PoolClient, fp: str) -> PoolLayout:
     """The layout of table ``fp`` as stored in the pool (``PoolError`` when it is not there)."""
     if not FINGERPRINT.match(fp):
@@ -217,31 +244,49 @@ def pool_status(url: str | Sequence[str], timeout: float = 10.0) -> dict[str, An
     with PoolClient(url, timeout=timeout) as client:
         memory = [_info_field(info, "used_memory") for info in client.each_node("INFO", "memory")]
         nodes = [{"address": client.address(i), "used_memory": memory[i]} for i in range(len(client.nodes))]
-        tables = []
-        for key in sorted(set(client.scan("{*}:engram:header"))):
-            fp = key.decode()[1:17]
-            record = client.call("GET", key)
-            header, extent_rows = header_from_record(record, f"table {fp}", any_version=True)
-            playout = PoolLayout(header, extent_rows)
-            version = stored_layout_version(record)
-            problems = (check_complete(client, playout) if version == POOL_LAYOUT_VERSION
-                        else [layout_version_problem(f"table {fp}", version)])
-            layout = playout.header.layout
-            tables.append({
-                "fingerprint": fp, "pool_layout": version, "complete": not problems, "problems": problems,
-                "extents": playout.num_extents, "extent_rows": playout.extent_rows,
-                "manifest_extents": int(client.call("HLEN", playout.manifest_key)),
-                "rows": layout.num_rows, "row_format": layout.row_format, "row_bytes": layout.row_bytes,
-                "bytes": layout.num_rows * playout.stride,
-            })
+        tables = [_table_status(client, key) for key in sorted(set(client.scan("{*}:engram:header")))]
     return {"cluster": client.cluster, "nodes": nodes, "tables": tables}
 
 
-def _info_field(info: bytes, name: str) -> int:
+def _table_status(client: PoolClient, key: bytes) -> dict[str, Any]:
+    """One table's entry of ``pool_status``; a key or header that is not a table's gives an
+    entry saying so (the other tables are still listed)."""
+    name = key.decode(errors="backslashreplace")
+    match = re.fullmatch(r"\{([0-9a-f]{16})\}:engram:header", name)
+    if match is None:
+        return {"fingerprint": name, "pool_layout": None, "complete": False,
+                "problems": [f"key {name!r} is not an engram-offload table's header (another program's key?)"]}
+    fp = match.group(1)
+    record = client.call("GET", key)
+    try:
+        header, extent_rows = header_from_record(record, f"table {fp}", any_version=True)
+        playout = PoolLayout(header, extent_rows)
+    except (TableFormatError, PoolError, ValueError, TypeError) as exc:
+        return {"fingerprint": fp, "pool_layout": stored_layout_version(record or b""), "complete": False,
+                "problems": [f"unreadable: {exc}; drop it (engram-offload pool drop {fp}) and publish it again"]}
+    version = stored_layout_version(record)
+    problems = (check_complete(client, playout) if version == POOL_LAYOUT_VERSION
+                else [layout_version_problem(f"table {fp}", version)])
+    layout = playout.header.layout
+    return {
+        "fingerprint": fp, "pool_layout": version, "complete": not problems, "problems": problems,
+        "extents": playout.num_extents, "extent_rows": playout.extent_rows,
+        "manifest_extents": int(client.call("HLEN", playout.manifest_key)),
+        "rows": layout.num_rows, "row_format": layout.row_format, "row_bytes": layout.row_bytes,
+        "bytes": layout.num_rows * playout.stride,
+    }
+
+
+def _info_text(info: bytes, name: str) -> str:
     for line in info.decode(errors="replace").splitlines():
         if line.startswith(name + ":"):
-            return int(line.split(":", 1)[1])
-    return -1
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _info_field(info: bytes, name: str) -> int:
+    text = _info_text(info, name)
+    return int(text) if text.lstrip("-").isdigit() else -1
 
 
 def drop_table(url: str | Sequence[str], fp: str, timeout: float = 30.0) -> int:

@@ -4,10 +4,20 @@
 on ``127.0.0.1:port..port+nodes-1``: one plain server for ``nodes=1``, else a Redis
 Cluster (slots split evenly, nodes introduced with ``CLUSTER MEET``). Production pools
 are existing Redis Clusters with replicas; see docs/pool.md.
+
+A node counts as started only when the server answering its port is the process started
+for it (``INFO server``'s ``process_id``): a port taken by another server is an error
+(``PortTakenError``), never a success. Without ``port``, free ports are picked outside the
+kernel's ephemeral range (``ip_local_port_range``, where outgoing connections take theirs)
+and the start is retried on other ports when one is taken meanwhile. With ``password``
+the servers require it (given on their stdin, never on a command line other users can
+read). With ``die_with_parent`` the servers are killed when the process that started them
+dies, even by SIGKILL (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -20,9 +30,16 @@ from pathlib import Path
 
 from .client import NUM_SLOTS, NodeConnection, PoolError
 
-__all__ = ["RedisNode", "LocalPool", "start_local_pool", "free_port_base", "redis_server_missing"]
+__all__ = ["RedisNode", "LocalPool", "start_local_pool", "free_port_base", "redis_server_missing", "PortTakenError",
+           "ephemeral_ports"]
 
 CLUSTER_BUS_OFFSET = 10000
+PORT_TRIES = 20  # starts on other free ports when one is taken between the pick and the bind
+PR_SET_PDEATHSIG = 1
+
+
+class PortTakenError(PoolError):
+    """A port of a local node is taken by another process."""
 
 
 def redis_server_missing() -> str | None:
@@ -32,23 +49,53 @@ def redis_server_missing() -> str | None:
     return None
 
 
-def free_port_base(nodes: int, low: int = 20000, high: int = 40000) -> int:
-    """A port p with p..p+nodes-1 and their cluster bus ports (p+10000...) free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randrange(low, high - nodes)
-        ports = [p + off for p in range(base, base + nodes) for off in (0, CLUSTER_BUS_OFFSET)]
-        if all(_port_free(p) for p in ports):
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``), where outgoing
+    connections take their local ports."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return low, high
+
+
+def free_port_base(nodes: int, low: int = 10000, high: int = 65535, rng: random.Random | None = None) -> int:
+    """A port p with p..p+nodes-1 and their cluster bus ports (p+10000...) free on 127.0.0.1
+    and outside the kernel's ephemeral range (so no outgoing connection takes one between
+    this check and the server's bind). Free now, not reserved: ``start_local_pool`` without
+    a port retries on a taken one."""
+    rng = rng or random.Random()
+    eph_low, eph_high = ephemeral_ports()
+
+    def usable(base: int) -> bool:
+        ports = [q + off for q in range(base, base + nodes) for off in (0, CLUSTER_BUS_OFFSET)]
+        return all(1024 <= q <= 65535 and not eph_low <= q <= eph_high for q in ports)
+
+    for _ in range(400):
+        base = rng.randrange(low, max(low + 1, high - nodes - CLUSTER_BUS_OFFSET))
+        if usable(base) and all(_port_free(q + off) for q in range(base, base + nodes)
+                                for off in (0, CLUSTER_BUS_OFFSET)):
             return base
-    raise RuntimeError(f"found no {nodes} free ports between {low} and {high}")
+    raise PoolError(f"found no {nodes} free ports (and their bus ports) between {low} and {high} outside the "
+                    f"ephemeral range {eph_low}-{eph_high}: give --port")
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server could bind ``port`` on 127.0.0.1 now (as redis-server does, with
+    ``SO_REUSEADDR``: connections of a server just stopped do not hold it)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             return False
     return True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass
@@ -59,41 +106,65 @@ class RedisNode:
     directory: Path
     cluster: bool
     process: subprocess.Popen | None = None
+    password: str | None = field(default=None, repr=False)
+    die_with_parent: bool = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
+    def connect(self, timeout: float) -> NodeConnection:
+        """A connection to this node, authenticated when it has a password."""
+        return NodeConnection("127.0.0.1", self.port, timeout, (None, self.password) if self.password else None)
+
     def start(self, timeout: float = 10.0) -> None:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+        """Start the server; ``PortTakenError`` when its port (or bus port) is taken."""
+        for port in (self.port, self.port + CLUSTER_BUS_OFFSET) if self.cluster else (self.port,):
+            if not _port_free(port):
+                raise PortTakenError(f"port {port} on 127.0.0.1 is taken by another process: choose another --port")
+        args = ["redis-server", "-", "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
                 "--save", "", "--appendonly", "no", "--dir", str(self.directory),
                 "--logfile", f"redis-{self.port}.log", "--daemonize", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
                      "--cluster-node-timeout", "3000"]
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+        config = f"requirepass {self.password}\n" if self.password else ""  # on stdin: no other user reads it
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE,
+                                        preexec_fn=_die_with_parent if self.die_with_parent else None)
+        assert self.process.stdin is not None
+        self.process.stdin.write(config.encode())
+        self.process.stdin.close()
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                raise PoolError(f"redis-server on port {self.port} exited at start: {err.strip() or self.log_tail()}")
+                said = err.strip() or self.log_tail()
+                kind = PortTakenError if "Address already in use" in said else PoolError
+                raise kind(f"redis-server on port {self.port} exited at start: {said[-2000:]}")
             try:
-                conn = NodeConnection("127.0.0.1", self.port, 1.0)
+                conn = self.connect(1.0)
                 try:
-                    if conn.call("PING") == b"PONG":
-                        return
+                    info = conn.call("INFO", "server")
                 finally:
                     conn.close()
             except OSError:
-                pass
+                info = None
+            if isinstance(info, bytes):
+                pid = _info_pid(info)
+                if pid == self.process.pid:
+                    return
+                self.stop()
+                raise PortTakenError(f"port {self.port} on 127.0.0.1 is served by another redis-server (pid {pid}), "
+                                     "not the one started: choose another --port")
             if time.monotonic() > deadline:
                 self.stop()
                 raise PoolError(f"redis-server on port {self.port} did not answer within {timeout:g} s")
             time.sleep(0.02)
 
     def log_tail(self) -> str:
+        """The end of the server's log file."""
         log = self.directory / f"redis-{self.port}.log"
         return log.read_text(errors="replace")[-2000:] if log.exists() else ""
 
@@ -133,7 +204,7 @@ class LocalPool:
             return
         deadline = time.monotonic() + timeout
         while True:
-            if all(_cluster_ok(n.port, len(self.nodes)) for n in self.nodes):
+            if all(_cluster_ok(n, len(self.nodes)) for n in self.nodes):
                 return
             if time.monotonic() > deadline:
                 raise PoolError(f"the local cluster did not become healthy within {timeout:g} s")
@@ -152,9 +223,16 @@ class LocalPool:
         self.stop()
 
 
-def _cluster_ok(port: int, nodes: int) -> bool:
+def _info_pid(info: bytes) -> int | None:
+    for line in info.decode(errors="replace").splitlines():
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+def _cluster_ok(node: RedisNode, nodes: int) -> bool:
     try:
-        conn = NodeConnection("127.0.0.1", port, 1.0)
+        conn = node.connect(1.0)
     except OSError:
         return False
     try:
@@ -168,18 +246,32 @@ def _cluster_ok(port: int, nodes: int) -> bool:
             and isinstance(slots, list) and len(slots) == nodes)
 
 
-def start_local_pool(nodes: int = 1, port: int = 7001, directory: str | os.PathLike | None = None) -> LocalPool:
-    """Start ``nodes`` loopback servers from ``port`` on (a cluster when ``nodes > 1``)."""
+def start_local_pool(nodes: int = 1, port: int | None = 7001, directory: str | os.PathLike | None = None, *,
+                     password: str | None = None, die_with_parent: bool = False) -> LocalPool:
+    """Start ``nodes`` loopback servers from ``port`` on (a cluster when ``nodes > 1``); with
+    ``port=None`` on free ports outside the ephemeral range, retried when one is taken."""
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     missing = redis_server_missing()
     if missing:
         raise PoolError(missing)
+    for attempt in range(PORT_TRIES):
+        base = port if port is not None else free_port_base(nodes)
+        try:
+            return _start(nodes, base, directory, password, die_with_parent)
+        except PortTakenError:
+            if port is not None or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(nodes: int, port: int, directory: str | os.PathLike | None, password: str | None,
+           die_with_parent: bool) -> LocalPool:
     own = directory is None
     root = Path(directory) if directory is not None else Path(_mkdtemp())
     cluster = nodes > 1
-    pool = LocalPool([RedisNode(port + i, root / f"node-{port + i}", cluster) for i in range(nodes)],
-                     cluster, root, own)
+    pool = LocalPool([RedisNode(port + i, root / f"node-{port + i}", cluster, password=password,
+                                die_with_parent=die_with_parent) for i in range(nodes)], cluster, root, own)
     try:
         for node in pool.nodes:
             node.start()
@@ -202,10 +294,10 @@ def _form_cluster(pool: LocalPool) -> None:
     """Split the slots evenly over the nodes and introduce them to each other."""
     n = len(pool.nodes)
     bounds = [NUM_SLOTS * i // n for i in range(n + 1)]
-    first = NodeConnection("127.0.0.1", pool.nodes[0].port, 5.0)
+    first = pool.nodes[0].connect(5.0)
     try:
         for i, node in enumerate(pool.nodes):
-            conn = NodeConnection("127.0.0.1", node.port, 5.0)
+            conn = node.connect(5.0)
             try:
                 reply = conn.call("CLUSTER", "ADDSLOTSRANGE", bounds[i], bounds[i + 1] - 1)
             finally:

@@ -144,6 +144,9 @@ class Step:
     its layers' buffers, ready after the part's event.
     """
 
+    wait_s: float = 60.0  # the longest wait in rows() when no timeout is given (the Prefetcher's wait_s)
+    source = "the store"  # what the rows come from, for messages
+
     def __init__(self, number: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...],
                  table_ids: np.ndarray | torch.Tensor, d: Dedup, layer_ids: tuple[int, ...],
                  parts: list[Part] | None = None, outputs: Outputs | None = None) -> None:
@@ -293,7 +296,7 @@ class Step:
         """Rows of Engram layer ``layer_id``: ``[T, C, head_dim]`` (``C``: the columns fetched),
         waiting for its part if needed (the wait is recorded as stall). Raises
         ``PrefetchError`` (cause attached), ``StepCancelled``, or ``TimeoutError`` after
-        ``timeout`` seconds."""
+        ``timeout`` seconds (default ``wait_s``)."""
         if layer_id not in self.layer_ids:
             raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(self.layer_ids)}")
         cached = self._layer_rows.get(layer_id)
@@ -332,8 +335,10 @@ class Step:
         if delivered.is_set():
             return
         t0 = time.perf_counter()
+        timeout = self.wait_s if timeout is None else timeout
         if not delivered.wait(timeout):
-            raise TimeoutError(f"rows of layer {layer_id} of step {self.number} not ready after {timeout} s")
+            raise TimeoutError(f"rows of layer {layer_id} of step {self.number} not delivered after {timeout:g} s: "
+                               f"{self.source} did not return them (Prefetcher wait_s= or timeout= sets the wait)")
         waited = time.perf_counter() - t0
         with self._lock:
             self.stall_seconds += waited
@@ -378,6 +383,10 @@ class Prefetcher:
     buffers is allocated at once for that many and never moves, so a CUDA graph captured
     around the consuming layers stays valid even when steps grow (a larger step raises).
     A step fetched ahead while another is open takes another set (fixed too).
+
+    ``wait_s``: the longest wait on the store (in ``rows``, ``end_step`` and ``close``); past it
+    they raise ``TimeoutError`` naming the store. A store whose fetch never returns keeps a
+    worker inside it: bound the store's own waits too (``RowClient(timeout_s=)``).
     """
 
     def __init__(
@@ -391,7 +400,11 @@ class Prefetcher:
         split_min_rows: int = 512,
         columns: Columns | None = None,
         max_tokens: int | None = None,
+        wait_s: float = 60.0,
     ) -> None:
+        if not wait_s > 0:
+            raise ValueError(f"wait_s must be > 0, got {wait_s}")
+        self.wait_s = float(wait_s)
         if store.config.num_rows != hasher.config.num_rows or store.config.layer_ids != hasher.config.layer_ids:
             raise ValueError(
                 "the store's table and the hasher's config have different layouts: build the hasher "
@@ -579,6 +592,7 @@ class Prefetcher:
                 if outputs is not None and self._outputs is not None:
                     self._outputs.give(outputs)  # e.g. a step over max_tokens: the set stays in the pool
                 raise
+            step.wait_s, step.source = self.wait_s, repr(self.store)
             self.current = step
             self._open.append(step)
         if outputs is not None:  # after the Step made (maybe allocated) its outputs on the caller's stream
@@ -615,7 +629,9 @@ class Prefetcher:
         step = step or self.current
         if step is None:
             return
-        step.wait_done()
+        if not step.wait_done(self.wait_s):
+            raise TimeoutError(f"step {step.number}'s fetch did not end within {self.wait_s:g} s: {step.source} "
+                               "did not return its rows; cancel the step (Prefetcher wait_s= sets the wait)")
         step.release()
         self._close_step(step, ended=True)
 
@@ -650,15 +666,22 @@ class Prefetcher:
                     "open_steps": len(self._open)}
 
     def close(self) -> None:
-        """Cancel open steps and stop the workers."""
+        """Cancel open steps and stop the workers; ``TimeoutError`` when a worker is still
+        inside the store's fetch after ``wait_s``."""
         if self._closed:
             return
         self._closed = True
         for step in list(self._open):
             self.cancel(step)
         self._stop_workers()
+        deadline = time.monotonic() + self.wait_s
         for worker in self._workers:
-            worker.join(timeout=30)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [w.name for w in self._workers if w.is_alive()]
+        if stuck:
+            raise TimeoutError(f"prefetch worker {', '.join(stuck)} still inside a fetch from {self.store!r} after "
+                               f"{self.wait_s:g} s: the store does not answer (bound its own waits, e.g. "
+                               "RowClient timeout_s=)")
 
     def _stop_workers(self) -> None:
         """Tell the workers to end once the queues are empty."""

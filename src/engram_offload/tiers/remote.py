@@ -13,7 +13,10 @@ row against its checksum, in C), and the rows gathered into ``out`` in the calle
 Failures are never silent: a node that is down or times out, an error reply, or a
 missing or short extent is retried ``retries`` times (re-reading the slot map between
 tries), then the rows are read from the ``fallback`` tier when one is configured, else
-``TierError`` names the node, the extent and what went wrong. A row that fails its
+``TierError`` names the node, the extent and what went wrong. A node that timed out (a
+stopped or wedged server) is marked down for ``down_s`` seconds: its ranges go to the
+fallback (or raise) at once, without a wait or a retry, until the mark ends and a read
+tries it again (a circuit breaker). A row that fails its
 checksum is read once more; failing again, it takes the same way (fallback, else
 ``TierError`` naming the node, the extent and the row). A wrong row is never returned.
 """
@@ -32,15 +35,16 @@ import torch
 
 from ..errors import TierError
 from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
-from ..pool.layout import PoolLayout, fingerprint, rows_with_sums
-from ..pool.publish import check_complete, read_pool_table
+from ..pool.layout import PoolLayout, bad_rows, fingerprint, rows_with_sums
+from ..pool.publish import check_complete, check_extent_digests, read_pool_table
 from ..table.format import TableHeader, read_header
-from ..table.pagesum import bad_row_sums
 from .base import Tier
 
 __all__ = ["RemoteTier", "open_pool_table"]
 
 DEFAULT_MERGE_GAP_BYTES = 512
+VERIFY_EXTENTS = ("sample", "all", "none")
+VERIFY_SAMPLE_BYTES = 64 << 20  # extents read whole at open with verify_extents="sample" (at least one)
 
 
 @lru_cache(maxsize=4)
@@ -121,7 +125,10 @@ class RemoteTier(Tier):
     Options: ``pool`` (``redis://host:port[,host:port...]``, required), ``fallback`` (a
     tier, or a local table path opened on ``mmap``, read when the pool fails), ``retries``
     (per request, after the first try), ``timeout_s`` (per socket operation),
-    ``merge_gap_bytes`` (neighbouring rows of one extent this close share one range).
+    ``merge_gap_bytes`` (neighbouring rows of one extent this close share one range),
+    ``down_s`` (how long a node that timed out is skipped),
+    ``verify_extents`` (at open, extents read whole and checked against the manifest's
+    digests: ``"sample"``, random ones up to 64 MiB; ``"all"``; ``"none"``).
     """
 
     name = "remote"
@@ -136,12 +143,18 @@ class RemoteTier(Tier):
         timeout_s: float = 2.0,
         merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
         retry_backoff_s: float = 0.05,
+        verify_extents: str = "sample",
+        down_s: float = 10.0,
     ) -> None:
         super().__init__(header)
+        if verify_extents not in VERIFY_EXTENTS:
+            raise ValueError(f"verify_extents must be one of {', '.join(VERIFY_EXTENTS)}, got {verify_extents!r}")
         if retries < 0 or timeout_s <= 0:
             raise ValueError(f"retries must be >= 0 and timeout_s > 0, got {retries} and {timeout_s}")
         self.pool_url = redact(pool)  # for messages and stats
         self.retries, self.timeout_s, self.retry_backoff_s = retries, timeout_s, retry_backoff_s
+        self.down_s = float(down_s)
+        self._down: dict[str, float] = {}  # node address -> time.monotonic() until which it is skipped
         self._local = threading.local()
         self._conns_lock = threading.Lock()
         self._conns: list[NodeConnection] = []
@@ -149,7 +162,7 @@ class RemoteTier(Tier):
         self._owns_fallback = False
         self._client = PoolClient(pool, timeout=timeout_s)
         try:
-            self.pool_layout = self._open_layout()
+            self.pool_layout = self._open_layout(verify_extents)
             self._open_fallback(fallback)
         except BaseException:
             self.close()
@@ -167,7 +180,7 @@ class RemoteTier(Tier):
         self._set_topology()
 
     # -- opening ------------------------------------------------------------------------
-    def _open_layout(self) -> PoolLayout:
+    def _open_layout(self, verify_extents: str) -> PoolLayout:
         fp = fingerprint(self.header)
         named = self._client.url_fingerprint
         if named is not None and named != fp:
@@ -178,6 +191,13 @@ class RemoteTier(Tier):
             raise PoolError(
                 f"table {fp} in the pool at {self.pool_url} is not completely published: "
                 f"{'; '.join(problems)}; run engram-offload pool publish TABLE --redis {self.pool_url}"
+            )
+        problems = check_extent_digests(self._client, playout, _extents_to_verify(playout, verify_extents))
+        if problems:
+            raise PoolError(
+                f"table {fp} in the pool at {self.pool_url} was altered after it was published: "
+                f"{'; '.join(problems[:3])}{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}; "
+                f"drop it and publish it again (engram-offload pool drop {fp}; pool publish TABLE)"
             )
         return PoolLayout(self.header, playout.extent_rows)
 
@@ -231,7 +251,7 @@ class RemoteTier(Tier):
         data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
         in_order = order is None and len(data) == len(uniq) * stride  # data row i holds uniq[i]
         wanted = None if in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
-        bad = bad_row_sums(data, self.row_bytes, stride)
+        bad = bad_rows(data, self.row_bytes, stride, self.fingerprint, uniq if in_order else self._data_row_ids(runs))
         if bad.size and wanted is not None and len(wanted) * stride != len(data):
             bad = bad[np.isin(bad, wanted)]  # rows between merged ones were not asked for
         if bad.size:
@@ -268,6 +288,13 @@ class RemoteTier(Tier):
         if run_of is None:
             return runs.pos // self.stride
         return runs.pos[run_of] // self.stride + (q - runs.q0[run_of])
+
+    def _data_row_ids(self, runs: "_Runs") -> np.ndarray:
+        """The table row id of every data row of ``runs`` (int64 ``[data rows]``)."""
+        ids, slots = runs.row_ids(self._starts, np.arange(len(runs.ext)))
+        row_of = np.empty_like(ids)
+        row_of[slots] = ids
+        return row_of
 
     def _copy_rows(self, data: np.ndarray, index: np.ndarray | None, out: torch.Tensor) -> None:
         """``out[i]`` = the row of data row ``index[i]`` (None: data row ``i``), without its
@@ -336,24 +363,42 @@ class RemoteTier(Tier):
             with self._conns_lock:
                 self._conns.remove(conn)
 
+    def _is_down(self, address: str) -> bool:
+        """Whether ``address`` is marked down (it timed out less than ``down_s`` ago)."""
+        until = self._down.get(address)
+        return until is not None and time.monotonic() < until
+
+    def _mark_down(self, address: str) -> None:
+        self._down[address] = time.monotonic() + self.down_s
+        self._count(timeouts=1)
+
     def _fetch(self, jobs: list[_Job]) -> tuple[list[tuple[_Job, list, bytes]], list[tuple[_Job, str]]]:
         """Send every job, then read every node's replies: (job, replies, joined bytes) for
-        each that returned all its bytes, (job, reason) for each that failed."""
+        each that returned all its bytes, (job, reason) for each that failed. A node marked
+        down fails at once; one that times out is marked down."""
         done, failures, sent = [], [], []
         for job in jobs:
+            if self._is_down(job.address):
+                self._count(down_skips=1)
+                failures.append((job, f"marked down for {self.down_s:g} s after it timed out"))
+                continue
             try:
                 conn = self._connection(job.address)
                 conn.send(job.request)
                 sent.append((job, conn))
             except OSError as exc:
                 self._forget(job.address)
+                if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
+                    self._mark_down(job.address)
                 failures.append((job, f"cannot send: {exc}"))
         for job, conn in sent:
             try:
                 replies = conn.read_replies(len(job.runs))
             except OSError as exc:
                 self._forget(job.address)
-                what = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                if isinstance(exc, TimeoutError):
+                    self._mark_down(job.address)
+                what = f"timed out after {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else str(exc)
                 failures.append((job, f"no reply ({what})"))
                 continue
             try:
@@ -397,8 +442,8 @@ class RemoteTier(Tier):
             failed = np.sort(np.concatenate([j.runs for j, _ in failures]))
             why = (f"pool node {job.address} failed for extent {self.pool_layout.keys[int(runs.ext[job.runs[0]])]} "
                    f"({reason}); {len(failed)} ranges on {len(failures)} node(s) failed")
-            if attempt == self.retries:
-                break
+            if attempt == self.retries or all(self._is_down(j.address) for j, _ in failures):
+                break  # retries spent, or every failed node is marked down: no wait
             self._count(retries=1)
             time.sleep(self.retry_backoff_s * (attempt + 1))
             self._refresh()
@@ -406,16 +451,14 @@ class RemoteTier(Tier):
             nodes = node_of[runs.ext[failed]]
             order = np.argsort(nodes, kind="stable")
             done, failures = self._fetch(self._jobs(failed[order], nodes[order], addresses, runs))
-        self._serve_fallback(*runs.row_ids(self._starts, failed), f"{why}, after {self.retries} retries", data)
+        tries = f"after {attempt} retries" if attempt else "without a retry"
+        self._serve_fallback(*runs.row_ids(self._starts, failed), f"{why}, {tries}", data)
         return data
 
     def _reread(self, bad: np.ndarray, runs: "_Runs", data: np.ndarray) -> np.ndarray:
         """``data`` with its rows at positions ``bad`` (their checksums failed) read once
         more; rows failing again come from the fallback tier, or raise ``TierError``."""
-        ids, slots = runs.row_ids(self._starts, np.arange(len(runs.ext)))
-        row_of = np.empty_like(ids)
-        row_of[slots] = ids  # the table row of every data row
-        ids = row_of[bad]
+        ids = self._data_row_ids(runs)[bad]
         order = np.argsort(ids)
         ids, bad = ids[order], bad[order]
         self._count(checksum_rereads=len(ids))
@@ -429,7 +472,7 @@ class RemoteTier(Tier):
         got = got.reshape(-1, self.stride)[again.pos // self.stride]  # [bad rows, stride] in ``ids`` order
         data = data if data.flags.writeable else data.copy()
         data.reshape(-1, self.stride)[bad] = got
-        still = bad_row_sums(got, self.row_bytes, self.stride)
+        still = bad_rows(got, self.row_bytes, self.stride, self.fingerprint, ids)
         if still.size:
             self._count(checksum_failures=len(still))
             first = int(still[0])
@@ -446,7 +489,7 @@ class RemoteTier(Tier):
             raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
                             "and no fallback tier is configured")
         got = self._fallback.read_rows(ids, torch.empty((len(ids), self.row_bytes), dtype=torch.uint8)).numpy()
-        data.reshape(-1, self.stride)[slots] = rows_with_sums(got)
+        data.reshape(-1, self.stride)[slots] = rows_with_sums(got, self.fingerprint, ids)
         self._count(fallback_rows=len(ids), fallback_requests=1)
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -470,6 +513,18 @@ class RemoteTier(Tier):
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.pool_url!r}, table={fingerprint(self.header)}, rows={self.num_rows:,})"
+
+
+def _extents_to_verify(playout: PoolLayout, how: str) -> list[int]:
+    """The extents ``verify_extents=how`` reads at open: none, all, or random ones up to
+    ``VERIFY_SAMPLE_BYTES`` (at least one)."""
+    if how == "none":
+        return []
+    if how == "all":
+        return list(range(playout.num_extents))
+    order = np.random.default_rng().permutation(playout.num_extents)
+    sizes = playout.counts[order] * playout.stride
+    return sorted(order[: max(1, int(np.searchsorted(np.cumsum(sizes), VERIFY_SAMPLE_BYTES, side="right")))].tolist())
 
 
 def open_pool_table(url: str, **options) -> RemoteTier:

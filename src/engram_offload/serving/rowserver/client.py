@@ -9,6 +9,15 @@ request. ``start_row_server`` starts the server process and waits until it answe
 ``open_table(path, tier, row_server=socket)`` opens one. With ``columns`` the client asks only
 for the rows of that column shard (others raise ``IndexError`` before any round trip); the
 server's one cache serves every rank, so TP ranks' disjoint rows are cached once anyway.
+
+The client believes nothing the server says about itself: the server must run as this
+process's uid or root (``SO_PEERCRED``), and with ``table`` (the file this rank opened
+itself) the header is the file's, and rows it receives are compared with the file's own
+rows, read and checked against the file's page (or block) checksums: a sample of rows at
+connect and of every fetch (``verify="sample"``), or every row (``verify="all"``). Every
+wait on the server is bounded by ``timeout_s``; a server that does not answer in time (a
+stopped or wedged process) raises ``TierError`` naming what was waited for, and the
+connection is dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,13 +40,20 @@ from ...buffers.recycle import RecycledArrays
 from ...engram.config import EngramConfig
 from ...engram.rows import decode_rows
 from ...errors import ChecksumError, EngramError, TableFormatError, TierError
-from ...table.format import read_header
+from ...table.format import TableHeader, read_header
+from ...table.pagesum import page_sums
 from ...tiers import as_row_ids
+from ...tiers.mmap import MmapTier
 from ..dedup import dedup
 from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from . import protocol as p
 
-__all__ = ["RemoteLease", "RowClient", "start_row_server"]
+__all__ = ["RemoteLease", "RowClient", "start_row_server", "DEFAULT_TIMEOUT_S", "VERIFY_MODES"]
+
+DEFAULT_TIMEOUT_S = 30.0  # the longest wait for one reply of the server
+VERIFY_MODES = ("sample", "all", "none")
+VERIFY_AT_CONNECT = 16  # rows compared with the table file when connecting
+VERIFY_PER_FETCH = 2  # rows compared per fetch with verify="sample"
 
 _RAISED_AS = {cls.__name__: cls for cls in (IndexError, ValueError, TypeError, ChecksumError, TierError,
                                              TableFormatError)}
@@ -86,41 +103,51 @@ class RowClient:
     """A connection to the row server at ``socket_path``; thread-safe (one request at a time).
 
     ``table``: the table file this rank expects; a server serving another table (another
-    fingerprint) is refused with a ``TierError``. ``columns``: this rank's column shard, the
-    only rows it may fetch (None: every row).
+    fingerprint) is refused with a ``TierError``, and the rows received are verified against
+    it (``verify``: ``"sample"``, ``"all"`` or ``"none"``; see the module doc). ``columns``:
+    this rank's column shard, the only rows it may fetch (None: every row). ``timeout_s``:
+    the longest wait for the server's reply to one request (and for its hello).
     """
 
     def __init__(self, socket_path: str | os.PathLike[str], table: str | os.PathLike[str] | None = None, *,
-                 columns: Columns | None = None) -> None:
+                 columns: Columns | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 verify: str = "sample") -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         self.socket_path = str(socket_path)
+        self.timeout_s = float(timeout_s)
+        self._broken: str | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(self.timeout_s)
+        header = read_header(table) if table is not None else None
         try:
-            self._sock.connect(self.socket_path)
-            message, fds, _, _ = socket.recv_fds(self._sock, p.MAX_MESSAGE, 1)
-        except OSError as exc:
+            hello, fd = self._handshake()
+        except BaseException:
             self._sock.close()
-            raise TierError(f"no row server answers at {self.socket_path} ({exc.strerror or exc}): "
-                            "start one with start_row_server(table, socket)") from None
-        op, _, _, _, hello = p.decode(message)
-        if op != p.HELLO or len(fds) != 1:
-            self._sock.close()
-            raise TierError(f"{self.socket_path} is not an engram-offload row server (it said {op!r})")
+            raise
         try:
-            self._buffer = mmap.mmap(fds[0], hello["buffer_bytes"])
+            self._buffer = _map_buffer(fd, hello, self.socket_path)
+        except BaseException:
+            self._sock.close()
+            raise
         finally:
-            os.close(fds[0])
-        if table is not None and read_header(table).fingerprint() != hello["fingerprint"]:
+            os.close(fd)
+        if header is not None and (header.fingerprint() != hello["fingerprint"]
+                                   or header.layout.row_bytes != hello["row_bytes"]):
+            self._buffer.close()
             self._sock.close()
             raise TierError(f"the row server at {self.socket_path} serves {hello['table']}, not {table} (their "
                             "headers or checksums differ): start a server for this table on another socket")
-        self._config = EngramConfig(**hello["config"])
-        self._num_rows = int(hello["num_rows"])
+        self._config = header.config if header is not None else EngramConfig(**hello["config"])
+        self._num_rows = header.layout.num_rows if header is not None else int(hello["num_rows"])
         self._rb = int(hello["row_bytes"])
         self.max_rows = int(hello["max_rows"])
         self.table = hello["table"]
         self.tier = str(hello.get("tier", "direct"))  # the server's tier
-        self.columns = None if columns is None else check_columns(columns, self._config.cols_per_layer)
-        self._shard: ShardRows | None = None if self.columns is None else shard_rows(self._config, self.columns)
+        self.columns: Columns | None = None
+        self._shard: ShardRows | None = None
         self._ids = np.frombuffer(self._buffer, np.int64, count=self.max_rows)  # [max_rows]
         self._rows = np.frombuffer(self._buffer, np.uint8, count=self.max_rows * self._rb,
                                    offset=hello["rows_offset"]).reshape(-1, self._rb)  # [max_rows, row_bytes]
@@ -129,6 +156,55 @@ class RowClient:
         self._lock = threading.RLock()  # a lease collected during a request may release from within it
         self._round_trips = 0
         self.closed = False
+        self.verify = verify if header is not None else "none"
+        self._rng = np.random.default_rng()
+        self._file: _FileRows | None = None
+        self.rows_verified = 0
+        if self.verify != "none":
+            assert header is not None
+            try:
+                self._file = _FileRows(header)
+                probe = np.unique(self._rng.integers(0, self._num_rows, VERIFY_AT_CONNECT))
+                self._fetch(probe, False, None)  # compared with the file in full
+            except BaseException:
+                self.close()
+                raise
+        self.columns = None if columns is None else check_columns(columns, self._config.cols_per_layer)
+        self._shard = None if self.columns is None else shard_rows(self._config, self.columns)
+
+    def _handshake(self) -> tuple[dict[str, Any], int]:
+        """Connect, check the server's uid, read its hello -> (hello, the buffer's memfd)."""
+        try:
+            self._sock.connect(self.socket_path)
+        except OSError as exc:
+            raise TierError(f"no row server answers at {self.socket_path} ({exc.strerror or exc}): "
+                            "start one with start_row_server(table, socket)") from None
+        pid, uid, _ = p.peer_credentials(self._sock)
+        if not p.trusted_uid(uid):
+            raise TierError(f"the row server at {self.socket_path} (pid {pid}) runs as uid {uid}, neither yours "
+                            f"({os.geteuid()}) nor root: another user holds the socket path; put the socket in a "
+                            "folder only you can write")
+        try:
+            message, fds, _, _ = socket.recv_fds(self._sock, p.MAX_MESSAGE, 1)
+        except TimeoutError:
+            raise TierError(f"the row server at {self.socket_path} (pid {pid}) did not say hello within "
+                            f"{self.timeout_s:g} s: is it stopped or wedged? restart it (RowClient timeout_s= sets "
+                            "the wait)") from None
+        except OSError as exc:
+            raise TierError(f"the row server at {self.socket_path} failed at connect ({exc})") from None
+        try:
+            op, _, _, _, hello = p.decode(message) if message else (b"", 0, 0, 0, None)
+        except ValueError:
+            op, hello = b"?", None
+        if op == p.ERROR and isinstance(hello, dict):
+            for fd in fds:
+                os.close(fd)
+            raise TierError(f"the row server at {self.socket_path} refused the connection: {hello.get('message')}")
+        if op != p.HELLO or len(fds) != 1 or not isinstance(hello, dict):
+            for fd in fds:
+                os.close(fd)
+            raise TierError(f"{self.socket_path} is not an engram-offload row server (it said {op!r})")
+        return hello, fds[0]
 
     # ------------------------------------------------------------------ the table
     @property
@@ -186,23 +262,51 @@ class RowClient:
                     piece = ids[start: start + self.max_rows]
                     self._ids[: piece.size] = piece
                     flags = p.HOLD if hold else 0
-                    value, _, _ = self._ask(p.encode(p.FETCH, flags, piece.size, requested if start == 0 else 0))
+                    value, _, _ = self._ask(p.encode(p.FETCH, flags, piece.size, requested if start == 0 else 0),
+                                            f"a fetch of {piece.size} rows")
                     out[start: start + piece.size] = self._rows[: piece.size]
                     if value:
                         numbers.append(value)
+                self._verify_rows(ids, out)
             except BaseException:
                 self._release_locked(numbers)
                 raise
         return torch.from_numpy(out), numbers
 
-    def _ask(self, message: bytes) -> tuple[int, int, Any]:
-        """Send a request, wait for its reply -> (value, extra, payload); raise a server error."""
+    def _verify_rows(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Compare received rows ``[u, row_bytes]`` of ``ids`` (a sample, or all) with the table
+        file's, read and checked against its checksums; ``TierError`` on any difference."""
+        if self._file is None or not ids.size:
+            return
+        pick = np.arange(ids.size)
+        if self.verify == "sample" and ids.size > VERIFY_PER_FETCH and self.rows_verified >= VERIFY_AT_CONNECT:
+            pick = np.unique(self._rng.integers(0, ids.size, VERIFY_PER_FETCH))
+        want = self._file.rows(ids[pick])  # [k, row_bytes]
+        wrong = np.flatnonzero((want != rows[pick]).any(axis=1))
+        self.rows_verified += int(pick.size)
+        if wrong.size:
+            row = int(ids[pick[wrong[0]]])
+            raise TierError(f"the row server at {self.socket_path} sent row {row} different from "
+                            f"{self._file.path} ({wrong.size} of {pick.size} rows checked): it serves wrong "
+                            "rows; stop it and start a server for this table")
+
+    def _ask(self, message: bytes, what: str) -> tuple[int, int, Any]:
+        """Send a request, wait at most ``timeout_s`` for its reply -> (value, extra, payload);
+        raise a server error. ``what``: the request, for messages."""
         if self.closed:
             raise ValueError("this row client is closed: connect again")
+        if self._broken is not None:
+            raise TierError(self._broken)
         cause: OSError | None = None
         try:
             self._sock.send(message)
             reply = self._sock.recv(p.MAX_MESSAGE)
+        except TimeoutError:
+            self._broken = (f"the row server at {self.socket_path} did not answer {what} within {self.timeout_s:g} s "
+                            "(stopped or wedged?): the connection was dropped; restart the server and reconnect "
+                            "(timeout_s= sets the wait)")
+            self._sock.close()  # a late reply must not be taken for the next request's
+            raise TierError(self._broken) from None
         except OSError as exc:
             reply, cause = b"", exc
         if not reply:
@@ -222,7 +326,7 @@ class RowClient:
             self._release_locked(numbers)
 
     def _release_locked(self, numbers: list[int]) -> None:
-        if self.closed:
+        if self.closed or self._broken is not None:
             return  # the server released them when the connection ended
         try:
             for number in numbers:
@@ -235,8 +339,9 @@ class RowClient:
         """The server's stats (``store``, ``levels``, ``tier``, ``server``: every rank's
         fetches together) plus ``client``: this connection's round trips."""
         with self._lock:
-            _, _, payload = self._ask(p.encode(p.STATS))
-            return {**payload, "client": {"round_trips": self._round_trips, "max_rows": self.max_rows}}
+            _, _, payload = self._ask(p.encode(p.STATS), "a stats request")
+            return {**payload, "client": {"round_trips": self._round_trips, "max_rows": self.max_rows,
+                                          "verify": self.verify, "rows_verified": self.rows_verified}}
 
     def close(self) -> None:
         """Close the connection: the server releases whatever it still holds for it."""
@@ -250,6 +355,8 @@ class RowClient:
             self._buffer.close()
         except BufferError:
             pass
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "RowClient":
         return self
@@ -261,27 +368,84 @@ class RowClient:
         return f"RowClient({self.socket_path!r}, table={self.table!r}, rows={self._num_rows:,})"
 
 
+def _map_buffer(fd: int, hello: dict[str, Any], socket_path: str) -> mmap.mmap:
+    """Map the connection's exchange buffer, once its size holds what the hello says."""
+    try:
+        nbytes, rows_offset = int(hello["buffer_bytes"]), int(hello["rows_offset"])
+        needed = max(int(hello["max_rows"]) * 8, rows_offset + int(hello["max_rows"]) * int(hello["row_bytes"]))
+    except (KeyError, TypeError, ValueError):
+        raise TierError(f"{socket_path} is not an engram-offload row server (its hello lacks the buffer's layout)") from None
+    if os.fstat(fd).st_size < nbytes or nbytes < needed:
+        raise TierError(f"the row server at {socket_path} sent a {os.fstat(fd).st_size:,}-byte buffer for a layout of "
+                        f"{needed:,} bytes: restart it (an older or foreign server?)")
+    return mmap.mmap(fd, nbytes)
+
+
+class _FileRows:
+    """Rows read from the table file itself, checked against its page checksums (format 2:
+    one ``pread`` of each row's page), else through an ``mmap`` tier checking blocks."""
+
+    def __init__(self, header: TableHeader) -> None:
+        self.path = header.path
+        self._layout = header.layout
+        self._sums = header.page_sums
+        self._fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC) if self._sums is not None else -1
+        self._tier = MmapTier(header, verify_reads=True) if self._sums is None else None
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``uint8 [k, row_bytes]`` of ``ids``, each from a page that passed its checksum."""
+        layout = self._layout
+        if self._tier is not None:
+            read = torch.empty((ids.size, layout.row_bytes), dtype=torch.uint8)
+            return self._tier.read_rows(ids, read).numpy()
+        assert self._sums is not None
+        rpp, page_bytes, rb = layout.rows_per_page, layout.page_bytes, layout.row_bytes
+        out = np.empty((ids.size, rb), np.uint8)
+        for i, row in enumerate(ids.tolist()):
+            page = row // rpp
+            data = os.pread(self._fd, page_bytes, layout.data_offset + page * page_bytes)
+            if len(data) != page_bytes or int(page_sums(data, page_bytes)[0]) != int(self._sums[page]):
+                raise ChecksumError(f"{self.path}: data page {page} fails its checksum (or the file is short): "
+                                    "the table file is damaged; check it with engram-offload verify TABLE")
+            start = (row % rpp) * rb
+            out[i] = np.frombuffer(data, np.uint8, rb, start)
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tier is not None:
+            self._tier.close()
+
+
 def start_row_server(table: str | os.PathLike[str], socket_path: str | os.PathLike[str], *, tier: str = "direct",
                      cache_bytes: int = 0, policy: str = "lru", max_rows: int | None = None,
-                     timeout: float = 60.0) -> subprocess.Popen:
+                     max_connections: int | None = None, timeout: float = 60.0) -> subprocess.Popen:
     """Start ``python -m engram_offload.serving.rowserver.server`` and wait until it answers at
-    ``socket_path``; ``EngramError`` with its message when it exits first."""
+    ``socket_path``; ``EngramError`` with its message when it exits first. The server's stderr
+    goes to an unnamed temporary file (a pipe nobody reads would block it once full)."""
     command = [sys.executable, "-m", "engram_offload.serving.rowserver.server", str(table), str(socket_path),
                "--tier", tier, "--cache", str(int(cache_bytes)), "--policy", policy]
     if max_rows is not None:
         command += ["--max-rows", str(int(max_rows))]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            said = server.stderr.read().strip() if server.stderr is not None else ""
-            raise EngramError(f"the row server exited ({server.returncode}): {said}")
-        if Path(socket_path).exists():
-            try:
-                RowClient(socket_path).close()
-                return server
-            except TierError:
-                pass
-        time.sleep(0.05)
+    if max_connections is not None:
+        command += ["--max-connections", str(int(max_connections))]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                log.seek(0)
+                said = log.read()[-4000:].decode(errors="replace").strip()
+                raise EngramError(f"the row server exited ({server.returncode}): {said}")
+            if Path(socket_path).exists():
+                try:
+                    RowClient(socket_path, timeout_s=max(1.0, deadline - time.monotonic()), verify="none").close()
+                    return server
+                except TierError:
+                    pass
+            time.sleep(0.05)
     server.kill()
+    server.wait()
     raise EngramError(f"the row server did not answer at {socket_path} within {timeout:.0f} s")

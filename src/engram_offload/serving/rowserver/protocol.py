@@ -9,15 +9,21 @@ Rows never travel through the socket. At connect the server hands the client a m
 and every request is one message ``(op, flags, value, extra)``; a reply is the same header
 plus, for ``HELO``, ``STAT`` and ``EROR``, a JSON payload. One request is in flight per
 connection at a time.
+
+Both ends trust only the operator's uid and root: each reads the other's uid from the
+socket (``SO_PEERCRED``, set by the kernel, not by the peer) and refuses any other.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import struct
 from typing import Any
 
-__all__ = ["MSG", "FETCH", "RELEASE", "STATS", "HELLO", "OK", "ERROR", "HOLD", "encode", "decode", "buffer_layout"]
+__all__ = ["MSG", "FETCH", "RELEASE", "STATS", "HELLO", "OK", "ERROR", "HOLD", "encode", "decode", "buffer_layout",
+           "peer_credentials", "trusted_uid"]
 
 MSG = struct.Struct("<4sIQQ")  # op, flags, value, extra
 MAX_MESSAGE = 1 << 20
@@ -50,3 +56,17 @@ def buffer_layout(max_rows: int, row_bytes: int) -> tuple[int, int]:
     """(rows_offset, total bytes) of a connection's exchange buffer."""
     rows_offset = -(-max_rows * 8 // 4096) * 4096
     return rows_offset, rows_offset + max_rows * row_bytes
+
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket, as the
+    kernel recorded them at connect (``SO_PEERCRED``): the peer cannot claim another."""
+    return _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+
+
+def trusted_uid(uid: int) -> bool:
+    """Whether ``uid`` may serve or read this process's rows: this process's own uid, or root."""
+    return uid in (os.geteuid(), 0)
