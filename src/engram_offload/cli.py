@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -42,7 +43,12 @@ class Terminated(BaseException):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (and exit code 2)."""
+    """An argument parser whose usage errors are one line (and exit code 2), and which reads a
+    negative size (``--cache -1G``) as a value (refused by its type) rather than an option."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+\s*[A-Za-z%]+$")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

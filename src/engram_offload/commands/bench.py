@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
-from ..units import format_bytes, parse_size
+from ..units import format_bytes, parse_size, size_or_percent_arg
 from . import UsageError
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
@@ -54,6 +54,11 @@ int_or_zero = _number(int, 0, what="an integer")
 fraction = _number(float, 0, low_open=True, high=1, what="a fraction")
 
 
+def _budget_arg(text: str) -> str:
+    """argparse type: ``none`` or a size or percentage of the table (checked now, read later)."""
+    return text if text.strip().lower() == "none" else size_or_percent_arg(text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -84,10 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(tier shared), direct goes through one row server; with --tp, groups of --tp ranks split the "
                    "columns (docs/ranks.md)")
     m = p.add_argument_group("memory")
-    m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
-    m.add_argument("--cache-bytes", default=None,
+    m.add_argument("--dram-budget", default="20%", type=_budget_arg, help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
+    m.add_argument("--cache-bytes", default=None, type=size_or_percent_arg,
                    help="the DRAM row cache of the direct and remote tiers (default: the whole budget)")
-    m.add_argument("--fast-cache-bytes", default="0", help="a fast cache above it (GPU memory when there is one; default 0)")
+    m.add_argument("--fast-cache-bytes", default="0", type=size_or_percent_arg, help="a fast cache above it (GPU memory when there is one; default 0)")
     m.add_argument("--policy", default="lfu", help="row cache eviction policy (default lfu)")
     q = p.add_argument_group("pool (the remote tier)")
     q.add_argument("--pool", default=None, metavar="URL",
@@ -414,7 +419,7 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--callers", type=positive_int,
                         help="caller threads of random gathers (default: 1; mmap: the queue depth; not with --prefetcher)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-bytes", default="0",
+    parser.add_argument("--cache-bytes", default="0", type=size_or_percent_arg,
                         help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
                         "table (10%%); default none")
     parser.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
