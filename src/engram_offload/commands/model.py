@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -119,15 +120,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from ..model.train import TrainSettings, plot_losses, train
 
+    out, plot = train_outputs(args.out, args.plot)  # before any work: a bad path fails now, not at the end
     torch.set_num_threads(args.threads)
     s = TrainSettings(seed=args.seed, corpus=args.corpus)
     for name in ("steps", "batch", "seq_len", "max_train_tokens"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
-    result = train(s, args.out, progress=not args.no_progress, log=log)
-    out = Path(args.out)
-    plot = Path(args.plot) if args.plot else out.parent / f"{out.name}-loss.png"
+    result = train(s, out, progress=not args.no_progress, log=log)
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]
@@ -135,6 +135,42 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"tokens in {result.seconds:.0f} s; held-out loss {last.get('held_out_loss', float('nan')):.3f}; "
           f"loss curve {plot}")
     return 0
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """Refuse (``UsageError``) a folder that cannot be created or written: its nearest existing
+    part must be a folder this process may write in."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{what}: {existing} is a file, not a folder: give another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{what}: cannot write in {existing}: give a path you may write to")
+
+
+def train_outputs(out_arg: str, plot_arg: str | None) -> tuple[Path, Path]:
+    """The checkpoint folder and loss-curve file of ``train``, checked before training starts:
+    the folder is not a file and can be written; the plot is a file name (default
+    ``OUT-loss.png`` beside the folder, named after the folder even for ``.``)."""
+    if not out_arg.strip():
+        raise UsageError("--out is empty: give the folder to write the checkpoint into")
+    out = Path(out_arg)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out_arg} is a file: give a folder to write the checkpoint into "
+                         "(created if missing)")
+    _writable_folder(out, "--out")
+    if plot_arg:
+        plot = Path(plot_arg)
+    else:
+        whole = out.resolve()
+        plot = whole.parent / f"{whole.name}-loss.png" if whole.name else whole / "loss.png"
+    if plot.is_dir():
+        raise UsageError(f"--plot {plot} is a folder: give a .png file name")
+    if not plot.absolute().parent.is_dir():
+        raise UsageError(f"--plot: folder {plot.absolute().parent} does not exist: create it first")
+    _writable_folder(plot.absolute().parent, "--plot")
+    return out, plot
 
 
 def _held_out_pieces(args: argparse.Namespace) -> list:

@@ -47,7 +47,8 @@ def corpus_files(roots: Iterable[str | Path] | None = None) -> list[CorpusFile]:
     """Text files under ``roots`` (default: the standard library, plus ``DOCS_ROOT`` if present).
 
     A default root is labelled ``stdlib`` (its ``.py`` files) or ``docs`` (its ``.txt``
-    files); a given root by its folder name (its ``.py``, ``.txt`` and ``.rst`` files).
+    files); a given root by its folder name (its ``.py``, ``.txt`` and ``.rst`` files). A given
+    root may be one such file: a corpus of that file alone, labelled by its name.
     """
     if roots is None:
         pairs: list[tuple[Path, str, tuple[str, ...]]] = [(Path(sysconfig.get_paths()["stdlib"]), "stdlib", (".py",))]
@@ -57,6 +58,13 @@ def corpus_files(roots: Iterable[str | Path] | None = None) -> list[CorpusFile]:
         pairs = [(Path(r), Path(r).resolve().name, SUFFIXES) for r in roots]
     files: list[CorpusFile] = []
     for root, label, suffixes in pairs:
+        if root.is_file() and roots is not None:
+            if root.suffix not in suffixes:
+                raise ValueError(f"corpus {root} is not a .py/.txt/.rst file: give such a file or a folder of them")
+            files.append(CorpusFile(root, label))  # one file: a corpus of one, labelled by its name
+            continue
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"corpus {root} is neither a file nor a folder: give a folder of .py/.txt/.rst files")
         if not root.is_dir():
             raise FileNotFoundError(f"corpus folder {root} does not exist: give a folder of .py/.txt/.rst files")
         files += _files_under(root, label, suffixes)
