@@ -104,11 +104,19 @@ def _signals_raise() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
+    try:  # start-up (the command modules' imports) ends in one line too
+        parser = build_parser()
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else 2
+    except KeyboardInterrupt:
+        print("engram-offload: interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
+        return 130
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if "--debug" in argv:
+            raise
+        print(f"engram-offload: error while starting: {_message(exc)}", file=sys.stderr)
+        return 1
     args.argv = argv  # for records of the command line
     if not getattr(args, "func", None):
         parser.print_help()
@@ -135,9 +143,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _message(exc: Exception) -> str:
     from .errors import EngramError
 
+    limit = _address_space_limit()
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        import threading
+
+        return (f"cannot start another thread ({threading.active_count()} running): the process's "
+                f"{'address-space limit (ulimit -v, ' + limit + ')' if limit else 'memory'} or its thread limit "
+                "(ulimit -u) is too low for this many; raise the limit or use fewer threads")
+    if limit and (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)):
+        return (f"out of memory under the address-space limit (ulimit -v, {limit}): raise the limit "
+                "or choose a smaller size")
     if isinstance(exc, (EngramError, ValueError, KeyError, OSError, MemoryError)):
         return describe(exc)
     return f"unexpected {type(exc).__name__}: {describe(exc)} (rerun with --debug for the traceback)"
+
+
+def _address_space_limit() -> str | None:
+    """This process's address-space limit (``ulimit -v``, ``prlimit --as``) as text, or None."""
+    import resource
+
+    from .units import format_bytes
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else format_bytes(soft)
 
 
 if __name__ == "__main__":

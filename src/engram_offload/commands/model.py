@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_bytes_atomic
-from ..units import non_negative_int, positive_int, size_arg
+from ..units import format_bytes, non_negative_int, positive_int, size_arg
 from . import UsageError
+from .core import MemoryNeed, check_memory_needs
+
+EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
 
 if TYPE_CHECKING:
     from ..model.skip import SkipPoint
@@ -121,11 +124,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..model.train import TrainSettings, plot_losses, train
 
     out, plot = train_outputs(args.out, args.plot)  # before any work: a bad path fails now, not at the end
-    torch.set_num_threads(args.threads)
     s = TrainSettings(seed=args.seed, corpus=args.corpus)
     for name in ("steps", "batch", "seq_len", "max_train_tokens"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    b, t, v, h = s.batch, s.seq_len, s.vocab, s.attention_heads
+    check_memory_needs([
+        MemoryNeed(f"--seq-len {t}" if t * 16 > b * 128 else f"--batch {b}", b * t * (2 * v + h * t) * 4,
+                   f"{b:,} windows x {t:,} tokens x ({v:,} logits x 2 + {h} heads x {t:,} attention) x 4 B"),
+    ])  # --max-train-tokens only caps what the corpus gives: not an allocation of its own
+    torch.set_num_threads(args.threads)
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
     result = train(s, out, progress=not args.no_progress, log=log)
     plot_losses(result.history, plot)
@@ -173,6 +181,17 @@ def train_outputs(out_arg: str, plot_arg: str | None) -> tuple[Path, Path]:
     return out, plot
 
 
+def _check_reading_memory(args: argparse.Namespace, cache: int = 0) -> None:
+    """Refuse up front (exit 2) a --seq-len or --cache the machine cannot hold (--max-tokens only
+    caps what the corpus gives, and the corpus is read in bounded pieces)."""
+    t = args.seq_len
+    needs = [MemoryNeed(f"--seq-len {t}", EVAL_BATCH * t * t * 4,
+                        f"{EVAL_BATCH} windows x {t:,} x {t:,} attention scores x 4 B")]
+    if cache:
+        needs.append(MemoryNeed(f"--cache {format_bytes(cache)}", cache, "the row cache"))
+    check_memory_needs(needs)
+
+
 def _held_out_pieces(args: argparse.Namespace) -> list:
     from ..engram.tokenizer import load_tokenizer
     from ..model.corpus import corpus_files, split, token_sequences
@@ -193,6 +212,7 @@ def _load(args: argparse.Namespace, table: bool):
 
     from ..model.checkpoint_io import load_model, shipped_model_dir
 
+    _check_reading_memory(args, getattr(args, "cache", 0))
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else shipped_model_dir()
     return model_dir, load_model(model_dir, table=table)
