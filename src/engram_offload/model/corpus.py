@@ -16,7 +16,6 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-
 __all__ = ["CorpusFile", "corpus_files", "split", "token_sequences", "text_pieces", "DOCS_ROOT", "EOS_ID",
            "HELD_OUT_EVERY", "PIECE_CHARS"]
 
@@ -105,7 +104,8 @@ def token_sequences(files: Iterable[CorpusFile], tokenizer: Any, max_tokens: int
             docs = [_stream_tokens(head.path, tokenizer, need, piece_chars)]
             head = next(pending, None)
         else:
-            texts, size = [], 0
+            texts: list[str] = []
+            size = 0
             while head is not None and len(texts) < _BATCH_FILES and size < _BATCH_CHARS \
                     and (chars := _file_chars_at_most(head.path)) <= piece_chars:
                 texts.append(_read(head.path))
@@ -156,7 +156,8 @@ def text_pieces(path: Path, tokenizer: Any, piece_chars: int = PIECE_CHARS,
     regex pre-tokenization looks only a character or so ahead, so the pieces' token ids
     concatenate to the whole text's. A single pre-token longer than ``4 * piece_chars``
     (a run of 4 MiB of letters) is cut where it is, to keep memory bounded."""
-    pre = getattr(_backend(tokenizer), "pre_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers tokenizer's own
+    pre = getattr(backend, "pre_tokenizer", None)
     size = first_chars or piece_chars
     with open(path, encoding="utf-8", errors="replace") as f:
         carry = ""
@@ -172,10 +173,6 @@ def text_pieces(path: Path, tokenizer: Any, piece_chars: int = PIECE_CHARS,
             carry = text[cut:]
         if carry:
             yield carry
-
-
-def _backend(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "backend_tokenizer", tokenizer)
 
 
 def _cut(text: str, pre_tokenizer: Any) -> int:
