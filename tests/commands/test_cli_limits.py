@@ -119,3 +119,15 @@ def test_sigint_while_starting_is_one_line_and_130():
         child.kill()
     assert child.returncode == 130, err
     assert err.strip().splitlines() == ["engram-offload: interrupted (SIGINT) while starting; nothing was done"]
+
+
+def test_eval_under_a_tight_address_space_limit_is_refused_before_loading():
+    """The tokenizer aborts the process when an allocation fails: the room it needs is checked first."""
+    run = _limited("""
+        raise SystemExit(main(["eval", "--max-tokens", "100"]))
+    """, 100 << 20)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()]
+    assert run.stderr.startswith("engram-offload eval: error: loading the model and the tokenizer needs at least ")
+    assert run.stderr.strip().endswith("left under the address-space limit (ulimit -v): raise the address-space "
+                                       "limit (ulimit -v) or free memory")

@@ -17,11 +17,13 @@ from . import UsageError
 @dataclass(frozen=True)
 class MemoryNeed:
     """What one size option costs in memory at least: ``option`` as given, ``bytes``, and how
-    the figure comes (``"1,000,000,000 rows x 272 B"``)."""
+    the figure comes (``"1,000,000,000 rows x 272 B"``); ``fix`` replaces "give a smaller
+    OPTION" for a need that is no option's."""
 
     option: str
     bytes: int
     how: str
+    fix: str | None = None
 
 
 def address_space_left() -> int | None:
@@ -62,12 +64,12 @@ def check_memory_needs(needs: list[MemoryNeed], flag: str | None = None) -> None
         return
     available, what = usable
     worst = max(needs, key=lambda n: n.bytes)
-    name = worst.option.split()[0]
+    fix = worst.fix or f"give a smaller {worst.option.split()[0]}"
     others = f" (all options together: {format_bytes(total)})" if worst.bytes <= available else ""
     force = f", or pass {flag} to try anyway" if flag else ""
     raise UsageError(
         f"{worst.option} needs at least {format_bytes(worst.bytes)} of memory ({worst.how}){others}, but "
-        f"{format_bytes(available)} is {what}: give a smaller {name}{force}"
+        f"{format_bytes(available)} is {what}: {fix}{force}"
     )
 
 

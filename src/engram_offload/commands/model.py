@@ -16,6 +16,10 @@ from . import UsageError
 from .core import MemoryNeed, check_memory_needs
 
 EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
+# What loading the model and the tokenizer and tokenizing take once torch is imported (measured:
+# about 280 MiB of address space, its worker threads' stacks included); the tokenizer aborts
+# the process, past any message, when an allocation fails.
+LOAD_BYTES = 320 << 20
 
 if TYPE_CHECKING:
     from ..model.skip import SkipPoint
@@ -186,7 +190,10 @@ def _check_reading_memory(args: argparse.Namespace, cache: int = 0) -> None:
     caps what the corpus gives, and the corpus is read in bounded pieces)."""
     t = args.seq_len
     needs = [MemoryNeed(f"--seq-len {t}", EVAL_BATCH * t * t * 4,
-                        f"{EVAL_BATCH} windows x {t:,} x {t:,} attention scores x 4 B")]
+                        f"{EVAL_BATCH} windows x {t:,} x {t:,} attention scores x 4 B"),
+             MemoryNeed("loading the model and the tokenizer", LOAD_BYTES,
+                        "their weights, vocabulary and threads, beyond the modules already loaded",
+                        fix="raise the address-space limit (ulimit -v) or free memory")]
     if cache:
         needs.append(MemoryNeed(f"--cache {format_bytes(cache)}", cache, "the row cache"))
     check_memory_needs(needs)
