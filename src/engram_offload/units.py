@@ -14,6 +14,7 @@ from typing import Callable
 
 __all__ = [
     "MAX_SIZE",
+    "MAX_THREADS",
     "format_bytes",
     "parse_size",
     "size_arg",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 MAX_SIZE = 1 << 60  # 1 EiB: any larger byte count is a typo
+MAX_THREADS = 1024  # a --threads above it is a typo (torch's thread pool crashes the process far above it)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 

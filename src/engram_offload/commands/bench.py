@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
-from ..units import format_bytes, parse_size, size_or_percent_arg
+from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
 
@@ -136,7 +136,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    b.add_argument("--threads", type=positive_int, default=None, help="torch threads for the backbone (default: cores - 1)")
+    b.add_argument("--threads", type=int_in_range(1, MAX_THREADS), default=None,
+                   help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")
     o.add_argument("--json", default=None, metavar="PATH", help="JSON path (default OUT/results.json)")

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_bytes_atomic
-from ..units import format_bytes, non_negative_int, positive_int, size_arg
+from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int, size_arg
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
 
+THREADS = int_in_range(1, MAX_THREADS)  # torch's thread pool crashes the process far above it
 EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
 # What loading the model and the tokenizer and tokenizing take once torch is imported (measured:
 # about 280 MiB of address space, its worker threads' stacks included); the tokenizer aborts
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="tokenize at most this many training tokens (default 1,000,000)")
     tr.add_argument("--corpus", action="append", help="a folder of .py/.txt/.rst files (repeatable; "
                     "default: the standard library and, if installed, python3.11-doc)")
-    tr.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: reproducible)")
+    tr.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1: reproducible)")
     tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
@@ -118,7 +119,7 @@ def _reading_parent() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=non_negative_int, default=100_000,
                    help="tokens of text to read (default 100,000; 0 = all)")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1)")
     return p
 
 
