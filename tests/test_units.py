@@ -25,7 +25,7 @@ from engram_offload.units import (
 
 @pytest.mark.parametrize("text,whole,expected", [
     ("512M", None, 512 << 20), ("2G", None, 2 << 30), ("1.5GiB", None, 3 << 29), ("1kb", None, 1024),
-    (" 7 ", None, 7), (4096, None, 4096), ("10%", 1000, 100), ("0%", 1000, 0), ("100%", 3, 3),
+    (" 7 ", None, 7), (4096, None, 4096), ("0.5K", None, 512), ("1.1G", None, 1181116006), ("3.0", None, 3), ("10%", 1000, 100), ("0%", 1000, 0), ("100%", 3, 3),
 ])
 def test_parse_size_accepts(text, whole, expected):
     assert parse_size(text, whole) == expected
@@ -33,7 +33,9 @@ def test_parse_size_accepts(text, whole, expected):
 
 @pytest.mark.parametrize("text,whole,match", [
     ("inf%", 1000, "finite"), ("nan%", 1000, "finite"), ("-5%", 1000, "finite"), ("inf", None, "not understood"),
-    ("nan", None, "not understood"), ("-1", None, "not understood"), (-1, None, "negative"),
+    ("nan", None, "not understood"), ("-1", None, "negative"), ("-1G", None, "negative"), (-1, None, "negative"),
+    ("0.5", None, "not a whole number of bytes"), ("1.5", None, "not a whole number"),
+    ("0.0001K", None, "less than one byte"),
     ("2000000T", None, "over"), (MAX_SIZE + 1, None, "over"), ("1e400%", 1000, "finite"),
     ("10%", None, "percentage"), ("x%", 10, "number followed by %"), ("", None, "not understood"),
     (True, None, "not a number"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -42,7 +43,12 @@ class Terminated(BaseException):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (and exit code 2)."""
+    """An argument parser whose usage errors are one line (and exit code 2), and which reads a
+    negative size (``--cache -1G``) as a value (refused by its type) rather than an option."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+\s*[A-Za-z%]+$")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -98,11 +104,19 @@ def _signals_raise() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
+    try:  # start-up (the command modules' imports) ends in one line too
+        parser = build_parser()
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else 2
+    except KeyboardInterrupt:
+        print("engram-offload: interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
+        return 130
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if "--debug" in argv:
+            raise
+        print(f"engram-offload: error while starting: {_message(exc)}", file=sys.stderr)
+        return 1
     args.argv = argv  # for records of the command line
     if not getattr(args, "func", None):
         parser.print_help()
@@ -129,9 +143,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _message(exc: Exception) -> str:
     from .errors import EngramError
 
+    limit = _address_space_limit()
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        import threading
+
+        return (f"cannot start another thread ({threading.active_count()} running): the process's "
+                f"{'address-space limit (ulimit -v, ' + limit + ')' if limit else 'memory'} or its thread limit "
+                "(ulimit -u) is too low for this many; raise the limit or use fewer threads")
+    if limit and (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)):
+        return (f"out of memory under the address-space limit (ulimit -v, {limit}): raise the limit "
+                "or choose a smaller size")
     if isinstance(exc, (EngramError, ValueError, KeyError, OSError, MemoryError)):
         return describe(exc)
     return f"unexpected {type(exc).__name__}: {describe(exc)} (rerun with --debug for the traceback)"
+
+
+def _address_space_limit() -> str | None:
+    """This process's address-space limit (``ulimit -v``, ``prlimit --as``) as text, or None."""
+    import resource
+
+    from .units import format_bytes
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else format_bytes(soft)
 
 
 if __name__ == "__main__":

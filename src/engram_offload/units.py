@@ -14,6 +14,7 @@ from typing import Callable
 
 __all__ = [
     "MAX_SIZE",
+    "MAX_THREADS",
     "format_bytes",
     "parse_size",
     "size_arg",
@@ -29,14 +30,16 @@ __all__ = [
 ]
 
 MAX_SIZE = 1 << 60  # 1 EiB: any larger byte count is a typo
+MAX_THREADS = 1024  # a --threads above it is a typo (torch's thread pool crashes the process far above it)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str | int, whole: int | None = None) -> int:
-    """``"512M"`` -> 536870912 (binary units; ``K``/``KiB``/``KB`` alike), ``"10%"`` -> 10% of
-    ``whole`` (when given). Raises ``ValueError`` naming the accepted forms for anything
-    else: negative, infinite, NaN or above ``MAX_SIZE`` (1 EiB)."""
+    """``"512M"`` -> 536870912 (binary units; ``K``/``KiB``/``KB`` alike; a fraction of a unit
+    to the nearest byte), ``"10%"`` -> 10% of ``whole`` (when given). Raises ``ValueError``
+    naming the accepted forms for anything else: negative, a fraction of a byte (``0.5``,
+    never silently 0), infinite, NaN or above ``MAX_SIZE`` (1 EiB)."""
     if isinstance(text, bool):
         raise ValueError(f"size {text!r} is not a number of bytes")
     if isinstance(text, int):
@@ -54,11 +57,18 @@ def parse_size(text: str | int, whole: int | None = None) -> int:
                 raise ValueError(f"size {text!r}: the percentage must be a finite number >= 0, e.g. 20%")
             value = int(percent / 100 * whole)
         else:
-            m = _PATTERN.match(s)
+            m = _PATTERN.match(s.lstrip("-+"))
+            if m and s.startswith("-"):
+                raise ValueError(f"size {text!r} is negative: give a size >= 0")
             if not m:
                 raise ValueError(f"size {text!r} not understood: give bytes (1073741824), a unit (512M, 2G, 1.5GiB)"
                                  + (" or a percentage (20%)" if whole is not None else ""))
-            value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            number, unit = float(m.group(1)), _UNITS[m.group(2).lower()]
+            if unit == 1 and not number.is_integer():
+                raise ValueError(f"size {text!r} is not a whole number of bytes: give bytes (1024) or a unit (0.5K)")
+            value = round(number * unit)  # 1.1G: to the nearest byte
+            if value == 0 and number > 0:
+                raise ValueError(f"size {text!r} is less than one byte: give bytes or a larger unit")
     if value < 0:
         raise ValueError(f"size {text!r} is negative")
     if value > MAX_SIZE:

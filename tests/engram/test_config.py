@@ -429,3 +429,29 @@ def test_a_flat_config_ignores_a_text_config_beside_it():
             "engram_vocab_size": [100, 200], "hidden_size": 64}
     assert EngramConfig.from_hf_config(flat | {"text_config": {"hidden_size": 96, "engram_n_heads": 4}}) == \
         EngramConfig.from_hf_config(flat)
+
+
+@pytest.mark.parametrize("field, value, name", [
+    ("engram_n_heads", 2.7, "engram_n_heads"),
+    ("engram_head_dim", 63.5, "engram_head_dim"),
+    ("engram_max_ngram_size", 3.2, "engram_max_ngram_size"),
+    ("engram_vocab_size", 300.9, "engram_vocab_size"),
+    ("engram_layer_ids", [1.5, 3], "a layer id"),
+    ("hidden_size", "128", "hidden_size"),
+])
+def test_a_fractional_field_is_refused_not_truncated(tmp_path, capsys, field, value, name):
+    from engram_offload.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_hf_dict(), field: value}))
+    assert main(["info", "--config", str(path), "--json"]) == 1
+    err = capsys.readouterr().err
+    assert f"{name} must be a whole number, got {value if not isinstance(value, list) else value[0]!r}" in err
+    with pytest.raises(ValueError, match=f"^{name} must be a whole number"):
+        EngramConfig.from_hf_config({**_hf_dict(), field: value})
+
+
+def test_a_whole_float_field_is_the_integer(tmp_path):
+    """JSON writers may write 8.0 for 8: the same value, accepted."""
+    whole = {**_hf_dict(), "engram_n_heads": 8.0, "engram_head_dim": 256.0, "engram_layer_ids": [1.0, 14]}
+    assert EngramConfig.from_hf_config(whole) == EngramConfig.from_hf_config(_hf_dict())

@@ -59,9 +59,9 @@ def test_large_batch_uses_threads_and_matches(small_hasher, monkeypatch):
     assert np.array_equal(got[1, -50:].numpy(), reference_row_ids(SMALL, TOKEN_MAP, ids[1].tolist())[-50:])
 
 
-def test_negative_ids_pass_through_like_the_demo(small_hasher):
+def test_negative_ids_pass_through_like_the_demo_when_asked():
     ids = [[5, -1, 7, 9]]
-    got = small_hasher.hash_all(ids).numpy()[0]
+    got = NgramHasher(SMALL, TOKEN_MAP, negative_ids="pass").hash_all(ids).numpy()[0]
     assert np.array_equal(got, reference_row_ids(SMALL, TOKEN_MAP, ids[0]))
     assert (got >= 0).all()
 
@@ -176,10 +176,10 @@ def test_pieces_argument_errors(small_hasher):
 @given(st.lists(st.lists(st.integers(-5, VOCAB - 1), min_size=6, max_size=6), min_size=1, max_size=40))
 def test_native_kernel_equals_numpy_path(rows):
     """The compiled kernel and the NumPy fallback give the same ids (negative ids included)."""
-    native = NgramHasher(SMALL, TOKEN_MAP)
+    native = NgramHasher(SMALL, TOKEN_MAP, negative_ids="pass")
     if native._kernel is None:
         pytest.skip("the native hash kernel is not built")
-    fallback = NgramHasher(SMALL, TOKEN_MAP)
+    fallback = NgramHasher(SMALL, TOKEN_MAP, negative_ids="pass")
     fallback._kernel = None
     ids = np.array(rows)
     assert torch.equal(native.hash_all(ids), fallback.hash_all(ids))
@@ -325,11 +325,12 @@ def test_sequence_slots_are_reused_after_release(small_hasher):
     assert len(history) == 0 and history.capacity == 2 and len(history.tokens) == 2
 
 
-def test_compress_maps_ids_and_passes_negative_ones_through():
+def test_compress_maps_ids_and_passes_negative_ones_through_when_asked():
     token_map = np.arange(60, dtype=np.int64)[::-1].copy()  # id i -> 59 - i: no id maps to itself
     hasher = NgramHasher(SMALL, token_map)
     assert hasher.compress([0, 1, 40, 59]).tolist() == [59, 58, 19, 0]
-    assert hasher.compress([[0, -1], [40, -7]]).tolist() == [[59, -1], [19, -7]]
+    demo = NgramHasher(SMALL, token_map, negative_ids="pass")
+    assert demo.compress([[0, -1], [40, -7]]).tolist() == [[59, -1], [19, -7]]
     assert hasher.compress(np.zeros((2, 0), np.int64)).shape == (2, 0)
     assert hasher.hash_all(np.zeros((2, 0), np.int64)).shape == (2, 0, 2, SMALL.cols_per_layer)
 
@@ -341,3 +342,15 @@ def test_shape_and_dtype_errors_are_named(small_hasher):
         small_hasher.hash_all([1, 2, 3])
     with pytest.raises(ValueError, match=r"^dead_mask shape \(1, 2\) != input_ids shape \(1, 3\)$"):
         small_hasher.hash_all([[1, 2, 3]], np.zeros((1, 2), bool))
+
+
+@pytest.mark.parametrize("call", ["hash_all", "hash", "hash_pieces", "compress"])
+def test_negative_token_ids_are_refused(small_hasher, call):
+    ids = [[5, -3, 7, 9]]
+    with pytest.raises(ValueError, match=r"^token id -3 is negative: token ids run from 0 to 49; "):
+        if call == "hash_pieces":
+            small_hasher.hash_pieces(small_hasher.new_history(), [0], [ids[0]])
+        else:
+            getattr(small_hasher, call)(ids)
+    with pytest.raises(ValueError, match="negative_ids must be 'refuse' or 'pass'"):
+        NgramHasher(SMALL, TOKEN_MAP, negative_ids="keep")

@@ -22,7 +22,7 @@ from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from .cold import make_cold
 from .corpus import Corpus
 
-__all__ = ["run_tier_bench"]
+__all__ = ["run_tier_bench", "memory_needs"]
 
 
 @dataclass
@@ -107,6 +107,42 @@ def _load_rate(tier_stats: dict[str, Any]) -> float | None:
     """Bytes per second of a resident tier's load at open (None for tiers that load nothing)."""
     seconds = tier_stats.get("load_seconds")
     return tier_stats["load_bytes"] / seconds if seconds else None
+
+
+# The least memory a caller thread takes (its stack pages, thread state and Python frame).
+THREAD_BYTES = 32 << 10
+RESIDENT_TIERS = ("memory", "pinned", "shared")
+
+
+def memory_needs(tier: str, num_rows: int, row_bytes: int, rows_per_token: int, *, batch: int = 1024,
+                 callers: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, cache_bytes: int = 0,
+                 prefetcher: bool = False, sequences: int = 32, run_ahead: int = 2,
+                 corpus_tokens: int = 300_000, corpus: str | Corpus = "stdlib") -> list[tuple[str, int, int, str]]:
+    """What a run's settings cost in memory, each counted at least (the real cost is higher):
+    ``(setting, its value, bytes, how)``, to refuse a run that cannot fit before it allocates."""
+    row = 8 + row_bytes  # a row id in, a row out
+    needs = [("cache_bytes", cache_bytes, cache_bytes, "the row cache")]
+    if tier in RESIDENT_TIERS:
+        needs.append(("tier", 0, num_rows * row_bytes, f"{tier}: the whole table, {num_rows:,} rows x {row_bytes} B"))
+    if prefetcher:
+        needs += [
+            ("sequences", sequences, sequences * max(run_ahead, 1) * rows_per_token * row,
+             f"{sequences:,} sequences x {run_ahead} steps x {rows_per_token} rows x {row} B"),
+            ("run_ahead", run_ahead, run_ahead * THREAD_BYTES, f"{run_ahead:,} steps x {THREAD_BYTES >> 10} KiB"),
+        ]
+        if corpus == "zipf":  # made up to the count asked (a real corpus is only capped by it)
+            needs.append(("corpus_tokens", corpus_tokens, corpus_tokens * 8, f"{corpus_tokens:,} token ids x 8 B"))
+        return needs
+    threads = callers if callers is not None else (queue_depth if tier == "mmap" else 1)
+    source = "callers" if callers is not None else "queue_depth"  # what sets the caller threads
+    larger = ("batch", batch) if batch >= threads else (source, threads)  # the one to make smaller
+    needs += [
+        (*larger, threads * batch * row, f"{threads:,} caller(s) x {batch:,} rows x {row} B"),
+        (source, threads, threads * THREAD_BYTES, f"{threads:,} threads x {THREAD_BYTES >> 10} KiB"),
+        ("queue_depth", queue_depth, queue_depth * (THREAD_BYTES if tier == "mmap" else row),
+         f"{queue_depth:,} reads in flight"),
+    ]
+    return needs
 
 
 def run_tier_bench(

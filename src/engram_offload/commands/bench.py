@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
-from ..units import format_bytes, parse_size
+from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
+from .core import MemoryNeed, check_memory_needs
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
@@ -54,6 +55,11 @@ int_or_zero = _number(int, 0, what="an integer")
 fraction = _number(float, 0, low_open=True, high=1, what="a fraction")
 
 
+def _budget_arg(text: str) -> str:
+    """argparse type: ``none`` or a size or percentage of the table (checked now, read later)."""
+    return text if text.strip().lower() == "none" else size_or_percent_arg(text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -84,10 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(tier shared), direct goes through one row server; with --tp, groups of --tp ranks split the "
                    "columns (docs/ranks.md)")
     m = p.add_argument_group("memory")
-    m.add_argument("--dram-budget", default="20%", help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
-    m.add_argument("--cache-bytes", default=None,
+    m.add_argument("--dram-budget", default="20%", type=_budget_arg, help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
+    m.add_argument("--cache-bytes", default=None, type=size_or_percent_arg,
                    help="the DRAM row cache of the direct and remote tiers (default: the whole budget)")
-    m.add_argument("--fast-cache-bytes", default="0", help="a fast cache above it (GPU memory when there is one; default 0)")
+    m.add_argument("--fast-cache-bytes", default="0", type=size_or_percent_arg, help="a fast cache above it (GPU memory when there is one; default 0)")
     m.add_argument("--policy", default="lfu", help="row cache eviction policy (default lfu)")
     q = p.add_argument_group("pool (the remote tier)")
     q.add_argument("--pool", default=None, metavar="URL",
@@ -130,7 +136,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    b.add_argument("--threads", type=positive_int, default=None, help="torch threads for the backbone (default: cores - 1)")
+    b.add_argument("--threads", type=int_in_range(1, MAX_THREADS), default=None,
+                   help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")
     o.add_argument("--json", default=None, metavar="PATH", help="JSON path (default OUT/results.json)")
@@ -270,11 +277,33 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         nvme_bytes_per_s=args.nvme_bytes_per_s, nvme_latency_us=args.nvme_latency_us, pool=args.pool,
     )
     check_budget(settings)
+    check_memory_needs(_bench_needs(args, header, cache_bytes, max(concurrency)))
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
         from ..bench.modeled import modeled_backbone
 
         modeled_backbone(header.config, args.gpu, args.tp, args.model)
     return _Plan(table, header, budget, tiers, states, concurrency, settings)
+
+
+def _bench_needs(args: argparse.Namespace, header: Any, cache_bytes: int, concurrency: int) -> list[MemoryNeed]:
+    """What ``bench``'s size options cost in memory, each counted at least."""
+    config, row = header.config, header.layout.row_bytes
+    context = args.prompt_tokens + args.turns * (args.answer_tokens + args.tool_tokens)
+    layers = args.layers or max(config.layer_ids) + 2
+    needs = [
+        MemoryNeed(f"--cache-bytes {args.cache_bytes or args.dram_budget}", cache_bytes, "the row cache"),
+        MemoryNeed(f"--concurrency {concurrency}" if concurrency / 32 > context / 1472 else
+                   f"--prompt-tokens {args.prompt_tokens}",  # the one furthest above its default
+                   concurrency * context * config.rows_per_token * 8,
+                   f"{concurrency:,} requests x {context:,} tokens x {config.rows_per_token} row ids x 8 B"),
+        MemoryNeed(f"--max-step-tokens {args.max_step_tokens}", args.max_step_tokens * config.rows_per_token * row,
+                   f"{args.max_step_tokens:,} tokens x {config.rows_per_token} rows x {row} B"),
+    ]
+    if args.backbone == "cpu":
+        needs.append(MemoryNeed(f"--hidden {args.hidden}" if args.hidden > layers else f"--layers {layers}",
+                                layers * 12 * args.hidden * args.hidden * 4,
+                                f"{layers:,} layers x 12 x {args.hidden:,}^2 weights x 4 B"))
+    return needs
 
 
 def _corpora(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -414,7 +443,7 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--callers", type=positive_int,
                         help="caller threads of random gathers (default: 1; mmap: the queue depth; not with --prefetcher)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-bytes", default="0",
+    parser.add_argument("--cache-bytes", default="0", type=size_or_percent_arg,
                         help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
                         "table (10%%); default none")
     parser.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
@@ -466,15 +495,20 @@ def _tier_bench_mode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_tier(args: argparse.Namespace) -> int:
-    from ..bench.tier_bench import run_tier_bench
+    from ..bench.tier_bench import memory_needs, run_tier_bench
     from ..cache.policy import POLICIES
     from ..table.format import read_header
 
     mode = _tier_bench_mode(args)
-    layout = read_header(args.table).layout
+    header = read_header(args.table)
+    layout = header.layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
     if cache_bytes and args.policy not in POLICIES:
         raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
+    needs = memory_needs(args.tier, layout.num_rows, layout.row_bytes, header.config.rows_per_token,
+                         queue_depth=args.queue_depth, cache_bytes=cache_bytes,
+                         **{k: v for k, v in mode.items() if k != "check"})
+    check_memory_needs([MemoryNeed(_flag(name, value, args), need, how) for name, value, need, how in needs])
     result = run_tier_bench(args.table, args.tier, seconds=args.seconds, queue_depth=args.queue_depth,
                             cold=args.cold, drop_all_caches=args.drop_all_caches, engine=args.engine,
                             seed=args.seed, cache_bytes=cache_bytes, policy=args.policy, **mode)
@@ -483,6 +517,15 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
     else:
         _print_tier_result(result, args, cache_bytes)
     return 0
+
+
+def _flag(name: str, value: int, args: argparse.Namespace) -> str:
+    """A ``memory_needs`` setting as the operator gave it: ``--batch 1000000000``."""
+    if name == "tier":
+        return f"--tier {args.tier}"
+    if name == "cache_bytes":
+        return f"--cache-bytes {args.cache_bytes}"
+    return f"--{name.replace('_', '-')} {value}"
 
 
 def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_bytes: int) -> None:

@@ -4,12 +4,73 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..engram.config import EngramConfig, check_config_fields
 from ..engram.rows import get_row_format
-from ..units import positive_int
+from ..units import format_bytes, positive_int
+from . import UsageError
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one size option costs in memory at least: ``option`` as given, ``bytes``, and how
+    the figure comes (``"1,000,000,000 rows x 272 B"``); ``fix`` replaces "give a smaller
+    OPTION" for a need that is no option's."""
+
+    option: str
+    bytes: int
+    how: str
+    fix: str | None = None
+
+
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``,
+    ``prlimit --as``), or None when there is no limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        mapped = 0
+    return max(0, soft - mapped)
+
+
+def usable_memory() -> tuple[int, str] | None:
+    """The memory a new allocation can get, and what bounds it: the machine's available memory
+    (``MemAvailable``) or this process's address-space limit, whichever is less; None when
+    neither is known."""
+    from ..machine import available_memory_bytes
+
+    found = [(n, what) for n, what in ((available_memory_bytes(), "available"),
+                                       (address_space_left(), "left under the address-space limit (ulimit -v)"))
+             if n is not None]
+    return min(found) if found else None
+
+
+def check_memory_needs(needs: list[MemoryNeed], flag: str | None = None) -> None:
+    """Refuse up front (``UsageError``: exit 2) options whose memory, counted at least, exceeds
+    what this process can get (``usable_memory``), naming the largest option and what to do;
+    nothing is checked where the system does not say. ``flag``: the option that forces it."""
+    usable = usable_memory()
+    total = sum(n.bytes for n in needs)
+    if usable is None or total <= usable[0]:
+        return
+    available, what = usable
+    worst = max(needs, key=lambda n: n.bytes)
+    fix = worst.fix or f"give a smaller {worst.option.split()[0]}"
+    others = f" (all options together: {format_bytes(total)})" if worst.bytes <= available else ""
+    force = f", or pass {flag} to try anyway" if flag else ""
+    raise UsageError(
+        f"{worst.option} needs at least {format_bytes(worst.bytes)} of memory ({worst.how}){others}, but "
+        f"{format_bytes(available)} is {what}: {fix}{force}"
+    )
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:

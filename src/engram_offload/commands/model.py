@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_bytes_atomic
-from ..units import non_negative_int, positive_int, size_arg
+from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int, size_arg
 from . import UsageError
+from .core import MemoryNeed, check_memory_needs
+
+THREADS = int_in_range(1, MAX_THREADS)  # torch's thread pool crashes the process far above it
+EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
+# What loading the model and the tokenizer and tokenizing take once torch is imported (measured:
+# about 280 MiB of address space, its worker threads' stacks included); the tokenizer aborts
+# the process, past any message, when an allocation fails.
+LOAD_BYTES = 320 << 20
 
 if TYPE_CHECKING:
     from ..model.skip import SkipPoint
@@ -33,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="tokenize at most this many training tokens (default 1,000,000)")
     tr.add_argument("--corpus", action="append", help="a folder of .py/.txt/.rst files (repeatable; "
                     "default: the standard library and, if installed, python3.11-doc)")
-    tr.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: reproducible)")
+    tr.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1: reproducible)")
     tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
@@ -110,7 +119,7 @@ def _reading_parent() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=non_negative_int, default=100_000,
                    help="tokens of text to read (default 100,000; 0 = all)")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1)")
     return p
 
 
@@ -119,15 +128,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from ..model.train import TrainSettings, plot_losses, train
 
-    torch.set_num_threads(args.threads)
+    out, plot = train_outputs(args.out, args.plot)  # before any work: a bad path fails now, not at the end
     s = TrainSettings(seed=args.seed, corpus=args.corpus)
     for name in ("steps", "batch", "seq_len", "max_train_tokens"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    b, t, v, h = s.batch, s.seq_len, s.vocab, s.attention_heads
+    check_memory_needs([
+        MemoryNeed(f"--seq-len {t}" if t * 16 > b * 128 else f"--batch {b}", b * t * (2 * v + h * t) * 4,
+                   f"{b:,} windows x {t:,} tokens x ({v:,} logits x 2 + {h} heads x {t:,} attention) x 4 B"),
+    ])  # --max-train-tokens only caps what the corpus gives: not an allocation of its own
+    torch.set_num_threads(args.threads)
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
-    result = train(s, args.out, progress=not args.no_progress, log=log)
-    out = Path(args.out)
-    plot = Path(args.plot) if args.plot else out.parent / f"{out.name}-loss.png"
+    result = train(s, out, progress=not args.no_progress, log=log)
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]
@@ -135,6 +148,56 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"tokens in {result.seconds:.0f} s; held-out loss {last.get('held_out_loss', float('nan')):.3f}; "
           f"loss curve {plot}")
     return 0
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """Refuse (``UsageError``) a folder that cannot be created or written: its nearest existing
+    part must be a folder this process may write in."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{what}: {existing} is a file, not a folder: give another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{what}: cannot write in {existing}: give a path you may write to")
+
+
+def train_outputs(out_arg: str, plot_arg: str | None) -> tuple[Path, Path]:
+    """The checkpoint folder and loss-curve file of ``train``, checked before training starts:
+    the folder is not a file and can be written; the plot is a file name (default
+    ``OUT-loss.png`` beside the folder, named after the folder even for ``.``)."""
+    if not out_arg.strip():
+        raise UsageError("--out is empty: give the folder to write the checkpoint into")
+    out = Path(out_arg)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out_arg} is a file: give a folder to write the checkpoint into "
+                         "(created if missing)")
+    _writable_folder(out, "--out")
+    if plot_arg:
+        plot = Path(plot_arg)
+    else:
+        whole = out.resolve()
+        plot = whole.parent / f"{whole.name}-loss.png" if whole.name else whole / "loss.png"
+    if plot.is_dir():
+        raise UsageError(f"--plot {plot} is a folder: give a .png file name")
+    if not plot.absolute().parent.is_dir():
+        raise UsageError(f"--plot: folder {plot.absolute().parent} does not exist: create it first")
+    _writable_folder(plot.absolute().parent, "--plot")
+    return out, plot
+
+
+def _check_reading_memory(args: argparse.Namespace, cache: int = 0) -> None:
+    """Refuse up front (exit 2) a --seq-len or --cache the machine cannot hold (--max-tokens only
+    caps what the corpus gives, and the corpus is read in bounded pieces)."""
+    t = args.seq_len
+    needs = [MemoryNeed(f"--seq-len {t}", EVAL_BATCH * t * t * 4,
+                        f"{EVAL_BATCH} windows x {t:,} x {t:,} attention scores x 4 B"),
+             MemoryNeed("loading the model and the tokenizer", LOAD_BYTES,
+                        "their weights, vocabulary and threads, beyond the modules already loaded",
+                        fix="raise the address-space limit (ulimit -v) or free memory")]
+    if cache:
+        needs.append(MemoryNeed(f"--cache {format_bytes(cache)}", cache, "the row cache"))
+    check_memory_needs(needs)
 
 
 def _held_out_pieces(args: argparse.Namespace) -> list:
@@ -157,6 +220,7 @@ def _load(args: argparse.Namespace, table: bool):
 
     from ..model.checkpoint_io import load_model, shipped_model_dir
 
+    _check_reading_memory(args, getattr(args, "cache", 0))
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else shipped_model_dir()
     return model_dir, load_model(model_dir, table=table)

@@ -11,8 +11,9 @@ Names (SPEC section 4). The released DeepSeek-V4.1 shards name a layer's tensors
 - demo checkpoints: the demo module's state-dict names (``multi_head_embedding.embedding.weight``, ...).
 
 ``model.safetensors.index.json``, when present, says which shard holds which tensor, so only
-the shards holding a layer's Engram tensors are opened; without it every shard's header
-(never its data) is read to find them.
+the shards holding a layer's Engram tensors are opened (its shard names must be plain file
+names of the folder); without it every shard's header (never its data) is read to find them,
+and a tensor found in two shards is an error (which one is meant is not known).
 """
 
 from __future__ import annotations
@@ -73,17 +74,21 @@ class CheckpointIndex:
         root = Path(checkpoint)
         index = root / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map: is it a safetensors index?")
-            return cls(root, {name: root / shard for name, shard in weight_map.items()})
+            return cls(root, _read_index(index))
         shards = sorted(root.glob("*.safetensors"))
         if not shards:
             raise FileNotFoundError(f"no *.safetensors shards and no {INDEX_FILE} in {root}")
         shard_of: dict[str, Path] = {}
         for shard in shards:
             with open_shard(shard) as f:
-                shard_of.update((name, shard) for name in f.keys())
+                for name in f.keys():
+                    if name in shard_of:
+                        raise ValueError(
+                            f"tensor {name} is in two shards, {shard_of[name].name} and {shard.name}, and "
+                            f"{root} has no {INDEX_FILE} to say which is meant: remove the stale shard or "
+                            "add the checkpoint's index"
+                        )
+                    shard_of[name] = shard
         return cls(root, shard_of)
 
     def engram_layers(self) -> dict[int, dict[str, str]]:
@@ -121,6 +126,31 @@ class CheckpointIndex:
             with open_shard(shard) as f:
                 out.update((name, f.get_tensor(name)) for name in shard_names)
         return out
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> shard path in its
+    folder; ``ValueError`` naming the file for anything else (not UTF-8 JSON, not an object, a
+    shard name that is not a plain file name of the folder)."""
+    where = f"{index} is not a safetensors index"
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} (not UTF-8 text): re-download it or remove it") from None
+    except ValueError as exc:
+        raise ValueError(f"{where} (not valid JSON: {exc}): re-download it or remove it") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        found = "no weight_map object" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{where} ({found}, expected an object with a weight_map): re-download it or remove it")
+    shard_of: dict[str, Path] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\\" in shard \
+                or "\0" in shard:
+            raise ValueError(f"{where}: tensor {name} maps to {shard!r}, not a shard file name in "
+                             f"{index.parent}: re-download it or remove it")
+        shard_of[name] = index.parent / shard
+    return shard_of
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -76,6 +77,19 @@ COMPRESSED_VOCAB_RANGE = (1, 1 << 40)
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def whole_number(name: str, value: Any) -> int:
+    """``value`` as an int when it is one (or a float with no fraction, as JSON may write
+    ``8.0``); ``ValueError`` naming the field otherwise, never a silent truncation of 2.7 to 2."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, (bool, float, np.bool_)):
+        try:
+            return operator.index(value)  # int and NumPy's integers
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be a whole number, got {value!r}")
 
 
 def check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -151,11 +165,11 @@ class EngramConfig:
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+        object.__setattr__(self, "layer_ids", tuple(whole_number("a layer id", i) for i in self.layer_ids))
         starts = self.prime_starts
-        if isinstance(starts, int):
+        if isinstance(starts, (int, float)):
             starts = (starts,) * (self.max_ngram_size - 1)
-        object.__setattr__(self, "prime_starts", tuple(int(s) for s in starts))
+        object.__setattr__(self, "prime_starts", tuple(whole_number("a prime-search start", s) for s in starts))
         if not self.layer_ids:
             raise ValueError("layer_ids is empty: an Engram config needs at least one layer")
         if len(set(self.layer_ids)) != len(self.layer_ids):
@@ -219,30 +233,31 @@ class EngramConfig:
         ]
         if missing:
             raise ValueError(f"config.json lacks the Engram fields {missing}")
-        n = int(data["engram_max_ngram_size"])
+        n = whole_number("engram_max_ngram_size", data["engram_max_ngram_size"])
         vocab = data["engram_vocab_size"]
-        starts = tuple(vocab) if isinstance(vocab, (list, tuple)) else (int(vocab),) * (n - 1)
+        starts = tuple(vocab) if isinstance(vocab, (list, tuple)) else (whole_number("engram_vocab_size", vocab),) * (n - 1)
         quant = data.get("quantization_config") or {}
         fp8 = quant.get("fmt") == "e4m3" or quant.get("quant_method") == "fp8"
         image = data.get("image_token_id")
         config = cls(
             layer_ids=tuple(data["engram_layer_ids"]),
             max_ngram_size=n,
-            n_heads=int(data["engram_n_heads"]),
-            head_dim=int(data["engram_head_dim"]),
+            n_heads=whole_number("engram_n_heads", data["engram_n_heads"]),
+            head_dim=whole_number("engram_head_dim", data["engram_head_dim"]),
             prime_starts=starts,
-            pad_id=int(data.get("engram_pad_token_id", data.get("engram_pad_id", 2))),
-            hidden_size=int(data.get("hidden_size", 1024)),
-            hc_mult=int(data.get("hc_mult", 4)),
+            pad_id=whole_number("engram_pad_token_id", data.get("engram_pad_token_id", data.get("engram_pad_id", 2))),
+            hidden_size=whole_number("hidden_size", data.get("hidden_size", 1024)),
+            hc_mult=whole_number("hc_mult", data.get("hc_mult", 4)),
             variant="v4.1",
             row_format=data.get("engram_row_format", "fp8_e4m3_ue8m0" if fp8 else "bf16"),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             compressed_vocab_size=data.get("engram_compressed_vocab_size") or None,
-            image_token_id=None if image is None else int(image),
+            image_token_id=None if image is None else whole_number("image_token_id", image),
         )
         declared = data.get("engram_num_embeddings")
         if declared is not None:
-            declared = [int(declared)] * len(config.layer_ids) if isinstance(declared, int) else list(declared)
+            declared = [whole_number("engram_num_embeddings", declared)] * len(config.layer_ids) \
+                if not isinstance(declared, (list, tuple)) else [whole_number("engram_num_embeddings", x) for x in declared]
             derived = [config.rows_per_layer[i] for i in config.layer_ids]
             if declared != derived:
                 raise ValueError(
@@ -264,9 +279,9 @@ class EngramConfig:
         unknown = set(fields_) - known - ignored
         if unknown:
             raise ValueError(f"unknown demo config fields: {sorted(unknown)}")
-        n = int(fields_.get("max_ngram_size", 3))
-        heads = int(fields_.get("n_head_per_ngram", 8))
-        width = int(fields_.get("n_embed_per_ngram", 512))
+        n = whole_number("max_ngram_size", fields_.get("max_ngram_size", 3))
+        heads = whole_number("n_head_per_ngram", fields_.get("n_head_per_ngram", 8))
+        width = whole_number("n_embed_per_ngram", fields_.get("n_embed_per_ngram", 512))
         if width % heads:
             raise ValueError(
                 f"n_embed_per_ngram ({width}) must be divisible by n_head_per_ngram ({heads})"
@@ -277,12 +292,12 @@ class EngramConfig:
             max_ngram_size=n,
             n_heads=heads,
             head_dim=width // heads,
-            prime_starts=tuple(vocab) if isinstance(vocab, (list, tuple)) else (int(vocab),) * (n - 1),
-            seed=int(fields_.get("seed", 0)),
-            pad_id=int(fields_.get("pad_id", 2)),
-            hidden_size=int(fields_.get("hidden_size", 1024)),
-            hc_mult=int(fields_.get("hc_mult", 4)),
-            kernel_size=int(fields_.get("kernel_size", 4)),
+            prime_starts=tuple(vocab) if isinstance(vocab, (list, tuple)) else (whole_number("engram_vocab_size", vocab),) * (n - 1),
+            seed=whole_number("seed", fields_.get("seed", 0)),
+            pad_id=whole_number("pad_id", fields_.get("pad_id", 2)),
+            hidden_size=whole_number("hidden_size", fields_.get("hidden_size", 1024)),
+            hc_mult=whole_number("hc_mult", fields_.get("hc_mult", 4)),
+            kernel_size=whole_number("kernel_size", fields_.get("kernel_size", 4)),
             variant="demo",
             row_format="fp32",
         )

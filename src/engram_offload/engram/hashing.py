@@ -70,13 +70,19 @@ class NgramHasher:
     """Hashes token ids into the row ids of every Engram layer of ``config``.
 
     ``token_map`` is the compression map (``compress_tokenizer``): int64 ``[V]`` raw id ->
-    compressed id. Negative ids pass through uncompressed, as in DeepSeek's demo.
+    compressed id. A negative id is refused (no tokenizer makes one; it would hash to rows
+    no text reads); ``negative_ids="pass"`` passes them through uncompressed, as DeepSeek's
+    demo does (SPEC section 1), for comparing with it.
 
     Dead tokens: wherever a caller passes no mask, tokens equal to ``config.image_token_id``
     are dead (``dead_mask``); a mask the caller passes is used as given.
     """
 
-    def __init__(self, config: EngramConfig, token_map: np.ndarray | torch.Tensor | Sequence[int]):
+    def __init__(self, config: EngramConfig, token_map: np.ndarray | torch.Tensor | Sequence[int], *,
+                 negative_ids: str = "refuse"):
+        if negative_ids not in ("refuse", "pass"):
+            raise ValueError(f"negative_ids must be 'refuse' or 'pass', got {negative_ids!r}")
+        self.pass_negative_ids = negative_ids == "pass"
         self.config = config
         self.token_map = _as_numpy_ids(token_map)
         if self.token_map.ndim != 1 or self.token_map.size == 0:
@@ -121,7 +127,8 @@ class NgramHasher:
 
     # ------------------------------------------------------------------ compression
     def compress(self, input_ids: np.ndarray | torch.Tensor | Sequence[int]) -> np.ndarray:
-        """Raw ids -> compressed ids (same shape); negative ids pass through unchanged."""
+        """Raw ids -> compressed ids (same shape); a negative id is refused (``ValueError``), or
+        passed through unchanged with ``negative_ids="pass"``."""
         ids = _as_numpy_ids(input_ids)
         if ids.size and ids.max() >= self.vocab_size:
             bad = int(ids[ids >= self.vocab_size].flat[0])
@@ -130,6 +137,11 @@ class NgramHasher:
                 "was the text tokenized with another tokenizer?"
             )
         if ids.size and ids.min() < 0:
+            if not self.pass_negative_ids:
+                raise ValueError(
+                    f"token id {int(ids.min())} is negative: token ids run from 0 to {self.vocab_size - 1}; "
+                    "drop padding or placeholder ids (or mark those positions dead) before hashing"
+                )
             return np.where(ids >= 0, self.token_map[np.maximum(ids, 0)], ids)
         return self.token_map[ids]
 

@@ -10,6 +10,11 @@ Recognised tensors (``checkpoint.py`` has the names; the layer id follows ``laye
 With ``model.safetensors.index.json`` only the shards holding these tensors are opened. Rows
 are streamed in chunks through ``safe_open(...).get_slice``; for an fp8 table the value and
 scale bytes are copied unchanged, so the table's raw rows equal the checkpoint's bytes.
+
+What cannot be stored as it means is refused with the tensor and row named, before or while
+writing (the table is written atomically, so nothing is left): scales beside a weight that is
+not F8_E4M3, integer weights, NaN or infinite values (fp8 bytes 0x7F/0xFF), ue8m0 byte 0xFF,
+and float scales that are not 0 or a power of two in [2^-126, 2^127].
 """
 
 from __future__ import annotations
@@ -75,18 +80,65 @@ def find_engram_tensors(checkpoint: str | os.PathLike[str]) -> dict[int, EngramT
     return found
 
 
-def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scales as stored (uint8, float8_e8m0fnu, or float powers of two) -> uint8 bytes."""
-    if scale.dtype == torch.uint8:
-        return scale
-    if str(scale.dtype) == "torch.float8_e8m0fnu":
-        return scale.view(torch.uint8)
-    if scale.is_floating_point():
-        exp = torch.log2(scale.to(torch.float32))
-        if not torch.equal(exp, exp.round()):
-            raise ValueError("the embedding scales hold values that are not powers of two; not ue8m0")
-        return (exp.round() + UE8M0_BIAS).clamp(0, 254).to(torch.uint8)
-    raise ValueError(f"unsupported embedding scale dtype {scale.dtype}")
+# safetensors dtype names of the embedding scales this reader takes (SPEC section 4)
+_SCALE_DTYPES = ("F8_E8M0", "U8", "F64", "F32", "F16", "BF16")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _check_dtypes(t: EngramTensors, weight_dtype: str, scale_dtype: str | None) -> None:
+    """Refuse an embedding whose stored types cannot mean what the config says (before any row
+    is written): scales beside a weight that is not e4m3, integer weights, odd scale types."""
+    if scale_dtype is not None and weight_dtype != "F8_E4M3":
+        raise ValueError(
+            f"{t.weight} is {weight_dtype} but has ue8m0 scales {t.scale}: only a float8_e4m3fn (F8_E4M3) "
+            "embedding takes scales, so its values would be read wrongly; re-export the checkpoint "
+            "(the weight's type was changed or the scale belongs to another tensor)"
+        )
+    if weight_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{t.weight} is {weight_dtype}: an Engram embedding is float (F32, BF16, F16, ...) or "
+                         "F8_E4M3 with ue8m0 scales; re-export the checkpoint")
+    if scale_dtype is not None and scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"{t.scale} is {scale_dtype}: ue8m0 scales are F8_E8M0 or U8 bytes, or float powers "
+                         "of two; re-export the checkpoint")
+
+
+def _first_bad(bad: torch.Tensor) -> int:
+    """The index of the first row of ``bad`` [k, ...] (bool) holding a True."""
+    return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
+
+
+def _scale_bytes(scale: torch.Tensor, name: str, start: int) -> torch.Tensor:
+    """ue8m0 scales as stored (uint8, float8_e8m0fnu, or float powers of two) -> uint8 bytes
+    ``[k, d/32]``; rows from ``start`` of the tensor ``name`` (for the messages).
+
+    Byte 255 is NaN in ue8m0 and is refused; byte 0 is kept (it decodes to 0.0, as in vLLM).
+    A float scale must be 0 or a power of two in [2^-126, 2^127] (bytes 0..254); an infinite,
+    NaN, negative or out-of-range one is refused, never clamped."""
+    if scale.dtype == torch.uint8 or scale.dtype == torch.float8_e8m0fnu:
+        raw = scale.view(torch.uint8)
+        if bool((raw == 0xFF).any()):
+            row = start + _first_bad(raw == 0xFF)
+            raise ValueError(f"{name} row {row:,} holds scale byte 0xFF (NaN in ue8m0): the checkpoint is "
+                             "damaged; re-download or re-export it")
+        return raw
+    values = scale.to(torch.float64)
+    exp = torch.log2(values)
+    usable = (values == 0) | (torch.isfinite(exp) & (exp == exp.round()) & (exp >= 1 - UE8M0_BIAS)
+                              & (exp <= UE8M0_BIAS))
+    if not bool(usable.all()):
+        row = start + _first_bad(~usable)
+        value = float(values[row - start][~usable[row - start]][0])
+        raise ValueError(f"{name} row {row:,} holds scale {value!r}: a ue8m0 scale is 0 or a power of two "
+                         f"from 2^-126 to 2^127; re-export the checkpoint")
+    return torch.where(values == 0, 0.0, exp + UE8M0_BIAS).to(torch.uint8)
+
+
+def _check_finite(w: torch.Tensor, name: str, start: int) -> None:
+    """Refuse NaN or infinite embedding values (fp8 e4m3 bytes 0x7F/0xFF are NaN)."""
+    bad = (w.view(torch.uint8) & 0x7F) == 0x7F if w.dtype == torch.float8_e4m3fn else ~torch.isfinite(w.float())
+    if bool(bad.any()):
+        raise ValueError(f"{name} row {start + _first_bad(bad):,} holds a NaN or infinite value: the checkpoint "
+                         "is damaged; re-download or re-export it")
 
 
 def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
@@ -107,16 +159,18 @@ def _raw_chunks(t: EngramTensors, config: EngramConfig, rows: int):
         if t.scale:
             assert t.scale_shard is not None, "a scale tensor is found with its shard"
             scale = scales.enter_context(open_shard(t.scale_shard)).get_slice(t.scale)
+        _check_dtypes(t, weight.get_dtype(), None if scale is None else scale.get_dtype())
         if scale is not None and list(scale.get_shape()) != [rows, d // 32]:
             raise ValueError(f"{t.scale} has shape {list(scale.get_shape())}; expected [{rows}, {d // 32}]")
         for start in range(0, rows, CHUNK_ROWS):
             stop = min(start + CHUNK_ROWS, rows)
             w = weight[start:stop]  # [k, d]
+            _check_finite(w, t.weight, start)
             if w.dtype == torch.float8_e4m3fn:
                 if scale is None:
                     raise ValueError(f"{t.weight} is float8_e4m3fn but "
                                      + missing_message(EMBED_SCALE_NAMES, "ue8m0 scales", t.layer_id))
-                s = _scale_bytes(scale[start:stop])  # [k, d/32] uint8
+                s = _scale_bytes(scale[start:stop], t.scale or "", start)  # [k, d/32] uint8
                 if config.row_format == "fp8_e4m3_ue8m0":
                     yield torch.cat([w.view(torch.uint8), s], dim=1)
                 else:

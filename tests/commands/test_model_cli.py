@@ -1,0 +1,77 @@
+"""``train``, ``eval`` and ``scan`` on the paths an operator gives them: checked before any work,
+each mistake one line naming the path and the fix."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from engram_offload.cli import main
+from engram_offload.model.corpus import corpus_files, split
+
+TINY_TRAIN = ["--steps", "1", "--batch", "1", "--seq-len", "8", "--max-train-tokens", "3000", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """Real standard-library files (the json, email and http packages), with a held-out file."""
+    root = tmp_path_factory.mktemp("corpus") / "lib"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for package in ("json", "email", "http"):
+        for f in sorted((stdlib / package).rglob("*.py")):
+            target = root / f.relative_to(stdlib)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+    assert all(split(corpus_files([root])))
+    return root
+
+
+def test_train_out_an_existing_file_is_refused_before_training(small_corpus, tmp_path, capsys):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    assert main(["train", "--out", str(existing), "--corpus", str(small_corpus), *TINY_TRAIN[:-1]]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"engram-offload train: error: --out {existing} is a file: give a folder to write the checkpoint "
+        "into (created if missing)"]  # one line, and no "tokenizing ..." progress: nothing ran
+    assert existing.read_text() == "keep me"
+
+
+def test_train_out_under_a_file_or_a_plot_in_a_missing_folder_is_refused(small_corpus, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["train", "--out", str(tmp_path / "f" / "model"), *TINY_TRAIN]) == 2
+    assert f"--out: {tmp_path / 'f'} is a file, not a folder" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "m"), "--plot", str(tmp_path / "no" / "l.png"), *TINY_TRAIN]) == 2
+    assert f"--plot: folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_train_out_dot_names_the_plot_after_the_folder(small_corpus, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["train", "--out", ".", "--corpus", str(small_corpus), *TINY_TRAIN]) == 0
+    assert f"loss curve {tmp_path / 'work-loss.png'}" in capsys.readouterr().out
+    assert (tmp_path / "work-loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "-loss.png").exists() and (work / "config.json").is_file()
+
+
+def test_eval_corpus_may_be_one_file(small_corpus, capsys):
+    one = small_corpus / "json" / "decoder.py"
+    assert main(["eval", "--corpus", str(one), "--all-files", "--max-tokens", "300", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"tokens": 299' in out and '"windows": 3' in out  # 300 tokens: 3 windows of up to 129, sharing one
+    assert main(["scan", "--corpus", str(one), "--all-files", "--max-tokens", "300", "--json"]) == 0
+    assert '"tokens": 299' in capsys.readouterr().out
+
+
+def test_eval_corpus_of_another_kind_of_file_says_so(tmp_path, capsys):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\0" * 10)
+    assert main(["eval", "--corpus", str(data), "--all-files"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"engram-offload eval: error: corpus {data} is not a .py/.txt/.rst file: "
+                                        "give such a file or a folder of them"]
