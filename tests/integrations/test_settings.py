@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from engram_offload.integrations.settings import (OffloadSettings, check_graph_mode, check_layout, open_store,
-                                                  parse_settings, settings_from_json)
+from engram_offload.integrations.settings import (
+    OffloadSettings,
+    check_graph_mode,
+    check_layout,
+    open_store,
+    parse_settings,
+    settings_from_json,
+)
 from engram_offload.serving.rowserver import RowClient, start_row_server
 from engram_offload.serving.store import TableStore
 
