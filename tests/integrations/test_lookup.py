@@ -114,8 +114,9 @@ def test_flat_ids_layer_local_to_table_rows():
 
 
 # ---------------------------------------------------------------------- rows
-def addressable(config, path, layer_id, rank, world):
-    store = open_table(path, "memory", columns=LayerShard.of(config, layer_id, rank, world).columns)
+def addressable(config, path, layer_id, rank, world, tier="memory"):
+    options = {"shm_dir": path.parent} if tier == "shared" else {}  # the test's own folder, not /dev/shm
+    store = open_table(path, tier, columns=LayerShard.of(config, layer_id, rank, world).columns, **options)
     shard = LayerShard.of(config, layer_id, rank, world)
     return AddressableLookup(shard, store, DeviceTable(store.tier.rows, "cpu"), config)
 
@@ -136,15 +137,15 @@ def out_buffer(config, shard, tokens, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
-@pytest.mark.parametrize("backend", ["addressable", "direct+cache", "mmap"])
+@pytest.mark.parametrize("backend", ["memory", "shared", "direct+cache", "mmap"])
 @pytest.mark.parametrize("case", [(CONFIG, 1, 0), (CONFIG, 4, 3), (PADDED, 4, 3), (PADDED, 8, 7), (PADDED, 2, 0)],
                          ids=["tp1", "tp4-r3", "pad-tp4-r3", "pad-tp8-r7", "pad-tp2-r0"])
 def test_rows_equal_decode_rows(table, padded_table, packed, backend, case):
     config, world, rank = case
     path, raw = table if config is CONFIG else padded_table
     for layer_id in config.layer_ids:
-        if backend == "addressable":
-            lookup = addressable(config, path, layer_id, rank, world)
+        if backend in ("memory", "shared"):  # the Triton gather (the interpreter here) over the table in place
+            lookup = addressable(config, path, layer_id, rank, world, tier=backend)
         elif backend == "mmap":
             lookup = host_read(config, path, layer_id, rank, world, tier="mmap")
         else:

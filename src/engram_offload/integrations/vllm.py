@@ -61,6 +61,7 @@ GRAPH_FIX = ("start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEW
 _PATCHED = "_engram_offload_patched"
 _lock = threading.Lock()
 _stores: dict[tuple[Any, ...], tuple[RowStore, Any]] = {}  # one store per process and column shard
+_tables: dict[tuple[Any, ...], DeviceTable] = {}  # one device view of each resident store
 _modules: list[Any] = []  # every OffloadedEngramEmbedding built in this process
 
 
@@ -191,7 +192,7 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
                                  sync=make_sync(device), slots=slots, timeout_s=settings.wait_timeout_s,
                                  describe=describe, log_every=settings.log_every)
     else:
-        table = DeviceTable(store.tier.rows, device)  # type: ignore[attr-defined]
+        table = _device_table(settings, rank, world, store, device)
         backend = AddressableLookup(shard, store, table, config, describe=describe, log_every=settings.log_every)
     module = _embedding_class(engram)._build(layout, layer_hash_index, shard, store, backend, device, world)
     _modules.append(module)
@@ -225,6 +226,17 @@ def _store(settings: OffloadSettings, layout: Any, rank: int, world: int) -> tup
             raise
         _stores[key] = (store, store.config)
         return store, store.config
+
+
+def _device_table(settings: OffloadSettings, rank: int, world: int, store: RowStore,
+                  device: torch.device) -> DeviceTable:
+    """The store's resident rows as the device reads them: one registration for every layer."""
+    key = (settings.store_key(), rank, world)
+    with _lock:
+        table = _tables.get(key)
+        if table is None:
+            table = _tables[key] = DeviceTable(store.tier.rows, device)  # type: ignore[attr-defined]
+        return table
 
 
 _classes: dict[int, type] = {}
