@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -329,3 +330,22 @@ def test_too_many_tokens_refused(table):
     lookup.close()
     lookup.store.close()
 
+
+
+def test_counters_and_the_periodic_log_line(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 2)
+    store = open_table(path, "direct", cache_bytes=64 * CONFIG.row_bytes, columns=shard.columns)
+    lookup = HostReadLookup(shard, store, CONFIG, max_tokens=4, device="cpu", sync=ImmediateSync(),
+                            describe="v41.table on direct", log_every=2)
+    with caplog.at_level(logging.INFO, "engram_offload.integrations"):
+        run_steps(lookup, CONFIG, layer_id, steps=4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("engram-offload layer 1 (host-read, v41.table on direct): 2 lookups, "
+                                                   "72 rows, hit rate ")
+    stats = lookup.stats()
+    assert stats["lookups"] == 4 and stats["rows"] == 4 * 3 * 12 and stats["failures"] == 0
+    assert 0 < stats["hit_rate"] < 1 and stats["columns"] == [0, 12]
+    lookup.close()
+    store.close()

@@ -101,6 +101,7 @@ def test_every_vllm_name_the_plugin_touches(engine_runs):
         "Engram._create_embedding": ["self", "layout", "layer_hash_index"],
         "Engram._finish_prefetch": ["self", "event"],
         "Engram._finish_prefetch.wrapped": True,
+        "Engram._finish_prefetch.inner": "patch.<locals>._finish_prefetch",
         "Engram._init_staging": ["self", "max_tokens", "head_dim"],
         "Engram.prepare_embeddings": ["self", "hash_ids"],
         "Engram._start_prefetch": ["self", "hash_ids", "rows"],
@@ -179,3 +180,17 @@ def test_rows_bit_equal_to_vllms_kernel_tp1(engine_runs):
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_rows_bit_equal_to_vllms_kernel_tp4(engine_runs, rank):
     check_tiers(engine_runs["ranks"][rank]["tiers"], rank, WORLD)
+
+
+def test_an_untested_vllm_version_is_left_alone():
+    code = ("import engram_offload.integrations.vllm as plugin\n"
+            "plugin.TESTED_VERSIONS = ('0.0.0',)\n"
+            "plugin.register()\n"
+            "from vllm.models.deepseek_v41.common import engram as E\n"
+            "print('patched', getattr(E.Engram, '_engram_offload_patched', False))\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "patched False"
+    assert f"vLLM {VLLM} is not a tested version (0.0.0)" in done.stderr

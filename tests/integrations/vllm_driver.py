@@ -186,6 +186,8 @@ def names_pinned(E):
         "Engram._create_embedding": params(E.Engram._create_embedding),
         "Engram._finish_prefetch": params(E.Engram._finish_prefetch),
         "Engram._finish_prefetch.wrapped": hasattr(E.Engram._finish_prefetch, "__wrapped__"),
+        # the plugin's replacement, inside vLLM's own capture decorator
+        "Engram._finish_prefetch.inner": E.Engram._finish_prefetch.__wrapped__.__qualname__,
         "Engram._init_staging": params(E.Engram._init_staging),
         "Engram.prepare_embeddings": params(E.Engram.prepare_embeddings),
         "Engram._start_prefetch": params(E.Engram._start_prefetch),
