@@ -307,16 +307,19 @@ def test_a_stuck_read_times_out(table):
     shard = LayerShard.of(CONFIG, layer_id, 0, 1)
     real = open_table(path, "direct", columns=shard.columns)
     paused = _Paused(real)
-    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=ImmediateSync(), timeout_s=0.2)
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), timeout_s=0.2,
+                            ids_stream="engine_prefetch")
     ids = step_ids(CONFIG, layer_id, 2, seed=0)
     lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
     with pytest.raises(TimeoutError, match="over 0.2 s"):
         lookup.finish()
     paused.go.set()
-    out = out_buffer(CONFIG, shard, 2, False)
-    lookup.lookup(ids, out)  # the stuck read ends; the next step is served
-    assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
-    assert lookup.stats()["lookups"] == 1
+    for step in range(3):  # the stuck read ends; later steps are served, its slot reused in order
+        ids = step_ids(CONFIG, layer_id, 2, seed=step)
+        out = out_buffer(CONFIG, shard, 2, False)
+        lookup.lookup(ids, out)
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    assert lookup.stats()["lookups"] == 3
     lookup.close()
     real.close()
 

@@ -239,6 +239,7 @@ class HostReadLookup(_Logged):
                              for _ in range(slots)]
         self._consumed: list[object] = [None] * slots  # the event after a slot's rows were last used
         self._flags: list[object] = [None] * slots  # the host event after a slot's ids were last read
+        self._abandoned: list[_Job | None] = [None] * slots  # a read ``finish`` gave up waiting for
         self._next = 0
         self._pending: _Job | None = None
         self._failed: BaseException | None = None  # a failure not yet raised to the engine
@@ -271,6 +272,7 @@ class HostReadLookup(_Logged):
             raise ValueError(f"Engram ids must be [T, {self.shard.num_columns}], got {tuple(indices.shape)}")
         k = self._next
         self._next = (k + 1) % len(self._ids)
+        self._settle(k)
         self.sync.synchronize(self._consumed[k])  # the slot's rows were used by the step before
         self.sync.wait(self.ids_stream, self._flags[k])  # and its ids read
         ids = indices[:, self.shard.c0:self.shard.c1]  # [T, c], a view of the engine's ids
@@ -290,6 +292,7 @@ class HostReadLookup(_Logged):
         self._pending = None
         t0 = time.perf_counter()
         if not job.done.wait(self.timeout_s):
+            self._abandoned[job.slot] = job  # its slot is written again only once it has ended
             raise TimeoutError(f"the host read of Engram layer {self.shard.layer_id}'s rows took over "
                                f"{self.timeout_s:g} s ({self.describe}): check the tier, or raise wait_timeout_s")
         stall = time.perf_counter() - t0
@@ -325,6 +328,17 @@ class HostReadLookup(_Logged):
         self._consumed[k] = self.sync.record(MAIN)
         job.out = None
         self._count(n)
+
+    def _settle(self, k: int) -> None:
+        """Before slot ``k`` is used again: the read abandoned there has ended (bounded wait)."""
+        job = self._abandoned[k]
+        if job is None:
+            return
+        if not job.done.wait(self.timeout_s):
+            raise TimeoutError(f"the host read of Engram layer {self.shard.layer_id}'s rows is still running after "
+                               f"{2 * self.timeout_s:g} s ({self.describe}): check the tier")
+        self._abandoned[k] = None
+        self._flags[k] = job.flag
 
     def _raise_failed(self) -> None:
         error, self._failed = self._failed, None
