@@ -204,6 +204,14 @@ class _NoDeviceWaits(TracingSync):
             super().wait(stream, event)
 
 
+class _WorkerNeverWaits(TracingSync):
+    """A trace where the reader thread never waits for an event: it reads ids not yet copied."""
+
+    def synchronize(self, event):
+        if not threading.current_thread().name.startswith("engram-offload"):
+            super().synchronize(event)
+
+
 def run_steps(lookup, config, layer_id, steps, tokens=3):
     outs = []
     for step in range(steps):
@@ -237,6 +245,18 @@ def test_tracing_catches_a_missing_flag_wait(table):
     try:
         with pytest.raises(OrderingError):
             run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
+    finally:
+        lookup.close()
+        lookup.store.close()
+
+
+def test_tracing_catches_a_read_before_the_ids_copy(table):
+    path, _ = table
+    lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=_WorkerNeverWaits())
+    try:
+        with pytest.raises(PrefetchError) as err:
+            run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
+        assert isinstance(err.value.__cause__, OrderingError) and "before its writer copy" in str(err.value)
     finally:
         lookup.close()
         lookup.store.close()
