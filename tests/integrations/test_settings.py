@@ -27,13 +27,14 @@ CONFIG = v41_config()
 
 def test_every_key_parsed():
     s = parse_settings({"table": "/t.table", "tier": "direct", "cache_bytes": "2GiB", "fast_cache_bytes": 4096,
-                        "policy": "lfu", "admission": True, "row_server": None, "pool": "redis://127.0.0.1:7000",
-                        "fallback": "/f.table", "staging_bytes": "64M", "queue_depth": 32, "verify_reads": False,
-                        "log_every": 10, "wait_timeout_s": 5})
+                        "policy": "lfu", "admission": True, "row_server": None, "staging_bytes": "64M",
+                        "queue_depth": 32, "verify_reads": False, "log_every": 10, "wait_timeout_s": 5})
     assert s == OffloadSettings(table="/t.table", tier="direct", cache_bytes=2 << 30, fast_cache_bytes=4096,
-                                policy="lfu", admission=True, pool="redis://127.0.0.1:7000", fallback="/f.table",
-                                staging_bytes=64 << 20, queue_depth=32, verify_reads=False, log_every=10,
-                                wait_timeout_s=5.0)
+                                policy="lfu", admission=True, staging_bytes=64 << 20, queue_depth=32,
+                                verify_reads=False, log_every=10, wait_timeout_s=5.0)
+    remote = parse_settings({"table": "/t.table", "tier": "remote", "pool": "redis://127.0.0.1:7000",
+                             "fallback": "/f.table"})
+    assert (remote.pool, remote.fallback) == ("redis://127.0.0.1:7000", "/f.table") and remote.host_read
     assert s.host_read and not parse_settings({"table": "t", "tier": "pinned"}).host_read
     assert parse_settings({"table": "t", "tier": "pinned", "row_server": "/s"}).host_read
 
@@ -51,6 +52,10 @@ def test_every_key_parsed():
     ({"table": "t", "wait_timeout_s": 0}, "'wait_timeout_s' must be a number of seconds > 0"),
     ({"table": "t", "tier": "shared", "cache_bytes": "1G"}, "drop cache_bytes and fast_cache_bytes"),
     (["table", "t"], "must be a JSON object"),
+    ({"table": "t", "tier": "direct", "pool": "redis://h:1"}, "pool and fallback are the remote tier's settings"),
+    ({"table": "t", "tier": "remote"}, "the remote tier needs 'pool'"),
+    ({"table": "t", "tier": "mmap", "queue_depth": 8}, "queue_depth is the direct tier's io_uring depth"),
+    ({"table": "redis://h:1/ab", "tier": "remote", "verify_reads": True}, "drop verify_reads"),
 ])
 def test_bad_settings_refused_in_one_line(raw, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -111,6 +111,16 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
         raise ValueError(f"engram_offload tier {settings.tier!r} is unknown: choose one of {', '.join(tiers)}")
     if settings.policy not in ("lru", "lfu"):
         raise ValueError(f"engram_offload policy {settings.policy!r} is unknown: choose lru or lfu")
+    if (settings.pool or settings.fallback) and settings.tier != "remote":
+        raise ValueError(f"pool and fallback are the remote tier's settings, not the {settings.tier} tier's: "
+                         "set tier to remote or drop them")
+    if settings.tier == "remote" and not settings.pool and not settings.table.startswith("redis://") \
+            and settings.row_server is None:
+        raise ValueError("the remote tier needs 'pool' (the pool's redis:// URL) or a pool URL as 'table'")
+    if settings.queue_depth is not None and settings.tier != "direct":
+        raise ValueError(f"queue_depth is the direct tier's io_uring depth, not the {settings.tier} tier's: drop it")
+    if settings.verify_reads is not None and settings.tier == "remote":
+        raise ValueError("the remote tier checks every row against its pool checksum: drop verify_reads")
     if not settings.host_read and (settings.cache_bytes or settings.fast_cache_bytes):
         raise ValueError(f"the {settings.tier} tier holds the whole table in memory the GPU reads in place: "
                          "drop cache_bytes and fast_cache_bytes")
