@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint mutation
+.PHONY: demo test install lint mutation engines
 
 $(BIN)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# vLLM 0.33.0's own code beside the CPU torch, so tests/integrations run the plugin against it
+# (run by .ci/run; without it those tests skip). No CUDA build of torch is pulled: vLLM comes
+# without its dependency closure and tools/engines-cpu.txt pins torch.
+$(BIN)/.engines: $(BIN)/.installed tools/engines-cpu.txt
+	$(BIN)/pip install --quiet --no-deps vllm==0.33.0
+	$(BIN)/pip install --quiet -r tools/engines-cpu.txt
+	touch $@
+
+engines: $(BIN)/.engines
 
 # Lint and types over the package (run by .ci/run before the tests).
 lint: $(BIN)/.installed

@@ -1,0 +1,328 @@
+"""The vLLM plugin: DeepSeek-V4.1's Engram table served from an engram-offload tier.
+
+Installed as the ``vllm.general_plugins`` entry point ``engram_offload``, so vLLM calls
+``register()`` in every process before any model is built. ``register`` imports nothing
+heavy: it checks vLLM's version (another version leaves vLLM untouched, with a warning) and
+arranges for two methods of ``vllm.models.deepseek_v41.common.engram.Engram`` to be replaced
+when that module is imported (at once when it already is):
+
+- ``Engram._create_embedding(layout, layer_hash_index)``, which builds each Engram layer's
+  table module. The replacement reads ``get_current_vllm_config().additional_config``; unless
+  it holds ``"engram_offload": {...}`` it calls vLLM's own method (vLLM's table, as before).
+  Otherwise it returns an ``OffloadedEngramEmbedding``: a ``ParallelEngramEmbedding`` built
+  without its constructor (no table allocated), holding this rank's columns (vLLM's split,
+  rank and size from vLLM's tensor-parallel group, no collective) and a lookup from
+  ``integrations.lookup``. It reports ``dp_size = 1``: each data-parallel replica looks up its
+  own tokens (``nvidia/model.py`` then gathers no ids). Its ``weight``/``weight_scale_inv``
+  are empty placeholders whose loader compares a few of the checkpoint's rows with the
+  table's (a table converted from another checkpoint is refused) and keeps nothing.
+- ``Engram._finish_prefetch(event)``, which a layer calls before it reads its rows: for a
+  host-read tier the CPU waits there for the read and enqueues the copy to the GPU.
+
+Start-up fails closed (one line each): a table whose Engram layout is not the checkpoint's; a
+host-read tier under a CUDA-graph mode with FULL graphs (the host read would be captured once
+and never run again: ``--enforce-eager``, or ``-cc.cudagraph_mode=PIECEWISE``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engram.config import EngramConfig
+from ..gpu.device_table import DeviceTable
+from ..gpu.sync import make_sync
+from ..serving.sharding import column_range
+from ..serving.store import RowStore
+from ..table.format import read_header
+from .lookup import AddressableLookup, HostReadLookup, LayerShard
+from .settings import ENGRAM_BLOCK, OffloadSettings, check_graph_mode, check_layout, open_store, parse_settings
+
+__all__ = ["ENGRAM_MODULE", "SETTINGS_KEY", "TESTED_VERSIONS", "register", "settings_from_vllm", "stats"]
+
+log = logging.getLogger("engram_offload.integrations.vllm")
+
+TESTED_VERSIONS = ("0.33.0",)
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+SETTINGS_KEY = "engram_offload"  # in --additional-config
+CHECKED_ROWS = 8  # checkpoint rows compared with the table's, per tensor and rank
+GRAPH_FIX = ("start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEWISE (and "
+             "VLLM_USE_BREAKABLE_CUDAGRAPH=1 to keep piecewise graphs)")
+
+_PATCHED = "_engram_offload_patched"
+_lock = threading.Lock()
+_stores: dict[tuple[Any, ...], tuple[RowStore, Any]] = {}  # one store per process and column shard
+_tables: dict[tuple[Any, ...], DeviceTable] = {}  # one device view of each resident store
+_modules: list[Any] = []  # every OffloadedEngramEmbedding built in this process
+
+
+# ---------------------------------------------------------------------- the entry point
+def register() -> None:
+    """vLLM's ``general_plugins`` hook: patch ``Engram`` when vLLM's Engram module loads."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        log.warning("engram-offload: vLLM is not installed; the plugin does nothing")
+        return
+    if version not in TESTED_VERSIONS:
+        log.warning("engram-offload: vLLM %s is not a tested version (%s); the plugin does nothing and vLLM "
+                    "keeps its own Engram table", version, ", ".join(TESTED_VERSIONS))
+        return
+    module = sys.modules.get(ENGRAM_MODULE)
+    if module is not None:
+        patch(module)
+        return
+    with _lock:
+        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM's Engram module right after it is executed (so ``register`` stays light)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != ENGRAM_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                original_exec = loader.exec_module
+
+                def exec_module(module: ModuleType, _exec: Any = original_exec) -> None:
+                    _exec(module)
+                    patch(module)
+
+                loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def patch(engram: ModuleType) -> None:
+    """Replace ``Engram._create_embedding`` and ``Engram._finish_prefetch`` (once)."""
+    with _lock:
+        cls = engram.Engram
+        if getattr(cls, _PATCHED, False):
+            return
+        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+        create, finish = cls._create_embedding, cls._finish_prefetch
+        finish_body = getattr(finish, "__wrapped__", finish)  # under vLLM's capture decorator
+
+        def _create_embedding(self: Any, layout: Any, layer_hash_index: int) -> Any:
+            settings = settings_from_vllm()
+            if settings is None:
+                return create(self, layout, layer_hash_index)
+            return build_embedding(engram, layout, layer_hash_index, settings)
+
+        def _finish_prefetch(self: Any, event: Any) -> None:
+            finish_body(self, event)
+            finish_lookup = getattr(self.embed_tokens, "finish_lookup", None)
+            if finish_lookup is not None:
+                finish_lookup()
+
+        _create_embedding.__doc__ = create.__doc__
+        cls._create_embedding = _create_embedding
+        cls._finish_prefetch = eager_break_during_capture(_finish_prefetch)
+        setattr(cls, _PATCHED, True)
+
+
+# ---------------------------------------------------------------------- settings
+def settings_from_vllm() -> OffloadSettings | None:
+    """The plugin's settings from the current vLLM config's ``additional_config`` (None: inert)."""
+    from vllm.config import get_current_vllm_config
+
+    extra = getattr(get_current_vllm_config(), "additional_config", None)
+    if not isinstance(extra, dict) or SETTINGS_KEY not in extra:
+        return None
+    return parse_settings(extra[SETTINGS_KEY])
+
+
+def _full_graphs() -> bool:
+    """Whether vLLM will replay FULL CUDA graphs (``enforce_eager`` turns graphs off)."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    model = getattr(config, "model_config", None)
+    if model is not None and getattr(model, "enforce_eager", False):
+        return False
+    extra = getattr(config, "additional_config", None) or {}
+    if isinstance(extra, dict) and extra.get("decode_backend") == "latency_specialized":
+        return True  # specialized decode replays FULL graphs and reads the staged rows itself
+    mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+    return bool(mode is not None and mode.has_full_cudagraphs())
+
+
+# ---------------------------------------------------------------------- the module
+def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, settings: OffloadSettings) -> Any:
+    """An ``OffloadedEngramEmbedding`` for one Engram layer of this rank (after the checks)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    check_graph_mode(settings, _full_graphs(), GRAPH_FIX)
+    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    layer_ids = tuple(int(i) for i in layout.layer_ids)
+    store, config = _store(settings, layout, rank, world)
+    layer_id = layer_ids[layer_hash_index]
+    shard = LayerShard.of(config, layer_id, rank, world)
+    device = torch.get_default_device()
+    describe = f"{settings.table} on {settings.row_server or settings.tier}"
+    backend: AddressableLookup | HostReadLookup
+    if settings.host_read:
+        max_tokens = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
+        slot_bytes = max_tokens * shard.part * config.row_bytes
+        slots = 2
+        if settings.staging_bytes is not None:
+            if settings.staging_bytes < slot_bytes:
+                raise ValueError(f"staging_bytes {settings.staging_bytes} holds less than one step's rows of "
+                                 f"layer {layer_id} ({slot_bytes} bytes at {max_tokens} tokens): raise it")
+            slots = max(1, min(4, settings.staging_bytes // slot_bytes))
+        backend = HostReadLookup(shard, store, config, max_tokens=max_tokens, device=device,
+                                 sync=make_sync(device), slots=slots, timeout_s=settings.wait_timeout_s,
+                                 describe=describe, log_every=settings.log_every)
+    else:
+        table = _device_table(settings, rank, world, store, device)
+        backend = AddressableLookup(shard, store, table, config, describe=describe, log_every=settings.log_every)
+    module = _embedding_class(engram)._build(layout, layer_hash_index, shard, store, backend, device, world)
+    _modules.append(module)
+    log.info("engram-offload: Engram layer %d of rank %d/%d on %s (%s backend, columns [%d, %d) of %d)",
+             layer_id, rank, world, describe, backend.kind, shard.c0, shard.c1, shard.num_columns)
+    return module
+
+
+def _store(settings: OffloadSettings, layout: Any, rank: int, world: int) -> tuple[RowStore, EngramConfig]:
+    """This process's store for the settings and the rank's columns, checked against the layout."""
+    key = (settings.store_key(), rank, world)
+    with _lock:
+        found = _stores.get(key)
+        if found is not None:
+            return found
+        columns = column_range((int(layout.max_ngram_size) - 1) * int(layout.n_heads), rank, world)
+
+        def check(config: EngramConfig) -> None:
+            check_layout(config, settings.table, layer_ids=layout.layer_ids, head_dim=int(layout.head_dim),
+                         primes=layout.primes, num_embeddings=layout.num_embeddings)
+
+        local_file = settings.row_server is None and not settings.table.startswith("redis://")
+        if local_file:
+            check(read_header(settings.table).config)  # before a resident tier loads the table
+        store = open_store(settings, columns)  # the caches hold this rank's rows only
+        try:
+            if not local_file:
+                check(store.config)
+        except BaseException:
+            store.close()
+            raise
+        _stores[key] = (store, store.config)
+        return store, store.config
+
+
+def _device_table(settings: OffloadSettings, rank: int, world: int, store: RowStore,
+                  device: torch.device) -> DeviceTable:
+    """The store's resident rows as the device reads them: one registration for every layer."""
+    key = (settings.store_key(), rank, world)
+    with _lock:
+        table = _tables.get(key)
+        if table is None:
+            table = _tables[key] = DeviceTable(store.tier.rows, device)  # type: ignore[attr-defined]
+        return table
+
+
+_classes: dict[int, type] = {}
+
+
+def _embedding_class(engram: ModuleType) -> Any:
+    """``OffloadedEngramEmbedding``, a subclass of this vLLM's ``ParallelEngramEmbedding``."""
+    found = _classes.get(id(engram))
+    if found is not None:
+        return found
+    base = engram.ParallelEngramEmbedding
+
+    class OffloadedEngramEmbedding(base):  # type: ignore[misc, valid-type]
+        """One Engram layer's rows from an engram-offload store (built by ``_build``, not ``__init__``)."""
+
+        @classmethod
+        def _build(cls, layout: Any, layer_hash_index: int, shard: LayerShard, store: RowStore,
+                   backend: AddressableLookup | HostReadLookup, device: torch.device, world: int) -> Any:
+            m = cls.__new__(cls)
+            torch.nn.Module.__init__(m)
+            heads = tuple(int(p) for order in layout.primes[layer_hash_index] for p in order)
+            m.num_embeddings = int(layout.num_embeddings[layer_hash_index])
+            m.dim, m.block_size = int(layout.head_dim), ENGRAM_BLOCK
+            m.n_hash_cols, m.part_n_hash_cols, m.head_start = len(heads), shard.part, shard.c0
+            m.tp_size, m.dp_size = world, 1
+            m.vocab_start_idx, m.vocab_end_idx = shard.vocab_start, shard.vocab_end
+            m.part_num_embeddings = shard.vocab_end - shard.vocab_start
+            m.cpu_offload = device.type == "cuda"  # vLLM's side stream and event for the lookup
+            m.dp_shared_memory, m.use_thp, m.peer_rows = False, False, 0
+            m._views = m._view_src = None
+            m._num_sms = 1
+            m.engram_offload = backend
+            m.engram_shard = shard
+            scale_dim = m.dim // ENGRAM_BLOCK
+            m.weight = torch.nn.Parameter(torch.empty(0, m.dim, dtype=torch.float8_e4m3fn, device="cpu"),
+                                          requires_grad=False)
+            m.weight_scale_inv = torch.nn.Parameter(torch.empty(0, scale_dim, dtype=torch.uint8, device="cpu"),
+                                                    requires_grad=False)
+            for param, values in ((m.weight, True), (m.weight_scale_inv, False)):
+                param.weight_loader = _checking_loader(store, shard, int(layout.head_dim), values)
+                param.engram_vocab_start = shard.vocab_start
+            return m
+
+        def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
+            self.engram_offload.lookup(indices, out, background)
+
+        def finish_lookup(self) -> None:
+            """Called by the patched ``Engram._finish_prefetch`` before the rows are read."""
+            self.engram_offload.finish()
+
+        def collapse_huge_pages(self) -> None:
+            """No vLLM-owned table pages to collapse."""
+
+        def _storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+            raise RuntimeError("an engram-offload Engram table has no vLLM storage: its rows come from lookup()")
+
+        def stats(self) -> dict[str, Any]:
+            return self.engram_offload.stats()
+
+    _classes[id(engram)] = OffloadedEngramEmbedding
+    return OffloadedEngramEmbedding
+
+
+def _checking_loader(store: RowStore, shard: LayerShard, head_dim: int, values: bool) -> Any:
+    """A weight loader that compares ``CHECKED_ROWS`` of the checkpoint's rows in the rank's range
+    with the table's and keeps nothing (``values``: the fp8 values, else the ue8m0 scales)."""
+
+    def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        rows = shard.vocab_end - shard.vocab_start
+        if rows <= 0:
+            return
+        local = np.unique(np.linspace(shard.vocab_start, shard.vocab_end - 1, CHECKED_ROWS).astype(np.int64))
+        theirs = loaded_weight.index_select(0, torch.from_numpy(local)).contiguous().view(torch.uint8)
+        table = store.read_raw(local + shard.row_base)  # [k, row_bytes]
+        ours = table[:, :head_dim] if values else table[:, head_dim:]
+        if not torch.equal(ours.to(theirs.device), theirs.reshape(ours.shape)):
+            bad = int(local[(ours.to(theirs.device) != theirs.reshape(ours.shape)).any(1).nonzero()[0, 0]])
+            raise ValueError(f"the Engram table does not hold this checkpoint's rows (layer {shard.layer_id}, row "
+                             f"{bad} of its {'values' if values else 'scales'} differs): convert this checkpoint's "
+                             "table with `engram-offload convert CHECKPOINT TABLE`")
+
+    return load
+
+
+def stats() -> list[dict[str, Any]]:
+    """Every offloaded Engram layer's counters in this process (tier, lookups, hit rate, stall)."""
+    return [m.stats() for m in _modules]
+
+

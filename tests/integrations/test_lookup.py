@@ -1,0 +1,374 @@
+"""The engine-neutral lookups: vLLM's column split, ids to table rows, rows against
+``rows.decode_rows``, and the host-read backend's ordering under ``TracingSync``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.engram.rows import decode_rows
+from engram_offload.errors import PrefetchError
+from engram_offload.gpu.device_table import DeviceTable
+from engram_offload.gpu.sync import MAIN, ImmediateSync, OrderingError, TracingSync
+from engram_offload.integrations.lookup import AddressableLookup, HostReadLookup, LayerShard, flat_ids
+from engram_offload.serving.store import open_table
+
+from engram_tables import same_bits, v41_config, write_v41_table
+
+CONFIG = v41_config()  # 24 columns a layer, as V4.1-Flash
+PADDED = v41_config(n_heads=11, max_ngram_size=3)  # 22 columns: TP 4 and 8 pad the last rank
+
+
+def vllm_rule(config, layer_id, rank, world):
+    """vLLM 0.33.0's ParallelEngramEmbedding.__init__, restated: part, head_start, vocab range."""
+    sizes = config.head_sizes(layer_id)
+    part = -(-len(sizes) // world)
+    head_start = rank * part
+    return part, head_start, sum(sizes[:head_start]), sum(sizes[:head_start + part])
+
+
+def expected_rows(config, raw, layer_id, rank, world, ids, packed):
+    """What vLLM's _engram_lookup_kernel writes, computed row by row from decode_rows."""
+    part, head_start, vs, ve = vllm_rule(config, layer_id, rank, world)
+    base = config.layer_row_bases[config.layer_ids.index(layer_id)]
+    t, c = ids.shape
+    rb, d = config.row_bytes, config.head_dim
+    out = torch.zeros((t, part, rb), dtype=torch.uint8) if packed else torch.zeros((t, part, d), dtype=torch.bfloat16)
+    for i in range(t):
+        for j in range(part):
+            head = head_start + j
+            if head >= c:
+                continue
+            local = int(ids[i, head])
+            if vs <= local < ve:
+                row = torch.from_numpy(raw[base + local: base + local + 1].copy())
+                out[i, j] = row[0] if packed else decode_rows(row, config.row_format, d, torch.bfloat16)[0]
+    return out.reshape(t, part * rb) if packed else out
+
+
+def step_ids(config, layer_id, tokens, seed):
+    """Layer-local ids [T, C] as a strided view (vLLM passes gathered[:, layer]): the special
+    rows, -1, ids past the layer and the owned rows of every head."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(config.head_sizes(layer_id))
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    ids = offsets + (rng.random((tokens, sizes.size)) * sizes).astype(np.int64)  # [T, C] each head's own rows
+    ids[0, :3] = (3, 5, -1)
+    ids[1, 0] = config.rows_per_layer[layer_id] + 7  # past the layer
+    ids[1, -1] = config.rows_per_layer[layer_id] - 1  # the layer's last row
+    both = np.stack([ids, ids[::-1]], axis=1).astype(np.int32)  # [T, 2, C]
+    return torch.from_numpy(both)[:, 0]
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("plugin") / "v41.table", CONFIG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def padded_table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("plugin") / "padded.table", PADDED, seed=4)
+
+
+# ---------------------------------------------------------------------- the split and the ids
+@pytest.mark.parametrize("config", [CONFIG, PADDED], ids=["24-columns", "22-columns"])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_shard_is_vllms_split(config, world):
+    for layer_id in config.layer_ids:
+        for rank in range(world):
+            shard = LayerShard.of(config, layer_id, rank, world)
+            part, head_start, vs, ve = vllm_rule(config, layer_id, rank, world)
+            assert (shard.part, shard.c0, shard.vocab_start, shard.vocab_end) == (part, head_start, vs, ve)
+            assert shard.c1 == min(head_start + part, config.cols_per_layer)
+    if config is PADDED and world >= 4:
+        last = LayerShard.of(config, config.layer_ids[0], world - 1, world)
+        assert last.c1 - last.c0 < last.part  # padding columns on the last rank
+
+
+def test_shard_refuses_a_rank_without_columns():
+    tiny = v41_config(n_heads=5, max_ngram_size=3)  # 10 columns: 8 ranks of 2 leave the last without any
+    with pytest.raises(ValueError, match="without columns"):
+        LayerShard.of(tiny, 1, 0, 8)
+
+
+def test_flat_ids_layer_local_to_table_rows():
+    layer_id = PADDED.layer_ids[1]
+    shard = LayerShard.of(PADDED, layer_id, 3, 4)  # columns 18..22 and two padding columns
+    ids = step_ids(PADDED, layer_id, 5, seed=1)
+    flat, owned = flat_ids(shard, ids)
+    assert flat.shape == owned.shape == (5, shard.part)
+    base = PADDED.layer_row_bases[1]
+    for t in range(5):
+        for j in range(shard.part):
+            col = shard.c0 + j
+            local = int(ids[t, col]) if col < PADDED.cols_per_layer else -1
+            inside = shard.vocab_start <= local < shard.vocab_end
+            assert bool(owned[t, j]) == inside
+            assert int(flat[t, j]) == (base + local if inside else 0)
+    assert not owned[:, shard.c1 - shard.c0:].any()  # padding
+    with pytest.raises(ValueError, match=r"\[T, 22\]"):
+        flat_ids(shard, ids[:, :10])
+
+
+# ---------------------------------------------------------------------- rows
+def addressable(config, path, layer_id, rank, world, tier="memory"):
+    options = {"shm_dir": path.parent} if tier == "shared" else {}  # the test's own folder, not /dev/shm
+    store = open_table(path, tier, columns=LayerShard.of(config, layer_id, rank, world).columns, **options)
+    shard = LayerShard.of(config, layer_id, rank, world)
+    return AddressableLookup(shard, store, DeviceTable(store.tier.rows, "cpu"), config)
+
+
+def host_read(config, path, layer_id, rank, world, tier="direct", sync=None, **options):
+    """A host-read lookup; under a trace the engine calls it on its own prefetch stream."""
+    shard = LayerShard.of(config, layer_id, rank, world)
+    store = open_table(path, tier, columns=shard.columns, **options)
+    stream = "engine_prefetch" if isinstance(sync, TracingSync) else MAIN
+    return HostReadLookup(shard, store, config, max_tokens=8, device="cpu", sync=sync or ImmediateSync(),
+                          ids_stream=stream)
+
+
+def out_buffer(config, shard, tokens, packed):
+    if packed:
+        return torch.full((tokens, shard.part * config.row_bytes), 0xAB, dtype=torch.uint8)
+    return torch.full((tokens, shard.part, config.head_dim), 7.0, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("backend", ["memory", "shared", "direct+cache", "mmap"])
+@pytest.mark.parametrize("case", [(CONFIG, 1, 0), (CONFIG, 4, 3), (PADDED, 4, 3), (PADDED, 8, 7), (PADDED, 2, 0)],
+                         ids=["tp1", "tp4-r3", "pad-tp4-r3", "pad-tp8-r7", "pad-tp2-r0"])
+def test_rows_equal_decode_rows(table, padded_table, packed, backend, case):
+    config, world, rank = case
+    path, raw = table if config is CONFIG else padded_table
+    for layer_id in config.layer_ids:
+        if backend in ("memory", "shared"):  # the Triton gather (the interpreter here) over the table in place
+            lookup = addressable(config, path, layer_id, rank, world, tier=backend)
+        elif backend == "mmap":
+            lookup = host_read(config, path, layer_id, rank, world, tier="mmap")
+        else:
+            lookup = host_read(config, path, layer_id, rank, world, cache_bytes=64 * config.row_bytes)
+        try:
+            for step, tokens in enumerate((5, 2)):
+                ids = step_ids(config, layer_id, tokens, seed=step)
+                out = out_buffer(config, lookup.shard, tokens, packed)
+                lookup.lookup(ids, out, background=step == 1)
+                lookup.finish()
+                assert same_bits(out, expected_rows(config, raw, layer_id, rank, world, ids, packed))
+        finally:
+            lookup.store.close()
+            if isinstance(lookup, HostReadLookup):
+                lookup.close()
+
+
+def test_scale_bytes_0_and_255(table):
+    path, raw = table
+    lookup = addressable(CONFIG, path, CONFIG.layer_ids[0], 0, 1)
+    ids = torch.full((1, CONFIG.cols_per_layer), -1, dtype=torch.int32)
+    ids[0, :2] = torch.tensor([3, 5])
+    out = out_buffer(CONFIG, lookup.shard, 1, False)
+    lookup.lookup(ids, out)
+    assert torch.all(out[0, 0, :32] == 0)  # scale byte 0 -> 0.0
+    values = torch.from_numpy(raw[5, 32:64].copy()).view(torch.float8_e4m3fn).float()
+    got = out[0, 1, 32:64].float()
+    assert torch.equal(torch.isinf(got), values != 0) and torch.isnan(got[values == 0]).all()  # x * inf
+    assert torch.all(out[0, 2:] == 0)
+    lookup.store.close()
+
+
+def test_out_buffer_checked(table):
+    path, _ = table
+    lookup = addressable(CONFIG, path, CONFIG.layer_ids[0], 0, 2)
+    ids = step_ids(CONFIG, CONFIG.layer_ids[0], 2, seed=0)
+    with pytest.raises(ValueError, match=r"bf16 \[2, 12, 256\]"):
+        lookup.lookup(ids, torch.empty((2, 24, 256), dtype=torch.bfloat16))
+    lookup.store.close()
+
+
+# ---------------------------------------------------------------------- the host-read ordering
+class _Forgetful(list):
+    """A slot-event list that forgets every event: the slots are reused without waiting."""
+
+    def __getitem__(self, k):
+        return None
+
+
+class _NoDeviceWaits(TracingSync):
+    """A trace whose device streams never wait for an event: the flag wait is missing."""
+
+    def wait(self, stream, event):
+        if stream == "host":
+            super().wait(stream, event)
+
+
+class _WorkerNeverWaits(TracingSync):
+    """A trace where the reader thread never waits for an event: it reads ids not yet copied."""
+
+    def synchronize(self, event):
+        if not threading.current_thread().name.startswith("engram-offload"):
+            super().synchronize(event)
+
+
+def run_steps(lookup, config, layer_id, steps, tokens=3):
+    outs = []
+    for step in range(steps):
+        ids = step_ids(config, layer_id, tokens, seed=step)
+        out = out_buffer(config, lookup.shard, tokens, False)
+        lookup.lookup(ids, out, background=True)
+        lookup.finish()
+        outs.append((ids, out))
+    return outs
+
+
+def test_host_read_order_under_tracing(table):
+    path, raw = table
+    sync = TracingSync()
+    layer_id = CONFIG.layer_ids[1]
+    lookup = host_read(CONFIG, path, layer_id, 1, 2, sync=sync)
+    try:
+        for ids, out in run_steps(lookup, CONFIG, layer_id, steps=5):  # the 2 slots are reused twice
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, False))
+    finally:
+        lookup.close()
+        lookup.store.close()
+    # each step: ids copied (main), rows read (host), flag, rows copied and written (main)
+    assert sync.log[:4] == ["engine_prefetch:copy", "host:read", "main:copy", "main:write_rows"]
+    assert all(src.is_pinned() or src.device.type == "cpu" for _, src in sync.copies)
+
+
+def test_tracing_catches_a_missing_flag_wait(table):
+    path, _ = table
+    lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=_NoDeviceWaits())
+    try:
+        with pytest.raises(OrderingError):
+            run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
+    finally:
+        lookup.close()
+        lookup.store.close()
+
+
+def test_tracing_catches_a_read_before_the_ids_copy(table):
+    path, _ = table
+    lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=_WorkerNeverWaits())
+    try:
+        with pytest.raises(PrefetchError) as err:
+            run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
+        assert isinstance(err.value.__cause__, OrderingError) and "before its writer copy" in str(err.value)
+    finally:
+        lookup.close()
+        lookup.store.close()
+
+
+def test_tracing_catches_a_slot_reused_before_its_consumer(table):
+    path, _ = table
+    lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=TracingSync())
+    lookup._consumed = _Forgetful(lookup._consumed)
+    try:
+        with pytest.raises(PrefetchError) as err:  # the worker's write into the reused slot
+            run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=3)
+        assert isinstance(err.value.__cause__, OrderingError)
+    finally:
+        lookup.close()
+        lookup.store.close()
+
+
+def test_a_failing_read_raises_at_finish_and_frees_the_slot(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup = host_read(CONFIG, path, layer_id, 0, 1, sync=TracingSync())
+    store = lookup.store
+    ids = step_ids(CONFIG, layer_id, 3, seed=0)
+    out = out_buffer(CONFIG, lookup.shard, 3, False)
+    store.close()  # every read now fails
+    lookup.lookup(ids, out, background=True)
+    with pytest.raises(PrefetchError, match="store is closed"):
+        lookup.finish()
+    assert torch.all(out == 7.0)  # nothing written into the engine's buffer
+    assert lookup.counters.failures == 1
+    lookup.store = open_table(path, "direct", columns=lookup.shard.columns)  # the tier is back
+    for ids, out in run_steps(lookup, CONFIG, layer_id, steps=2):
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    lookup.close()
+    lookup.store.close()
+
+
+def test_a_failing_read_raises_at_the_next_lookup(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup = host_read(CONFIG, path, layer_id, 0, 1)
+    lookup.store.close()
+    ids = step_ids(CONFIG, layer_id, 2, seed=0)
+    lookup.lookup(ids, out_buffer(CONFIG, lookup.shard, 2, False), background=True)
+    with pytest.raises(PrefetchError, match="layer 1's rows failed"):  # the engine skipped finish
+        lookup.lookup(ids, out_buffer(CONFIG, lookup.shard, 2, False), background=True)
+    lookup.close()
+
+
+class _Paused:
+    """A real store whose reads wait for ``go`` (an injected pause)."""
+
+    def __init__(self, store):
+        self.store, self.go = store, threading.Event()
+
+    def read_raw(self, ids):
+        assert self.go.wait(30), "the test never let the read go"
+        return self.store.read_raw(ids)
+
+    def stats(self):
+        return self.store.stats()
+
+
+def test_a_stuck_read_times_out(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    real = open_table(path, "direct", columns=shard.columns)
+    paused = _Paused(real)
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), timeout_s=0.2,
+                            ids_stream="engine_prefetch")
+    ids = step_ids(CONFIG, layer_id, 2, seed=0)
+    lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
+    with pytest.raises(TimeoutError, match="over 0.2 s"):
+        lookup.finish()
+    paused.go.set()
+    for step in range(3):  # the stuck read ends; later steps are served, its slot reused in order
+        ids = step_ids(CONFIG, layer_id, 2, seed=step)
+        out = out_buffer(CONFIG, shard, 2, False)
+        lookup.lookup(ids, out)
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    assert lookup.stats()["lookups"] == 3
+    lookup.close()
+    real.close()
+
+
+def test_too_many_tokens_refused(table):
+    path, _ = table
+    lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1)
+    ids = step_ids(CONFIG, CONFIG.layer_ids[0], 9, seed=0)
+    with pytest.raises(ValueError, match="9 tokens"):
+        lookup.lookup(ids, out_buffer(CONFIG, lookup.shard, 9, False))
+    lookup.close()
+    lookup.store.close()
+
+
+
+def test_counters_and_the_periodic_log_line(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 2)
+    store = open_table(path, "direct", cache_bytes=64 * CONFIG.row_bytes, columns=shard.columns)
+    lookup = HostReadLookup(shard, store, CONFIG, max_tokens=4, device="cpu", sync=ImmediateSync(),
+                            describe="v41.table on direct", log_every=2)
+    with caplog.at_level(logging.INFO, "engram_offload.integrations"):
+        run_steps(lookup, CONFIG, layer_id, steps=4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("engram-offload layer 1 (host-read, v41.table on direct): 2 lookups, "
+                                                   "72 rows, hit rate ")
+    stats = lookup.stats()
+    assert stats["lookups"] == 4 and stats["rows"] == 4 * 3 * 12 and stats["failures"] == 0
+    assert 0 < stats["hit_rate"] < 1 and stats["columns"] == [0, 12]
+    lookup.close()
+    store.close()

@@ -1,0 +1,143 @@
+"""The plugins' settings and start-up checks (no engine needed)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from engram_offload.integrations.settings import (
+    OffloadSettings,
+    check_graph_mode,
+    check_layout,
+    open_store,
+    parse_settings,
+    settings_from_json,
+)
+from engram_offload.serving.rowserver import RowClient, start_row_server
+from engram_offload.serving.store import TableStore
+
+from engram_tables import v41_config, write_v41_table
+
+CONFIG = v41_config()
+
+
+def test_every_key_parsed():
+    s = parse_settings({"table": "/t.table", "tier": "direct", "cache_bytes": "2GiB", "fast_cache_bytes": 4096,
+                        "policy": "lfu", "admission": True, "row_server": None, "staging_bytes": "64M",
+                        "queue_depth": 32, "verify_reads": False, "log_every": 10, "wait_timeout_s": 5})
+    assert s == OffloadSettings(table="/t.table", tier="direct", cache_bytes=2 << 30, fast_cache_bytes=4096,
+                                policy="lfu", admission=True, staging_bytes=64 << 20, queue_depth=32,
+                                verify_reads=False, log_every=10, wait_timeout_s=5.0)
+    remote = parse_settings({"table": "/t.table", "tier": "remote", "pool": "redis://127.0.0.1:7000",
+                             "fallback": "/f.table"})
+    assert (remote.pool, remote.fallback) == ("redis://127.0.0.1:7000", "/f.table") and remote.host_read
+    assert s.host_read and not parse_settings({"table": "t", "tier": "pinned"}).host_read
+    assert parse_settings({"table": "t", "tier": "pinned", "row_server": "/s"}).host_read
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"table": "t", "teir": "direct"}, r"unknown engram_offload setting\(s\) 'teir': the keys are table, tier,"),
+    ({"tier": "direct"}, "needs 'table'"),
+    ({"table": "t", "tier": "nvme"}, "tier 'nvme' is unknown: choose one of memory, pinned, shared, mmap"),
+    ({"table": "t", "policy": "fifo"}, "policy 'fifo' is unknown"),
+    ({"table": "t", "cache_bytes": "lots"}, "size 'lots' not understood"),
+    ({"table": "t", "admission": "yes"}, "'admission' must be true or false"),
+    ({"table": 7}, "'table' must be a string"),
+    ({"table": "t", "queue_depth": 0}, "'queue_depth' must be an integer >= 1"),
+    ({"table": "t", "log_every": -1}, "'log_every' must be an integer >= 0"),
+    ({"table": "t", "wait_timeout_s": 0}, "'wait_timeout_s' must be a number of seconds > 0"),
+    ({"table": "t", "tier": "shared", "cache_bytes": "1G"}, "drop cache_bytes and fast_cache_bytes"),
+    (["table", "t"], "must be a JSON object"),
+    ({"table": "t", "tier": "direct", "pool": "redis://h:1"}, "pool and fallback are the remote tier's settings"),
+    ({"table": "t", "tier": "remote"}, "the remote tier needs 'pool'"),
+    ({"table": "t", "tier": "mmap", "queue_depth": 8}, "queue_depth is the direct tier's io_uring depth"),
+    ({"table": "redis://h:1/ab", "tier": "remote", "verify_reads": True}, "drop verify_reads"),
+])
+def test_bad_settings_refused_in_one_line(raw, message):
+    with pytest.raises(ValueError, match=message) as err:
+        parse_settings(raw)
+    assert "\n" not in str(err.value)
+
+
+def test_settings_from_json():
+    assert settings_from_json('{"table": "x", "tier": "mmap"}', "ENV").tier == "mmap"
+    with pytest.raises(ValueError, match="ENV is not valid JSON"):
+        settings_from_json("{table: x}", "ENV")
+
+
+def layout_of(config):
+    return dict(layer_ids=config.layer_ids, head_dim=config.head_dim,
+                primes=[config.primes[i] for i in config.layer_ids],
+                num_embeddings=[config.rows_per_layer[i] for i in config.layer_ids])
+
+
+def test_layout_of_the_same_model_accepted():
+    check_layout(CONFIG, "t.table", **layout_of(CONFIG))
+    bigger = dict(layout_of(CONFIG), num_embeddings=[n + 64 for n in layout_of(CONFIG)["num_embeddings"]])
+    check_layout(CONFIG, "t.table", **bigger)  # vLLM may declare padded row counts
+
+
+@pytest.mark.parametrize("other, message", [
+    (v41_config(layer_ids=(1, 15)), r"Engram layers \[1, 14\], the checkpoint's \[1, 15\]"),
+    (CONFIG.replace(head_dim=128), "head_dim 256, the checkpoint's 128"),
+    (CONFIG.replace(prime_starts=(101, 101, 101)), "layer 1's head primes differ"),
+    (CONFIG.replace(n_heads=7), "head primes differ"),
+])
+def test_a_table_of_another_model_refused(other, message):
+    with pytest.raises(ValueError, match=message) as err:
+        check_layout(CONFIG, "t.table", **layout_of(other))
+    assert "engram-offload convert" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_other_row_format_and_fewer_rows_refused():
+    with pytest.raises(ValueError, match="bf16 rows, the checkpoint's fp8_e4m3_ue8m0"):
+        check_layout(CONFIG.replace(row_format="bf16"), "t", **layout_of(CONFIG))
+    fewer = dict(layout_of(CONFIG), num_embeddings=[n - 1 for n in layout_of(CONFIG)["num_embeddings"]])
+    with pytest.raises(ValueError, match="layer 1 has"):
+        check_layout(CONFIG, "t", **fewer)
+
+
+def test_host_read_under_full_graphs_refused_with_the_fix():
+    fix = "start with --enforce-eager"
+    for raw in ({"table": "t", "tier": "direct"}, {"table": "t", "tier": "mmap"},
+                {"table": "t", "tier": "pinned", "row_server": "/run/rows.sock"}):
+        s = parse_settings(raw)
+        check_graph_mode(s, False, fix)
+        with pytest.raises(ValueError, match=f"FULL CUDA graph cannot replay: {fix}, or use a tier the GPU"):
+            check_graph_mode(s, True, fix)
+    for tier in ("memory", "pinned", "shared"):
+        check_graph_mode(parse_settings({"table": "t", "tier": tier}), True, fix)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("settings") / "v41.table", CONFIG)[0]
+
+
+def test_open_store_direct_with_cache_and_columns(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "direct", "cache_bytes": 100 * 264,
+                                       "verify_reads": True}), (6, 12))
+    try:
+        assert isinstance(store, TableStore) and store.columns == (6, 12) and store.levels
+    finally:
+        store.close()
+
+
+def test_open_store_through_a_row_server(table):
+    folder = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    sock = folder / "rows.sock"
+    server = start_row_server(table, sock, tier="mmap")
+    try:
+        client = open_store(parse_settings({"table": str(table), "tier": "mmap", "row_server": str(sock)}), (0, 6))
+        assert isinstance(client, RowClient) and client.columns == (0, 6)
+        client.close()
+        with pytest.raises(ValueError, match="reads the table on the mmap tier, not direct"):
+            open_store(parse_settings({"table": str(table), "tier": "direct", "row_server": str(sock)}), None)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""The SGLang plugin's parts that need no SGLang: owned rows as SGLang's torch path computes
+them, the layer check, the checkpoint check and ``register``'s settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.integrations import sglang as plugin
+from engram_offload.serving.store import open_table
+
+from engram_tables import v41_config, write_v41_table
+
+CONFIG = v41_config()
+
+
+def shard_range(num_embeddings, column_bounds, tp_rank, tp_size):
+    """SGLang 0.5.23's ``shard_range``, restated: whole heads when the columns divide evenly."""
+    if (len(column_bounds) - 1) % tp_size == 0:
+        per = (len(column_bounds) - 1) // tp_size
+        return column_bounds[tp_rank * per], column_bounds[(tp_rank + 1) * per]
+    return num_embeddings * tp_rank // tp_size, num_embeddings * (tp_rank + 1) // tp_size
+
+
+def sglang_owned_rows(weight, scale, indices, row_start, rows):
+    """SGLang 0.5.23's ``EngramEmbedding._owned_rows`` torch path, restated over its shard."""
+    local = indices - row_start
+    owned = (local >= 0) & (local < rows)
+    local = local.masked_fill(~owned, 0)
+    values = weight[local].float().unflatten(-1, (-1, 32))
+    values = (values * scale[local].float().unsqueeze(-1)).flatten(-2)
+    return values.to(torch.bfloat16).masked_fill(~owned.unsqueeze(-1), 0)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("sglang") / "v41.table", CONFIG, seed=6)
+
+
+@pytest.mark.parametrize("tp_size", [1, 3, 4, 5])
+def test_owned_rows_equal_sglangs_torch_path(table, tp_size):
+    path, raw = table
+    with open_table(path, "direct", cache_bytes=50 * 264) as store:
+        for index, layer_id in enumerate(CONFIG.layer_ids):
+            n = CONFIG.rows_per_layer[layer_id]
+            bounds = (0, *np.cumsum(CONFIG.head_sizes(layer_id)).tolist())
+            base = CONFIG.layer_row_bases[index]
+            rng = np.random.default_rng(tp_size)
+            ids = torch.from_numpy(rng.integers(0, n, (6, 24)))
+            ids[0, :2] = torch.tensor([3, 5]) if index == 0 else ids[0, :2]  # scale bytes 0 and 255
+            for rank in range(tp_size):
+                start, end = shard_range(n, bounds, rank, tp_size)
+                rows = plugin.OwnedRows(store, CONFIG, layer_id, start, end - start)
+                shard = torch.from_numpy(raw[base + start: base + end].copy())
+                weight = shard[:, :256].contiguous().view(torch.float8_e4m3fn)
+                scale = shard[:, 256:].contiguous().view(torch.float8_e8m0fnu)
+                got = rows.owned_rows(ids)
+                want = sglang_owned_rows(weight, scale, ids, start, end - start)
+                nan = torch.isnan(want.float())
+                assert torch.equal(torch.isnan(got.float()), nan)
+                assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_scale_byte_0_is_sglangs_not_vllms(table):
+    path, raw = table
+    with open_table(path, "memory") as store:
+        rows = plugin.OwnedRows(store, CONFIG, CONFIG.layer_ids[0], 0, CONFIG.rows_per_layer[1])
+        got = rows.owned_rows(torch.tensor([[3]]))[0, 0, :32].float()
+    values = torch.from_numpy(raw[3, :32].copy()).view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, (values * 2.0 ** -127).to(torch.bfloat16).float())  # vLLM would give 0.0
+    assert got.abs().sum() > 0
+
+
+def test_layer_check(table):
+    path, _ = table
+    bounds = [0, *np.cumsum(CONFIG.head_sizes(14)).tolist()]
+    plugin.check_column_bounds(CONFIG, 14, bounds, str(path))
+    with pytest.raises(ValueError, match="no Engram layer 15"):
+        plugin.check_column_bounds(CONFIG, 15, bounds, str(path))
+    with pytest.raises(ValueError, match="layer 14's heads differ"):
+        plugin.check_column_bounds(CONFIG, 14, [b + 1 for b in bounds], str(path))
+
+
+def test_checkpoint_rows_checked(table):
+    path, raw = table
+    with open_table(path, "mmap") as store:
+        n = CONFIG.rows_per_layer[14]
+        rows = plugin.OwnedRows(store, CONFIG, 14, 100, 900)
+        layer = torch.from_numpy(raw[CONFIG.layer_row_bases[1]: CONFIG.layer_row_bases[1] + n].copy())
+        rows.check_checkpoint(layer[:, :256].contiguous().view(torch.float8_e4m3fn), True)
+        rows.check_checkpoint(layer[:, 256:].contiguous().view(torch.float8_e8m0fnu), False)
+        other = layer.clone()
+        other[:, 256:] ^= 2
+        with pytest.raises(ValueError, match="does not hold this checkpoint's rows"):
+            rows.check_checkpoint(other[:, 256:].contiguous().view(torch.float8_e8m0fnu), False)
+
+
+def test_register_reads_the_environment(monkeypatch, caplog):
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    plugin.register()  # inert
+    monkeypatch.setenv(plugin.ENV, '{"table": "/t.table", "tier": "nvme"}')
+    with pytest.raises(ValueError, match="tier 'nvme' is unknown"):
+        plugin.register()
+    monkeypatch.setenv(plugin.ENV, "{table}")
+    with pytest.raises(ValueError, match="ENGRAM_OFFLOAD_CONFIG is not valid JSON"):
+        plugin.register()
+    monkeypatch.setenv(plugin.ENV, '{"table": "/t.table", "tier": "direct"}')
+    if importlib.util.find_spec("sglang") is None:
+        with caplog.at_level(logging.WARNING, "engram_offload.integrations.sglang"):
+            plugin.register()  # a warning, nothing patched
+        assert "SGLang is not installed; nothing to do" in caplog.text

@@ -1,0 +1,196 @@
+"""vLLM 0.33.0's own Engram code, on a CPU, through the installed plugin (``vllm_driver.py``).
+
+Each run is a subprocess with ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` set before
+vLLM is imported; vLLM's own kernels (its lookup and hash kernels, under Triton's interpreter)
+are the oracles. Skipped where vLLM is not installed (``make engines`` installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram_offload.integrations.vllm import TESTED_VERSIONS
+from engram_offload.serving.rowserver import start_row_server
+from engram_offload.table import random_rows
+from engram_offload.table.writer import write_table
+
+from engram_tables import v41_config, write_v41_table
+
+try:
+    VLLM = importlib.metadata.version("vllm")
+except importlib.metadata.PackageNotFoundError:
+    VLLM = None
+
+pytestmark = pytest.mark.skipif(VLLM is None, reason="vLLM is not installed (make engines installs 0.33.0 on a CPU)")
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+CONFIG = v41_config()
+WORLD = 4
+RUN_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_driver(mode: str, spec: dict, folder: Path, name: str) -> subprocess.Popen:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", VLLM_PLUGINS="engram_offload")
+    return subprocess.Popen([sys.executable, str(DRIVER), mode, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=str(folder))
+
+
+def results(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=RUN_TIMEOUT_S)
+    assert process.returncode == 0, f"the vLLM driver failed:\n{err[-4000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """The checks at TP 1 and ranks 0..3 of a TP-4 gloo group, run concurrently, over one table
+    (memory, direct + cache, and a row server on the mmap tier)."""
+    assert VLLM in TESTED_VERSIONS, f"vLLM {VLLM} is installed; the plugin is tested with {TESTED_VERSIONS}"
+    folder = tmp_path_factory.mktemp("vllm")
+    table, _ = write_v41_table(folder / "v41.table", CONFIG, seed=3)
+    other = CONFIG.replace(prime_starts=(71, 71, 71))  # another model's layout
+    write_table(folder / "other.table", other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+    sockets = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
+    server = start_row_server(table, sockets / "rows.sock", tier="mmap")
+    spec = {"table": str(table), "other_table": str(folder / "other.table"), "socket": str(sockets / "rows.sock"),
+            "server_tier": "mmap", "tokens": 3}
+    try:
+        port = free_port()
+        ranks = [run_driver("rank", dict(spec, rank=r, world=WORLD, port=port), folder, f"rank{r}")
+                 for r in range(WORLD)]
+        single = run_driver("checks", dict(spec, rank=0, world=1, port=free_port()), folder, "checks")
+        yield {"checks": results(single), "ranks": [results(p) for p in ranks]}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def ok(result):
+    assert not (isinstance(result, dict) and "error" in result), result.get("trace", result)
+    return result
+
+
+def test_entry_point_loaded_by_vllms_load_general_plugins(engine_runs):
+    load = ok(engine_runs["checks"]["load"])
+    assert "engram_offload" in load["plugins"]
+    assert load == {**load, "imported_before": False, "patched": True}  # patched when vLLM imports Engram
+
+
+def test_every_vllm_name_the_plugin_touches(engine_runs):
+    assert ok(engine_runs["checks"]["names"]) == {
+        "Engram._create_embedding": ["self", "layout", "layer_hash_index"],
+        "Engram._finish_prefetch": ["self", "event"],
+        "Engram._finish_prefetch.wrapped": True,
+        "Engram._finish_prefetch.inner": "patch.<locals>._finish_prefetch",
+        "Engram._init_staging": ["self", "max_tokens", "head_dim"],
+        "Engram.prepare_embeddings": ["self", "hash_ids"],
+        "Engram._start_prefetch": ["self", "hash_ids", "rows"],
+        "Engram._ready_rows": ["self", "num_tokens"],
+        "Engram.embed": ["self", "hash_ids"],
+        "ParallelEngramEmbedding.lookup": ["self", "indices", "out", "background"],
+        "ParallelEngramEmbedding.collapse_huge_pages": ["self"],
+        "ParallelEngramEmbedding._storage": ["self"],
+        "ParallelEngramEmbedding._weight_loader": ["param", "loaded_weight"],
+        "EngramLayout.__init__": ["self", "config"],
+        "VllmConfig.fields": ["additional_config", "compilation_config", "engram_config", "model_config",
+                              "scheduler_config"],
+        "CUDAGraphMode.has_full_cudagraphs": ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"],
+        "get_current_vllm_config": True,
+        "tp_rank_and_size": True,
+        "eager_break_during_capture": True,
+    }
+
+
+def test_checkpoint_names_reach_the_plugins_parameters(engine_runs):
+    mapped = ok(engine_runs["checks"]["mapper"])
+    for names in mapped.values():
+        assert names == ["model.layers.1.engram.embed_tokens.weight",
+                         "model.layers.1.engram.embed_tokens.weight_scale_inv"]
+    params = engine_runs["checks"]["tiers"]["memory/layer1"]["params"]
+    assert {"embed_tokens.weight", "embed_tokens.weight_scale_inv"} <= set(params)
+
+
+def test_vllms_hash_kernel_equals_our_hasher_on_v41(engine_runs):
+    hashed = ok(engine_runs["checks"]["hasher"])
+    assert hashed["layout_primes_equal"] == [True, True]  # vLLM's EngramLayout of V4.1-Flash is ours
+    assert hashed["shape"] == [12, 2, 24] and hashed["equal"] and hashed["dead_rows"] == 0
+
+
+def test_inert_without_settings(engine_runs):
+    inert = ok(engine_runs["checks"]["inert"])
+    # vLLM's own table was being built (and, on a CPU, found no accelerator)
+    assert inert["constructors"] == ["Engram", "ParallelEngramEmbedding"], inert
+
+
+def test_host_read_tiers_refused_under_full_graphs(engine_runs):
+    graphs = ok(engine_runs["checks"]["graphs"])
+    assert graphs["memory"] == "built"
+    for tier in ("direct+cache", "row_server"):
+        assert "FULL CUDA graph cannot replay: start vLLM with --enforce-eager" in graphs[tier]
+
+
+def test_checkpoint_rows_checked_and_discarded(engine_runs):
+    loader = ok(engine_runs["checks"]["loader"])
+    assert loader["placeholder_shapes"] == [[0, 256], [0, 8]]
+    assert "does not hold this checkpoint's rows" in loader["other_rows_refused"]
+
+
+def test_wrong_table_and_unknown_key_refused(engine_runs):
+    assert "was converted from another model" in engine_runs["checks"]["wrong_table"]
+    assert "unknown engram_offload setting(s) 'cache'" in engine_runs["checks"]["unknown_key"]
+
+
+def check_tiers(tiers, rank, world):
+    ok(tiers)
+    assert sorted(tiers) == [f"{t}/layer{i}" for t in ("direct+cache", "memory", "row_server") for i in (1, 14)]
+    for name, entry in tiers.items():
+        assert entry["class"] == "OffloadedEngramEmbedding" and entry["base"] == "ParallelEngramEmbedding"
+        assert entry["attrs"] == entry["vllm_attrs"], name  # vLLM's split, from vLLM's own constructor
+        assert entry["attrs"][4] == world and entry["attrs"][1] == rank * 24 // world
+        assert entry["bf16_equal"] and entry["packed_equal"], f"{name} of rank {rank}"
+        assert entry["nonzero_rows"] > 0
+        if world == 1:
+            assert entry["embed_equal"], name
+
+
+def test_rows_bit_equal_to_vllms_kernel_tp1(engine_runs):
+    check_tiers(engine_runs["checks"]["tiers"], 0, 1)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_rows_bit_equal_to_vllms_kernel_tp4(engine_runs, rank):
+    check_tiers(engine_runs["ranks"][rank]["tiers"], rank, WORLD)
+
+
+def test_an_untested_vllm_version_is_left_alone():
+    code = ("import engram_offload.integrations.vllm as plugin\n"
+            "plugin.TESTED_VERSIONS = ('0.0.0',)\n"
+            "plugin.register()\n"
+            "from vllm.models.deepseek_v41.common import engram as E\n"
+            "print('patched', getattr(E.Engram, '_engram_offload_patched', False))\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "patched False"
+    assert f"vLLM {VLLM} is not a tested version (0.0.0)" in done.stderr
