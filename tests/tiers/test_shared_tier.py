@@ -132,6 +132,50 @@ def test_a_loader_killed_mid_load_leaves_a_segment_the_next_process_reloads(tabl
     assert head(shm_dir, segment_name(header)).state == READY
 
 
+SLOW_LOADER = textwrap.dedent("""
+    import sys, time
+    from engram_offload.table import read_header
+    from engram_offload.tiers import shared
+
+    steps, every = int(sys.argv[3]), float(sys.argv[4])
+
+    def slow(header, dense, *args, on_chunk, **kwargs):  # progress `steps` times, then none
+        print("loading", flush=True)
+        for step in range(1, steps + 1):
+            time.sleep(every)
+            on_chunk(step * 4096)
+        print("stalled", flush=True)
+        time.sleep(120)
+
+    shared.load_rows_into = slow
+    shared.SharedTier(read_header(sys.argv[1]), shm_dir=sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("steps, every, timeout", [(0, 0, 0.5), (6, 0.5, 2.0)])
+def test_a_waiter_gives_up_once_the_loader_makes_no_progress_for_lock_timeout(table, shm_dir, steps, every, timeout):
+    # (0 steps) a loader stopped at once; (6 steps) one that progresses for longer than the
+    # timeout, then stops: the waiter waits through the progress and names where it stopped
+    path, _ = table
+    header = read_header(path)
+    name = segment_name(header)
+    loader = subprocess.Popen([sys.executable, "-c", SLOW_LOADER, str(path), str(shm_dir), str(steps), str(every)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert loader.stdout.readline().strip() == "loading"
+        with pytest.raises(TierError) as caught:
+            SharedTier(header, shm_dir=shm_dir, lock_timeout=timeout)  # the election is exclusive: it waits
+        message = str(caught.value)
+        assert "\n" not in message and f"the lock {uid_folder(shm_dir) / name}.lock" in message
+        assert f"pid {loader.pid}" in message and "lock_timeout=" in message
+        total = 4096 + header.layout.num_rows * header.layout.row_bytes  # allocated, then each step loaded
+        assert f"progress stopped at {total + steps * 4096:,} bytes" in message
+        assert head(shm_dir, name).state != READY  # the waiter did not take the segment over
+    finally:
+        loader.send_signal(signal.SIGKILL)
+        loader.wait()
+
+
 # ---------------------------------------------------------------------- one copy: summed PSS
 @pytest.mark.slow
 def test_summed_pss_of_1_2_and_4_attached_processes_is_about_one_copy(tmp_path, shm_dir):

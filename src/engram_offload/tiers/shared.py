@@ -98,7 +98,8 @@ MAX_NAME_BYTES = 200
 ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after each
 CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
 CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
-REPLACE_ATTEMPTS = 3
+REPLACE_ATTEMPTS = 3  # loads of a segment found damaged each time, then an error
+LOCK_ATTEMPTS = 100  # lock files found replaced after taking them, then an error
 POLL_MAX_SECONDS = 0.05
 READ_ONLY, NO_FOLLOW = os.O_RDONLY | os.O_CLOEXEC, os.O_NOFOLLOW | os.O_NONBLOCK
 
@@ -332,7 +333,7 @@ def _election(folder: _Folder, name: str, timeout: float) -> Iterator[None]:
                 "that process is stopped or stuck; end it, or pass lock_timeout= (seconds without progress) "
                 "to wait longer")
 
-    while True:
+    for _ in range(LOCK_ATTEMPTS):
         fd = folder.open(lock, os.O_RDWR | os.O_CREAT)
         assert fd is not None  # O_CREAT
         try:
@@ -343,6 +344,9 @@ def _election(folder: _Folder, name: str, timeout: float) -> Iterator[None]:
             os.close(fd)
             raise
         os.close(fd)  # removed (by remove_segment or a cleaner) while we waited: lock the new one
+    else:
+        raise TierError(f"the lock {folder.path / lock} was replaced each of the {LOCK_ATTEMPTS} times it was "
+                        "taken: another process of this uid keeps removing it; find it (fuser -v), then retry")
     try:
         yield
     finally:
