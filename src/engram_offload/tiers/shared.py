@@ -57,6 +57,7 @@ import errno
 import fcntl
 import mmap
 import os
+import random
 import stat
 import struct
 import time
@@ -501,6 +502,8 @@ class SharedTier(MemoryTier):
         self._name = segment or segment_name(header)
         self._total = DATA_OFFSET + _data_bytes(header)
         self._staging = ThreadBuffers()
+        self._rb, self._rpp, self._page = header.layout.row_bytes, header.layout.rows_per_page, header.layout.page_bytes
+        self._row_spans = np.empty(0, np.int64), np.empty(0, np.int64)
         self._folder = _Folder(directory)
         self.segment = Path(os.path.realpath(self._folder.path)) / self._name
         try:
@@ -534,7 +537,7 @@ class SharedTier(MemoryTier):
                 checked = time.perf_counter()
                 problem = self._check_all_pages(fd, mm)
                 if problem is None and os.fstat(fd).st_mtime_ns != self._mtime_ns:
-                    problem = "it was modified while it was checked"
+                    problem = "was modified while it was checked"
                 self.attach_check_seconds += time.perf_counter() - checked
                 if problem is None:
                     return fd, mm
@@ -563,12 +566,12 @@ class SharedTier(MemoryTier):
         absent, half-loaded, truncated or an unused older version of this table."""
         folder, name = self._folder, self._name
         source = str(header.path.resolve()).encode()[:MAX_PATH]
-        fd = folder.open(name, os.O_RDONLY)
-        if fd is not None:
+        found, fd = folder.open(name, os.O_RDONLY), None
+        if found is not None:
             try:
-                fd = self._usable(fd, source.decode("utf-8", "replace"))
+                fd = self._usable(found, source.decode("utf-8", "replace"))  # closes it when it returns None
             except BaseException:
-                os.close(fd)
+                os.close(found)
                 raise
         if fd is None:
             _remove_old_versions(folder, source.decode("utf-8", "replace"), self.fingerprint, keep=name)
@@ -622,18 +625,18 @@ class SharedTier(MemoryTier):
 
     # ------------------------------------------------------------------------- page checks
     def _rebuild_pages(self, fd: int, address: int, pages: np.ndarray, buf: np.ndarray) -> bool:
-        """Lay the rows of data pages ``pages`` (int64 ``[m]``) out in ``buf`` as the table file
-        holds them (``[m, page_bytes]``, zero padded); False when the segment ended early."""
-        layout = self.layout
-        rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
+        """Lay the rows of data pages ``pages`` (int64 ``[m]``, ascending) out in ``buf`` as the
+        table file holds them (``[m, page_bytes]``, zero padded); False when the segment ended early."""
+        rb, rpp, page = self._rb, self._rpp, self._page
         first = pages * rpp
-        counts = np.minimum(rpp, layout.num_rows - first)  # rows in each page: fewer in the last
-        ok = guarded_copy(address, self._total, fd, DATA_OFFSET + first * rb, counts * rb, buf,
+        lengths = np.minimum(rpp, self.layout.num_rows - first) * rb  # a last page holds fewer rows
+        ok = guarded_copy(address, self._total, fd, DATA_OFFSET + first * rb, lengths, buf,
                           np.arange(len(pages), dtype=np.int64) * page)
         held = buf[: len(pages) * page].reshape(len(pages), page)
-        held[:, rpp * rb:] = 0
-        for i in np.flatnonzero(counts < rpp).tolist():
-            held[i, int(counts[i]) * rb:] = 0
+        if page > rpp * rb:
+            held[:, rpp * rb:] = 0
+        if lengths[-1] < rpp * rb:
+            held[-1, int(lengths[-1]):] = 0
         return ok
 
     def _check_all_pages(self, fd: int, mm: mmap.mmap) -> str | None:
@@ -652,7 +655,7 @@ class SharedTier(MemoryTier):
             data = buf[: len(pages) * layout.page_bytes]
             if by_blocks:
                 block = first // step
-                if xxhash.xxh3_64_intdigest(data) != int(self.header.block_digests[block]):
+                if xxhash.xxh3_64_intdigest(data.data) != int(self.header.block_digests[block]):
                     return f"differs from the table in block {block}"
                 return None
             bad = bad_pages(self.header, pages, data)
@@ -677,42 +680,54 @@ class SharedTier(MemoryTier):
         if st.st_mtime_ns != self._mtime_ns:
             raise self._changed("was modified (its mtime changed)")
 
-    def _checked_pages(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The pages holding rows ``ids`` rebuilt and checked: (buffer, each row's byte offset in it)."""
-        plan = plan_pages(self.layout.row_offsets(ids), self.layout)
-        buf = self._staging.get(plan.nbytes)
-        if not self._rebuild_pages(self._fd, self._address, plan.pages, buf):
-            raise self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
-                                else "ended early during a read")
-        self._count(pages_checked=len(plan.pages))
-        bad = bad_pages(self.header, plan.pages, buf[: plan.nbytes])
+    def _check_pages(self, pages: np.ndarray) -> np.ndarray:
+        """Data pages ``pages`` (int64 ``[m]``, ascending) rebuilt from the segment and checked
+        against their checksums: the buffer holding them; ``ChecksumError`` for one that differs."""
+        buf = self._staging.get(len(pages) * self._page)
+        if not self._rebuild_pages(self._fd, self._address, pages, buf):
+            raise self._shrank()
+        self._count(pages_checked=len(pages))
+        bad = bad_pages(self.header, pages, buf[: len(pages) * self._page])
         if bad.size:
-            page = int(plan.pages[bad[0]])
+            page = int(pages[bad[0]])
             first, last = self.layout.page_rows(page)
             raise ChecksumError(
                 f"the shared segment {self.segment} differs from {self.header.path} at data page {page} "
                 f"(rows {first:,}..{last:,}): it was changed after it was loaded; close the store and open "
                 "the table again (a fresh open replaces a damaged segment)")
-        return buf, plan.positions
+        return buf
+
+    def _shrank(self) -> TierError:
+        return self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
+                             else "ended early during a read")
+
+    def _spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row lengths, destination offsets): int64 ``[n]`` each, for copying ``n`` dense rows."""
+        lengths, dests = self._row_spans
+        if len(lengths) < n:
+            size = max(n, 2 * len(lengths))
+            lengths, dests = np.full(size, self._rb, np.int64), np.arange(size, dtype=np.int64) * self._rb
+            self._row_spans = lengths, dests  # replaced whole: other threads keep the one they read
+        return lengths[:n], dests[:n]
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
-        rb = self.row_bytes
+        rb, n = self._rb, len(ids)
         if self.verify_reads and self.header.page_sums is not None:
-            buf, positions = self._checked_pages(ids)
-            gather_at(torch.from_numpy(buf), positions, out)
-            self._count(bytes_read=len(ids) * rb)
+            plan = plan_pages(self.layout.row_offsets(ids), self.layout)
+            gather_at(torch.from_numpy(self._check_pages(plan.pages)), plan.positions, out)
+            self._count(bytes_read=n * rb)
             return
-        if self.sample_pages:
-            self._checked_pages(ids[np.random.randint(0, len(ids), min(self.sample_pages, len(ids)))])
+        if self.sample_pages:  # the pages of a few rows picked at random
+            pages = ids[[random.randrange(n) for _ in range(min(self.sample_pages, n))]] // self._rpp
+            self._check_pages(pages if len(pages) == 1 else np.unique(pages))
         dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
-        if not guarded_copy(self._address, self._total, self._fd, DATA_OFFSET + ids * rb,
-                            np.full(len(ids), rb, np.int64), dest, np.arange(len(ids), dtype=np.int64) * rb):
-            raise self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
-                                else "ended early during a read")
+        lengths, dests = self._spans(n)
+        if not guarded_copy(self._address, self._total, self._fd, DATA_OFFSET + ids * rb, lengths, dest, dests):
+            raise self._shrank()
         if not out.is_contiguous():
             out.copy_(torch.from_numpy(dest))
-        self._count(bytes_read=len(ids) * rb)
+        self._count(bytes_read=n * rb)
 
     def stats(self) -> dict:
         return {**super().stats(), "segment": str(self.segment), "loaded_here": self.loaded,
