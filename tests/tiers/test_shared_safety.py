@@ -372,12 +372,17 @@ def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
     try:
         old = read_header(path)
+        (mount / "engram-00000000000000aa").write_bytes(b"\0" * 4096)  # an earlier release's segment, of this uid
+        (mount / "engram-00000000000000bb").symlink_to(mount / "engram-00000000000000aa")  # never a segment
         with SharedTier(old, shm_dir=mount):
             make_random_table(path, CONFIG, seed=2, block_size=16384)
             with pytest.raises(TierError) as caught:
                 SharedTier(read_header(path), shm_dir=mount)
         message = one_line(caught.value)
         assert f"{segment_name(old)} (" in message and f"{path}, in use)" in message and "remove_segment" in message
+        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (0.00 GiB)" in message
+        assert "00bb" not in message
+        (mount / "engram-00000000000000aa").unlink()
         with SharedTier(read_header(path), shm_dir=mount) as new:  # once closed, the old version makes room
             assert new.loaded and segments(mount) == {segment_name(new.header)}
     finally:

@@ -58,6 +58,7 @@ import fcntl
 import mmap
 import os
 import random
+import re
 import stat
 import struct
 import time
@@ -95,6 +96,7 @@ PROGRESS_OFFSET = 40  # the u64 progress inside HEAD
 DATA_OFFSET = 4096
 MAX_PATH = DATA_OFFSET - HEAD.size
 LOCK_SUFFIX = ".lock"
+LEGACY_NAME = re.compile(r"engram-[0-9a-f]{16}")  # where releases before the per-uid folder kept segments
 MAX_NAME_BYTES = 200
 ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after each
 CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
@@ -407,10 +409,26 @@ def _listing(folder: _Folder, skip: str) -> str:
         with _claim_unused(folder, name) as seg:
             use = "in use" if seg is None else "unused"
         entries.append(f"{name} ({_gib(DATA_OFFSET + head.nbytes)}, {head.source}, {use})")
-    if not entries:
-        return "no other segments of this uid are there"
-    return (f"this uid's other segments there: {'; '.join(entries)} (remove unused ones with "
-            "engram_offload.tiers.shared.remove_segment, or rm; those in use go when their processes exit)")
+    message = (f"this uid's other segments there: {'; '.join(entries)} (remove unused ones with "
+               "engram_offload.tiers.shared.remove_segment, or rm; those in use go when their processes exit)"
+               if entries else "no other segments of this uid are there")
+    legacy = _legacy_segments(folder.path.parent)
+    if legacy:
+        message += (f"; segments an earlier release left in {folder.path.parent}, unused by this one: "
+                    f"{'; '.join(legacy)} (rm them once no process of that release runs)")
+    return message
+
+
+def _legacy_segments(shm_dir: Path) -> list[str]:
+    """This uid's segments an earlier release kept directly in ``shm_dir`` (``engram-<16 hex>``)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(shm_dir):
+            if LEGACY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_uid == os.geteuid():
+                    found.append(f"{entry.name} ({_gib(st.st_size)})")
+    return sorted(found)
 
 
 def _check_space(header: TableHeader, folder: _Folder, name: str, check_memory: bool) -> None:
