@@ -131,6 +131,8 @@ def _gib(n: int) -> str:
 
 
 class SegmentHead(NamedTuple):
+    """A segment's head (its page 0), as read back."""
+
     state: int
     fingerprint: int
     nbytes: int
@@ -300,8 +302,7 @@ def _peek(folder: _Folder, name: str) -> SegmentHead | None:
 def _wait_flock(fd: int, timeout: float, progress: Callable[[], object], stuck: Callable[[float], str]) -> None:
     """An exclusive ``flock`` on ``fd``; ``TierError(stuck(seconds))`` once the holder has made
     no progress (``progress()`` unchanged) for ``timeout`` seconds."""
-    delay = 0.001
-    last, since = progress(), time.monotonic()
+    delay, last, since = 0.001, None, 0.0
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -309,7 +310,7 @@ def _wait_flock(fd: int, timeout: float, progress: Callable[[], object], stuck: 
         except BlockingIOError:
             pass
         now = progress()
-        if now != last:
+        if since == 0.0 or now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= timeout:
             raise TierError(stuck(time.monotonic() - since))
