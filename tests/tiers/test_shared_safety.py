@@ -24,7 +24,8 @@ import xxhash
 
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import make_random_table, random_rows, read_header
-from engram_offload.tiers.shared import DATA_OFFSET, HEAD, MAGIC, READY, VERSION, SharedTier, segment_name, uid_folder
+from engram_offload.tiers.segments import DATA_OFFSET, HEAD, MAGIC, READY, VERSION, uid_folder
+from engram_offload.tiers.shared import SharedTier, segment_name
 
 from second_uid import NOBODY, Held, in_child, needs_root
 from tier_cases import read
@@ -380,7 +381,7 @@ def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
                 SharedTier(read_header(path), shm_dir=mount)
         message = one_line(caught.value)
         assert f"{segment_name(old)} (" in message and f"{path}, in use)" in message and "remove_segment" in message
-        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (0.00 GiB)" in message
+        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (4.00 KiB)" in message
         assert "00bb" not in message
         (mount / "engram-00000000000000aa").unlink()
         with SharedTier(read_header(path), shm_dir=mount) as new:  # once closed, the old version makes room

@@ -20,7 +20,8 @@ from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers.memory import MemoryTier
-from engram_offload.tiers.shared import READY, SharedTier, remove_segment, segment_name, uid_folder
+from engram_offload.tiers.segments import READY, read_head, uid_folder
+from engram_offload.tiers.shared import SharedTier, remove_segment, segment_name
 
 from tiny_tables import tiny_config
 
@@ -37,14 +38,12 @@ def shm_dir():
 
 def head(shm_dir, name):
     """The head of segment ``name`` in this uid's folder of ``shm_dir``, None when absent."""
-    from engram_offload.tiers.shared import _read_head
-
     try:
         fd = os.open(uid_folder(shm_dir) / name, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
-        return _read_head(fd)
+        return read_head(fd)
     finally:
         os.close(fd)
 

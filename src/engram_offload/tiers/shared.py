@@ -7,12 +7,10 @@ loading); ``remove_segment`` removes it.
 
 Who may touch a segment (docs/threat-model.md): only the operator's uid (and root). Segments
 live in ``<shm_dir>/engram-uid-<uid>/`` (default ``/dev/shm/engram-uid-<uid>/engram-<fingerprint>``),
-a folder created mode 0700 and checked on every open (a real folder, not a symbolic link, owned
-by this uid, closed to others), so no other local user can create, swap or read a segment or
-lock in it; a folder of that name made by someone else is refused, naming its owner. Every
-file in it is opened relative to the folder's descriptor with ``O_NOFOLLOW`` and must be a
-regular file of this uid closed to others: a segment is created with ``O_EXCL``, mode 0600,
-and made read-only (0400) once loaded. Another uid gets a folder and a copy of its own.
+a folder of this uid's closed to others, every file in it opened without following links and
+checked (``tiers/segments.py``): no other local user can create, swap or read a segment or lock
+in it. A segment is created with ``O_EXCL``, mode 0600, and made read-only (0400) once loaded.
+Another uid gets a folder and a copy of its own.
 
 A segment is::
 
@@ -53,20 +51,15 @@ checked.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
 import random
-import re
-import stat
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,46 +68,47 @@ import xxhash
 from ..errors import ChecksumError, TierError
 from ..table.format import TableHeader
 from ..table.verify import bad_pages
+from ..units import format_bytes
 from ._buffers import ThreadBuffers, gather_at
 from .base import Tier
 from .guarded import guarded_copy, guarded_copy_available
 from .memory import MemoryTier, check_free_memory, load_rows_into
 from .pagecheck import plan_pages
+from .segments import (
+    DATA_OFFSET,
+    DEFAULT_SHM_DIR,
+    HEAD,
+    LOADING,
+    LOCK_SUFFIX,
+    MAGIC,
+    MAX_PATH,
+    PROGRESS_OFFSET,
+    READY,
+    STATE_OFFSET,
+    VERSION,
+    SegmentFolder,
+    election,
+    listing,
+    read_head,
+    remove_files,
+    remove_old_versions,
+    uid_folder,
+)
 
 __all__ = ["SharedTier", "DEFAULT_SHM_DIR", "DEFAULT_LOCK_TIMEOUT", "process_pss", "remove_segment",
            "segment_name", "uid_folder"]
 
-DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_LOCK_TIMEOUT = 60.0  # seconds a waiter allows the lock's holder without progress
-MAGIC = b"ENGRAMSH"
-VERSION = 2
-LOADING, READY = 0, 1
-# magic, version, state, fingerprint, data bytes, loader pid, path length, progress
-HEAD = struct.Struct("<8sIIQQIIQ")
-STATE_OFFSET = 12  # the u32 state inside HEAD
-PROGRESS_OFFSET = 40  # the u64 progress inside HEAD
-DATA_OFFSET = 4096
-MAX_PATH = DATA_OFFSET - HEAD.size
-LOCK_SUFFIX = ".lock"
-LEGACY_NAME = re.compile(r"engram-[0-9a-f]{16}")  # where releases before the per-uid folder kept segments
 MAX_NAME_BYTES = 200
 ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after each
 CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
 CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
 REPLACE_ATTEMPTS = 3  # loads of a segment found damaged each time, then an error
-LOCK_ATTEMPTS = 100  # lock files found replaced after taking them, then an error
-POLL_MAX_SECONDS = 0.05
-READ_ONLY, NO_FOLLOW = os.O_RDONLY | os.O_CLOEXEC, os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def segment_name(header: TableHeader) -> str:
     """The default segment name of a table: ``engram-<fingerprint in hex>``."""
     return f"engram-{header.fingerprint():016x}"
-
-
-def uid_folder(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> Path:
-    """The folder in ``shm_dir`` that holds this process's uid's segments."""
-    return Path(shm_dir) / f"engram-uid-{os.geteuid()}"
 
 
 def _address_of(mm: mmap.mmap) -> int:
@@ -124,34 +118,6 @@ def _address_of(mm: mmap.mmap) -> int:
 
 def _data_bytes(header: TableHeader) -> int:
     return header.layout.num_rows * header.layout.row_bytes
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
-
-
-class SegmentHead(NamedTuple):
-    """A segment's head (its page 0), as read back."""
-
-    state: int
-    fingerprint: int
-    nbytes: int
-    pid: int
-    progress: int
-    source: str
-
-
-def _read_head(fd: int) -> SegmentHead | None:
-    """The head of the segment open as ``fd``; None for a file too short for one or of
-    another magic or version (a loader died before writing it, or an older release's)."""
-    raw = os.pread(fd, DATA_OFFSET, 0)
-    if len(raw) < HEAD.size:
-        return None
-    magic, version, state, fingerprint, nbytes, pid, plen, progress = HEAD.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
-        return None
-    source = raw[HEAD.size: HEAD.size + min(plen, MAX_PATH)].decode("utf-8", "replace")
-    return SegmentHead(state, fingerprint, nbytes, pid, progress, source)
 
 
 def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object) -> Path:
@@ -177,262 +143,7 @@ def _check_options(segment: object, shm_dir: object, lock_timeout: object, sampl
     return Path(folder)
 
 
-def _owner_problem(st: os.stat_result) -> str | None:
-    """What is wrong with a file or folder of the segment folder's, from its ``lstat``/``fstat``."""
-    me = os.geteuid()
-    if st.st_uid != me:
-        return (f"belongs to uid {st.st_uid}, not to this process's uid {me} (a shared copy is only used "
-                "by the uid that made it)")
-    if st.st_mode & 0o077:
-        return f"is mode {stat.S_IMODE(st.st_mode):04o}: other users may reach it"
-    return None
-
-
-class _Folder:
-    """This uid's segment folder: one descriptor, every file opened relative to it, never
-    through a symbolic link, each checked to be a regular file of this uid closed to others."""
-
-    def __init__(self, shm_dir: Path, create: bool = True) -> None:
-        self.path = uid_folder(shm_dir)
-        try:
-            parent = os.open(shm_dir, READ_ONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, NotADirectoryError):
-            raise TierError(f"the shared tier keeps its segments in {shm_dir}, which is not a folder: pass "
-                            f"shm_dir= a tmpfs folder (default {DEFAULT_SHM_DIR})") from None
-        except PermissionError:
-            raise TierError(f"this uid ({os.geteuid()}) may not enter {shm_dir}: pass shm_dir= a tmpfs folder "
-                            "it may write") from None
-        try:
-            self.fd = self._open(parent, create)
-        finally:
-            os.close(parent)
-
-    def _open(self, parent: int, create: bool) -> int:
-        name = self.path.name
-        if create:
-            try:
-                os.mkdir(name, 0o700, dir_fd=parent)
-            except FileExistsError:
-                pass
-            except PermissionError:
-                raise TierError(f"cannot create {self.path}: uid {os.geteuid()} may not write to "
-                                f"{self.path.parent}; pass shm_dir= a tmpfs folder it may write") from None
-        try:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
-            raise TierError(f"{self.path} does not exist") from None
-        self._check(st)
-        fd = os.open(name, READ_ONLY | os.O_DIRECTORY | NO_FOLLOW, dir_fd=parent)
-        try:
-            now = os.fstat(fd)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                raise TierError(f"{self.path} was replaced while it was opened: another process is "
-                                "changing it; find out which, then open the table again")
-            self._check(now)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _check(self, st: os.stat_result) -> None:
-        if not stat.S_ISDIR(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
-            raise TierError(f"{self.path} is {kind}, not the folder the shared tier makes for uid {os.geteuid()} "
-                            "(someone else put it there): remove it, or pass shm_dir= another tmpfs folder")
-        problem = _owner_problem(st)
-        if problem is not None:
-            raise TierError(f"the shared tier's folder {self.path} {problem}: the segments in it cannot be "
-                            f"trusted; remove it (rm -r, as root if needed), or pass shm_dir= another tmpfs folder")
-
-    def open(self, name: str, flags: int, mode: int = 0o600) -> int | None:
-        """``name`` opened with ``flags`` (plus no-follow), checked; None when absent."""
-        try:
-            fd = os.open(name, flags | os.O_CLOEXEC | NO_FOLLOW, mode, dir_fd=self.fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise TierError(f"{self.path / name} is a symbolic link: the shared tier follows none; "
-                                "remove it") from None
-            raise TierError(f"cannot open {self.path / name}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            problem = "is not a regular file" if not stat.S_ISREG(st.st_mode) else _owner_problem(st)
-            if problem is not None:
-                raise TierError(f"{self.path / name} {problem}: it cannot be trusted; remove it")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def holds(self, name: str, fd: int) -> bool:
-        """Whether ``name`` is still the file open as ``fd``."""
-        try:
-            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        now = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
-
-    def unlink(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=self.fd)
-
-    def segments(self) -> list[str]:
-        return sorted(n for n in os.listdir(self.fd) if not n.endswith(LOCK_SUFFIX) and not n.startswith("."))
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _peek(folder: _Folder, name: str) -> SegmentHead | None:
-    """The head of segment ``name`` (None when absent or unreadable); for progress and listings."""
-    try:
-        fd = folder.open(name, os.O_RDONLY)
-    except TierError:
-        return None
-    if fd is None:
-        return None
-    try:
-        return _read_head(fd)
-    finally:
-        os.close(fd)
-
-
-def _wait_flock(fd: int, timeout: float, progress: Callable[[], object], stuck: Callable[[float], str]) -> None:
-    """An exclusive ``flock`` on ``fd``; ``TierError(stuck(seconds))`` once the holder has made
-    no progress (``progress()`` unchanged) for ``timeout`` seconds."""
-    delay, last, since = 0.001, None, 0.0
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        now = progress()
-        if since == 0.0 or now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= timeout:
-            raise TierError(stuck(time.monotonic() - since))
-        time.sleep(delay)
-        delay = min(2 * delay, POLL_MAX_SECONDS)
-
-
-@contextlib.contextmanager
-def _election(folder: _Folder, name: str, timeout: float) -> Iterator[None]:
-    """Hold segment ``name``'s lock file (exclusive ``flock``, dropped by the kernel if this
-    process dies); a lock file removed while we waited is left for the one now at its name."""
-    lock = name + LOCK_SUFFIX
-
-    def progress() -> object:
-        head = _peek(folder, name)
-        return None if head is None else (head.state, head.progress)
-
-    def stuck(seconds: float) -> str:
-        head = _peek(folder, name)
-        holder = (f"the loader of {name} (pid {head.pid}, its progress stopped at {head.progress:,} bytes "
-                  "allocated and loaded)" if head is not None and head.state == LOADING
-                  else "another process of this uid")
-        return (f"waited {seconds:.0f} s for the lock {folder.path / lock}, held by {holder}, with no progress: "
-                "that process is stopped or stuck; end it, or pass lock_timeout= (seconds without progress) "
-                "to wait longer")
-
-    for _ in range(LOCK_ATTEMPTS):
-        fd = folder.open(lock, os.O_RDWR | os.O_CREAT)
-        assert fd is not None  # O_CREAT
-        try:
-            _wait_flock(fd, timeout, progress, stuck)
-            if folder.holds(lock, fd):
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # removed (by remove_segment or a cleaner) while we waited: lock the new one
-    else:
-        raise TierError(f"the lock {folder.path / lock} was replaced each of the {LOCK_ATTEMPTS} times it was "
-                        "taken: another process of this uid keeps removing it; find it (fuser -v), then retry")
-    try:
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-@contextlib.contextmanager
-def _claim_unused(folder: _Folder, name: str) -> Iterator[int | None]:
-    """Segment ``name`` open and held exclusively (its lock and the segment itself), or None
-    when a process loads, attaches or uses it (or it is gone), without waiting."""
-    lock = folder.open(name + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT)
-    assert lock is not None
-    seg = None
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            seg = folder.open(name, os.O_RDONLY)
-            if seg is not None:
-                fcntl.flock(seg, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
-        yield seg if folder.holds(name + LOCK_SUFFIX, lock) else None
-    finally:
-        if seg is not None:
-            os.close(seg)
-        os.close(lock)
-
-
-def _remove(folder: _Folder, name: str) -> None:
-    """Remove segment ``name`` and its lock file (the caller holds the lock)."""
-    folder.unlink(name)
-    folder.unlink(name + LOCK_SUFFIX)
-
-
-def _remove_old_versions(folder: _Folder, source: str, fingerprint: int, keep: str) -> list[str]:
-    """Remove the segments of other versions of table ``source`` that no process holds."""
-    removed = []
-    for name in folder.segments():
-        head = _peek(folder, name)
-        if name == keep or head is None or head.source != source or head.fingerprint == fingerprint:
-            continue
-        with _claim_unused(folder, name) as seg:
-            if seg is not None:
-                _remove(folder, name)
-                removed.append(name)
-    return removed
-
-
-def _listing(folder: _Folder, skip: str) -> str:
-    """The other segments in ``folder``, for a message: name, size, table, whether in use."""
-    entries = []
-    for name in folder.segments():
-        head = _peek(folder, name)
-        if name == skip or head is None:
-            continue
-        with _claim_unused(folder, name) as seg:
-            use = "in use" if seg is None else "unused"
-        entries.append(f"{name} ({_gib(DATA_OFFSET + head.nbytes)}, {head.source}, {use})")
-    message = (f"this uid's other segments there: {'; '.join(entries)} (remove unused ones with "
-               "engram_offload.tiers.shared.remove_segment, or rm; those in use go when their processes exit)"
-               if entries else "no other segments of this uid are there")
-    legacy = _legacy_segments(folder.path.parent)
-    if legacy:
-        message += (f"; segments an earlier release left in {folder.path.parent}, unused by this one: "
-                    f"{'; '.join(legacy)} (rm them once no process of that release runs)")
-    return message
-
-
-def _legacy_segments(shm_dir: Path) -> list[str]:
-    """This uid's segments an earlier release kept directly in ``shm_dir`` (``engram-<16 hex>``)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(shm_dir):
-            if LEGACY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                if st.st_uid == os.geteuid():
-                    found.append(f"{entry.name} ({_gib(st.st_size)})")
-    return sorted(found)
-
-
-def _check_space(header: TableHeader, folder: _Folder, name: str, check_memory: bool) -> None:
+def _check_space(header: TableHeader, folder: SegmentFolder, name: str, check_memory: bool) -> None:
     if not check_memory:
         return
     check_free_memory(header, "shared")
@@ -440,13 +151,13 @@ def _check_space(header: TableHeader, folder: _Folder, name: str, check_memory: 
     free, need = vfs.f_bavail * vfs.f_frsize, DATA_OFFSET + _data_bytes(header)
     if need > free:
         raise TierError(
-            f"{header.path}: the shared tier needs {_gib(need)} in {folder.path} and {_gib(free)} is free "
-            f"there; {_listing(folder, name)}; or enlarge it (mount -o remount,size=...), or use the mmap or "
+            f"{header.path}: the shared tier needs {format_bytes(need)} in {folder.path} and {format_bytes(free)} is free "
+            f"there; {listing(folder, name)}; or enlarge it (mount -o remount,size=...), or use the mmap or "
             "direct tier"
         )
 
 
-def _load(header: TableHeader, folder: _Folder, name: str, source: bytes, progress: bool | None) -> None:
+def _load(header: TableHeader, folder: SegmentFolder, name: str, source: bytes, progress: bool | None) -> None:
     """Create segment ``name`` (``O_EXCL``, 0600), write its head (loading), the rows (each
     page checked), the ready flag, and make it read-only (0400)."""
     nbytes = _data_bytes(header)
@@ -465,7 +176,7 @@ def _load(header: TableHeader, folder: _Folder, name: str, source: bytes, progre
                 os.posix_fallocate(fd, start, min(ALLOCATE_STEP, total - start))  # ENOSPC now, not SIGBUS later
             except OSError as exc:
                 raise TierError(f"cannot create the shared segment {folder.path / name} ({total:,} bytes): "
-                                f"{exc.strerror}; {_listing(folder, name)}") from exc
+                                f"{exc.strerror}; {listing(folder, name)}") from exc
             advance(min(total, start + ALLOCATE_STEP))
         mm = mmap.mmap(fd, total)
         dense = None
@@ -523,7 +234,7 @@ class SharedTier(MemoryTier):
         self._staging = ThreadBuffers()
         self._rb, self._rpp, self._page = header.layout.row_bytes, header.layout.rows_per_page, header.layout.page_bytes
         self._row_spans = np.empty(0, np.int64), np.empty(0, np.int64)
-        self._folder = _Folder(directory)
+        self._folder = SegmentFolder(directory)
         self.segment = Path(os.path.realpath(self._folder.path)) / self._name
         try:
             self._fd, self._mm = self._attach(header, lock_timeout, progress, check_memory)
@@ -546,7 +257,7 @@ class SharedTier(MemoryTier):
         """Load or attach, check, and replace a damaged segment; the segment's descriptor
         (holding a shared ``flock`` while this tier is open) and its read-only mapping."""
         for _ in range(REPLACE_ATTEMPTS):
-            with _election(self._folder, self._name, lock_timeout):
+            with election(self._folder, self._name, lock_timeout):
                 fd = self._open_or_load(header, progress, check_memory)
             try:
                 mm = mmap.mmap(fd, self._total, prot=mmap.PROT_READ)
@@ -560,7 +271,7 @@ class SharedTier(MemoryTier):
                 self.attach_check_seconds += time.perf_counter() - checked
                 if problem is None:
                     return fd, mm
-                with _election(self._folder, self._name, lock_timeout):
+                with election(self._folder, self._name, lock_timeout):
                     if self._folder.holds(self._name, fd):  # not already replaced by another process
                         self._folder.unlink(self._name)
                         self._replaced(problem)
@@ -593,7 +304,7 @@ class SharedTier(MemoryTier):
                 os.close(found)
                 raise
         if fd is None:
-            _remove_old_versions(folder, source.decode("utf-8", "replace"), self.fingerprint, keep=name)
+            remove_old_versions(folder, source.decode("utf-8", "replace"), self.fingerprint, keep=name)
             _check_space(header, folder, name, check_memory)
             _load(header, folder, name, source, progress)
             self.loaded = True
@@ -602,7 +313,7 @@ class SharedTier(MemoryTier):
                 raise TierError(f"the shared segment {self.segment} vanished right after it was loaded: another "
                                 "process of this uid removes segments; open the table again")
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # this process uses it (see _claim_unused)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # this process uses it (see segments.claim_unused)
         except BlockingIOError:
             os.close(fd)
             raise TierError(f"the shared segment {self.segment} is locked by a process removing it: "
@@ -612,7 +323,7 @@ class SharedTier(MemoryTier):
     def _usable(self, fd: int, source: str) -> int | None:
         """``fd`` when its ready segment holds this table with the right size; None (after
         removing it) for one a dead loader left, a truncated one, or an unused older version."""
-        head, size = _read_head(fd), os.fstat(fd).st_size
+        head, size = read_head(fd), os.fstat(fd).st_size
         if head is None or head.state != READY:  # its loader died: the lock was free
             self._folder.unlink(self._name)
             os.close(fd)
@@ -767,16 +478,16 @@ def remove_segment(header: TableHeader, *, segment: str | None = None,
     directory = _check_options(segment, shm_dir, lock_timeout, 0)
     if not uid_folder(directory).exists():
         return False
-    folder = _Folder(directory, create=False)
+    folder = SegmentFolder(directory, create=False)
     name = segment or segment_name(header)
     try:
-        with _election(folder, name, lock_timeout):
+        with election(folder, name, lock_timeout):
             fd = folder.open(name, os.O_RDONLY)
             if fd is None:
                 folder.unlink(name + LOCK_SUFFIX)
                 return False
             os.close(fd)
-            _remove(folder, name)
+            remove_files(folder, name)
     finally:
         folder.close()
     return True
