@@ -55,6 +55,8 @@ def parse_size(text: str | int, whole: int | None = None) -> int:
                 raise ValueError(f"size {text!r} is not a number followed by %") from None
             if not math.isfinite(percent) or percent < 0:
                 raise ValueError(f"size {text!r}: the percentage must be a finite number >= 0, e.g. 20%")
+            if percent > 100:
+                raise ValueError(f"size {text!r}: a percentage must be at most 100%, e.g. 20%")
             value = int(percent / 100 * whole)
         else:
             m = _PATTERN.match(s.lstrip("-+"))
