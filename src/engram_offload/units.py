@@ -79,11 +79,13 @@ def parse_size(text: str | int, whole: int | None = None) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """``2254857830`` -> ``"2.10 GiB"``."""
+    """A byte count in the largest binary unit it fills, one decimal: ``2254857830`` ->
+    ``"2.1 GiB"``, ``4 << 20`` -> ``"4.0 MiB"`` (never ``"0.00 GiB"``), ``12`` -> ``"12 B"``.
+    Every size the package prints goes through here."""
     for unit, size in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30),
                        ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            return f"{n / size:,.1f} {unit}"
     return f"{int(n)} B"
 
 

@@ -128,3 +128,15 @@ def test_old_spellings_still_work_and_say_the_new_name_once(capsys):
                                ("--nodes", "--pool-nodes"), ("--json", "--json-out")):
         assert f"note: {old_flag} is deprecated; use {new_flag}" in err or old_flag == "--model", err
     assert err.count("note: --model is deprecated") == 1  # eval's and bench's --model: said once
+
+
+def test_sizes_are_printed_in_the_binary_unit_they_fill(tmp_path, capsys):
+    cfg = {"engram_layer_ids": [2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+           "engram_vocab_size": 1000, "hidden_size": 64}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["info", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    table_line = next(line for line in out.splitlines() if line.startswith("table"))
+    assert re.search(r"\(\d+\.\d (KiB|MiB)\)$", table_line), table_line  # not "(0.00 GiB)"
+    assert "0.00 GiB" not in out

@@ -21,7 +21,16 @@ from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
-from .options import add_cache_bytes, add_json, add_json_out, add_policy, deprecated_alias, gpu_arg, model_preset_arg, preset_arg
+from .options import (
+    add_cache_bytes,
+    add_json,
+    add_json_out,
+    add_policy,
+    deprecated_alias,
+    gpu_arg,
+    model_preset_arg,
+    preset_arg,
+)
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches

@@ -179,9 +179,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     for layer in summary["layers"]:
         print(f"layer {layer['layer_id']:<9} {layer['rows']:,} rows (first row {layer['row_base']:,})")
     print(f"table           {config.num_rows:,} rows, {config.table_bytes:,} bytes "
-          f"({config.table_bytes / 2**30:.2f} GiB)")
+          f"({format_bytes(config.table_bytes)})")
     print(f"per token       {config.rows_per_token} rows, {config.bytes_per_token:,} bytes "
-          f"({config.bytes_per_token / 1024:.1f} KiB)")
+          f"({format_bytes(config.bytes_per_token)})")
     print(f"per token, TP={args.tp}  {summary['bytes_per_token_per_gpu']:,} bytes per GPU")
     return 0
 

@@ -148,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]
-    print(f"saved {out} ({size / 1e6:.1f} MB) after {s.steps} steps on {result.train_tokens:,} training "
+    print(f"saved {out} ({format_bytes(size)}) after {s.steps} steps on {result.train_tokens:,} training "
           f"tokens in {result.seconds:.0f} s; held-out loss {last.get('held_out_loss', float('nan')):.3f}; "
           f"loss curve {plot}")
     return 0

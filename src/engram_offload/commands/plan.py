@@ -18,6 +18,7 @@ from ..planner.plan import Plan, curve_for
 from ..planner.ranks import MachineDram, machine_dram
 from ..planner.server import SERVER_KEYS, SERVER_PRESETS, ServerFigure, load_server_file, server_for
 from ..units import (
+    format_bytes,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -194,7 +195,7 @@ NARROW = 100  # columns of the default output
 def _cache_cell(r: PlacementResult) -> str:
     if r.name != "nvme" or r.cache_hit_rate is None:
         return ""
-    return f"{r.cache_bytes_per_gpu * r.tp / GiB:.1f} GiB, {r.cache_hit_rate:.0%}"
+    return f"{format_bytes(r.cache_bytes_per_gpu * r.tp)}, {r.cache_hit_rate:.0%}"
 
 
 def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool = False) -> None:
@@ -215,8 +216,8 @@ def _print_plan(console: Any, plan: Plan, machine: list[MachineDram] | None, wid
 
     e, w, g = plan.model.engram, plan.workload, plan.gpu
     console.print(
-        f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {e.table_bytes / GiB:.1f} GiB, "
-        f"{e.bytes_per_token / 1024:.1f} KiB per token, weights {plan.model.weight_bytes / GiB:.1f} GiB, "
+        f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {format_bytes(e.table_bytes)}, "
+        f"{format_bytes(e.bytes_per_token)} per token, weights {format_bytes(plan.model.weight_bytes)}, "
         f"context {w.context:,}, floor {w.min_interactivity:g} tok/s/user"
     )
     if plan.server:
@@ -307,7 +308,7 @@ def _print_cache_sweep(console: Any, plan: Plan) -> None:
         ok = r.fits and r.batch > 0
         asked = given is not None and abs(size - min(given, e.table_bytes)) < e.row_bytes
         note = "; ".join([*(["--cache-bytes"] if asked else []), *r.why_not[:1], *([r.cache_note] if r.cache_note else [])])
-        t.add_row(f"{size / GiB:,.1f} GiB", f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
+        t.add_row(format_bytes(size), f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
                   f"{r.predicted_stall_us:,.0f}" if ok else "-", f"{r.interactivity:.0f}" if ok else "-",
                   f"{r.tokens_per_s_per_gpu:,.0f}" if ok else "-", note)
     console.print(t)
@@ -324,7 +325,7 @@ def _print_memory(console: Any, plan: Plan) -> None:
         if not pairs:
             continue
         r, c = max(pairs, key=lambda rc: rc[0].tokens_per_s_per_gpu)
-        held = (f"{c.dram_bytes / GiB:,.1f} GiB DRAM" + (f" + {c.nvme_bytes / 1e12:.2f} TB NVMe" if c.nvme_bytes else ""))
+        held = (f"{format_bytes(c.dram_bytes)} DRAM" + (f" + {format_bytes(c.nvme_bytes)} NVMe" if c.nvme_bytes else ""))
         console.print(f"  - {name} at TP={r.tp}: {held} = ${c.dollars:,.0f} once, {c.gpu_hours:,.0f} hours of its "
                       f"{r.tp} GPU(s); ${c.dollars_per_hour:.3f}/hour against ${c.gpu_dollars_per_hour:.2f}/hour of GPUs")
     if plan.verdict:

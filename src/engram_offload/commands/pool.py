@@ -11,7 +11,7 @@ import stat
 import threading
 from pathlib import Path
 
-from ..units import int_in_range, positive_int
+from ..units import format_bytes, int_in_range, positive_int
 from .options import add_json, add_pool, add_pool_nodes, deprecated_alias
 
 DEFAULT_URL = "redis://127.0.0.1:7001"
@@ -83,7 +83,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         return 0
     url = redact(args.pool)
     print(f"table {result['fingerprint']} is in the pool ({result['nodes']} node(s)): "
-          f"{result['extents']:,} extents, {result['sent']:,} sent ({result['bytes_sent'] / 2**20:,.1f} MiB), "
+          f"{result['extents']:,} extents, {result['sent']:,} sent ({format_bytes(result['bytes_sent'])}), "
           f"{result['skipped']:,} already there")
     print(f"open it with tier='remote', pool='{url}', or without the file as {url}/{result['fingerprint']}")
     return 0
@@ -99,7 +99,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     kind = "Redis Cluster" if status["cluster"] else "one Redis server"
     print(f"{kind}, {len(status['nodes'])} node(s):")
     for node in status["nodes"]:
-        print(f"  {node['address']}  {node['used_memory'] / 2**20:,.1f} MiB used")
+        print(f"  {node['address']}  {format_bytes(node['used_memory'])} used")
     if not status["tables"]:
         print("no tables")
     for t in status["tables"]:
@@ -108,7 +108,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"table {t['fingerprint']}: {state}")
             continue
         print(f"table {t['fingerprint']}: {t['rows']:,} rows of {t['row_bytes']} bytes ({t['row_format']}), "
-              f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
+              f"{format_bytes(t['bytes'])}, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
               f"pool layout v{t['pool_layout']}, {state}")
     return 0
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from ..engram.config import EngramConfig, check_config_fields
 from ..errors import ChecksumError
 from ..table.format import MAX_BLOCK_SIZE, TableLayout
-from ..units import fraction, int_in_range, non_negative_int, positive_int
+from ..units import format_bytes, fraction, int_in_range, non_negative_int, positive_int
 from . import UsageError
-from .options import preset_arg
 from .bench import add_bench_tier_arguments
 from .core import load_hf_config
+from .options import preset_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -113,7 +113,7 @@ def cmd_make_table(args: argparse.Namespace) -> int:
     path = make_random_table(args.out, config, args.seed, block_size=args.block_size,
                              progress=False if args.no_progress else None)
     print(f"wrote {path}: {config.num_rows:,} rows of {config.row_bytes} bytes "
-          f"({path.stat().st_size / 2**30:.2f} GiB), layout {config.name}")
+          f"({format_bytes(path.stat().st_size)}), layout {config.name}")
     return 0
 
 
