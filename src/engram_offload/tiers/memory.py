@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -201,9 +201,10 @@ def load_dense_rows(
 
 
 def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None = None,
-                   progress: bool | None = None, what: str = "loading") -> None:
+                   progress: bool | None = None, what: str = "loading",
+                   on_chunk: Callable[[int], None] | None = None) -> None:
     """Read a table's rows into ``dense`` (``uint8 [num_rows, row_bytes]``, e.g. a shared
-    segment), checking as ``load_dense_rows`` says."""
+    segment), checking as ``load_dense_rows`` says; ``on_chunk(bytes done)`` after each chunk."""
     layout = header.layout
     page = layout.page_bytes
     pages_checked = verify is not False and header.page_sums is not None
@@ -215,6 +216,7 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
         prefaulter.stop()
         raise
     reader = _ChunkReader(header, fd)
+    done = 0
     try:
         with byte_progress(f"{what} {header.path.name}", layout.data_bytes, progress) as advance:
             for first, pages, buf in reader:
@@ -226,6 +228,9 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
                 _compact(view, first, pages, layout, dense)
                 reader.release(buf)
                 advance(len(view))
+                done += len(view)
+                if on_chunk is not None:
+                    on_chunk(done)
     finally:
         reader.stop()
         prefaulter.stop()

@@ -14,7 +14,7 @@ the ``pread`` fallback reports neither).
 
 Two hazards of a mapping are kept away from readers: ``close`` waits for reads in flight
 before unmapping (``Tier.close``), and every copy out of the mapping is guarded: the
-native helper (``tiers/_safecopy.c``) catches the SIGBUS of a page past the end of a
+native helper (``tiers/guarded.py``, ``tiers/_safecopy.c``) catches the SIGBUS of a page past the end of a
 file truncated under the store, even mid-copy, and the tier raises ``TierError``; without
 the helper the tier reads with ``pread`` instead of touching the mapping (a short read is
 the same ``TierError``). Before each read an ``fstat`` (about a microsecond) also checks
@@ -33,26 +33,15 @@ import resource
 import numpy as np
 import torch
 
-from .._native import native_disabled
 from ..errors import TierError
 from ..table.format import TableHeader
 from ..table.verify import BlockVerifier
 from ._buffers import ThreadBuffers, gather_at, madvise_quietly
 from .base import Tier
+from .guarded import guarded_copy, guarded_copy_available
 from .pagecheck import check_pages, plan_pages
 
 __all__ = ["MmapTier", "guarded_copy_available"]
-
-try:
-    from . import _safecopy  # type: ignore[attr-defined]
-except ImportError:  # not built: reads go through pread
-    _safecopy = None
-
-
-def guarded_copy_available() -> bool:
-    """Whether copies out of the mapping are SIGBUS-guarded natively (else ``pread`` is used)."""
-    return _safecopy is not None and not native_disabled()
-
 
 class MmapTier(Tier):
     name = "mmap"
@@ -92,15 +81,9 @@ class MmapTier(Tier):
     def _copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray) -> None:
         """Copy file byte ranges into ``dest`` (uint8) at ``dests``; ``TierError``, never a
         signal, when the file shrank under the mapping."""
-        if guarded_copy_available():
-            if _safecopy.copy_spans(self._bytes.data_ptr(), self.layout.file_bytes, offsets, lengths, dest, dests):
-                raise self._changed("shrank during a read (SIGBUS caught)")
-            return
-        # bytes, whatever dest's shape
-        view = memoryview(dest).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
-        for off, length, d in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
-            if os.preadv(self._fd, [view[d: d + length]], off) != length:
-                raise self._changed("ended early during a read")
+        if not guarded_copy(self._bytes.data_ptr(), self.layout.file_bytes, self._fd, offsets, lengths, dest, dests):
+            raise self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
+                                else "ended early during a read")
 
     def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
                        pages: int | None = None) -> None:

@@ -1,26 +1,51 @@
-"""``shared`` tier: one copy of a table's rows per machine, in a POSIX shared-memory segment.
+"""``shared`` tier: one copy of a table's rows per machine (and uid), in a shared-memory segment.
 
-The first process to open a table loads its rows once into ``<shm_dir>/<segment>`` (by
-default ``/dev/shm/engram-<fingerprint>``, the fingerprint hashing the table's header and
-checksum trailer, so every copy of the same table shares one segment); every later
-process, of any rank, maps the same pages read-only. N processes hold about one table of
-DRAM, not N.
+The first process to open a table loads its rows once into a segment; every later process
+of the same uid, of any rank, maps the same pages read-only. N processes hold about one
+table of DRAM, not N. The segment outlives its processes (the next start attaches without
+loading); ``remove_segment`` removes it.
+
+Who may touch a segment (docs/threat-model.md): only the operator's uid (and root). Segments
+live in ``<shm_dir>/engram-uid-<uid>/`` (default ``/dev/shm/engram-uid-<uid>/engram-<fingerprint>``),
+a folder of this uid's closed to others, every file in it opened without following links and
+checked (``tiers/segments.py``): no other local user can create, swap or read a segment or lock
+in it. A segment is created with ``O_EXCL``, mode 0600, and made read-only (0400) once loaded.
+Another uid gets a folder and a copy of its own.
 
 A segment is::
 
     page 0   magic b"ENGRAMSH", u32 version, u32 state (0 loading, 1 ready), u64 table
-             fingerprint, u64 data bytes, u32 loader pid, u32 path length, the table's path
+             fingerprint, u64 data bytes, u32 loader pid, u32 path length, u64 progress
+             (bytes allocated, then loaded), the table's real path
     data     dense rows ``uint8 [num_rows, row_bytes]`` from byte 4096
 
-Who loads is decided under ``fcntl.flock`` on ``<segment>.lock``: the loader holds the lock
-until the ready flag is written (last, after every row), and the kernel drops the lock
-when a process dies. So a process that takes the lock and finds a segment still marked
-loading knows its loader died (SIGKILL mid-load) and removes and reloads it. A ready
-segment of another table (a reused ``segment=`` name) is refused with a ``TierError``.
+Loading: the loader is elected under an exclusive ``flock`` on ``<segment>.lock`` and holds
+it until the ready flag is written (last, after every row, each page checked against the
+table's checksums as it is read); the kernel drops the lock when a process dies, so a
+process that takes the lock and finds a segment still marked loading removes and reloads
+it. A waiter gives up with a ``TierError`` naming the lock and the loader after
+``lock_timeout`` seconds in which the loader made no progress.
 
-The segment outlives the processes (the next start attaches without loading); remove it
-with ``remove_segment``. ``rows`` is the host tensor (read-only pages), for the GPU path to
-register in place (``cudaHostRegister`` with the read-only flag).
+Attaching: the head (fingerprint, size) is checked under the lock, then, without it, every
+page of the segment is compared with the table's page checksums (a version-1 table: its
+block checksums), on a few threads. A segment that fails (changed, truncated) is replaced by
+a fresh load, with a ``RuntimeWarning`` saying why; processes still attached to the damaged
+one keep their mapping. A ready segment of another table (a reused ``segment=`` name) is
+refused.
+
+Reading: every copy out of the mapping is SIGBUS-guarded (``tiers/guarded.py``): a segment
+truncated under an attached process gives a ``TierError``. Before each read an ``fstat``
+checks the size and the modification time. Each read also checks the page of one of its rows
+at random against its checksum (``sample_pages``), and every page it touches with
+``verify_reads``: a page changed after loading gives ``ChecksumError``.
+
+Old versions: each attached process holds a shared ``flock`` on its segment. Loading a table
+removes the segments of earlier versions of the same file (same path, other fingerprint)
+that no process holds; a load that does not fit names the segments still there.
+
+``rows`` is the host tensor (read-only pages), for the GPU path to register in place
+(``cudaHostRegister`` with the read-only flag); reads through it are neither guarded nor
+checked.
 """
 
 from __future__ import annotations
@@ -29,31 +54,56 @@ import contextlib
 import fcntl
 import mmap
 import os
-import shutil
+import random
 import struct
 import time
 import warnings
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
-from ..errors import TierError
+from ..errors import ChecksumError, TierError
 from ..table.format import TableHeader
+from ..table.verify import bad_pages
+from ..units import format_bytes
+from ._buffers import ThreadBuffers, gather_at
 from .base import Tier
+from .guarded import guarded_copy, guarded_copy_available
 from .memory import MemoryTier, check_free_memory, load_rows_into
+from .pagecheck import plan_pages
+from .segments import (
+    DATA_OFFSET,
+    DEFAULT_SHM_DIR,
+    HEAD,
+    LOADING,
+    LOCK_SUFFIX,
+    MAGIC,
+    MAX_PATH,
+    PROGRESS_OFFSET,
+    READY,
+    STATE_OFFSET,
+    VERSION,
+    SegmentFolder,
+    election,
+    listing,
+    read_head,
+    remove_files,
+    remove_old_versions,
+    uid_folder,
+)
 
-__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "process_pss", "remove_segment", "segment_name"]
+__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "DEFAULT_LOCK_TIMEOUT", "process_pss", "remove_segment",
+           "segment_name", "uid_folder"]
 
-DEFAULT_SHM_DIR = "/dev/shm"
-MAGIC = b"ENGRAMSH"
-VERSION = 1
-LOADING, READY = 0, 1
-HEAD = struct.Struct("<8sIIQQII")  # magic, version, state, fingerprint, data bytes, loader pid, path length
-STATE_OFFSET = 12  # the u32 state inside HEAD
-DATA_OFFSET = 4096
-MAX_PATH = DATA_OFFSET - HEAD.size
+DEFAULT_LOCK_TIMEOUT = 60.0  # seconds a waiter allows the lock's holder without progress
+MAX_NAME_BYTES = 200
+ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after each
+CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
+CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
+REPLACE_ATTEMPTS = 3  # loads of a segment found damaged each time, then an error
 
 
 def segment_name(header: TableHeader) -> str:
@@ -61,75 +111,79 @@ def segment_name(header: TableHeader) -> str:
     return f"engram-{header.fingerprint():016x}"
 
 
+def _address_of(mm: mmap.mmap) -> int:
+    """The address a mapping starts at (read-only ones too)."""
+    return int(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
+
+
 def _data_bytes(header: TableHeader) -> int:
     return header.layout.num_rows * header.layout.row_bytes
 
 
-@contextlib.contextmanager
-def _election(lock_path: Path) -> Iterator[None]:
-    """Hold the segment's lock file (``flock``, dropped by the kernel if this process dies)."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object) -> Path:
+    """``ValueError`` (one line, naming the value) for an option the tier cannot use; the folder."""
+    if segment is not None:
+        if not isinstance(segment, str):
+            raise ValueError(f"segment must be a file name (str), got {type(segment).__name__} {segment!r}")
+        if (not segment or "/" in segment or "\0" in segment or segment.startswith(".")
+                or segment.endswith(LOCK_SUFFIX) or len(segment.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES
+                or not segment.isprintable()):
+            raise ValueError(f"segment must be a plain file name (no folders, not hidden, not ending in "
+                             f"{LOCK_SUFFIX}, printable, at most {MAX_NAME_BYTES} bytes), got {segment!r}")
+    if not isinstance(shm_dir, (str, os.PathLike)) or isinstance(os.fspath(shm_dir), bytes):
+        raise ValueError(f"shm_dir must be a folder path (str), got {type(shm_dir).__name__} {shm_dir!r}")
+    folder = os.fspath(shm_dir)
+    if not folder or "\0" in folder or not os.path.isabs(folder):
+        raise ValueError(f"shm_dir must be an absolute path to a tmpfs folder (such as {DEFAULT_SHM_DIR}), "
+                         f"got {folder!r}")
+    if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)) or not lock_timeout > 0:
+        raise ValueError(f"lock_timeout must be a positive number of seconds, got {lock_timeout!r}")
+    if isinstance(sample_pages, bool) or not isinstance(sample_pages, int) or sample_pages < 0:
+        raise ValueError(f"sample_pages must be a whole number >= 0, got {sample_pages!r}")
+    return Path(folder)
 
 
-def _read_head(path: Path) -> tuple[int, int, int, int, str] | None:
-    """(state, fingerprint, data bytes, file size, source path) of a segment; None if absent.
-
-    A segment too short for its head, or with a foreign magic, reads as loading: only a
-    loader that died before writing its head leaves one.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(DATA_OFFSET)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        return None
-    if len(raw) < HEAD.size:
-        return LOADING, 0, 0, size, "?"
-    magic, version, state, fingerprint, nbytes, _, plen = HEAD.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
-        return LOADING, 0, 0, size, "?"
-    source = raw[HEAD.size: HEAD.size + min(plen, MAX_PATH)].decode("utf-8", "replace")
-    return state, fingerprint, nbytes, size, source
-
-
-def _check_space(header: TableHeader, shm_dir: Path, check_memory: bool) -> None:
+def _check_space(header: TableHeader, folder: SegmentFolder, name: str, check_memory: bool) -> None:
     if not check_memory:
         return
     check_free_memory(header, "shared")
-    free = shutil.disk_usage(shm_dir).free
-    need = DATA_OFFSET + _data_bytes(header)
+    vfs = os.statvfs(folder.fd)
+    free, need = vfs.f_bavail * vfs.f_frsize, DATA_OFFSET + _data_bytes(header)
     if need > free:
         raise TierError(
-            f"{header.path}: the shared tier needs {need / 2**30:,.2f} GiB in {shm_dir} and "
-            f"{free / 2**30:,.2f} GiB is free there: enlarge it (mount -o remount,size=...) or use "
-            "the mmap or direct tier"
+            f"{header.path}: the shared tier needs {format_bytes(need)} in {folder.path} and {format_bytes(free)} is free "
+            f"there; {listing(folder, name)}; or enlarge it (mount -o remount,size=...), or use the mmap or "
+            "direct tier"
         )
 
 
-def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progress: bool | None) -> None:
-    """Create the segment, write its head (loading), the rows, then the ready flag."""
+def _load(header: TableHeader, folder: SegmentFolder, name: str, source: bytes, progress: bool | None) -> None:
+    """Create segment ``name`` (``O_EXCL``, 0600), write its head (loading), the rows (each
+    page checked), the ready flag, and make it read-only (0400)."""
     nbytes = _data_bytes(header)
-    source = str(header.path).encode()[:MAX_PATH]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    total = DATA_OFFSET + nbytes
+    fd = folder.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    assert fd is not None
+
+    def advance(done: int) -> None:
+        os.pwrite(fd, struct.pack("<Q", done), PROGRESS_OFFSET)
+
     try:
-        try:
-            os.posix_fallocate(fd, 0, DATA_OFFSET + nbytes)  # ENOSPC now, not SIGBUS mid-copy
-        except OSError as exc:
-            raise TierError(f"cannot create the shared segment {path} ({DATA_OFFSET + nbytes:,} bytes): "
-                            f"{exc.strerror}; free space in {path.parent} or use another tier") from exc
-        mm = mmap.mmap(fd, DATA_OFFSET + nbytes)
+        os.pwrite(fd, HEAD.pack(MAGIC, VERSION, LOADING, header.fingerprint(), nbytes, os.getpid(), len(source), 0)
+                  + source, 0)
+        for start in range(0, total, ALLOCATE_STEP):
+            try:
+                os.posix_fallocate(fd, start, min(ALLOCATE_STEP, total - start))  # ENOSPC now, not SIGBUS later
+            except OSError as exc:
+                raise TierError(f"cannot create the shared segment {folder.path / name} ({total:,} bytes): "
+                                f"{exc.strerror}; {listing(folder, name)}") from exc
+            advance(min(total, start + ALLOCATE_STEP))
+        mm = mmap.mmap(fd, total)
         dense = None
         try:
-            mm[: HEAD.size + len(source)] = HEAD.pack(MAGIC, VERSION, LOADING, fingerprint, nbytes,
-                                                      os.getpid(), len(source)) + source
             dense = np.frombuffer(mm, np.uint8, count=nbytes, offset=DATA_OFFSET)
-            load_rows_into(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes),
-                           True if verify else None, progress, what="sharing")
+            load_rows_into(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes), True, progress,
+                           what="sharing", on_chunk=lambda done: advance(total + done))
             mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # last: the rows are all there
         finally:
             dense = None  # the mapping's last export here
@@ -137,98 +191,305 @@ def _load(header: TableHeader, path: Path, fingerprint: int, verify: bool, progr
                 mm.close()
             except BufferError:  # a failed load's traceback still holds a view: the GC unmaps it
                 pass
+        os.fchmod(fd, 0o400)  # nothing writes it again; a truncate needs write access
     except BaseException:
-        os.unlink(path)
+        folder.unlink(name)
         raise
     finally:
         os.close(fd)
 
 
-def _map_read_only(path: Path, nbytes: int) -> mmap.mmap:
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), DATA_OFFSET + nbytes, prot=mmap.PROT_READ)
-
-
 class SharedTier(MemoryTier):
-    """All rows in a shared-memory segment, loaded once per machine; reads, ``rows`` (the
-    dense rows, here on read-only shared pages) and closing are the memory tier's.
+    """All rows in a shared-memory segment, loaded once per machine and uid; ``rows`` is the
+    dense rows on read-only shared pages.
 
-    Options: ``segment`` (name; default from the table's fingerprint), ``shm_dir``
-    (default ``/dev/shm``), ``verify_reads`` (also check a version-1 table's blocks while loading; a version-2
-    table's pages are always checked),
-    ``progress``, ``check_memory`` (refuse to load more than is free; False to insist).
-    ``loaded`` says whether this process loaded the segment (else it attached).
+    Options: ``segment`` (name; default from the table's fingerprint), ``shm_dir`` (the tmpfs
+    folder holding this uid's folder of segments; default ``/dev/shm``), ``lock_timeout``
+    (seconds a waiter allows the process loading the segment without progress; default 60),
+    ``sample_pages`` (pages each read checks against their checksums, of rows picked at random;
+    default 1, 0 for none), ``verify_reads`` (check every page a read touches), ``progress``,
+    ``check_memory`` (refuse to load more than is free; False to insist). ``loaded`` says
+    whether this process loaded the segment (else it attached); ``replaced`` why it replaced a
+    damaged one (or None).
     """
 
     name = "shared"
 
-    def __init__(self, header: TableHeader, *, segment: str | None = None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
-                 verify_reads: bool = False, progress: bool | None = None, check_memory: bool = True) -> None:
+    def __init__(self, header: TableHeader, *, segment: str | None = None,
+                 shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+                 sample_pages: int = 1, verify_reads: bool = False, progress: bool | None = None,
+                 check_memory: bool = True) -> None:
         Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
         started = time.perf_counter()
-        directory = Path(shm_dir)
-        if segment is not None and (not segment or Path(segment).name != segment or segment.startswith(".")):
-            raise ValueError(f"segment must be a plain file name (no folders), got {segment!r}")
-        if not directory.is_dir():
-            raise TierError(f"the shared tier keeps its segment in {directory}, which is not a directory: "
-                            "pass shm_dir= a tmpfs folder")
-        self.segment = directory / (segment or segment_name(header))
+        directory = _check_options(segment, shm_dir, lock_timeout, sample_pages)
         self.fingerprint = header.fingerprint()
-        nbytes = _data_bytes(header)
+        self.verify_reads = bool(verify_reads)
+        self.sample_pages = sample_pages if header.page_sums is not None else 0
+        self.huge_pages = False  # tmpfs pages
         self.loaded = False
-        with _election(self.segment.with_name(self.segment.name + ".lock")):
-            found = _read_head(self.segment)
-            if found is not None and found[0] != READY:  # its loader died: the lock was free
-                self.segment.unlink()
-                found = None
-            if found is None:
-                _check_space(header, directory, check_memory)
-                _load(header, self.segment, self.fingerprint, verify_reads, progress)
-                self.loaded = True
-            else:
-                self._check_segment(*found)
-            self._mm = _map_read_only(self.segment, nbytes)
+        self.replaced: str | None = None
+        self.attach_check_seconds = 0.0
+        self._name = segment or segment_name(header)
+        self._total = DATA_OFFSET + _data_bytes(header)
+        self._staging = ThreadBuffers()
+        self._rb, self._rpp, self._page = header.layout.row_bytes, header.layout.rows_per_page, header.layout.page_bytes
+        self._row_spans = np.empty(0, np.int64), np.empty(0, np.int64)
+        self._folder = SegmentFolder(directory)
+        self.segment = Path(os.path.realpath(self._folder.path)) / self._name
+        try:
+            self._fd, self._mm = self._attach(header, lock_timeout, progress, check_memory)
+        except BaseException:
+            self._folder.close()
+            raise
         with warnings.catch_warnings():  # the pages are read-only; the tier never writes them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            nbytes = _data_bytes(header)
             flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=DATA_OFFSET) if nbytes \
                 else torch.empty(0, dtype=torch.uint8)
-        self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)
-        self.verify_reads = verify_reads
-        self.verified_on_load = self.loaded and (header.page_sums is not None or verify_reads)  # by this process
-        self.huge_pages = False  # tmpfs pages
+        self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)  # [num_rows, row_bytes]
+        self._address = _address_of(self._mm)
+        self.verified_on_load = True  # loaded with every page checked, or attached and checked
         self.load_seconds = time.perf_counter() - started  # loading the segment, or attaching to it
 
-    def _check_segment(self, state: int, fingerprint: int, nbytes: int, size: int, source: str) -> None:
-        """A ready segment must hold this table: same fingerprint, same size."""
-        if fingerprint != self.fingerprint:
-            raise TierError(
-                f"the shared segment {self.segment} holds another table ({source}, fingerprint "
-                f"{fingerprint:016x}), not {self.header.path} (fingerprint {self.fingerprint:016x}): "
-                "pick another segment name, or remove the stale one with "
-                "engram_offload.tiers.shared.remove_segment (or rm) when no process uses it"
-            )
-        if nbytes != _data_bytes(self.header) or size < DATA_OFFSET + nbytes:
-            raise TierError(
-                f"the shared segment {self.segment} is {size:,} bytes, {DATA_OFFSET + _data_bytes(self.header):,} "
-                f"expected for {self.header.path}: it is damaged; remove it and open the table again"
-            )
+    # ----------------------------------------------------------------------------- attach
+    def _attach(self, header: TableHeader, lock_timeout: float, progress: bool | None,
+                check_memory: bool) -> tuple[int, mmap.mmap]:
+        """Load or attach, check, and replace a damaged segment; the segment's descriptor
+        (holding a shared ``flock`` while this tier is open) and its read-only mapping."""
+        for _ in range(REPLACE_ATTEMPTS):
+            with election(self._folder, self._name, lock_timeout):
+                fd = self._open_or_load(header, progress, check_memory)
+            try:
+                mm = mmap.mmap(fd, self._total, prot=mmap.PROT_READ)
+                self._mtime_ns = os.fstat(fd).st_mtime_ns
+                if self.loaded:
+                    return fd, mm
+                checked = time.perf_counter()
+                problem = self._check_all_pages(fd, mm)
+                if problem is None and os.fstat(fd).st_mtime_ns != self._mtime_ns:
+                    problem = "was modified while it was checked"
+                self.attach_check_seconds += time.perf_counter() - checked
+                if problem is None:
+                    return fd, mm
+                with election(self._folder, self._name, lock_timeout):
+                    if self._folder.holds(self._name, fd):  # not already replaced by another process
+                        self._folder.unlink(self._name)
+                        self._replaced(problem)
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise TierError(f"the shared segment {self.segment} was damaged again each of {REPLACE_ATTEMPTS} times it "
+                        "was loaded: something of this uid (or root) writes to it; find it (fuser -v), then open "
+                        "the table again")
+
+    def _replaced(self, problem: str) -> None:
+        self.replaced = problem
+        warnings.warn(f"the shared segment {self.segment} {problem}: replaced by a fresh load of "
+                      f"{self.header.path} (processes still attached to the old one keep it)",
+                      RuntimeWarning, stacklevel=4)
+
+    def _open_or_load(self, header: TableHeader, progress: bool | None, check_memory: bool) -> int:
+        """Under the election: the segment's descriptor, shared-locked; loaded here when
+        absent, half-loaded, truncated or an unused older version of this table."""
+        folder, name = self._folder, self._name
+        source = str(header.path.resolve()).encode()[:MAX_PATH]
+        found, fd = folder.open(name, os.O_RDONLY), None
+        if found is not None:
+            try:
+                fd = self._usable(found, source.decode("utf-8", "replace"))  # closes it when it returns None
+            except BaseException:
+                os.close(found)
+                raise
+        if fd is None:
+            remove_old_versions(folder, source.decode("utf-8", "replace"), self.fingerprint, keep=name)
+            _check_space(header, folder, name, check_memory)
+            _load(header, folder, name, source, progress)
+            self.loaded = True
+            fd = folder.open(name, os.O_RDONLY)
+            if fd is None:
+                raise TierError(f"the shared segment {self.segment} vanished right after it was loaded: another "
+                                "process of this uid removes segments; open the table again")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # this process uses it (see segments.claim_unused)
+        except BlockingIOError:
+            os.close(fd)
+            raise TierError(f"the shared segment {self.segment} is locked by a process removing it: "
+                            "open the table again") from None
+        return fd
+
+    def _usable(self, fd: int, source: str) -> int | None:
+        """``fd`` when its ready segment holds this table with the right size; None (after
+        removing it) for one a dead loader left, a truncated one, or an unused older version."""
+        head, size = read_head(fd), os.fstat(fd).st_size
+        if head is None or head.state != READY:  # its loader died: the lock was free
+            self._folder.unlink(self._name)
+            os.close(fd)
+            return None
+        if head.fingerprint != self.fingerprint:
+            older = head.source == source
+            try:  # nobody else holds it while we hold its lock: an attached process keeps a shared flock
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                unused = True
+            except BlockingIOError:
+                unused = False
+            if older and unused:
+                self._folder.unlink(self._name)
+                os.close(fd)
+                return None
+            what = "an older version of this table" if older else f"another table ({head.source})"
+            fix = ("close the processes using it" if older and not unused
+                   else "remove the stale one with engram_offload.tiers.shared.remove_segment (or rm) when no process "
+                   "uses it")
+            raise TierError(f"the shared segment {self.segment} holds {what}, fingerprint {head.fingerprint:016x}, "
+                            f"not {self.header.path} (fingerprint {self.fingerprint:016x}): pick another segment "
+                            f"name, or {fix}")
+        if head.nbytes != _data_bytes(self.header) or size < self._total:
+            self._folder.unlink(self._name)
+            self._replaced(f"was {size:,} bytes, {self._total:,} expected (truncated or damaged)")
+            os.close(fd)
+            return None
+        return fd
+
+    # ------------------------------------------------------------------------- page checks
+    def _rebuild_pages(self, fd: int, address: int, pages: np.ndarray, buf: np.ndarray) -> bool:
+        """Lay the rows of data pages ``pages`` (int64 ``[m]``, ascending) out in ``buf`` as the
+        table file holds them (``[m, page_bytes]``, zero padded); False when the segment ended early."""
+        rb, rpp, page = self._rb, self._rpp, self._page
+        first = pages * rpp
+        lengths = np.minimum(rpp, self.layout.num_rows - first) * rb  # a last page holds fewer rows
+        ok = guarded_copy(address, self._total, fd, DATA_OFFSET + first * rb, lengths, buf,
+                          np.arange(len(pages), dtype=np.int64) * page)
+        held = buf[: len(pages) * page].reshape(len(pages), page)
+        if page > rpp * rb:
+            held[:, rpp * rb:] = 0
+        if lengths[-1] < rpp * rb:
+            held[-1, int(lengths[-1]):] = 0
+        return ok
+
+    def _check_all_pages(self, fd: int, mm: mmap.mmap) -> str | None:
+        """Every page of the segment against the table's page checksums (version 1: its
+        block checksums), on a few threads; what differs, or None."""
+        layout = self.layout
+        address = _address_of(mm)
+        by_blocks = self.header.page_sums is None
+        step = layout.block_size // layout.page_bytes if by_blocks else max(1, CHECK_CHUNK_BYTES // layout.page_bytes)
+
+        def check(first: int) -> str | None:
+            pages = np.arange(first, min(first + step, layout.num_pages), dtype=np.int64)
+            buf = self._staging.get(len(pages) * layout.page_bytes)
+            if not self._rebuild_pages(fd, address, pages, buf):
+                return f"ended early ({os.fstat(fd).st_size:,} bytes; SIGBUS caught)"
+            data = buf[: len(pages) * layout.page_bytes]
+            if by_blocks:
+                block = first // step
+                if xxhash.xxh3_64_intdigest(data.data) != int(self.header.block_digests[block]):
+                    return f"differs from the table in block {block}"
+                return None
+            bad = bad_pages(self.header, pages, data)
+            if bad.size:
+                page = int(pages[bad[0]])
+                rows = layout.page_rows(page)
+                return f"differs from the table at data page {page} (rows {rows[0]:,}..{rows[1]:,})"
+            return None
+
+        with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="engram-shm-check") as pool:
+            return next((p for p in pool.map(check, range(0, layout.num_pages, step)) if p is not None), None)
+
+    # ------------------------------------------------------------------------------ reads
+    def _changed(self, what: str) -> TierError:
+        return TierError(f"the shared segment {self.segment} {what} after {self.header.path} was loaded into it: "
+                         "close the store and open the table again (a fresh open replaces a damaged segment)")
+
+    def _check_unchanged(self) -> None:
+        st = os.fstat(self._fd)
+        if st.st_size < self._total:
+            raise self._changed(f"shrank to {st.st_size:,} bytes ({self._total:,} expected)")
+        if st.st_mtime_ns != self._mtime_ns:
+            raise self._changed("was modified (its mtime changed)")
+
+    def _check_pages(self, pages: np.ndarray) -> np.ndarray:
+        """Data pages ``pages`` (int64 ``[m]``, ascending) rebuilt from the segment and checked
+        against their checksums: the buffer holding them; ``ChecksumError`` for one that differs."""
+        buf = self._staging.get(len(pages) * self._page)
+        if not self._rebuild_pages(self._fd, self._address, pages, buf):
+            raise self._shrank()
+        self._count(pages_checked=len(pages))
+        bad = bad_pages(self.header, pages, buf[: len(pages) * self._page])
+        if bad.size:
+            page = int(pages[bad[0]])
+            first, last = self.layout.page_rows(page)
+            raise ChecksumError(
+                f"the shared segment {self.segment} differs from {self.header.path} at data page {page} "
+                f"(rows {first:,}..{last:,}): it was changed after it was loaded; close the store and open "
+                "the table again (a fresh open replaces a damaged segment)")
+        return buf
+
+    def _shrank(self) -> TierError:
+        return self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
+                             else "ended early during a read")
+
+    def _spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row lengths, destination offsets): int64 ``[n]`` each, for copying ``n`` dense rows."""
+        lengths, dests = self._row_spans
+        if len(lengths) < n:
+            size = max(n, 2 * len(lengths))
+            lengths, dests = np.full(size, self._rb, np.int64), np.arange(size, dtype=np.int64) * self._rb
+            self._row_spans = lengths, dests  # replaced whole: other threads keep the one they read
+        return lengths[:n], dests[:n]
+
+    def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        self._check_unchanged()
+        rb, n = self._rb, len(ids)
+        if self.verify_reads and self.header.page_sums is not None:
+            plan = plan_pages(self.layout.row_offsets(ids), self.layout)
+            gather_at(torch.from_numpy(self._check_pages(plan.pages)), plan.positions, out)
+            self._count(bytes_read=n * rb)
+            return
+        if self.sample_pages:  # the pages of a few rows picked at random
+            pages = ids[[random.randrange(n) for _ in range(min(self.sample_pages, n))]] // self._rpp
+            self._check_pages(pages if len(pages) == 1 else np.unique(pages))
+        dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
+        lengths, dests = self._spans(n)
+        if not guarded_copy(self._address, self._total, self._fd, DATA_OFFSET + ids * rb, lengths, dest, dests):
+            raise self._shrank()
+        if not out.is_contiguous():
+            out.copy_(torch.from_numpy(dest))
+        self._count(bytes_read=n * rb)
 
     def stats(self) -> dict:
         return {**super().stats(), "segment": str(self.segment), "loaded_here": self.loaded,
-                "segment_bytes": DATA_OFFSET + _data_bytes(self.header)}
+                "segment_bytes": self._total, "replaced": self.replaced, "sample_pages": self.sample_pages,
+                "verify_reads": self.verify_reads, "attach_check_seconds": self.attach_check_seconds}
+
+    def _release(self) -> None:
+        super()._release()  # the rows and the mapping
+        os.close(self._fd)  # drops this process's shared flock: the segment may now be cleaned
+        self._folder.close()
 
 
 def remove_segment(header: TableHeader, *, segment: str | None = None,
-                   shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> bool:
-    """Remove a table's segment (processes still attached keep their mapping until they
-    close; the empty lock file stays, so no two loaders can ever hold different locks).
-    Returns whether a segment was there."""
-    path = Path(shm_dir) / (segment or segment_name(header))
-    with _election(path.with_name(path.name + ".lock")):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return False
+                   shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+                   lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> bool:
+    """Remove a table's segment and its lock file from this uid's folder (processes still
+    attached keep their mapping until they close). Returns whether a segment was there."""
+    directory = _check_options(segment, shm_dir, lock_timeout, 0)
+    if not uid_folder(directory).exists():
+        return False
+    folder = SegmentFolder(directory, create=False)
+    name = segment or segment_name(header)
+    try:
+        with election(folder, name, lock_timeout):
+            fd = folder.open(name, os.O_RDONLY)
+            if fd is None:
+                folder.unlink(name + LOCK_SUFFIX)
+                return False
+            os.close(fd)
+            remove_files(folder, name)
+    finally:
+        folder.close()
     return True
 
 

@@ -1,0 +1,467 @@
+"""The shared tier on a shared host: what another local user plants, a segment changed or
+truncated after loading, old versions, modes, and one-line messages (docs/threat-model.md).
+
+The other user is a forked child running as uid 65534 (tests that need it skip when not root);
+``/dev/shm`` is stood in for by a private folder opened up the same way (mode 1777).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from engram_offload.errors import ChecksumError, TierError
+from engram_offload.table import make_random_table, random_rows, read_header
+from engram_offload.tiers.segments import DATA_OFFSET, HEAD, MAGIC, READY, VERSION, uid_folder
+from engram_offload.tiers.shared import SharedTier, segment_name
+
+from second_uid import NOBODY, Held, in_child, needs_root
+from tier_cases import read
+from tiny_tables import tiny_config
+
+SHM = Path("/dev/shm")
+CONFIG = tiny_config("bf16", 80)  # 3,304 rows of 160 bytes, 25 a page
+
+
+@pytest.fixture
+def shm_dir():
+    """A private folder on the machine's tmpfs (removed afterwards)."""
+    directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=SHM if SHM.is_dir() else None))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def public_shm(shm_dir):
+    """``shm_dir`` open to every local user as ``/dev/shm`` is (mode 1777)."""
+    shm_dir.chmod(0o1777)
+    return shm_dir
+
+
+@pytest.fixture(scope="module")
+def public_table():
+    """A table every local user may read: (path, its rows ``[num_rows, row_bytes]``)."""
+    folder = Path(tempfile.mkdtemp(prefix="engram-public-"))
+    folder.chmod(0o755)
+    path = make_random_table(folder / "t.table", CONFIG, seed=4, block_size=16384)
+    path.chmod(0o644)
+    yield path, np.concatenate(list(random_rows(CONFIG, 4)))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def all_rows(tier) -> np.ndarray:
+    return read(tier, np.arange(tier.num_rows))
+
+
+def one_line(exc: BaseException) -> str:
+    message = str(exc)
+    assert message and "\n" not in message, message
+    return message
+
+
+def digest(rows: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(rows).tobytes())
+
+
+# ----------------------------------------------------------------- case 1: planted by another uid
+def plant_old_layout_segment(path: str, fingerprint: int, nbytes: int) -> None:
+    """(As another uid) a ready segment at the name the shared tier used to use, every byte 0x5A."""
+    head = struct.pack("<8sIIQQII", MAGIC, 1, READY, fingerprint, nbytes, os.getpid(), 0)
+    with open(path, "wb") as f:
+        f.write(head.ljust(DATA_OFFSET, b"\0") + b"\x5a" * nbytes)
+    os.chmod(path, 0o644)
+
+
+@needs_root
+def test_a_segment_another_uid_planted_at_the_predictable_name_is_never_served(public_table, public_shm):
+    path, expected = public_table
+    header = read_header(path)
+    planted = public_shm / segment_name(header)
+    assert in_child(plant_old_layout_segment, str(planted), header.fingerprint(), expected.nbytes) == ("ok", None)
+    with SharedTier(header, shm_dir=public_shm) as tier:
+        assert np.array_equal(all_rows(tier), expected)
+        assert np.array_equal(tier.rows.numpy(), expected)
+    assert planted.stat().st_uid == NOBODY  # not used, not touched
+
+
+def plant_folder(folder: str, kind: str, target: str, fingerprint: int, nbytes: int) -> None:
+    """(As another uid) this uid's segment folder made first: a folder with a ready segment
+    of wrong rows in it, one open to all, a symbolic link, or a file."""
+    if kind == "symlink":
+        os.symlink(target, folder)
+        return
+    if kind == "file":
+        Path(folder).write_bytes(b"")
+        return
+    os.mkdir(folder, 0o777 if kind == "open folder" else 0o700)
+    os.chmod(folder, 0o777 if kind == "open folder" else 0o700)
+    seg = os.path.join(folder, f"engram-{fingerprint:016x}")
+    with open(seg, "wb") as f:
+        f.write(HEAD.pack(MAGIC, VERSION, READY, fingerprint, nbytes, os.getpid(), 0, 0).ljust(DATA_OFFSET, b"\0")
+                + b"\x5a" * nbytes)
+    os.chmod(seg, 0o400)
+
+
+@needs_root
+@pytest.mark.parametrize("kind, words", [
+    ("folder", f"belongs to uid {NOBODY}, not to this process's uid 0"),
+    ("open folder", f"belongs to uid {NOBODY}"),
+    ("symlink", "is a symbolic link"),
+    ("file", "is not a folder"),
+])
+def test_a_folder_another_uid_made_under_this_uids_name_is_refused_naming_it(public_table, public_shm, tmp_path,
+                                                                              kind, words):
+    path, expected = public_table
+    header = read_header(path)
+    folder = uid_folder(public_shm)
+    target = tmp_path / "private"  # a folder of root's, closed to others: a symlink must not lead there
+    target.mkdir(mode=0o700)
+    assert in_child(plant_folder, str(folder), kind, str(target), header.fingerprint(), expected.nbytes) == ("ok", None)
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=public_shm)
+    message = one_line(caught.value)
+    assert str(folder) in message and words in message and "shm_dir=" in message
+    assert list(target.iterdir()) == []
+
+
+def hold_lock(path: str) -> None:
+    """(As another uid) create ``path`` and hold an exclusive flock on it until the child ends."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def open_and_digest(table: str, shm: str, options: dict | None = None) -> tuple[bool, str, int]:
+    """Open ``table`` on the shared tier: (loaded here, the segment, digest of every row read)."""
+    with SharedTier(read_header(table), shm_dir=shm, **(options or {})) as tier:
+        return tier.loaded, str(tier.segment), digest(all_rows(tier))
+
+
+@needs_root
+def test_a_held_lock_another_uid_planted_does_not_stall_the_open(public_table, public_shm):
+    path, expected = public_table
+    lock = public_shm / (segment_name(read_header(path)) + ".lock")
+    with Held(hold_lock, str(lock)) as answer:
+        assert answer == ("ok", None)
+        status, (loaded, _, rows) = in_child(open_and_digest, str(path), str(public_shm), uid=None, timeout=60)
+    assert status == "ok" and loaded and rows == digest(expected)
+
+
+def plant_symlink(link: str, target: str) -> None:
+    os.symlink(target, link)
+
+
+@needs_root
+def test_a_lock_another_uid_planted_as_a_symlink_creates_nothing_where_it_points(public_table, public_shm, tmp_path):
+    path, expected = public_table
+    header = read_header(path)
+    victim = tmp_path / "victim"  # in a folder of root's
+    assert in_child(plant_symlink, str(public_shm / (segment_name(header) + ".lock")), str(victim)) == ("ok", None)
+    with SharedTier(header, shm_dir=public_shm) as tier:
+        assert np.array_equal(all_rows(tier), expected)
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize("which", ["lock", "segment"])
+def test_a_symlink_in_this_uids_folder_is_never_followed(public_table, shm_dir, tmp_path, which):
+    header = read_header(public_table[0])
+    folder = uid_folder(shm_dir)
+    folder.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    name = segment_name(header) + (".lock" if which == "lock" else "")
+    (folder / name).symlink_to(victim)
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=shm_dir)
+    assert f"{folder / name} is a symbolic link" in one_line(caught.value)
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize("what, mode, words", [("folder", 0o755, "is mode 0755"), ("segment", 0o644, "is mode 0644"),
+                                               ("lock", 0o666, "is mode 0666")])
+def test_this_uids_folder_or_files_open_to_others_are_refused(public_table, shm_dir, what, mode, words):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir):
+        pass
+    folder = uid_folder(shm_dir)
+    target = {"folder": folder, "segment": folder / segment_name(header),
+              "lock": folder / (segment_name(header) + ".lock")}[what]
+    target.chmod(mode)
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=shm_dir)
+    assert f"{target} " in one_line(caught.value) and words in str(caught.value)
+
+
+# ------------------------------------------------------------------ case 2: changed after loading
+def change_byte(segment: Path, offset: int) -> None:
+    """Flip one byte of the segment through a writable mapping (root: the segment is 0400), then
+    put its modification time back: only the page checksums can tell."""
+    before = segment.stat()
+    segment.chmod(0o600)
+    fd = os.open(segment, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as mm:
+            mm[offset] ^= 0xFF
+    finally:
+        os.close(fd)
+    segment.chmod(0o400)
+    os.utime(segment, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def row_offset(row: int) -> int:
+    return DATA_OFFSET + row * CONFIG.row_bytes + 7
+
+
+def test_a_byte_changed_after_loading_is_refused_by_attached_readers(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    row = 1234
+    page = row // header.layout.rows_per_page
+    with SharedTier(header, shm_dir=shm_dir) as sampled, \
+            SharedTier(header, shm_dir=shm_dir, verify_reads=True) as checked:
+        change_byte(sampled.segment, row_offset(row))
+        with pytest.raises(ChecksumError) as caught:
+            read(sampled, [row])  # its one row: the sample is that row's page
+        message = one_line(caught.value)
+        assert f"at data page {page} " in message and "changed after it was loaded" in message
+        with pytest.raises(ChecksumError, match=f"at data page {page} "):
+            read(checked, [3, 3000, row, 17])
+        assert np.array_equal(read(checked, [3, 3000, 17]), expected[[3, 3000, 17]])  # the other pages are whole
+        rpp = header.layout.rows_per_page
+        assert checked.stats()["pages_checked"] == len({3 // rpp, 3000 // rpp, page}) + len({3 // rpp, 3000 // rpp})
+
+
+def test_a_later_attacher_replaces_a_changed_segment_and_serves_the_tables_rows(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    change_byte(segment, row_offset(2000))
+    with pytest.warns(RuntimeWarning, match=r"differs from the table at data page 80 \(rows 2,000..2,024\): replaced"):
+        second = SharedTier(header, shm_dir=shm_dir)
+    with second:
+        assert second.loaded and "data page 80" in second.replaced
+        assert np.array_equal(all_rows(second), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with SharedTier(header, shm_dir=shm_dir) as third:  # the fresh copy passes
+            assert not third.loaded and third.replaced is None and third.stats()["attach_check_seconds"] > 0
+
+
+def test_a_version_1_segment_is_checked_by_its_blocks_on_attach(tmp_path, shm_dir):
+    path = make_random_table(tmp_path / "v1.table", CONFIG, seed=6, block_size=16384, version=1)
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    change_byte(segment, row_offset(3000))
+    with pytest.warns(RuntimeWarning, match="differs from the table in block 30"):
+        with SharedTier(header, shm_dir=shm_dir) as second:
+            assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 6))))
+            assert second.sample_pages == 0  # no page checksums to sample with
+
+
+def test_a_segment_touched_after_loading_is_refused_by_attached_readers(public_table, shm_dir):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        before = tier.segment.stat()
+        os.utime(tier.segment, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+        with pytest.raises(TierError, match="was modified .its mtime changed. after"):
+            read(tier, [5])
+
+
+# ---------------------------------------------------------- case 6: truncated under attached readers
+def truncate_and_read(table: str, shm: str, race: bool, native: bool) -> str:
+    """Attach, truncate the segment to its head, read: the error's message, or "served"."""
+    os.environ["ENGRAM_OFFLOAD_NO_NATIVE"] = "" if native else "1"
+    with SharedTier(read_header(table), shm_dir=shm) as tier:
+        tier.sample_pages = 0  # the rows' own copy is what is tested
+        tier.segment.chmod(0o600)
+        os.truncate(tier.segment, DATA_OFFSET)
+        if race:  # truncated after the read's size check: the guarded copy's turn
+            tier._check_unchanged = lambda: None
+        try:
+            all_rows(tier)
+        except TierError as exc:
+            return str(exc)
+    return "served"
+
+
+@pytest.mark.parametrize("race, native, words", [
+    (False, True, f"shrank to {DATA_OFFSET:,} bytes"),
+    (True, True, "shrank during a read (SIGBUS caught)"),
+    (True, False, "ended early during a read"),
+])
+def test_a_segment_truncated_under_an_attached_reader_gives_a_tier_error_not_sigbus(public_table, shm_dir,
+                                                                                    race, native, words):
+    with SharedTier(read_header(public_table[0]), shm_dir=shm_dir):
+        pass  # loaded by this process; the child attaches
+    status, message = in_child(truncate_and_read, str(public_table[0]), str(shm_dir), race, native, uid=None)
+    assert status == "ok" and words in message and "open the table again" in message, message
+
+
+def truncate_then_attach(table: str, shm: str) -> tuple[list[str], bool, int]:
+    header = read_header(table)
+    with SharedTier(header, shm_dir=shm) as tier:
+        segment = tier.segment
+    segment.chmod(0o600)
+    os.truncate(segment, DATA_OFFSET + 1000)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with SharedTier(header, shm_dir=shm) as again:
+            return [str(w.message) for w in seen], again.loaded, digest(all_rows(again))
+
+
+def test_attaching_a_truncated_segment_replaces_it_naming_its_size(public_table, shm_dir):
+    path, expected = public_table
+    status, answer = in_child(truncate_then_attach, str(path), str(shm_dir), uid=None)
+    assert status == "ok", answer
+    seen, loaded, rows = answer
+    assert loaded and rows == digest(expected)
+    total = DATA_OFFSET + expected.nbytes
+    assert len(seen) == 1 and f"was {DATA_OFFSET + 1000:,} bytes, {total:,} expected" in seen[0], seen
+
+
+# --------------------------------------------------------------- case 12: old versions of a table
+def segments(shm_dir: Path) -> set[str]:
+    """The segments in ``shm_dir`` and in this uid's folder there."""
+    found = [p for folder in (shm_dir, uid_folder(shm_dir)) if folder.is_dir() for p in folder.iterdir()]
+    return {p.name for p in found if p.is_file() and p.name.startswith("engram-") and not p.name.endswith(".lock")}
+
+
+def test_unused_old_versions_go_when_a_rewritten_table_loads_and_those_in_use_stay(tmp_path, shm_dir):
+    path, other = tmp_path / "t.table", tmp_path / "other.table"
+    make_random_table(other, CONFIG, seed=9, block_size=16384)
+    with SharedTier(read_header(other), shm_dir=shm_dir):  # another table's segment: never touched
+        pass
+
+    def version(seed: int) -> SharedTier:
+        make_random_table(path, CONFIG, seed=seed, block_size=16384)  # rewritten: renamed over the old file
+        return SharedTier(read_header(path), shm_dir=shm_dir)
+
+    first = version(1)
+    first.close()  # its segment outlives it
+    second = version(2)
+    assert segments(shm_dir) == {segment_name(read_header(other)), segment_name(second.header)}
+    assert not (uid_folder(shm_dir) / (segment_name(first.header) + ".lock")).exists()
+    with version(3) as third:  # the second is in use: it stays
+        assert np.array_equal(all_rows(third), np.concatenate(list(random_rows(CONFIG, 3))))
+        assert segments(shm_dir) == {segment_name(read_header(other)), segment_name(second.header),
+                                     segment_name(third.header)}
+    assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 2))))
+    second.close()
+
+
+@needs_root
+def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
+    mount = tmp_path / "small-shm"
+    mount.mkdir()
+    path = make_random_table(tmp_path / "t.table", CONFIG, seed=1, block_size=16384)
+    size = (DATA_OFFSET + CONFIG.num_rows * CONFIG.row_bytes) * 3 // 2  # room for one segment, not two
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        old = read_header(path)
+        (mount / "engram-00000000000000aa").write_bytes(b"\0" * 4096)  # an earlier release's segment, of this uid
+        (mount / "engram-00000000000000bb").symlink_to(mount / "engram-00000000000000aa")  # never a segment
+        with SharedTier(old, shm_dir=mount):
+            make_random_table(path, CONFIG, seed=2, block_size=16384)
+            with pytest.raises(TierError) as caught:
+                SharedTier(read_header(path), shm_dir=mount)
+        message = one_line(caught.value)
+        assert f"{segment_name(old)} (" in message and f"{path}, in use)" in message and "remove_segment" in message
+        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (4.00 KiB)" in message
+        assert "00bb" not in message
+        (mount / "engram-00000000000000aa").unlink()
+        with SharedTier(read_header(path), shm_dir=mount) as new:  # once closed, the old version makes room
+            assert new.loaded and segments(mount) == {segment_name(new.header)}
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# --------------------------------------------------------------------- case 13: modes, other uids
+def readable_files(top: str) -> list[str]:
+    """(As another uid) every file under ``top`` it can open and read."""
+    found = []
+    for folder, _, files in os.walk(top):
+        for name in files:
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    f.read(1)
+                found.append(os.path.join(folder, name))
+            except OSError:
+                pass
+    return found
+
+
+@needs_root
+def test_no_other_uid_can_read_a_segment(public_table, public_shm):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=public_shm) as tier:
+        assert in_child(readable_files, str(public_shm)) == ("ok", [])
+        folder = uid_folder(public_shm)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE(tier.segment.stat().st_mode) == 0o400
+        assert stat.S_IMODE((folder / (segment_name(header) + ".lock")).stat().st_mode) & 0o077 == 0
+
+
+# ------------------------------------------------------------------------- case 14: messages
+@needs_root
+def test_another_uid_gets_a_copy_of_its_own(public_table, public_shm):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=public_shm):
+        status, answer = in_child(open_and_digest, str(path), str(public_shm))
+    assert status == "ok", answer
+    assert answer == (True, str(public_shm / f"engram-uid-{NOBODY}" / segment_name(header)), digest(expected))
+
+
+@needs_root
+def test_another_uid_pointed_at_this_uids_folder_gets_one_line_naming_it(public_table, public_shm):
+    path, _ = public_table
+    with SharedTier(read_header(path), shm_dir=public_shm):
+        status, message = in_child(open_and_digest, str(path), str(uid_folder(public_shm)))
+    assert status == "error" and message.startswith("TierError: ") and "\n" not in message
+    assert f"uid ({NOBODY}) may not enter {uid_folder(public_shm)}" in message and "shm_dir=" in message
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"segment": ""}, ValueError, "plain file name"),
+    ({"segment": "a/b"}, ValueError, "'a/b'"),
+    ({"segment": ".."}, ValueError, "not hidden"),
+    ({"segment": "model.lock"}, ValueError, "not ending in .lock"),
+    ({"segment": "a\0b"}, ValueError, "plain file name"),
+    ({"segment": "tab\there"}, ValueError, "printable"),
+    ({"segment": "x" * 300}, ValueError, "at most 200 bytes"),
+    ({"segment": 5}, ValueError, "file name (str), got int 5"),
+    ({"shm_dir": ""}, ValueError, "absolute path"),
+    ({"shm_dir": "relative/folder"}, ValueError, "'relative/folder'"),
+    ({"shm_dir": "/dev/shm\0x"}, ValueError, "absolute path"),
+    ({"shm_dir": b"/dev/shm"}, ValueError, "folder path (str), got bytes"),
+    ({"shm_dir": 5}, ValueError, "got int 5"),
+    ({"shm_dir": "/no/such/folder"}, TierError, "/no/such/folder, which is not a folder"),
+    ({"shm_dir": "TABLE"}, TierError, "which is not a folder"),
+    ({"lock_timeout": 0}, ValueError, "lock_timeout"),
+    ({"lock_timeout": "5"}, ValueError, "lock_timeout"),
+    ({"sample_pages": -1}, ValueError, "sample_pages"),
+    ({"sample_pages": 1.5}, ValueError, "sample_pages"),
+])
+def test_odd_options_get_one_line_naming_them(public_table, shm_dir, options, error, words):
+    path, _ = public_table
+    if options.get("shm_dir") == "TABLE":
+        options = {"shm_dir": str(path)}
+    with pytest.raises(error) as caught:
+        SharedTier(read_header(path), **{"shm_dir": shm_dir, **options})
+    assert words in one_line(caught.value)
+    assert not uid_folder(shm_dir).exists() or not segments(shm_dir)  # nothing loaded
