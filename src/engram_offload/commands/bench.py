@@ -537,6 +537,11 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_tier_result(result, args, cache_bytes)
+    if args.tier == "shared":
+        from ..tiers.shared import segment_name
+
+        print(f"note: the shared segment {segment_name(header)} stays in /dev/shm for the next process; "
+              "engram-offload shared list shows it, shared drop removes it", file=sys.stderr)
     return 0
 
 
