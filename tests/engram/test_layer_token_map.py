@@ -11,25 +11,12 @@ import torch
 from engram_offload import EngramLayer
 from engram_offload.engram.tokenizer import cached_token_map
 
-from released_checkpoint import TOKEN_MAP, VOCAB, inputs, write_released_checkpoint
-
-
-def _checkpoints_tokenizer(path) -> None:
-    """A word-level tokenizer.json whose compression is the checkpoint's TOKEN_MAP (i % 37):
-    37 words, then upper-case spellings of the first 13, which the compression folds."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {**{f"a{i}": i for i in range(37)}, **{f"A{i - 37}": i for i in range(37, VOCAB)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="a0"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(path))
+from released_checkpoint import TOKEN_MAP, inputs, write_released_checkpoint, write_tokenizer
 
 
 def test_without_a_token_map_the_layer_hashes_with_the_folders_tokenizer(tmp_path):
     checkpoint = write_released_checkpoint(tmp_path / "ck")
-    _checkpoints_tokenizer(checkpoint.path / "tokenizer.json")
+    write_tokenizer(checkpoint.path / "tokenizer.json")  # its compression is the checkpoint's TOKEN_MAP
     hidden, ids = inputs()
     layer = EngramLayer.from_checkpoint(checkpoint.path, 1)
     assert layer.hasher is not None and np.array_equal(layer.hasher.token_map, TOKEN_MAP)
