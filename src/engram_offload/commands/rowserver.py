@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_row_server(args: argparse.Namespace) -> int:
-    from ..serving.store import open_table
     from ..serving.rowserver.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_ROWS, RowServer
+    from ..serving.store import open_table
     from ..table.format import read_header
     from ..units import parse_size
 
