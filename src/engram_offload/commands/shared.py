@@ -50,7 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"no segments in {uid_folder(args.shm_dir)}")
         return 0
     total = sum(e.bytes for e in entries)
-    print(f"{len(entries)} segment file(s) in {uid_folder(args.shm_dir)}, {format_bytes(total)}:")
+    print(f"{len(entries)} segment file(s) of this uid in {args.shm_dir}, {format_bytes(total)}:")
     for e in entries:
         use = "in use" if e.in_use else "unused"
         what = f"{format_bytes(e.bytes)}, {e.state}, {use}" + (f", table {e.table}" if e.table else "")
