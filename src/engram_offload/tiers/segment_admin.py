@@ -111,9 +111,9 @@ def _current_entries(shm_dir: str | os.PathLike[str]) -> list[SegmentEntry]:
 
 def drop_segments(names: list[str] | None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR
                   ) -> tuple[list[str], list[str]]:
-    """Remove the named segments (or, with ``names`` None, every unused one and every orphan
-    lock file) with their lock files; returns (dropped, kept because in use). A name that is not
-    there is a ``TierError`` naming what is."""
+    """Remove the named segments (or, with ``names`` None, every unused one, every orphan lock
+    file and every unused file of an earlier release) with their lock files; returns (dropped,
+    kept because in use). A name that is not there is a ``TierError`` saying how to list them."""
     legacy = {e.name: e for e in _legacy_entries(shm_dir)}
     dropped: list[str] = []
     kept: list[str] = []
