@@ -106,7 +106,8 @@ def main() -> int:
     ap.add_argument("--stall-steps", type=int, default=40)
     ap.add_argument("--torch-threads", default="1,2", help="torch intra-op threads for the stall figure")
     ap.add_argument("--hidden", type=int, default=512, help="backbone width for the stall figure")
-    ap.add_argument("--out", default="benchmarks/results/cache.json")
+    ap.add_argument("--out", default="engram-bench/cache.json",
+                    help="the results JSON (default engram-bench/cache.json; benchmarks/results/cache.json is the committed record: write there only to update it)")
     args = ap.parse_args()
     default_threads = torch.get_num_threads()
     result: dict = {"machine": machine_facts(args.table), "args": vars(args)}

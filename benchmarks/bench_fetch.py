@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-ahead", type=int, default=2, help="steps in flight (default 2)")
     p.add_argument("--corpus", default="stdlib", help="the text (default stdlib)")
     p.add_argument("--corpus-tokens", type=int, default=300_000, help="tokens of the corpus (default 300,000)")
-    p.add_argument("--out", default="benchmarks/results/fetch.json")
+    p.add_argument("--out", default="engram-bench/fetch.json",
+                   help="the results JSON (default engram-bench/fetch.json; benchmarks/results/fetch.json is the committed record: write there only to update it)")
     args = p.parse_args(argv)
     table = Path(args.table)
     layout = read_header(table).layout

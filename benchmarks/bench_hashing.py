@@ -69,7 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--decode-steps", type=int, default=500)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "hashing.json"))
+    parser.add_argument("--out", default="engram-bench/hashing.json",
+                        help="the results JSON (default engram-bench/hashing.json; benchmarks/results/hashing.json is the committed record: write there only to update it)")
     args = parser.parse_args()
 
     config = EngramConfig.from_name("deepseek-v4.1-flash")

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-seconds", type=float, default=5.0,
                     help="pause before each load and fault-in measurement, so memory the previous one freed "
                          "is reclaimed by a virtual machine's host again (the state a server starts in)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/load.json"))
+    ap.add_argument("--out", type=Path, default=Path("engram-bench/load.json"),
+                    help="the results JSON (default engram-bench/load.json; benchmarks/results/load.json is the committed record: write there only to update it)")
     args = ap.parse_args(argv)
     if shutil.which("fio") is None:
         print("fio not found: apt-get install fio", file=sys.stderr)

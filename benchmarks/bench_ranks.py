@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pss-scale", type=float, default=0.00065)
     ap.add_argument("--only", choices=("cache", "pss"), help="run one part, keeping the other's results in --out")
-    ap.add_argument("--out", default="benchmarks/results/ranks.json")
+    ap.add_argument("--out", default="engram-bench/ranks.json",
+                    help="the results JSON (default engram-bench/ranks.json; benchmarks/results/ranks.json is the committed record: write there only to update it)")
     args = ap.parse_args()
     out = Path(args.out)
     result: dict = json.loads(out.read_text()) if args.only and out.exists() else {}
@@ -173,7 +174,8 @@ def main() -> None:
         result["cache"] = cache_comparison(args, config, steps)
     if args.only != "cache":
         result["pss"] = pss_comparison(args)
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")
 
 

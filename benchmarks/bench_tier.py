@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="shorter: a cold mmap run warms the page cache as it goes")
     p.add_argument("--queue-depth", type=int, default=128)
     p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--out", default="benchmarks/results/tier.json")
+    p.add_argument("--out", default="engram-bench/tier.json",
+                   help="the results JSON (default engram-bench/tier.json; benchmarks/results/tier.json is the committed record: write there only to update it)")
     args = p.parse_args(argv)
     table = Path(args.table)
     load_start = os.getloadavg()

@@ -142,3 +142,17 @@ def inputs(seed: int = 1, batch: int = 2, tokens: int = 11) -> tuple[torch.Tenso
     ids[0, 3:5] = IMAGE_TOKEN
     ids[-1, -1] = IMAGE_TOKEN
     return h, ids
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A word-level ``tokenizer.json`` whose compression is ``TOKEN_MAP`` (i % 37): 37 words, then
+    upper-case spellings of the first 13, which the compression folds into them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {**{f"a{i}": i for i in range(37)}, **{f"A{i - 37}": i for i in range(37, VOCAB)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="a0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(path))
+    return path

@@ -51,3 +51,28 @@ def test_the_temporary_sits_beside_the_target_with_the_given_suffix(tmp_path):
         assert tmp.parent == tmp_path and tmp.name.endswith(".png") and tmp.name.startswith(".plot.png.")
         tmp.write_bytes(b"png")
     assert (tmp_path / "plot.png").read_bytes() == b"png"
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_a_new_file_gets_the_umasks_mode(tmp_path, mask, mode):
+    previous = os.umask(mask)
+    try:
+        assert atomic.current_umask() == mask
+        target = write_bytes_atomic(tmp_path / "results.json", b"{}")
+        with atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
+            tmp.write_bytes(b"png")
+    finally:
+        os.umask(previous)
+    assert (target.stat().st_mode & 0o777, (tmp_path / "plot.png").stat().st_mode & 0o777) == (mode, mode)
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    os.chmod(target, 0o640)
+    previous = os.umask(0o022)
+    try:
+        write_bytes_atomic(target, b"new")
+    finally:
+        os.umask(previous)
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o640

@@ -46,8 +46,9 @@ def test_parse_size_refuses(text, whole, match):
 
 
 def test_format_bytes():
-    assert format_bytes(2254857830) == "2.10 GiB" and format_bytes(12) == "12 B"
-    assert format_bytes(3 << 60) == "3.00 EiB"
+    assert format_bytes(2254857830) == "2.1 GiB" and format_bytes(12) == "12 B"
+    assert format_bytes(3 << 60) == "3.0 EiB"
+    assert format_bytes(4 << 20) == "4.0 MiB" and format_bytes(1536) == "1.5 KiB" and format_bytes(1023) == "1023 B"
 
 
 @pytest.mark.parametrize("parse,good,bad", [

@@ -5,17 +5,21 @@ survives a crash: the file's bytes are synced before the rename, the directory a
 Table files have their own writer (``table.writer``: their temporary names say which
 process writes them, so a dead writer's leftovers can be cleaned); everything else the
 package writes (token maps, checkpoints, benchmark reports, plots) goes through here.
+
+The file gets the mode an ordinary ``open(path, "w")`` would give it: a new file 0666 less the
+process's umask, a replaced file keeps its mode (the temporary file's own 0600 never shows).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "fsync_dir", "write_bytes_atomic"]
+__all__ = ["atomic_path", "current_umask", "fsync_dir", "write_bytes_atomic"]
 
 
 @contextmanager
@@ -30,12 +34,35 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     tmp = Path(name)
     try:
         yield tmp
+        os.chmod(tmp, _mode_for(target))
         _fsync_file(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``), else set and reset."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _mode_for(target: Path) -> int:
+    """The permission bits ``target`` gets: its own when it exists, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~current_umask()
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:

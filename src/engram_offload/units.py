@@ -55,6 +55,8 @@ def parse_size(text: str | int, whole: int | None = None) -> int:
                 raise ValueError(f"size {text!r} is not a number followed by %") from None
             if not math.isfinite(percent) or percent < 0:
                 raise ValueError(f"size {text!r}: the percentage must be a finite number >= 0, e.g. 20%")
+            if percent > 100:
+                raise ValueError(f"size {text!r}: a percentage must be at most 100%, e.g. 20%")
             value = int(percent / 100 * whole)
         else:
             m = _PATTERN.match(s.lstrip("-+"))
@@ -77,11 +79,13 @@ def parse_size(text: str | int, whole: int | None = None) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """``2254857830`` -> ``"2.10 GiB"``."""
+    """A byte count in the largest binary unit it fills, one decimal: ``2254857830`` ->
+    ``"2.1 GiB"``, ``4 << 20`` -> ``"4.0 MiB"`` (never ``"0.00 GiB"``), ``12`` -> ``"12 B"``.
+    Every size the package prints goes through here."""
     for unit, size in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30),
                        ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            return f"{n / size:,.1f} {unit}"
     return f"{int(n)} B"
 
 

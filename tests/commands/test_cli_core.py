@@ -28,7 +28,7 @@ def test_info_text_and_config_file(tmp_path, capsys):
 
 
 def test_info_errors_are_reported(capsys):
-    assert main(["info", "--preset", "bogus"]) == 1
+    assert main(["info", "--preset", "bogus"]) == 2
     assert "unknown preset 'bogus'" in capsys.readouterr().err
     assert main(["info", "--preset", "deepseek-demo", "--tp", "0"]) == 2  # a usage error
 

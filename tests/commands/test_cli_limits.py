@@ -45,7 +45,7 @@ BENCH_TIER = ["bench-tier", "--tier", "mmap", "--seconds", "0.1"]
     (["bench", "--no-progress", "--max-step-tokens", HUGE], "--max-step-tokens"),
     (["bench", "--no-progress", "--dram-budget", "none", "--cache-bytes", "900T"], "--cache-bytes"),
     (["eval", "--seq-len", "100000000"], "--seq-len"),
-    (["eval", "--tier", "mmap", "--cache", "900T"], "--cache"),
+    (["eval", "--tier", "mmap", "--cache-bytes", "900T"], "--cache-bytes"),
     (["scan", "--seq-len", "100000000"], "--seq-len"),
     (["train", "--out", "{tmp}/m", "--batch", HUGE], "--batch"),
     (["train", "--out", "{tmp}/m", "--seq-len", "100000000"], "--seq-len"),

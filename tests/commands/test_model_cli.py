@@ -75,3 +75,31 @@ def test_eval_corpus_of_another_kind_of_file_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"engram-offload eval: error: corpus {data} is not a .py/.txt/.rst file: "
                                         "give such a file or a folder of them"]
+
+
+def test_eval_reads_a_users_corpus_whole_and_the_training_corpus_held_out(small_corpus, tmp_path, capsys):
+    import json
+
+    few = tmp_path / "mine"  # a corpus of the user's: three files, too few for a held-out one
+    few.mkdir()
+    for name in ("scanner.py", "decoder.py", "encoder.py"):
+        shutil.copyfile(small_corpus / "json" / name, few / name)
+    assert main(["eval", "--corpus", str(few), "--max-tokens", "0", "--json"]) == 0  # the shipped model
+    whole = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--corpus", str(few), "--all-files", "--max-tokens", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == whole["tokens"] > 0
+    # a checkpoint trained on a corpus reads only that corpus's held-out files
+    model = tmp_path / "model"
+    assert main(["train", "--out", str(model), "--corpus", str(small_corpus), *TINY_TRAIN]) == 0
+    capsys.readouterr()
+    held = split(corpus_files([small_corpus]))[1]
+    assert main(["eval", "--checkpoint", str(model), "--corpus", str(small_corpus), "--max-tokens", "0",
+                 "--json"]) == 0
+    held_out = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--checkpoint", str(model), "--corpus", str(small_corpus), "--all-files",
+                 "--max-tokens", "20000", "--json"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert 0 < held_out["tokens"] < every["tokens"] and len(held) < len(corpus_files([small_corpus]))
+    # and another corpus through that checkpoint: whole
+    assert main(["eval", "--checkpoint", str(model), "--corpus", str(few), "--max-tokens", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == whole["tokens"]

@@ -11,7 +11,7 @@ from engram_offload.cli import main
 from engram_offload.planner import get_model
 
 GiB = 2**30
-V41 = ["plan", "--model", "deepseek-v4.1-flash"]
+V41 = ["plan", "--preset", "deepseek-v4.1-flash"]
 B300_4 = [*V41, "--gpu", "b300", "--gpus", "4", "--min-interactivity", "20"]
 TABLE = get_model("deepseek-v4.1-flash").engram.table_bytes
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -48,7 +48,7 @@ def test_trace_of_a_corpus_is_what_a_server_reads(tmp_path, capsys):
     capsys.readouterr()
     np.save(out, ids)
     # the trace sizes plan's cache
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--trace", str(out), "--json"]) == 0
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--trace", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["workload"]["miss_ratio_curve"].startswith(f"trace of {ids.size:,} ids")
 
 

@@ -14,14 +14,32 @@ from engram_offload.table import make_random_table
 
 from tiny_tables import tiny_config
 
-PLAN = ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "h200"]
+PLAN = ["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "h200"]
 MAKE = ["make-table", "--scale", "2e-5"]
 
 # (command line with {placeholders} for the files below, exit code, text the line must hold)
 CASES = [
     (["frobnicate"], 2, "invalid choice"),
     (["info"], 2, "one of the arguments --preset --config is required"),
-    (["info", "--preset", "bogus"], 1, "unknown preset 'bogus'"),
+    (["info", "--preset", "bogus"], 2, "unknown preset 'bogus'"),
+    (["make-table", "--preset", "bogus", "--scale", "0.1", "--out", "{new_table}"], 2, "unknown preset 'bogus'"),
+    (["bench", "--preset", "bogus"], 2, "unknown preset 'bogus'"),
+    (["bench", "--table", "{table}", "--tiers", "memory,bogus"], 2, "--tiers: unknown bogus"),
+    (["bench", "--table", "{table}", "--cache-states", "lukewarm"], 2, "--cache-states: unknown lukewarm"),
+    (["bench", "--table", "{table}", "--concurrency", "0"], 2, "--concurrency values must be >= 1"),
+    (["bench", "--table", "{table}", "--backbone", "modeled", "--gpu", "a100"], 2, "unknown GPU 'a100'"),
+    (["bench", "--table", "{table}", "--backbone", "modeled", "--backbone-preset", "bogus"], 2,
+     "unknown model preset 'bogus'"),
+    (["bench", "--table", "{table}", "--policy", "fifo"], 2, "invalid choice: 'fifo'"),
+    (["bench", "--table", "{table}", "--cache-bytes", "200%"], 2, "a percentage must be at most 100%"),
+    (["bench-tier", "--table", "{table}", "--tier", "bogus"], 2, "unknown tier 'bogus'"),
+    (["bench-tier", "--table", "{table}", "--tier", "remote"], 2, "the remote tier reads a Redis pool"),
+    (["bench-tier", "--table", "{table}", "--tier", "memory", "--cache-bytes", "200%"], 2,
+     "a percentage must be at most 100%"),
+    (["bench-tier", "--table", "{table}", "--tier", "memory", "--cache-bytes", "1M", "--policy", "fifo"], 2,
+     "invalid choice: 'fifo'"),
+    (["plan", "--preset", "bogus", "--gpu", "h200"], 2, "unknown model preset 'bogus'"),
+    (["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "a100"], 2, "unknown GPU 'a100'"),
     (["info", "--preset", "deepseek-demo", "--tp", "0"], 2, "--tp: '0' is not an integer >= 1"),
     (["info", "--preset", "deepseek-demo", "--tp", "x"], 2, "not an integer"),
     (["info", "--config", "{list_json}"], 1, "JSON list, not an object"),
@@ -60,8 +78,8 @@ CASES = [
     (["bench-tier", "--table", "{table}", "--tier", "memory", "--cache-bytes", "-1G"], 2, "size '-1G' is negative"),
     (["bench-tier", "--table", "{table}", "--tier", "memory", "--cache-bytes", "0.5"], 2,
      "size '0.5' is not a whole number of bytes"),
-    (["eval", "--cache", "-1G", "--tier", "memory"], 2, "--cache: size '-1G' is negative"),
-    (["eval", "--cache", "0.5", "--tier", "memory"], 2, "--cache: size '0.5' is not a whole number of bytes"),
+    (["eval", "--cache-bytes", "-1G", "--tier", "memory"], 2, "--cache-bytes: size '-1G' is negative"),
+    (["eval", "--cache-bytes", "0.5", "--tier", "memory"], 2, "--cache-bytes: size '0.5' is not a whole number of bytes"),
     (["bench", "--table", "{table}", "--cache-bytes", "-512M"], 2, "size '-512M' is negative"),
     (["bench", "--table", "{table}", "--fast-cache-bytes", "0.25"], 2, "not a whole number of bytes"),
     (["bench-tier", "--table", "{empty_dir}", "--tier", "memory"], 1, "is a directory"),
@@ -124,7 +142,7 @@ def test_bad_command_line_is_one_line(files, capsys, argv, code, text):
 
 
 def test_debug_shows_the_traceback(files):
-    with pytest.raises(ValueError, match="unknown preset"):
-        main(["--debug", "info", "--preset", "bogus"])
-    with pytest.raises(ValueError, match="unknown preset"):
-        main(["info", "--preset", "bogus", "--debug"])
+    with pytest.raises(ValueError, match="JSON list"):
+        main(["--debug", "info", "--config", files["list_json"]])
+    with pytest.raises(ValueError, match="JSON list"):
+        main(["info", "--config", files["list_json"], "--debug"])

@@ -77,7 +77,7 @@ def _run(argv: list[str], capsys) -> str:
 def test_eval_command_prints_tokens_and_perplexity(capsys):
     on = json.loads(_run(["eval", "--json", "--max-tokens", "1500"], capsys))
     off = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--no-engram"], capsys))
-    served = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--tier", "mmap", "--cache", "64KiB"], capsys))
+    served = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--tier", "mmap", "--cache-bytes", "64KiB"], capsys))
     assert on["tokens"] == off["tokens"] == served["tokens"] > 1000
     assert served["perplexity"] == on["perplexity"] < off["perplexity"]
     assert (on["engram"], off["engram"], served["tier"]) == (True, False, "mmap")
@@ -86,11 +86,11 @@ def test_eval_command_prints_tokens_and_perplexity(capsys):
 def test_every_reading_command_takes_the_same_model_text_and_json_options(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     model_commands.register(parser.add_subparsers(dest="command"))
-    shared = ["--model", "M", "--corpus", "C", "--all-files", "--max-tokens", "7", "--seq-len", "9",
+    shared = ["--checkpoint", "M", "--corpus", "C", "--all-files", "--max-tokens", "7", "--seq-len", "9",
               "--threads", "2", "--json", "--json-out", "out.json"]
     for command in ("eval", "scan", "cache-sim", "skip-curve"):
         args = parser.parse_args([command, *shared])
-        assert (args.model, args.corpus, args.all_files, args.max_tokens, args.seq_len, args.threads, args.json,
+        assert (args.checkpoint, args.corpus, args.all_files, args.max_tokens, args.seq_len, args.threads, args.json,
                 args.json_out) == ("M", ["C"], True, 7, 9, 2, True, "out.json"), command
 
 

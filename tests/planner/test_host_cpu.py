@@ -150,7 +150,7 @@ def test_without_a_trace_or_zipf_the_planner_uses_real_text():
 
 
 def plan_nvme(capsys, *flags: str) -> dict:
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "2", "--batch", "64",
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "2", "--batch", "64",
                  "--json", *flags]) == 0
     d = json.loads(capsys.readouterr().out)
     return next(p for p in d["placements"] if p["name"] == "nvme" and p["tp"] == 2) | {"assumptions": d["assumptions"]}

@@ -6,13 +6,13 @@ from engram_offload.cli import main
 
 
 def test_plan_text(capsys):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "B300"]) == 0
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "B300"]) == 0
     out = capsys.readouterr().out
     assert "Recommendation" in out and "smallest workable TP is 4" in out and "hbm" in out
 
 
 def test_plan_json_keys(capsys):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "4", "--json"]) == 0
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     for key in ("table_bytes", "bytes_per_token", "bytes_per_token_per_gpu", "placements", "recommendation"):
         assert key in d
@@ -26,7 +26,7 @@ def test_plan_with_trace_and_options(tmp_path, capsys):
     np.save(tmp_path / "rows.npy", rng.zipf(1.2, 20_000).astype(np.int64) % 1_000_000)
     (tmp_path / "rows.txt").write_text("1 2 3 1 2 3\n")
     for trace in ("rows.npy", "rows.txt"):
-        args = ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "h200", "--trace", str(tmp_path / trace),
+        args = ["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "h200", "--trace", str(tmp_path / trace),
                 "--objective", "tokens-per-dollar", "--price", "2.5", "--context", "8192", "--json"]
         assert main(args) == 0
         d = json.loads(capsys.readouterr().out)
@@ -35,10 +35,10 @@ def test_plan_with_trace_and_options(tmp_path, capsys):
 
 
 def test_plan_errors_say_what_to_do(tmp_path, capsys):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "a100"]) == 1
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "a100"]) == 2
     assert "choose one of: h100, h200, b200, b300, gb200, gb300, mi355x" in capsys.readouterr().err
     (tmp_path / "t.txt").write_text("999999999999")
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--trace", str(tmp_path / "t.txt")]) == 1
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--trace", str(tmp_path / "t.txt")]) == 1
     assert "outside the table" in capsys.readouterr().err
 
 

@@ -18,7 +18,7 @@ UNIQUE = step_unique_fraction(BATCH, 0)  # the step's distinct row ids: each fet
 
 def remote(capsys, *flags: str) -> tuple[dict, int]:
     """The remote placement at TP=2 and a fixed batch, and the bytes per token per GPU."""
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "2", "--batch", str(BATCH),
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--gpus", "2", "--batch", str(BATCH),
                  "--json", *flags]) == 0
     d = json.loads(capsys.readouterr().out)
     [r] = [p for p in d["placements"] if p["name"] == "remote" and p["tp"] == TP]
@@ -64,5 +64,5 @@ def test_more_bandwidth_and_a_shorter_round_trip_shorten_the_stall_by_the_formul
 
 @pytest.mark.parametrize("flags", [["--pool-gbps", "0"], ["--pool-rtt-us", "-1"], ["--pool-gbps", "fast"]])
 def test_bad_pool_figures_are_usage_errors(capsys, flags):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", *flags]) == 2
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", *flags]) == 2
     assert f"argument {flags[0]}" in capsys.readouterr().err

@@ -45,7 +45,7 @@ def test_dp_must_be_positive():
 
 
 def plan_json(capsys, *extra):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "h200", "--gpus", "4", "--json", *extra]) == 0
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "h200", "--gpus", "4", "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -68,6 +68,6 @@ def test_plan_json_gives_dram_per_machine_shared_by_default_with_dp(capsys):
 
 
 def test_plan_text_prints_dram_per_machine(capsys):
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "h200", "--gpus", "4", "--dp", "2"]) == 0
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "h200", "--gpus", "4", "--dp", "2"]) == 0
     out = capsys.readouterr().out
     assert "/machine" in out and "DRAM per machine at --dp 2" in out and "(shared)" in out

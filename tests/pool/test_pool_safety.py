@@ -113,7 +113,7 @@ def test_a_taken_port_is_an_error_never_a_success(fresh_pool, tmp_path):
     port = other.nodes[0].port
     with pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is taken by another process"):
         start_local_pool(1, port, tmp_path / "again")
-    done = subprocess.run([sys.executable, "-c", CLI, "pool", "serve", "--nodes", "1", "--port", str(port),
+    done = subprocess.run([sys.executable, "-c", CLI, "pool", "serve", "--pool-nodes", "1", "--port", str(port),
                            "--dir", str(tmp_path / "cli")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "serving" not in done.stdout
     assert f"port {port} on 127.0.0.1 is taken by another process: choose another --port" in done.stderr
@@ -123,7 +123,7 @@ def test_a_taken_port_is_an_error_never_a_success(fresh_pool, tmp_path):
 def test_pool_serve_takes_its_servers_along_when_it_ends(tmp_path, sig):
     skip_without_redis()
     port = free_port_base(2)
-    serve = subprocess.Popen([sys.executable, "-c", CLI, "pool", "serve", "--nodes", "2", "--port", str(port),
+    serve = subprocess.Popen([sys.executable, "-c", CLI, "pool", "serve", "--pool-nodes", "2", "--port", str(port),
                               "--dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert serve.stdout is not None and "serving a Redis Cluster" in serve.stdout.readline()
@@ -144,7 +144,7 @@ def test_pool_serve_with_a_generated_password(tmp_path, table):
     skip_without_redis()
     port = free_port_base(1)
     secret = tmp_path / "pool.password"
-    serve = subprocess.Popen([sys.executable, "-c", CLI, "pool", "serve", "--nodes", "1", "--port", str(port),
+    serve = subprocess.Popen([sys.executable, "-c", CLI, "pool", "serve", "--pool-nodes", "1", "--port", str(port),
                               "--dir", str(tmp_path / "d"), "--requirepass", str(secret)],
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -182,7 +182,7 @@ def test_the_password_is_never_printed(fresh_pool, table, capsys):
     with PoolClient(pool.url) as client:
         client.each_node("CONFIG", "SET", "requirepass", "s3cret")
     url = pool.url.replace("redis://", "redis://:s3cret@")
-    assert pool_cli(["pool", "publish", str(table), "--redis", url, "--extent-rows", "500", "--no-progress"]) == 0
+    assert pool_cli(["pool", "publish", str(table), "--pool", url, "--extent-rows", "500", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "s3cret" not in out and "redis://:***@127.0.0.1:" in out
     for bad in ("redis://:s3cret@127.0.0.1:99999", ":s3cret@127.0.0.1:7001", "http://:s3cret@127.0.0.1:7001",
@@ -239,7 +239,7 @@ def test_pool_status_lists_the_tables_beside_foreign_keys(fresh_pool, table):
     assert len(tables) == 3 and sum(t["complete"] for t in tables.values()) == 1
     assert "is not an engram-offload table's header" in tables["{not-a-fingerprint}:engram:header"]["problems"][0]
     assert "unreadable" in tables["0123456789abcdef"]["problems"][0]
-    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert pool_cli(["pool", "status", "--pool", pool.url]) == 0
 
 
 def test_publish_refuses_a_pool_that_evicts(fresh_pool, table):

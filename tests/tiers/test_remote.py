@@ -267,7 +267,7 @@ def test_a_pool_of_an_old_layout_is_refused_until_published_again(tables, fresh_
             opening()
     [status] = pool_status(pool.url)["tables"]
     assert status["pool_layout"] == version and not status["complete"] and "re-publish" in status["problems"][0]
-    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert pool_cli(["pool", "status", "--pool", pool.url]) == 0
     assert f"pool layout v{version}, INCOMPLETE: " in capsys.readouterr().out
     result = publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert result["sent"] == result["extents"]  # every old extent replaced
@@ -358,14 +358,14 @@ def test_cli_publish_status_drop(tables, fresh_pool, capsys):
     pool = fresh_pool(1)
     path, _ = tables[("int8", 64)]
     fp = fingerprint(read_header(path))
-    assert pool_cli(["pool", "publish", str(path), "--redis", pool.url, "--extent-rows", "500", "--no-progress"]) == 0
+    assert pool_cli(["pool", "publish", str(path), "--pool", pool.url, "--extent-rows", "500", "--no-progress"]) == 0
     assert f"table {fp} is in the pool" in capsys.readouterr().out
-    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert pool_cli(["pool", "status", "--pool", pool.url]) == 0
     out = capsys.readouterr().out
     assert f"table {fp}: " in out and out.rstrip().endswith("rows, pool layout v3, complete")
-    assert pool_cli(["pool", "drop", fp, "--redis", pool.url]) == 0
+    assert pool_cli(["pool", "drop", fp, "--pool", pool.url]) == 0
     assert "keys deleted" in capsys.readouterr().out
-    assert pool_cli(["pool", "status", "--redis", pool.url]) == 0
+    assert pool_cli(["pool", "status", "--pool", pool.url]) == 0
     assert "no tables" in capsys.readouterr().out
 
 
@@ -374,7 +374,7 @@ def test_cli_serve_starts_a_cluster_and_stops_it(tmp_path):
     port = free_port_base(3)
     code = ("import argparse, sys; from engram_offload.commands import pool; p = argparse.ArgumentParser(); "
             "pool.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-    proc = subprocess.Popen([sys.executable, "-c", code, "pool", "serve", "--nodes", "3", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-c", code, "pool", "serve", "--pool-nodes", "3", "--port", str(port),
                              "--dir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert "serving a Redis Cluster on redis://127.0.0.1:" in proc.stdout.readline()

@@ -21,6 +21,16 @@ from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
+from .options import (
+    add_cache_bytes,
+    add_json,
+    add_json_out,
+    add_policy,
+    deprecated_alias,
+    gpu_arg,
+    model_preset_arg,
+    preset_arg,
+)
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
@@ -60,6 +70,19 @@ def _budget_arg(text: str) -> str:
     return text if text.strip().lower() == "none" else size_or_percent_arg(text)
 
 
+def _local_tier(text: str) -> str:
+    """argparse type of ``bench-tier --tier``: a tier that reads this machine's table file."""
+    from ..tiers import TIERS
+
+    if text == "remote":
+        raise argparse.ArgumentTypeError("the remote tier reads a Redis pool, not the table file: measure it with "
+                                         "engram-offload bench --tiers remote [--pool URL]")
+    if text not in TIERS:
+        raise argparse.ArgumentTypeError(f"unknown tier {text!r}; choose one of: "
+                                         f"{', '.join(t for t in TIERS if t != 'remote')}")
+    return text
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -72,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     t = p.add_argument_group("table")
     t.add_argument("--table", help="an existing table file (default: make one in the cache folder)")
-    t.add_argument("--preset", default=DEFAULT_PRESET, help=f"layout of the table to make (default {DEFAULT_PRESET})")
+    t.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg, help=f"layout of the table to make (default {DEFAULT_PRESET})")
     t.add_argument("--scale", type=fraction, default=DEFAULT_SCALE,
                    help=f"fraction of the preset's table size to make (default {DEFAULT_SCALE})")
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
@@ -91,17 +114,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "columns (docs/ranks.md)")
     m = p.add_argument_group("memory")
     m.add_argument("--dram-budget", default="20%", type=_budget_arg, help="DRAM the store may hold: bytes, 2G, or %% of the table (default 20%%); 'none' for no budget")
-    m.add_argument("--cache-bytes", default=None, type=size_or_percent_arg,
-                   help="the DRAM row cache of the direct and remote tiers (default: the whole budget)")
-    m.add_argument("--fast-cache-bytes", default="0", type=size_or_percent_arg, help="a fast cache above it (GPU memory when there is one; default 0)")
-    m.add_argument("--policy", default="lfu", help="row cache eviction policy (default lfu)")
+    add_cache_bytes(m, None, what="the DRAM row cache of the direct and remote tiers", shown="the whole budget")
+    m.add_argument("--fast-cache-bytes", default="0", type=size_or_percent_arg, metavar="SIZE",
+                   help="a fast cache above it (GPU memory when there is one): bytes, 512M, 2G or %% of the table (default 0)")
+    add_policy(m)
     q = p.add_argument_group("pool (the remote tier)")
     q.add_argument("--pool", default=None, metavar="URL",
                    help="the Redis pool the remote tier reads from, redis://host:port[,host:port...]; the table "
                    "is published to it before the remote runs (default: a loopback pool started for the run "
                    "and stopped at its end)")
-    q.add_argument("--pool-nodes", type=positive_int, default=1,
-                   help="servers of the loopback pool (default 1; more: a Redis Cluster)")
+    q.add_argument("--pool-nodes", type=positive_int, default=1, metavar="N",
+                   help="servers of the loopback pool started here (default 1, one server's cost on a small "
+                   "machine; pool serve's 3 make a Redis Cluster)")
     w = p.add_argument_group("workload")
     w.add_argument("--corpus", action="append", default=None, metavar="DIR",
                    help="measured corpus: stdlib, docs, zipf or a folder of text files; repeatable (default stdlib)")
@@ -119,12 +143,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--backbone", default="cpu", choices=["cpu", "modeled"],
                    help="cpu: a small real transformer computed on this machine's cores (default); modeled: "
                    "sleep a GPU's roofline step time (--gpu, --tp), leaving the cores to the fetch path")
-    b.add_argument("--gpu", default="b300", help="the modeled backbone's GPU, as in 'plan' (default b300)")
+    b.add_argument("--gpu", default="b300", type=gpu_arg, help="the modeled backbone's GPU, as in 'plan' (default b300)")
     b.add_argument("--tp", type=positive_int, default=1,
                    help="the modeled backbone's tensor-parallel degree, and with --ranks the ranks that split "
                    "each layer's columns (default 1)")
-    b.add_argument("--model", default=None,
-                   help="the modeled backbone's planner model (default: the table's layout, e.g. deepseek-v4.1-flash)")
+    deprecated_alias(b, "--model", b.add_argument(
+        "--backbone-preset", dest="model", type=model_preset_arg, default=None,
+        help="the modeled backbone's named model, as plan's --preset (default: the table's layout)"))
     b.add_argument("--nvme-iops", type=_number(float, 0, low_open=True, what="a rate"), default=None,
                    help="this machine's random reads/s at the direct tier's read size (e.g. fio --bs=512) for the "
                    "planner's predicted stall (default: the GPU server's drives)")
@@ -140,7 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")
-    o.add_argument("--json", default=None, metavar="PATH", help="JSON path (default OUT/results.json)")
+    deprecated_alias(o, "--json", add_json_out(o, "OUT/results.json"))
     o.add_argument("--plot", default=None, metavar="PATH", help="frontier PNG path (default OUT/frontier.png)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
@@ -149,11 +174,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _list(text: str, allowed: tuple[str, ...] | None, what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
-        raise ValueError(f"--{what} is empty")
+        raise UsageError(f"--{what} is empty")
     if allowed is not None:
         bad = [x for x in items if x not in allowed]
         if bad:
-            raise ValueError(f"--{what}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+            raise UsageError(f"--{what}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
     return items
 
 
@@ -161,9 +186,9 @@ def _concurrency(text: str) -> list[int]:
     try:
         values = [int(x) for x in _list(text, None, "concurrency")]
     except ValueError as exc:
-        raise ValueError(f"--concurrency needs integers like 1,8,32: {exc}") from None
+        raise UsageError(f"--concurrency needs integers like 1,8,32: {exc}") from None
     if any(v < 1 for v in values):
-        raise ValueError("--concurrency values must be >= 1")
+        raise UsageError("--concurrency values must be >= 1")
     return values
 
 
@@ -405,7 +430,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ratios = comparisons(runs)
     limits = stall_limits(runs)
     out = Path(args.out)
-    json_path = write_json(args.json or out / "results.json",
+    json_path = write_json(args.json_out or out / "results.json",
                            _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
@@ -429,9 +454,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- bench-tier
 def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench-tier`` command's arguments (its parser's ``func`` is ``cmd_bench_tier``)."""
-    parser.add_argument("--table", required=True)
-    parser.add_argument("--tier", required=True, help="memory, pinned, mmap or direct")
-    parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads")
+    parser.add_argument("--table", required=True, help="the table file to read (required)")
+    parser.add_argument("--tier", required=True, type=_local_tier,
+                        help="memory, pinned, mmap, direct or shared (required; the remote tier: bench --tiers remote)")
+    parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads (default auto)")
     parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
     parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
     parser.add_argument("--seconds", type=positive_seconds, default=10.0,
@@ -442,12 +468,10 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rows per random gather call (default {RANDOM_BATCH}; not with --prefetcher)")
     parser.add_argument("--callers", type=positive_int,
                         help="caller threads of random gathers (default: 1; mmap: the queue depth; not with --prefetcher)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-bytes", default="0", type=size_or_percent_arg,
-                        help="DRAM row cache in front of the tier: bytes, 512M, 2G or a percentage of the "
-                        "table (10%%); default none")
-    parser.add_argument("--policy", default="lru", help="cache eviction policy (lru, lfu, ...)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random row ids (default 0)")
+    add_cache_bytes(parser)
+    add_policy(parser)
+    add_json(parser)
     steps = parser.add_argument_group(
         "decode steps (--prefetcher)",
         "real-text decode steps through a Prefetcher from one caller instead of random gathers: a cold "
@@ -460,7 +484,7 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"sequences decoding one token each per step (default {PREFETCH_SEQUENCES})")
     steps.add_argument("--run-ahead", type=positive_int,
                        help=f"steps in flight: step N+1 is begun before step N is consumed (default {PREFETCH_RUN_AHEAD})")
-    steps.add_argument("--corpus", help="the text: stdlib, docs or a folder of text files (default stdlib)")
+    steps.add_argument("--corpus", metavar="DIR", help="the text: stdlib, docs or a folder of text files (default stdlib)")
     steps.add_argument("--corpus-tokens", type=positive_int,
                        help=f"tokens of the corpus to use (default {PREFETCH_CORPUS_TOKENS:,})")
     steps.add_argument("--check", action="store_true",
@@ -496,15 +520,12 @@ def _tier_bench_mode(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_bench_tier(args: argparse.Namespace) -> int:
     from ..bench.tier_bench import memory_needs, run_tier_bench
-    from ..cache.policy import POLICIES
     from ..table.format import read_header
 
     mode = _tier_bench_mode(args)
     header = read_header(args.table)
     layout = header.layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
-    if cache_bytes and args.policy not in POLICIES:
-        raise ValueError(f"unknown cache policy {args.policy!r}; choose one of: {', '.join(POLICIES)}")
     needs = memory_needs(args.tier, layout.num_rows, layout.row_bytes, header.config.rows_per_token,
                          queue_depth=args.queue_depth, cache_bytes=cache_bytes,
                          **{k: v for k, v in mode.items() if k != "check"})
@@ -516,6 +537,11 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_tier_result(result, args, cache_bytes)
+    if args.tier == "shared":
+        from ..tiers.shared import segment_name
+
+        print(f"note: the shared segment {segment_name(header)} stays in /dev/shm for the next process; "
+              "engram-offload shared list shows it, shared drop removes it", file=sys.stderr)
     return 0
 
 

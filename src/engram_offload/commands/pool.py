@@ -11,6 +11,9 @@ import stat
 import threading
 from pathlib import Path
 
+from ..units import format_bytes, int_in_range, positive_int
+from .options import add_json, add_pool, add_pool_nodes, deprecated_alias
+
 DEFAULT_URL = "redis://127.0.0.1:7001"
 
 
@@ -26,60 +29,61 @@ def register(sub: argparse._SubParsersAction) -> None:
                           description="Stream a table into the pool, extent by extent, checking every block "
                           "(and page) of the file and storing a checksum with every row; extents already there with the right checksum are skipped, and the "
                           "table is marked complete only when every extent is in.")
-    pub.add_argument("table", metavar="TABLE")
+    pub.add_argument("table", metavar="TABLE", help="the table file to publish")
     _add_url(pub)
-    pub.add_argument("--extent-rows", type=int, default=1 << 18,
+    pub.add_argument("--extent-rows", type=positive_int, default=1 << 18,
                      help="rows per extent key (default 262,144; at most 512 MiB an extent)")
     pub.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pub.add_argument("--json", action="store_true", help="print JSON")
+    add_json(pub)
     pub.set_defaults(func=cmd_publish)
 
     stat = cmds.add_parser("status", help="the pool's nodes and tables",
                            description="List the pool's nodes (memory used) and every table in it, "
                            "with its pool layout version and whether it is complete.")
     _add_url(stat)
-    stat.add_argument("--json", action="store_true", help="print JSON")
+    add_json(stat)
     stat.set_defaults(func=cmd_status)
 
     drop = cmds.add_parser("drop", help="delete one table's keys from the pool",
                            description="Delete every key of the table with this fingerprint (see pool "
                            "status); keys of other tables are never touched.")
-    drop.add_argument("fingerprint", metavar="FINGERPRINT")
+    drop.add_argument("fingerprint", metavar="FINGERPRINT", help="the table's fingerprint, as pool status lists it")
     _add_url(drop)
     drop.set_defaults(func=cmd_drop)
 
     serve = cmds.add_parser("serve", help="run a loopback Redis pool to try the remote tier",
-                            description="Start NODES redis-server processes on 127.0.0.1 from PORT on, "
-                            "without persistence: one plain server, or a Redis Cluster for NODES > 1. "
+                            description="Start N (--pool-nodes) redis-server processes on 127.0.0.1 from PORT on, "
+                            "without persistence: one plain server, or a Redis Cluster for N > 1. "
                             "Runs until interrupted. For production use an existing Redis Cluster with "
                             "replicas (docs/pool.md).")
-    serve.add_argument("--nodes", type=int, default=3, help="servers to start (default 3)")
-    serve.add_argument("--port", type=int, default=7001, help="first port (default 7001)")
+    deprecated_alias(serve, "--nodes", add_pool_nodes(serve, 3, ": a Redis Cluster of 3 masters, the fewest "
+                                                    "Redis Cluster recommends"))
+    serve.add_argument("--port", type=int_in_range(1, 65535), default=7001,
+                       help="first TCP port on 127.0.0.1 (default 7001)")
     serve.add_argument("--dir", help="working folder for the servers' logs (default: a temporary one)")
     serve.add_argument("--requirepass", metavar="FILE",
-                       help="require a password: read from FILE (yours, mode 0600), or generated and written "
+                       help="require a password (default: none): read from FILE (yours, mode 0600), or generated and written "
                        "there 0600 when FILE does not exist; clients give it in the URL or in "
                        "$ENGRAM_OFFLOAD_POOL_PASSWORD. Without it any local user may rewrite the pool")
     serve.set_defaults(func=cmd_serve)
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", default=DEFAULT_URL, metavar="URL",
-                        help=f"pool nodes, redis://host:port[,host:port...] (default {DEFAULT_URL})")
+    deprecated_alias(parser, "--redis", add_pool(parser, DEFAULT_URL, DEFAULT_URL))
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from ..pool.client import redact
     from ..pool.publish import publish_table
 
-    result = publish_table(args.table, args.redis, extent_rows=args.extent_rows,
+    result = publish_table(args.table, args.pool, extent_rows=args.extent_rows,
                            progress=False if args.no_progress else None)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    url = redact(args.redis)
+    url = redact(args.pool)
     print(f"table {result['fingerprint']} is in the pool ({result['nodes']} node(s)): "
-          f"{result['extents']:,} extents, {result['sent']:,} sent ({result['bytes_sent'] / 2**20:,.1f} MiB), "
+          f"{result['extents']:,} extents, {result['sent']:,} sent ({format_bytes(result['bytes_sent'])}), "
           f"{result['skipped']:,} already there")
     print(f"open it with tier='remote', pool='{url}', or without the file as {url}/{result['fingerprint']}")
     return 0
@@ -88,14 +92,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from ..pool.publish import pool_status
 
-    status = pool_status(args.redis)
+    status = pool_status(args.pool)
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
     kind = "Redis Cluster" if status["cluster"] else "one Redis server"
     print(f"{kind}, {len(status['nodes'])} node(s):")
     for node in status["nodes"]:
-        print(f"  {node['address']}  {node['used_memory'] / 2**20:,.1f} MiB used")
+        print(f"  {node['address']}  {format_bytes(node['used_memory'])} used")
     if not status["tables"]:
         print("no tables")
     for t in status["tables"]:
@@ -104,7 +108,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"table {t['fingerprint']}: {state}")
             continue
         print(f"table {t['fingerprint']}: {t['rows']:,} rows of {t['row_bytes']} bytes ({t['row_format']}), "
-              f"{t['bytes'] / 2**30:,.2f} GiB, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
+              f"{format_bytes(t['bytes'])}, {t['extents']:,} extents of {t['extent_rows']:,} rows, "
               f"pool layout v{t['pool_layout']}, {state}")
     return 0
 
@@ -112,7 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_drop(args: argparse.Namespace) -> int:
     from ..pool.publish import drop_table
 
-    deleted = drop_table(args.redis, args.fingerprint)
+    deleted = drop_table(args.pool, args.fingerprint)
     print(f"dropped table {args.fingerprint}: {deleted:,} keys deleted" if deleted
           else f"table {args.fingerprint} was not in the pool; nothing deleted")
     return 0
@@ -126,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     handled = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal stops the servers too
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
     try:  # the servers die with this process, even when it is killed (PR_SET_PDEATHSIG)
-        with start_local_pool(args.nodes, args.port, args.dir, password=password, die_with_parent=True) as pool:
+        with start_local_pool(args.pool_nodes, args.port, args.dir, password=password, die_with_parent=True) as pool:
             kind = "a Redis Cluster" if pool.cluster else "one Redis server"
             print(f"serving {kind} on {pool.url} (no persistence, 127.0.0.1 only); Ctrl-C stops it", flush=True)
             if password:
@@ -135,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else:
                 print("  no password: any local user may read and rewrite the pool (--requirepass FILE sets one)",
                       flush=True)
-            print(f"  engram-offload pool publish TABLE --redis {pool.url}", flush=True)
+            print(f"  engram-offload pool publish TABLE --pool {pool.url}", flush=True)
             try:
                 stop.wait()
             except KeyboardInterrupt:

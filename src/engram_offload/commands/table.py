@@ -9,10 +9,11 @@ from pathlib import Path
 from ..engram.config import EngramConfig, check_config_fields
 from ..errors import ChecksumError
 from ..table.format import MAX_BLOCK_SIZE, TableLayout
-from ..units import fraction, int_in_range, non_negative_int, positive_int
+from ..units import format_bytes, fraction, int_in_range, non_negative_int, positive_int
 from . import UsageError
 from .bench import add_bench_tier_arguments
 from .core import load_hf_config
+from .options import preset_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,13 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "make-table", help="write a table of seeded random rows (for benchmarks)",
         description="Write a table of seeded random rows at a preset's layout, optionally scaled down.",
     )
-    make.add_argument("--preset", default="deepseek-v4.1-flash", help="layout (default deepseek-v4.1-flash)")
+    make.add_argument("--preset", default="deepseek-v4.1-flash", type=preset_arg,
+                      help="a named model whose layout to make (default deepseek-v4.1-flash)")
     size = make.add_mutually_exclusive_group(required=True)
     size.add_argument("--scale", type=fraction,
                       help="scale every prime-search start by F (0 < F <= 1) for a smaller table")
     size.add_argument("--full", action="store_true", help="the preset's full-size table (e.g. 189 GiB)")
     make.add_argument("--out", required=True, type=output_file, help="table file to write")
-    make.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same file)")
+    make.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same file; default 0)")
     make.add_argument("--block-size", type=int_in_range(1, MAX_BLOCK_SIZE), default=1 << 20,
                       help="checksum block bytes (default 1 MiB)")
     make.add_argument("--force", action="store_true", help="write even if the disk looks too full")
@@ -40,16 +42,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     conv.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     conv.add_argument("--out", required=True, type=output_file, help="table file to write")
-    conv.add_argument("--preset", help="a named layout (for checkpoints without config.json)")
-    conv.add_argument("--config", help="a Hugging Face config.json with engram_* fields")
-    conv.add_argument("--layer-ids", help="comma-separated Engram layer ids, e.g. 1,15")
-    conv.add_argument("--max-ngram-size", type=positive_int)
-    conv.add_argument("--n-heads", type=positive_int)
-    conv.add_argument("--head-dim", type=positive_int)
-    conv.add_argument("--prime-start", help="prime-search start, one value or one per order (comma-separated)")
+    conv.add_argument("--preset", type=preset_arg,
+                      help="a named model, for checkpoints without config.json (default: the checkpoint's config.json)")
+    conv.add_argument("--config", metavar="PATH", help="a Hugging Face config.json with engram_* fields "
+                      "(default: CHECKPOINT_DIR/config.json)")
+    conv.add_argument("--layer-ids", help="comma-separated Engram layer ids, e.g. 1,15 (default: the config's)")
+    conv.add_argument("--max-ngram-size", type=positive_int, help="largest n-gram order (default: the config's)")
+    conv.add_argument("--n-heads", type=positive_int, help="hashed heads per n-gram order (default: the config's)")
+    conv.add_argument("--head-dim", type=positive_int, help="values per row (default: the config's)")
+    conv.add_argument("--prime-start", help="prime-search start, one value or one per order (comma-separated; "
+                      "default: the config's)")
     conv.add_argument("--row-format", help="store rows in this format (default: the config's)")
     conv.add_argument("--force", action="store_true", help="write even if the disk looks too full")
-    conv.add_argument("--no-progress", action="store_true")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
     ver = sub.add_parser("verify", help="check every block of a table against its checksum",
@@ -58,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ver.add_argument("path", help="the table file (with --clean: a directory)")
     ver.add_argument("--clean", action="store_true",
                      help="remove temporary table files whose writer is gone from the directory PATH")
-    ver.add_argument("--no-progress", action="store_true")
+    ver.add_argument("--no-progress", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
 
     up = sub.add_parser("upgrade", help="rewrite a version-1 table in the current format (page checksums)",
@@ -67,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "block checksums, a new file is written beside it and renamed over it.")
     up.add_argument("path", metavar="TABLE", help="the table file")
     up.add_argument("--force", action="store_true", help="write even if the disk looks too full")
-    up.add_argument("--no-progress", action="store_true")
+    up.add_argument("--no-progress", action="store_true", help="no progress bar")
     up.set_defaults(func=cmd_upgrade)
 
     bench = sub.add_parser(
@@ -108,7 +113,7 @@ def cmd_make_table(args: argparse.Namespace) -> int:
     path = make_random_table(args.out, config, args.seed, block_size=args.block_size,
                              progress=False if args.no_progress else None)
     print(f"wrote {path}: {config.num_rows:,} rows of {config.row_bytes} bytes "
-          f"({path.stat().st_size / 2**30:.2f} GiB), layout {config.name}")
+          f"({format_bytes(path.stat().st_size)}), layout {config.name}")
     return 0
 
 

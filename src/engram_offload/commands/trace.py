@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reads, int64 .npy, for 'plan --trace'.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", help="a folder of text files (every file under it matching --glob)")
+    src.add_argument("--corpus", metavar="DIR", help="a folder of text files (every file under it matching --glob)")
     src.add_argument("--token-ids", help="a log of token ids: one sequence a line, ids separated by spaces")
     p.add_argument("--out", required=True, help="the trace file to write (.npy, int64; written atomically)")
     add_model_arguments(p, required=False)

@@ -127,6 +127,7 @@ class EngramLayer(nn.Module):
         self.config, self.layer_id = config, layer_id
         self.layer_index = config.layer_ids.index(layer_id)
         self.hasher = NgramHasher(config, token_map) if token_map is not None else None
+        self._no_map_reason: str | None = None  # why from_checkpoint found no token map
         cols, d, D, hc = config.cols_per_layer, config.head_dim, config.hidden_size, config.hc_mult
         rows = config.rows_per_layer[layer_id]
         self.has_table = table
@@ -160,10 +161,17 @@ class EngramLayer(nn.Module):
         ``model.safetensors.index.json`` when present) and only those tensors are read;
         ``table=False`` skips the embedding too (``[rows, d]``: 98 GB per V4.1-Flash layer)
         and leaves the rows to a store (``forward(hidden, rows=...)``). A layer whose
-        tensors use the demo's names is built as the demo variant.
+        tensors use the demo's names is built as the demo variant. Without ``token_map`` the
+        layer hashes with the folder's ``tokenizer.json`` when it has one, else DeepSeek's
+        packaged tokenizer (as ``engram-offload hash`` does); when that tokenizer does not fit
+        the config (its compressed vocabulary size), the layer is built without one and says
+        so when asked to hash.
         """
         root = Path(checkpoint_dir)
         config = EngramConfig.from_hf_config(root / "config.json")
+        why_no_map = None
+        if token_map is None:
+            token_map, why_no_map = _default_token_map(root, config)
         index = CheckpointIndex.open(root)
         tensors = index.layer_tensors(layer_id)
         if DEMO_EMBED_NAME in tensors or any(k.startswith("value_proj.") for k in tensors):
@@ -175,6 +183,7 @@ class EngramLayer(nn.Module):
         with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
             layer = cls(config, layer_id, token_map, table=table)
         layer.load_state_dict(state, strict=True, assign=True)
+        layer._no_map_reason = why_no_map
         return layer
 
     # ------------------------------------------------------------------ loading
@@ -210,7 +219,8 @@ class EngramLayer(nn.Module):
     def row_ids(self, input_ids: torch.Tensor, dead_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T]`` raw ids -> ``[B, T, C]`` row ids, global within this layer."""
         if self.hasher is None:
-            raise ValueError("this EngramLayer has no token map: pass token_map=..., or pass rows=")
+            raise ValueError(self._no_map_reason
+                             or "this EngramLayer has no token map: pass token_map=..., or pass rows=")
         return self.hasher.hash_all(input_ids, dead_mask)[:, :, self.layer_index]
 
     def lookup(self, row_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -283,3 +293,19 @@ class EngramLayer(nn.Module):
         if dead_mask is not None:
             gate = gate.masked_fill(torch.as_tensor(dead_mask, dtype=torch.bool).unsqueeze(-1), 0.0)
         return gate
+
+
+def _default_token_map(root: Path, config: EngramConfig) -> tuple[np.ndarray | None, str | None]:
+    """The token map of ``root/tokenizer.json`` when present, else of DeepSeek's packaged
+    tokenizer; (None, why) when it compresses to another vocabulary size than ``config``'s."""
+    from .tokenizer import cached_token_map
+
+    own = (root / "tokenizer.json").is_file()
+    token_map = cached_token_map(root if own else None)
+    compressed, declared = int(token_map.max()) + 1, config.compressed_vocab_size
+    if declared is not None and declared != compressed:
+        source = f"{root / 'tokenizer.json'}" if own else f"DeepSeek's tokenizer (no tokenizer.json in {root})"
+        return None, (f"{source} compresses to {compressed:,} ids but the config declares "
+                      f"engram_compressed_vocab_size {declared:,}: put the checkpoint's own tokenizer.json in "
+                      "the folder, pass token_map=, or pass rows=")
+    return token_map, None

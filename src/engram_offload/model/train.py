@@ -21,6 +21,7 @@ from torch import nn
 
 from ..engram.config import EngramConfig
 from ..engram.tokenizer import cached_token_map, load_tokenizer
+from ..table.progress import LineProgress, on_terminal
 from .checkpoint_io import save_model
 from .corpus import EOS_ID, corpus_files, split, token_sequences
 from .evaluate import evaluate, windows
@@ -156,14 +157,17 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 class _progress:
-    """A rich progress bar over training steps showing the latest losses (or nothing)."""
+    """Progress over training steps with the latest losses: a rich bar on a terminal, a line
+    every ``LINE_SECONDS`` elsewhere (or nothing)."""
 
     def __init__(self, enabled: bool, steps: int) -> None:
         self.enabled, self.steps = enabled, steps
         self._held = float("nan")
 
     def __enter__(self):
-        if self.enabled:
+        self._lines = None if not self.enabled or on_terminal() else \
+            LineProgress("training steps", self.steps, lambda n: f"{int(n):,}")
+        if self.enabled and self._lines is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
@@ -177,10 +181,15 @@ class _progress:
             return
         self._held = record.get("held_out_loss", self._held)
         text = f"loss {record['train_loss']:.3f}  held-out {self._held:.3f}"
-        self._bar.update(self._task, completed=step + 1, losses=text)
+        if self._lines is not None:
+            self._lines.update(step + 1, text)
+        else:
+            self._bar.update(self._task, completed=step + 1, losses=text)
 
     def __exit__(self, *exc: object) -> None:
-        if self.enabled:
+        if self._lines is not None:
+            self._lines.close()
+        elif self.enabled:
             self._bar.__exit__(*exc)
 
 

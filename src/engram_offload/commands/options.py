@@ -1,0 +1,143 @@
+"""Options several sub-commands share, spelled and documented alike, and the hidden aliases
+that keep old spellings working.
+
+One spelling per concept: ``--preset NAME`` (a named model), ``--checkpoint DIR`` (a trained
+model's folder), ``--cache-bytes`` (a DRAM row cache), ``--policy`` (its eviction policy,
+default lfu), ``--json`` (a switch: print JSON), ``--json-out PATH`` (write JSON to a file),
+``--pool URL`` and ``--pool-nodes N``. An old spelling still works, hidden from the help, and
+says the new name once on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+from ..units import size_arg, size_or_percent_arg
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_CHOICES",
+    "add_cache_bytes",
+    "add_json",
+    "add_json_out",
+    "add_policy",
+    "add_pool",
+    "add_pool_nodes",
+    "deprecated_alias",
+    "gpu_arg",
+    "model_preset_arg",
+    "preset_arg",
+]
+
+DEFAULT_POLICY = "lfu"  # a serving cache keeps the rows read often; measured in bench (README)
+POLICY_CHOICES = ("lru", "lfu")
+_warned: set[str] = set()
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling: stores as the new option does and says the new name once per process."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", store_const: Any = None,
+                 **kwargs: Any) -> None:
+        self.new = new
+        self.store_const = store_const
+        if store_const is not None:
+            kwargs["nargs"] = 0
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if option_string not in _warned:
+            _warned.add(option_string or "")
+            print(f"note: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.store_const if self.store_const is not None else values)
+
+
+def deprecated_alias(container: Any, old: str, new: argparse.Action, **kwargs: Any) -> None:
+    """Add ``old`` to ``container`` (a parser or group) as a hidden alias of the option ``new``
+    (an action that ``add_argument`` returned); ``kwargs`` override what it takes (``type``)."""
+    settings: dict[str, Any] = {"type": new.type, "metavar": new.metavar, "choices": new.choices}
+    if new.nargs == 0:  # a switch
+        settings = {"store_const": new.const if new.const is not None else True}
+    settings.update(kwargs)
+    container.add_argument(old, dest=new.dest, action=_Deprecated, new=new.option_strings[0],
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS, **settings)
+
+
+def _name_arg(names: Callable[[], Any], what: str, normalize: Callable[[str], str] = lambda s: s
+              ) -> Callable[[str], str]:
+    """argparse type: one of ``names()`` (read when parsing), else a usage error listing them."""
+
+    def parse(text: str) -> str:
+        known = list(names())
+        if normalize(text) not in known:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose one of: {', '.join(known)}")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
+def _presets() -> Any:
+    from ..engram.config import PRESETS
+
+    return PRESETS
+
+
+def _models() -> Any:
+    from ..planner.models import MODELS
+
+    return MODELS
+
+
+def _gpus() -> Any:
+    from ..planner.hardware import GPUS
+
+    return GPUS
+
+
+preset_arg = _name_arg(_presets, "preset")
+model_preset_arg = _name_arg(_models, "model preset")
+gpu_arg = _name_arg(_gpus, "GPU", lambda s: s.strip().lower().replace(" ", "").replace("-", ""))
+
+
+def add_json(parser: Any) -> argparse.Action:
+    """``--json``: a switch, the result printed as JSON on stdout instead of text."""
+    return parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+
+
+def add_json_out(parser: Any, default: str = "none") -> argparse.Action:
+    """``--json-out PATH``: the result written as JSON to a file."""
+    return parser.add_argument("--json-out", metavar="PATH", help=f"write the result as JSON to PATH (default {default})")
+
+
+def add_cache_bytes(parser: Any, default: str | int | None = "0", percent: bool = True,
+                    what: str = "DRAM row cache in front of the tier", shown: str | None = None) -> argparse.Action:
+    """``--cache-bytes SIZE``: a DRAM row cache (0: none); ``percent``: of the table allowed."""
+    unit = "bytes, 512M, 2G" + (" or a percentage of the table (10%%)" if percent else "")
+    shown = shown or (f"{default:,}" if isinstance(default, int) else str(default))
+    return parser.add_argument("--cache-bytes", default=default, metavar="SIZE",
+                               type=size_or_percent_arg if percent else size_arg,
+                               help=f"{what}: {unit} (default {shown}; 0 = none)")
+
+
+def add_policy(parser: Any) -> argparse.Action:
+    """``--policy``: the row cache's eviction policy."""
+    return parser.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICY_CHOICES,
+                               help=f"row cache eviction policy (default {DEFAULT_POLICY})")
+
+
+def add_pool(parser: Any, default: str | None, what: str) -> argparse.Action:
+    """``--pool URL``: the Redis pool's nodes."""
+    return parser.add_argument("--pool", default=default, metavar="URL",
+                               help=f"the pool's nodes, redis://host:port[,host:port...] (default {what})")
+
+
+def add_pool_nodes(parser: Any, default: int, what: str) -> argparse.Action:
+    """``--pool-nodes N``: servers of a loopback pool started here."""
+    from ..units import positive_int
+
+    return parser.add_argument("--pool-nodes", type=positive_int, default=default, metavar="N",
+                               help=f"servers of the loopback pool started here (default {default}{what})")

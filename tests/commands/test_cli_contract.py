@@ -1,0 +1,142 @@
+"""One command-line contract: every sub-command's options are documented (help with the
+default, and the unit of a size), a concept has one spelling across commands, and an old
+spelling still works, hidden, saying the new name once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+
+from engram_offload.cli import build_parser, main
+from engram_offload.units import size_arg, size_or_percent_arg
+
+# The old spellings: hidden aliases now, never shown in any help.
+DEPRECATED = {"--model", "--cache", "--redis", "--nodes", "--json"}  # --json: bench's old --json PATH
+# Options that take no default worth naming (a switch, a required or positional value).
+SHARED = ("--preset", "--config", "--checkpoint", "--cache-bytes", "--policy", "--json", "--json-out", "--pool",
+          "--pool-nodes", "--gpu", "--tp", "--threads", "--seed", "--no-progress", "--corpus", "--table", "--tier")
+SIZE_UNIT = re.compile(r"bytes|\b\d+[KMGT]\b|KiB|MiB|GiB|%")
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str = "") -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every (name, parser) of a runnable sub-command, nested ones (pool publish) included."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = _commands(sub, f"{prefix}{name} ")
+                found.extend(inner or [(f"{prefix}{name}", sub)])
+    return found
+
+
+COMMANDS = _commands(build_parser())
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+            and a.dest != "debug"]
+
+
+def _is_switch(action: argparse.Action) -> bool:
+    return action.nargs == 0
+
+
+def test_every_sub_command_is_walked():
+    names = {name for name, _ in COMMANDS}
+    assert {"info", "hash", "plan", "bench", "bench-tier", "eval", "pool publish", "pool serve", "trace"} <= names
+
+
+@pytest.mark.parametrize("name,parser", COMMANDS, ids=[n for n, _ in COMMANDS])
+def test_every_option_has_help_with_its_default_and_unit(name, parser):
+    problems = []
+    one_of = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+    for action in _options(parser):
+        flag = action.option_strings[0]
+        if action.help == argparse.SUPPRESS:
+            assert not set(action.option_strings) - DEPRECATED, f"{name} {flag}: hidden but not a deprecated alias"
+            continue
+        assert not set(action.option_strings) & (DEPRECATED - {"--json"}), f"{name} {flag}: an old spelling shown"
+        if not action.help:
+            problems.append(f"{flag}: no help")
+            continue
+        takes_default = not _is_switch(action) and not action.required and action not in one_of
+        if takes_default and "default" not in action.help and "required" not in action.help:
+            problems.append(f"{flag}: help does not say the default")
+        if action.type in (size_arg, size_or_percent_arg) and not SIZE_UNIT.search(action.help):
+            problems.append(f"{flag}: a size whose help names no unit")
+    assert not problems, f"{name}: {problems}"
+
+
+def test_shared_flags_are_spelled_and_typed_alike():
+    """A flag several commands share takes the same kind of value everywhere (a switch is a
+    switch, a size a size, a name a name of the same list), and its default is in its help."""
+    seen: dict[str, list[tuple[str, argparse.Action]]] = {}
+    for name, parser in COMMANDS:
+        for action in _options(parser):
+            if action.help != argparse.SUPPRESS:
+                for flag in action.option_strings:
+                    seen.setdefault(flag, []).append((name, action))
+    for flag in SHARED:
+        uses = seen.get(flag, [])
+        assert uses, f"{flag} is used by no command"
+        kinds = {(_is_switch(a), a.metavar if not _is_switch(a) else None) for _, a in uses}
+        assert len(kinds) == 1, f"{flag} takes different kinds of value: {[(n, a.nargs, a.metavar) for n, a in uses]}"
+        if flag in ("--gpu", "--policy"):
+            assert len({a.type for _, a in uses}) == 1 and len({a.choices for _, a in uses}) == 1, flag
+    policies = {a.default for _, a in seen["--policy"]}
+    assert policies == {"lfu"}, f"the cache policy default differs between commands: {policies}"
+
+
+def test_json_is_a_switch_and_json_out_a_path_everywhere():
+    for name, parser in COMMANDS:
+        for action in _options(parser):
+            if action.help == argparse.SUPPRESS:
+                continue
+            if "--json" in action.option_strings:
+                assert _is_switch(action), f"{name} --json takes a value"
+            if "--json-out" in action.option_strings:
+                assert action.metavar == "PATH", name
+
+
+def test_old_spellings_still_work_and_say_the_new_name_once(capsys):
+    from engram_offload.commands import options
+
+    options._warned.clear()
+    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == old and "deprecated" not in captured.err
+    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
+    assert "deprecated" not in capsys.readouterr().err  # once per process
+    options._warned.clear()
+    parser = build_parser()
+    for old_line, new_line in (
+        (["eval", "--model", "ckpt", "--cache", "1M"], ["eval", "--checkpoint", "ckpt", "--cache-bytes", "1M"]),
+        (["pool", "status", "--redis", "redis://127.0.0.1:7009"], ["pool", "status", "--pool", "redis://127.0.0.1:7009"]),
+        (["pool", "serve", "--nodes", "1"], ["pool", "serve", "--pool-nodes", "1"]),
+        (["bench", "--json", "r.json", "--model", "engram-27b"], ["bench", "--json-out", "r.json",
+                                                                  "--backbone-preset", "engram-27b"]),
+    ):
+        a, b = vars(parser.parse_args(old_line)), vars(parser.parse_args(new_line))
+        assert a == b, (old_line, a, b)
+    err = capsys.readouterr().err
+    for old_flag, new_flag in (("--model", "--checkpoint"), ("--cache", "--cache-bytes"), ("--redis", "--pool"),
+                               ("--nodes", "--pool-nodes"), ("--json", "--json-out")):
+        assert f"note: {old_flag} is deprecated; use {new_flag}" in err or old_flag == "--model", err
+    assert err.count("note: --model is deprecated") == 1  # eval's and bench's --model: said once
+
+
+def test_sizes_are_printed_in_the_binary_unit_they_fill(tmp_path, capsys):
+    cfg = {"engram_layer_ids": [2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+           "engram_vocab_size": 1000, "hidden_size": 64}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["info", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    table_line = next(line for line in out.splitlines() if line.startswith("table"))
+    assert re.search(r"\(\d+\.\d (KiB|MiB)\)$", table_line), table_line  # not "(0.00 GiB)"
+    assert "0.00 GiB" not in out
