@@ -247,13 +247,30 @@ def test_connections_past_the_cap_are_refused_and_the_server_goes_on(table, sock
         server.wait(timeout=30)
 
 
+def _settled_descriptors(pid: int, timeout: float = 30.0) -> int:
+    """The number of ``pid``'s open descriptors once it has stayed the same for 0.2 s (a
+    server that just served a connection closes its socket and buffer on its own thread)."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = len(os.listdir(f"/proc/{pid}/fd"))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.2:
+            return now
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid}'s descriptors did not settle within {timeout} s")
+
+
 def test_a_server_out_of_file_descriptors_refuses_and_goes_on(table, socket_dir):
     path, expected = table
     sock = socket_dir / "rows.sock"
     server = start_row_server(path, sock)
     try:
+        with RowClient(sock) as client:  # the server is wholly up: every lazy import and file opened
+            client.read_raw([0])
+        in_use = _settled_descriptors(server.pid)  # the warm-up connection's descriptors closed again
         limits = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
-        in_use = len(os.listdir(f"/proc/{server.pid}/fd"))
         resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (in_use, limits[1]))  # accept() fails: EMFILE
         for _ in range(3):
             with pytest.raises(TierError, match=f"out of file descriptors \\(ulimit -n {in_use}"):
