@@ -78,7 +78,7 @@ def test_the_plain_output(table, capsys):
                      *TEXT]) == 0
     out = capsys.readouterr().out
     assert "Prefetcher: 256 sequences per decode step, 2 steps in flight" in out
-    assert "missed rows/s" in out and "per hit row" in out and "lru cache" in out
+    assert "missed rows/s" in out and "per hit row" in out and "lfu cache" in out
 
 
 @pytest.mark.parametrize("flags,message", [

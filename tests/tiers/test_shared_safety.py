@@ -381,7 +381,7 @@ def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
                 SharedTier(read_header(path), shm_dir=mount)
         message = one_line(caught.value)
         assert f"{segment_name(old)} (" in message and f"{path}, in use)" in message and "remove_segment" in message
-        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (4.00 KiB)" in message
+        assert f"earlier release left in {mount}, unused by this one: engram-00000000000000aa (4.0 KiB)" in message
         assert "00bb" not in message
         (mount / "engram-00000000000000aa").unlink()
         with SharedTier(read_header(path), shm_dir=mount) as new:  # once closed, the old version makes room
