@@ -12,9 +12,9 @@ from engram_offload import open_table, write_table
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.rows import encode_rows
 from engram_offload.pool.publish import publish_table
-from engram_offload.serving.layered import (LayeredStore, dram_bytes, parse_placement, placement_text,
-                                            window_header)
+from engram_offload.serving.layered import LayeredStore, dram_bytes, parse_placement, placement_text, window_header
 from engram_offload.table import read_header
+
 from redis_servers import redis_single, skip_without_redis  # noqa: F401 (fixtures)
 
 LOCAL_TIERS = ("memory", "pinned", "shared", "mmap", "direct")
@@ -30,7 +30,7 @@ def table(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pool_url(table, redis_single):
+def pool_url(table, redis_single):  # noqa: F811 (the fixture)
     publish_table(table[0], redis_single.url, extent_rows=97, progress=False)
     return redis_single.url
 
