@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
     r.add_argument("--tiers", default="memory,direct,mmap",
-                   help="comma list of memory, pinned, direct, mmap, remote (default memory,direct,mmap)")
+                   help="comma list of memory, pinned, shared, direct, mmap, remote, or per-layer placements "
+                   "such as 1=memory/14=direct (each Engram layer on its tier) (default memory,direct,mmap)")
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
@@ -232,12 +233,11 @@ class _Plan:
 
 def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     """Check the options and find (or make) the table: everything ``bench`` needs to run."""
-    from ..bench.runner import CACHE_STATES, CACHED_TIERS, BenchSettings, check_budget
+    from ..bench.runner import CACHE_STATES, CACHED_TIERS, BenchSettings, check_budget, check_tiers
     from ..bench.workload import WorkloadShape
     from ..table.format import read_header
-    from ..tiers import TIERS
 
-    tiers = _list(args.tiers, tuple(TIERS), "tiers")
+    tiers = check_tiers(args.tiers)  # tier names or per-layer placements (1=memory/14=direct)
     if args.ranks > 1:
         from ..bench.ranks import RANK_TIERS
 
