@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ from ..buffers.rowcopy import move_rows
 from ..cache.lease import Lease, Pins
 from ..cache.levels import build_levels
 from ..cache.row_cache import RowCache
+from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
 from ..engram.config import EngramConfig
 from ..engram.rows import decode_rows
 from ..table.format import TableHeader, TableLayout, read_header
@@ -192,6 +195,7 @@ class LayeredStore:
         self.placement = {lay.layer_id: lay.tier_name for lay in self.layers}
         self._lock = threading.Lock()
         self._requested = 0
+        self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.closed = False
 
     @property
@@ -221,10 +225,17 @@ class LayeredStore:
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor | np.ndarray, Pins]:
         if self.closed:
             raise ValueError("this store is closed: open the table again")
-        cuts = [0, *np.searchsorted(ids, self._bounds).tolist(), ids.size]
-        parts = [(lay, cuts[i], cuts[i + 1]) for i, lay in enumerate(self.layers) if cuts[i + 1] > cuts[i]]
+        t0 = time.perf_counter()
+        out, pins = self._fetch_layers(ids, hold)
         with self._lock:
             self._requested += ids.size if requested is None else int(requested)
+            self._fetch_samples.append(time.perf_counter() - t0)
+        return out, pins
+
+    def _fetch_layers(self, ids: np.ndarray, hold: bool) -> tuple[torch.Tensor | np.ndarray, Pins]:
+        """Each layer's ids from its own store, the rows back in the ids' order."""
+        cuts = [0, *np.searchsorted(ids, self._bounds).tolist(), ids.size]
+        parts = [(lay, cuts[i], cuts[i + 1]) for i, lay in enumerate(self.layers) if cuts[i + 1] > cuts[i]]
         if len(parts) == 1:  # one layer: its rows as they come
             lay, a, b = parts[0]
             out, pins, _ = lay.store._fetch(ids[a:b] - lay.base, hold, None)
@@ -276,6 +287,7 @@ class LayeredStore:
             lay.store.reset_stats()
         with self._lock:
             self._requested = 0
+            self._fetch_samples.clear()
 
     def stats(self) -> dict[str, Any]:
         """``TableStore.stats``'s keys over the whole table, plus ``layers`` (per layer: its
@@ -305,9 +317,10 @@ class LayeredStore:
                     tier[key] = tier.get(key, 0) + value
         with self._lock:
             requested = self._requested
+            latency = {f"fetch_{k}": v for k, v in percentiles_ms(self._fetch_samples).items()}
         store = {"fetches": fetches, "rows_requested": requested, "rows_unique": unique,
                  "unique_ratio": unique / requested if requested else 1.0,
-                 "hit_rate": 1.0 - device_rows / unique if unique else 0.0, "bytes_read": bytes_read}
+                 "hit_rate": 1.0 - device_rows / unique if unique else 0.0, "bytes_read": bytes_read, **latency}
         return {"store": store, "levels": levels, "tier": tier, "layers": per_layer,
                 "placement": placement_text(self.placement), "table": str(self.header.path),
                 "table_bytes": self.header.layout.file_bytes, "columns": None, "dram_bytes": dram_bytes(self)}
