@@ -205,3 +205,21 @@ def test_a_per_layer_placement_runs_like_a_tier_and_every_run_says_its_dram(tiny
     assert mixed["warmup"]["tokens"] > 0 and 0 <= mixed["hit_rate"] <= 1
     assert mixed["predicted_placement"] == "dram/nvme" and mixed["predicted_stall_us"] >= 0
     assert "predicted_stall_us_at_measured_hit" in mixed
+
+
+def test_drafts_are_counted_per_run_and_each_layers_stall_is_reported(tiny_table, tmp_path):
+    out = tmp_path / "out"
+    code = main(["bench", "--table", str(tiny_table), "--backbone", "modeled", "--gpu", "b300", "--tp", "2",
+                 "--tiers", "direct", "--cache-states", "warm", "--concurrency", "4", "--drafts", "ngram:2",
+                 "--seconds", "0.4", "--warmup-seconds", "0.2", "--dram-budget", "20%", "--corpus", "stdlib",
+                 "--corpus-tokens", "20000", "--prompt-tokens", "48", "--answer-tokens", "16", "--tool-tokens", "16",
+                 "--turns", "2", "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    (run,) = doc["runs"]
+    assert doc["settings"]["drafts"] == "ngram:2"
+    assert set(run["layer_stall_us"]) == {"1", "14"} and 0 <= run["first_layer_stall_fraction"] <= 1
+    counts = run["draft_counts"]
+    assert counts["draft_steps"] > 0 and counts["next_rows"] > 0
+    assert run["draft_share_fetched"] == pytest.approx(counts["next_rows_fetched"] / counts["next_rows"])
+    assert main(["bench", "--table", str(tiny_table), "--drafts", "mtp", "--out", str(tmp_path), "--no-progress"]) == 1

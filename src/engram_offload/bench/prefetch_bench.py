@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from ..engram.hashing import NgramHasher
-from ..serving.prefetch import Prefetcher, Step
 from ..serving.layered import LayeredStore
+from ..serving.prefetch import Prefetcher, Step
 from ..serving.store import TableStore, open_table
 from .corpus import Corpus, load_corpus
 from .workload import RequestStream, WorkloadShape

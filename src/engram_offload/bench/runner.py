@@ -61,6 +61,7 @@ from ..tiers import TIERS, is_resident
 from .backbone import EngramBackbone
 from .cold import make_cold
 from .corpus import Corpus
+from .drafts import make_drafter
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
@@ -107,6 +108,7 @@ class BenchSettings:
     nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
     nvme_latency_us: float | None = None  # and a 4 KiB read's latency at queue depth 1 (default: the server's)
     pool: str | None = None  # the remote tier's pool URL (redis://host:port[,...])
+    drafts: str = "none"  # draft tokens whose rows decode steps fetch a step early (bench.drafts: ngram[:K])
 
     def to_dict(self) -> dict[str, Any]:
         from ..pool.client import redact
@@ -206,6 +208,7 @@ class _Measured:
     stream: RequestStream
     before: dict[str, Any]  # the store's stats() before the measurement
     after: dict[str, Any]  # and after
+    drafts: dict[str, Any] | None = None  # Prefetcher.draft_stats() over the measurement (drafts on)
 
 
 def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
@@ -213,11 +216,12 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
            on_step: Callable[[str, float], Any] | None, rank: RankRole | None = None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement
     (``rank``: one of several rank processes, ``bench.ranks``)."""
+    drafter = make_drafter(settings.drafts)
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                 lookahead_tokens=settings.lookahead_tokens)
+                                 lookahead_tokens=settings.lookahead_tokens, drafter=drafter)
 
         def progress(phase: str) -> Callable[[float], Any] | None:
             return (lambda t: on_step(phase, t)) if on_step else None
@@ -234,11 +238,16 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
                       "hit_rate": store.stats()["store"]["hit_rate"] if store.levels else None}
         store.reset_stats()
         before = store.stats()
+        drafts_before = prefetcher.draft_stats()
         stream = _requests(RequestStream(corpora.measured, settings.shape, settings.seed), rank)
         run = engine_for(model if rank is None else rank.exchange(model)).run(
             stream, settings.seconds, on_step=progress("measure"),
                                     agree=None if rank is None else rank.agree)
-        return _Measured(warmup, run, stream, before, store.stats())
+        drafts = None
+        if drafter is not None:
+            after = prefetcher.draft_stats()
+            drafts = {k: after[k] - drafts_before[k] for k in drafts_before if isinstance(after[k], int)}
+        return _Measured(warmup, run, stream, before, store.stats(), drafts)
 
 
 def _requests(stream: RequestStream, rank: RankRole | None) -> RequestStream:
@@ -252,13 +261,33 @@ def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
     def per_token(key: str) -> float:
         return (after.get(key, 0) - before.get(key, 0)) / tokens if tokens else 0.0
 
+    run = served.run
+    steps = run.steps or 1
+    layer_stall = {str(layer): seconds / steps * 1e6 for layer, seconds in sorted(run.layer_stall_seconds.items())}
+    total = float(sum(run.step_seconds)) or 1.0
+    first = min(run.layer_stall_seconds) if run.layer_stall_seconds else None
     return {
+        "layer_stall_us": layer_stall,  # each Engram layer's wait for its rows, per step
+        "first_layer_stall_fraction": run.layer_stall_seconds[first] / total if first is not None else None,
+        **_draft_figures(served.drafts),
         "hit_rate": served.after["store"]["hit_rate"] if cached else None,
         "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in served.after["levels"]} if cached else None,
         "tier_rows_per_token": per_token("rows"),
         "device_bytes_per_token": per_token("bytes_read"),
         "device_reads": _device_reads(served),
     }
+
+
+def _draft_figures(counts: dict[str, Any] | None) -> dict[str, Any]:
+    """A run's drafts: the share of the rows of steps after drafts that the drafts had
+    already fetched, and the draft rows those steps did not ask for, per row fetched ahead
+    (the extra reads a right row costs, at most: some unused rows were cache hits)."""
+    if counts is None:
+        return {}
+    fetched, unused = counts["next_rows_fetched"], counts["draft_rows_unused"]
+    return {"draft_counts": counts,
+            "draft_share_fetched": fetched / counts["next_rows"] if counts["next_rows"] else None,
+            "draft_extra_rows_per_fetched": unused / fetched if fetched else None}
 
 
 def _tier_delta(served: _Measured, key: str) -> int:
