@@ -43,8 +43,8 @@ Drafts: speculative decoding knows the next tokens before they are verified (an 
 draft model, a prompt-lookup match). ``begin_step(..., drafts=)`` takes, per sequence, the
 draft tokens after this step's token; their row ids are hashed on a copy of each sequence's
 history (the real one is not touched) and fetched in the background, after every urgent
-step (a ``_DraftStep``: no rows decoded, its pins held until the next step's own fetch is
-done). The next step fetches its real rows as always: those a right draft brought in are
+step and ahead of the prefill windows fetched further ahead (a ``_DraftStep``: no rows
+decoded, its pins held until the next step's own fetch is done). The next step fetches its real rows as always: those a right draft brought in are
 cache hits, the rest are read as without drafts. A wrong draft costs reads, never rows: it
 only ever warms the store's caches. ``draft_stats()`` counts the next steps' rows a draft
 had already fetched and the draft rows no next step asked for. Drafts pay only with a
@@ -652,7 +652,8 @@ class Prefetcher:
         if stale is not None:  # drafts no urgent step came for (e.g. only prefill since)
             stale.cancel()
         with self._wake[False]:
-            self._background.append(draft)
+            # ahead of the windows fetched further ahead: the next step may need these rows
+            self._background.appendleft(draft)
             self._wake_a_worker(False)
 
     def _after_drafts(self, step: Step, unique: np.ndarray) -> None:
