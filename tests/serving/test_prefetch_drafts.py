@@ -105,3 +105,50 @@ def test_drafts_are_given_one_per_sequence(table):
         with pytest.raises(ValueError, match="2 drafts for 3 sequences"):
             pf.begin_step(SEQS, np.array([1, 2, 3]), drafts=[[1], [2]])
         assert pf.draft_stats()["draft_steps"] == 0 and pf.wait_drafts(0)
+
+
+def test_drafts_are_fetched_before_windows_fetched_further_ahead(table):
+    """The general worker is held in the first part of a window fetched ahead; a second
+    window and a decode step with drafts are queued; let go, it reads the drafts first."""
+    import threading
+
+    tokens = np.random.default_rng(3).integers(0, VOCAB, size=(4, 6))
+    hasher = _hasher()
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, split_min_rows=1) as pf:
+        gate, entered = threading.Event(), threading.Event()
+        read = store.tier.read_rows
+        calls: list[np.ndarray] = []
+        lock = threading.Lock()
+
+        def recording(ids, out):
+            with lock:
+                first = not calls
+                calls.append(ids.copy())
+            if first:
+                entered.set()
+                assert gate.wait(10)
+            return read(ids, out)
+
+        store.tier.read_rows = recording
+        ahead = pf.begin_step([1], [tokens[0]], urgent=False)  # the general worker blocks in its part 0
+        assert entered.wait(10)
+        later = pf.begin_step([4], [tokens[3]], urgent=False)
+        now = pf.begin_step([2, 3], tokens[1:3, 0], drafts=[[5], [6]])  # served by the urgent-only worker
+        draft = pf._draft
+        assert draft is not None and now.wait_done(10)
+        gate.set()
+        assert pf.wait_drafts(10) and ahead.wait_done(10) and later.wait_done(10)
+
+        def owner(ids):
+            for name, step in (("ahead", ahead), ("later", later), ("now", now), ("draft", draft)):
+                for lo, hi, _ in step.parts:
+                    if np.array_equal(step.dedup.unique[lo:hi], ids):
+                        return name
+            return "?"
+
+        order = [owner(c) for c in calls]
+        assert order[0] == "ahead" and order.count("draft") == 1
+        rest = [o for o in order[1:] if o != "now"]
+        assert rest == ["draft", "ahead", "later", "later"]
+        for step in (now, ahead, later):
+            pf.end_step(step)
