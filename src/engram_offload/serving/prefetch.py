@@ -394,6 +394,12 @@ class Prefetcher:
     ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
     store's ``columns``, else every column); see the module doc.
 
+    ``first_layer_first``: workers take the queued part of the earliest Engram layer first
+    (each step's parts still in order), so a step's first layer never waits behind another
+    step's later layer; by default on for a store whose layers sit on different tiers
+    (``serving.layered``), where a later layer's part may be a drive read and the first
+    layer's a DRAM copy due within the layers before it.
+
     ``max_tokens`` (on a device): the most tokens a step may have; the first set of output
     buffers is allocated at once for that many and never moves, so a CUDA graph captured
     around the consuming layers stays valid even when steps grow (a larger step raises).
@@ -411,6 +417,7 @@ class Prefetcher:
         split_min_rows: int = 512,
         columns: Columns | None = None,
         max_tokens: int | None = None,
+        first_layer_first: bool | None = None,
     ) -> None:
         if store.config.num_rows != hasher.config.num_rows or store.config.layer_ids != hasher.config.layer_ids:
             raise ValueError(
@@ -420,6 +427,10 @@ class Prefetcher:
         self.store = store
         self.hasher = hasher
         self.config = hasher.config
+        # a store with its layers on different tiers (serving.layered): an early layer's rows
+        # are quick to fetch and due soon, so its parts go before later layers' slow ones
+        self.first_layer_first = (len(set(getattr(store, "placement", {}).values())) > 1
+                                  if first_layer_first is None else bool(first_layer_first))
         self.columns = _columns(store, columns, self.config.cols_per_layer)
         num_columns = self.config.cols_per_layer if self.columns is None else self.columns[1] - self.columns[0]
         self.history = history if history is not None else hasher.new_history()
@@ -478,11 +489,19 @@ class Prefetcher:
                 wake.wait()
                 self._idle[urgent_only] = False
             waiting = self._urgent if self._urgent else self._background
-            step = waiting[0]
+            step = self._pick(waiting)
             p, last = step.take_part()
             if last:
-                waiting.popleft()
+                waiting.remove(step)
             return step, p
+
+    def _pick(self, waiting: deque[Step]) -> Step:
+        """The step whose part is fetched next: the first queued, or with ``first_layer_first``
+        the first of those with the fewest parts handed out (an early layer's part before a
+        later layer's part of a step queued before it)."""
+        if not self.first_layer_first or len(waiting) == 1:
+            return waiting[0]
+        return min(waiting, key=lambda step: step._handed_out)  # min keeps the first of equals
 
     def _run(self, urgent_only: bool) -> None:
         while True:
