@@ -39,6 +39,7 @@ from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
+from engram_offload.tiers.direct import PIPELINE_ROWS
 
 
 def machine_facts(table: Path) -> dict:
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--out", default="benchmarks/results/tier.json")
     p.add_argument("--one-caller", action="store_true", help="run only (d): one caller, pipelined vs one call vs fio")
+    p.add_argument("--pipeline-rows", type=int, default=None,
+                   help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS)")
     args = p.parse_args(argv)
     table = Path(args.table)
     load_start = os.getloadavg()
@@ -180,7 +183,7 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
     runs: dict[str, list] = {"pipelined": [], "one_call": [], "fio": []}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        for name, rows in (("pipelined", None), ("one_call", 0)):
+        for name, rows in (("pipelined", args.pipeline_rows), ("one_call", 0)):
             options = {} if rows is None else {"pipeline_rows": rows}
             runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=ONE_CALLER_BATCH, queue_depth=q,
                                              cold=True, engine="uring", **options))
@@ -198,7 +201,8 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
         "benchmark": "bench_tier --one-caller",
         "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "table": str(table), "table_bytes": table.stat().st_size,
-        "params": {"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH},
+        "params": {"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH,
+                   "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS},
         "targets": {"pipelined_vs_fio_min": 0.9, "pipelined_cpu_vs_fio_max": 1.2},
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "median": med,
