@@ -11,8 +11,8 @@
 (c) direct and mmap side by side, cold, at the same queue depth (mmap: that many threads
     faulting at once).
 (d) one synchronous caller at ``bench-tier``'s defaults (batches of 1,024 random rows, queue
-    depth Q, cold), the direct tier's pipelined read (the default) beside the one-call read
-    (``pipeline_rows=0``) and fio; targets: pipelined >= 0.9x fio's reads/s, CPU a read
+    depth Q, cold), the direct tier's pipelined read (``pipeline_rows``) beside the one-call
+    read (the default) and fio; targets: pipelined >= 0.9x fio's reads/s, CPU a read
     <= 1.2x fio's. ``--one-caller`` runs (d) alone.
 Each is repeated ``--repeats`` times; medians are reported. Makes the table with
 ``make-table`` first when it does not exist.
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/tier.json")
     p.add_argument("--one-caller", action="store_true", help="run only (d): one caller, pipelined vs one call vs fio")
     p.add_argument("--pipeline-rows", type=int, default=None,
-                   help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS)")
+                   help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS, 256)")
     args = p.parse_args(argv)
     table = Path(args.table)
     load_start = os.getloadavg()
@@ -183,8 +183,8 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
     runs: dict[str, list] = {"pipelined": [], "one_call": [], "fio": []}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        for name, rows in (("pipelined", args.pipeline_rows), ("one_call", 0)):
-            options = {} if rows is None else {"pipeline_rows": rows}
+        for name, rows in (("pipelined", args.pipeline_rows or PIPELINE_ROWS), ("one_call", 0)):
+            options = {"pipeline_rows": rows}
             runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=ONE_CALLER_BATCH, queue_depth=q,
                                              cold=True, engine="uring", **options))
         fio = fio_randread(table, s, q)

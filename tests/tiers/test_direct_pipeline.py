@@ -130,3 +130,9 @@ def test_a_closed_tier_refuses_as_before(table_copy):
             read(t, np.arange(200))
         messages.append(str(info.value))
     assert messages[0] == messages[1] and "closed" in messages[0]
+
+
+def test_pipelining_is_off_by_default(table_copy):
+    path, _ = table_copy
+    with open_tier("direct", read_header(path), engine="uring") as t:
+        assert t.pipeline_rows == 0 and t._lanes is None and t._chunks(np.arange(5000)) is None
