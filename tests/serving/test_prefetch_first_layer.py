@@ -79,3 +79,21 @@ def test_by_default_steps_are_served_in_order_on_one_tier(table):
 
 def test_by_default_on_for_layers_on_different_tiers(table):
     assert _order(table, None, "layered") == ["ahead0", "a0", "b0", "a1", "b1", "ahead1"]
+
+
+def test_a_small_step_over_layers_on_different_tiers_is_still_fetched_layer_by_layer(table):
+    hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
+    with open_table(table, "1=memory/3=direct") as layered, open_table(table, "1=mmap/3=mmap") as same, \
+            open_table(table, "mmap") as plain:
+        one = Prefetcher(layered, hasher)
+        two = Prefetcher(same, NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700))
+        try:
+            assert one.split_min_rows == 1 and two.split_min_rows == 512 and not two.first_layer_first
+            step = one.begin_step([1], np.array([7]))  # one token: far fewer rows than 512
+            assert len(step.parts) == 2  # layer 1's rows never wait for layer 3's
+            want = plain.gather(hasher.table_ids(hasher.hash_all(np.array([[7]])))[0, 0, 0], torch.float32)
+            assert torch.equal(one.rows(1, step)[0], want)
+            one.end_step(step)
+        finally:
+            one.close()
+            two.close()

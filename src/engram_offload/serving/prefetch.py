@@ -82,6 +82,7 @@ from .store import RowLease, RowStore
 
 __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 
+SPLIT_MIN_ROWS = 512  # a step with fewer distinct rows is fetched in one part (one fetch call)
 Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
@@ -394,6 +395,10 @@ class Prefetcher:
     ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
     store's ``columns``, else every column); see the module doc.
 
+    ``split_min_rows``: a step with fewer distinct rows is fetched in one part (default
+    ``SPLIT_MIN_ROWS``; 1, every step split by layer, for a store whose layers sit on
+    different tiers).
+
     ``first_layer_first``: workers take the queued part of the earliest Engram layer first
     (each step's parts still in order), so a step's first layer never waits behind another
     step's later layer; by default on for a store whose layers sit on different tiers
@@ -414,7 +419,7 @@ class Prefetcher:
         history: SequenceHistory | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
-        split_min_rows: int = 512,
+        split_min_rows: int | None = None,
         columns: Columns | None = None,
         max_tokens: int | None = None,
         first_layer_first: bool | None = None,
@@ -428,14 +433,15 @@ class Prefetcher:
         self.hasher = hasher
         self.config = hasher.config
         # a store with its layers on different tiers (serving.layered): an early layer's rows
-        # are quick to fetch and due soon, so its parts go before later layers' slow ones
-        self.first_layer_first = (len(set(getattr(store, "placement", {}).values())) > 1
-                                  if first_layer_first is None else bool(first_layer_first))
+        # are quick to fetch and due soon, so they never wait for a later layer's slow ones:
+        # every step in one part per layer, however small, and early layers' parts first
+        layered = len(set(getattr(store, "placement", {}).values())) > 1
+        self.first_layer_first = layered if first_layer_first is None else bool(first_layer_first)
         self.columns = _columns(store, columns, self.config.cols_per_layer)
         num_columns = self.config.cols_per_layer if self.columns is None else self.columns[1] - self.columns[0]
         self.history = history if history is not None else hasher.new_history()
         self.dtype = dtype
-        self.split_min_rows = int(split_min_rows)
+        self.split_min_rows = (1 if layered else SPLIT_MIN_ROWS) if split_min_rows is None else int(split_min_rows)
         self._layer_bases_list = [int(b) for b in self.config.layer_row_bases]  # first row of each layer
         self.device = torch.device(device) if device is not None else store.device
         if self.device != store.device:
