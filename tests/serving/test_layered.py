@@ -67,6 +67,7 @@ def test_a_layered_store_returns_the_rows_of_memory(table, request, tmp_path, fi
             assert torch.equal(lease.raw, raw[unique])
         stats = store.stats()
         assert stats["placement"] == spec and set(stats["layers"]) == {str(i) for i in config.layer_ids}
+        assert stats["store"]["fetches"] == 4 and stats["store"]["rows_requested"] == 3 * ids.size + unique.size
         for layer in config.layer_ids:
             own = stats["layers"][str(layer)]
             in_layer = (unique >= own["row_base"]) & (unique < own["row_base"] + own["rows"])

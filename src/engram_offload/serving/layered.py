@@ -195,6 +195,7 @@ class LayeredStore:
         self.placement = {lay.layer_id: lay.tier_name for lay in self.layers}
         self._lock = threading.Lock()
         self._requested = 0
+        self._fetches = 0
         self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.closed = False
 
@@ -228,6 +229,7 @@ class LayeredStore:
         t0 = time.perf_counter()
         out, pins = self._fetch_layers(ids, hold)
         with self._lock:
+            self._fetches += 1
             self._requested += ids.size if requested is None else int(requested)
             self._fetch_samples.append(time.perf_counter() - t0)
         return out, pins
@@ -286,7 +288,7 @@ class LayeredStore:
         for lay in self.layers:
             lay.store.reset_stats()
         with self._lock:
-            self._requested = 0
+            self._requested = self._fetches = 0
             self._fetch_samples.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -299,13 +301,12 @@ class LayeredStore:
         """
         per_layer: dict[str, Any] = {}
         levels: list[dict[str, Any]] = []
-        fetches = unique = device_rows = bytes_read = 0
+        unique = device_rows = bytes_read = 0
         for lay in self.layers:
             s = lay.store.stats()
             per_layer[str(lay.layer_id)] = {"tier": lay.tier_name, "row_base": lay.base, "rows": lay.count,
                                             "dram_bytes": _layer_dram(lay), **s}
             levels.extend({**lv, "level": f"L{lay.layer_id}:{lv['level']}"} for lv in s["levels"])
-            fetches = max(fetches, s["store"]["fetches"])
             unique += s["store"]["rows_unique"]
             bytes_read += s["store"]["bytes_read"]
             if lay.resident is None:
@@ -316,7 +317,7 @@ class LayeredStore:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "queue_depth":
                     tier[key] = tier.get(key, 0) + value
         with self._lock:
-            requested = self._requested
+            requested, fetches = self._requested, self._fetches
             latency = {f"fetch_{k}": v for k, v in percentiles_ms(self._fetch_samples).items()}
         store = {"fetches": fetches, "rows_requested": requested, "rows_unique": unique,
                  "unique_ratio": unique / requested if requested else 1.0,
