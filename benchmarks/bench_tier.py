@@ -10,6 +10,10 @@
     the same ids; target >= 0.8x.
 (c) direct and mmap side by side, cold, at the same queue depth (mmap: that many threads
     faulting at once).
+(d) one synchronous caller at ``bench-tier``'s defaults (batches of 1,024 random rows, queue
+    depth Q, cold), the direct tier's pipelined read (``pipeline_rows``) beside the one-call
+    read (the default) and fio; targets: pipelined >= 0.9x fio's reads/s, CPU a read
+    <= 1.2x fio's. ``--one-caller`` runs (d) alone.
 Each is repeated ``--repeats`` times; medians are reported. Makes the table with
 ``make-table`` first when it does not exist.
 """
@@ -35,6 +39,7 @@ from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
+from engram_offload.tiers.direct import PIPELINE_ROWS
 
 
 def machine_facts(table: Path) -> dict:
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--out", default="engram-bench/tier.json",
                    help="the results JSON (default engram-bench/tier.json; benchmarks/results/tier.json is the committed record: write there only to update it)")
+    p.add_argument("--one-caller", action="store_true", help="run only (d): one caller, pipelined vs one call vs fio")
+    p.add_argument("--pipeline-rows", type=int, default=None,
+                   help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS, 256)")
     args = p.parse_args(argv)
     table = Path(args.table)
     load_start = os.getloadavg()
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         table.parent.mkdir(parents=True, exist_ok=True)
         cli.main(["make-table", "--scale", args.scale, "--out", str(table), "--seed", "0"])
     q, s = args.queue_depth, args.seconds
+    if args.one_caller:
+        return one_caller(table, args, argv, load_start)
     runs: dict[str, list] = {"direct_uring": [], "direct_uring_2callers": [], "direct_threads": [], "fio": [], "memory": [],
                              "direct_qd": [], "mmap_qd": []}
     for rep in range(args.repeats):
@@ -154,6 +164,47 @@ def main(argv: list[str] | None = None) -> int:
         "params": {"repeats": args.repeats, "seconds": s, "mmap_seconds": args.mmap_seconds,
                    "queue_depth": q, "batch": args.batch},
         "targets": {"a_direct_vs_fio_min": 0.85, "a_cpu_us_per_read_max": 3.0, "b_ratio_min": 0.8},
+        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+        "median": med,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(med, indent=2))
+    return 0
+
+
+ONE_CALLER_BATCH = 1024  # bench-tier's default batch
+
+
+def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, load_start: tuple) -> int:
+    """(d): pipelined and one-call reads of one synchronous caller beside fio, interleaved
+    in every repeat (each cold), medians of ``--repeats``."""
+    q, s = args.queue_depth, args.seconds
+    runs: dict[str, list] = {"pipelined": [], "one_call": [], "fio": []}
+    for rep in range(args.repeats):
+        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
+        for name, rows in (("pipelined", args.pipeline_rows or PIPELINE_ROWS), ("one_call", 0)):
+            options = {"pipeline_rows": rows}
+            runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=ONE_CALLER_BATCH, queue_depth=q,
+                                             cold=True, engine="uring", **options))
+        fio = fio_randread(table, s, q)
+        if fio:
+            runs["fio"].append(fio)
+    med: dict = {f"{name}_{key}": median_of(runs[name], key) for name in ("pipelined", "one_call")
+                 for key in ("reads_per_s", "cpu_us_per_read")}
+    if runs["fio"]:
+        med.update(fio_iops=median_of(runs["fio"], "iops"), fio_cpu_us_per_read=median_of(runs["fio"], "cpu_us_per_read"))
+        for name in ("pipelined", "one_call"):
+            med[f"{name}_vs_fio"] = med[f"{name}_reads_per_s"] / med["fio_iops"]
+            med[f"{name}_cpu_vs_fio"] = med[f"{name}_cpu_us_per_read"] / med["fio_cpu_us_per_read"]
+    result = {
+        "benchmark": "bench_tier --one-caller",
+        "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "table": str(table), "table_bytes": table.stat().st_size,
+        "params": {"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH,
+                   "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS},
+        "targets": {"pipelined_vs_fio_min": 0.9, "pipelined_cpu_vs_fio_max": 1.2},
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "median": med,
         "runs": runs,

@@ -47,3 +47,17 @@ def test_check_free_memory_refuses_more_than_is_available():
     with pytest.raises(NotEnoughResources, match=r"the memory tier needs .* of memory, only .* is available.*--insist"):
         check_free_memory(available + (1 << 40), "the memory tier", flag="--insist")
     assert check_free_memory(available + (1 << 40), "the memory tier", force=True) is not None
+
+
+def test_the_machine_facts_name_the_cpu_and_its_flags():
+    from pathlib import Path
+
+    from engram_offload.machine import CPU_FLAGS, machine_facts
+
+    facts = machine_facts()
+    assert facts["cpu"] and set(facts["cpu_flags"]) <= set(CPU_FLAGS)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("flags")), [])
+        assert facts["cpu_flags"] == [f for f in CPU_FLAGS if f in flags]

@@ -28,6 +28,22 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "bmi2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "amx_tile", "hypervisor")  # what the native kernels and the fetch path's speed depend on
+
+
+def _cpu_flags() -> list[str]:
+    """Which of ``CPU_FLAGS`` the CPU has (``/proc/cpuinfo``; empty where it is not readable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in CPU_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def _meminfo(key: str) -> int | None:
     """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), or None."""
     try:
@@ -122,6 +138,7 @@ def machine_facts(data_path: str | os.PathLike[str] | None = None) -> dict[str, 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cores": os.cpu_count(),
         "loadavg": os.getloadavg(),
         "memory_bytes": _memory_bytes(),

@@ -186,3 +186,42 @@ def test_the_remote_tier_reads_a_given_pool_and_leaves_the_table_there(tiny_tabl
     assert {r["tier"] for r in doc["runs"]} == {"remote"} and doc["settings"]["pool"] == redis_single.url
     [table] = pool_status(redis_single.url)["tables"]
     assert table["complete"] and table["fingerprint"] == fingerprint(read_header(tiny_table))
+
+
+def test_a_per_layer_placement_runs_like_a_tier_and_every_run_says_its_dram(tiny_table, tmp_path):
+    out = tmp_path / "out"
+    layered = "1=memory/14=direct"
+    code = main(["bench", "--table", str(tiny_table), "--backbone", "modeled", "--gpu", "b300", "--tp", "2",
+                 "--tiers", f"memory,direct,{layered}", "--cache-states", "cold,warm", "--concurrency", "2",
+                 "--seconds", "0.3", "--warmup-seconds", "0.2", "--dram-budget", "20%", "--corpus", "stdlib",
+                 "--corpus-tokens", "20000", "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16",
+                 "--turns", "2", "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    by = {(r["tier"], r["cache_state"]): r for r in doc["runs"]}
+    memory, direct, mixed = by[("memory", "warm")], by[("direct", "warm")], by[(layered, "warm")]
+    assert memory["dram_bytes"] == doc["table"]["bytes"]
+    assert direct["dram_bytes"] <= doc["settings"]["cache_bytes"]
+    # the memory layer's slice (about half the table) and the direct layer's cache: less than memory's
+    assert direct["dram_bytes"] < mixed["dram_bytes"] < memory["dram_bytes"]
+    assert mixed["warmup"]["tokens"] > 0 and 0 <= mixed["hit_rate"] <= 1
+    assert mixed["predicted_placement"] == "dram/nvme" and mixed["predicted_stall_us"] >= 0
+    assert "predicted_stall_us_at_measured_hit" in mixed
+
+
+def test_drafts_are_counted_per_run_and_each_layers_stall_is_reported(tiny_table, tmp_path):
+    out = tmp_path / "out"
+    code = main(["bench", "--table", str(tiny_table), "--backbone", "modeled", "--gpu", "b300", "--tp", "2",
+                 "--tiers", "direct", "--cache-states", "warm", "--concurrency", "4", "--drafts", "ngram:2",
+                 "--seconds", "0.4", "--warmup-seconds", "0.2", "--dram-budget", "20%", "--corpus", "stdlib",
+                 "--corpus-tokens", "20000", "--prompt-tokens", "48", "--answer-tokens", "16", "--tool-tokens", "16",
+                 "--turns", "2", "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    (run,) = doc["runs"]
+    assert doc["settings"]["drafts"] == "ngram:2"
+    assert set(run["layer_stall_us"]) == {"1", "14"} and 0 <= run["first_layer_stall_fraction"] <= 1
+    counts = run["draft_counts"]
+    assert counts["draft_steps"] > 0 and counts["next_rows"] > 0
+    assert run["draft_share_fetched"] == pytest.approx(counts["next_rows_fetched"] / counts["next_rows"])
+    assert main(["bench", "--table", str(tiny_table), "--drafts", "mtp", "--out", str(tmp_path), "--no-progress"]) == 1

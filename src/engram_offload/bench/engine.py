@@ -41,6 +41,7 @@ import torch
 
 from ..serving.prefetch import Prefetcher, Step
 from .backbone import packed_causal_mask
+from .drafts import Drafter
 from .workload import Request, RequestStream
 
 __all__ = ["EngineRun", "RowsFor", "ServingEngine", "StepModel", "StepShape", "Window"]
@@ -107,6 +108,7 @@ class EngineRun:
     # prefill tokens whose rows each step began to fetch: its own pieces not fetched ahead and
     # the windows fetched ahead of later steps (those of the last steps may never be computed)
     step_fetched_prefill: list[int] = field(default_factory=list)
+    layer_stall_seconds: dict[int, float] = field(default_factory=dict)  # Engram layer -> its waits, in all
     requests: list[Request] = field(default_factory=list)  # finished, then those still running
     finished: int = 0
 
@@ -127,11 +129,14 @@ class ServingEngine:
 
     ``model=None`` replays the row accesses only (hash, fetch, wait): a fast warm-up pass
     that fills caches as serving the same requests would.
+
+    ``drafter`` (``bench.drafts``): each decode step also hands the prefetcher, per
+    sequence, the draft tokens after its token, whose rows are fetched a step early.
     """
 
     def __init__(self, model: torch.nn.Module | StepModel | None, prefetcher: Prefetcher, *, concurrency: int,
                  max_step_tokens: int = 256, lookahead_tokens: int | None = None,
-                 window_tokens: int = 64, defer_unready: bool = True) -> None:
+                 window_tokens: int = 64, defer_unready: bool = True, drafter: Drafter | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if max_step_tokens < concurrency:
@@ -152,6 +157,7 @@ class ServingEngine:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         self.window_tokens = int(window_tokens)
         self.defer_unready = defer_unready
+        self.drafter = drafter
         self._layers = list(cfg.layer_ids)
         self._windows: dict[int, list[Window]] = {}  # request number -> its input windows, in order
         self._hashed: dict[int, int] = {}  # request number -> input tokens hashed so far
@@ -265,7 +271,10 @@ class ServingEngine:
         prefill = [(r, p) for r, p in zip(chosen, pieces) if r.in_prefill]
         decode_step = None
         if decoding:
-            decode_step = self.prefetcher.begin_step([r.number for r, _ in decoding], [p for _, p in decoding])
+            # a sequence's tokens so far, this step's included: what a drafter proposes from
+            drafts = None if self.drafter is None else [self.drafter(r.tokens[: r.fed + 1]) for r, _ in decoding]
+            decode_step = self.prefetcher.begin_step([r.number for r, _ in decoding], [p for _, p in decoding],
+                                                     drafts=drafts)
         for r, p in prefill:  # pieces not fetched ahead are fetched now
             self._issue(r, r.fed + p.size)
         self._lookahead([r for r, _ in prefill] + [r for r in self._waiting])
@@ -274,6 +283,15 @@ class ServingEngine:
         stall_before = sum(f.stall_seconds for f in fetches)  # a window's fetch may have stalled an earlier step
 
         def rows_for(layer_id: int) -> torch.Tensor:
+            waited = sum(f.stall_seconds for f in fetches)
+            try:
+                return layer_rows(layer_id)
+            finally:
+                if self._run is not None:
+                    stalls = self._run.layer_stall_seconds
+                    stalls[layer_id] = stalls.get(layer_id, 0.0) + sum(f.stall_seconds for f in fetches) - waited
+
+        def layer_rows(layer_id: int) -> torch.Tensor:
             parts = []
             if decode_step is not None:
                 parts.append(self.prefetcher.rows(layer_id, decode_step))  # [n_decode, C, d]

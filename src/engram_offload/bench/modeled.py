@@ -26,8 +26,9 @@ from ..planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from ..planner.hardware import GpuSpec, get_gpu
 from ..planner.models import ModelSpec, get_model
 from ..planner.perf import StepTime, layer_offsets_us, step_time
-from ..planner.placement import fetch_time, step_stall_us
+from ..planner.placement import fetch_time, mixed_step_stall_us, step_stall_us
 from ..planner.realtext import step_unique_fraction
+from ..serving.layered import is_layered, parse_placement
 from .engine import RowsFor, StepShape
 
 __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
@@ -35,7 +36,8 @@ __all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_
 # The planner's placement each tier stands for: the table whole in host DRAM, on NVMe
 # behind a DRAM cache (mmap's is the page cache), or in a pool (the planner's remote
 # placement has no DRAM cache in front: its prediction is the all-miss one).
-PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "direct": "nvme", "mmap": "mmap", "remote": "remote"}
+PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "shared": "dram", "direct": "nvme", "mmap": "mmap",
+                     "remote": "remote"}
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,17 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     rows fetched ahead but within the device's rate. ``stall_us_all_at_first_layer`` is
     the earlier formula, every row of the step due at the first Engram layer. Each step reads
     its distinct rows only: ``unique`` of its row ids (a run's measured share), or by default
-    real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens)."""
-    placement = PLACEMENT_OF_TIER[tier]
+    real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens).
+
+    A per-layer placement (``"1=memory/14=direct"``) has each layer wait for its own rows
+    along its own medium (``placement.mixed_step_stall_us``); ``hit_rate`` is then its cached
+    layers' and ``nvme_iops`` counts their reads only."""
+    if is_layered(tier):
+        spec = parse_placement(tier)
+        names = tuple(PLACEMENT_OF_TIER[spec[layer]] for layer in sorted(spec))
+    else:
+        names = (PLACEMENT_OF_TIER[tier],) * len(backbone.layer_ids)
+    placement = names[0] if len(set(names)) == 1 else "/".join(names)
     gpu = gpu or backbone.gpu
     model, tp, a = backbone.model, backbone.tp, assumptions or backbone.assumptions
     # one fetch path on this machine serves the whole TP group's columns: its cores are shared
@@ -139,16 +150,20 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     for decode, prefill, kv in steps:
         roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
         offsets = layer_offsets_us(model, layers, roofline)
-        due = fetch_time(model, gpu, tp, placement, decode, hit_rate, a,
-                         unique or step_unique_fraction(decode, 0))
-        total = fetch_time(model, gpu, tp, placement, decode + prefill, hit_rate, a,
-                           unique or step_unique_fraction(decode, prefill))
-        s = max(0.0, step_stall_us(due, total, offsets, roofline))
-        first_only += max(0.0, total.transfer_us - offsets[0])
+        due = {p: fetch_time(model, gpu, tp, p, decode, hit_rate, a, unique or step_unique_fraction(decode, 0))
+               for p in set(names)}
+        total = {p: fetch_time(model, gpu, tp, p, decode + prefill, hit_rate, a,
+                               unique or step_unique_fraction(decode, prefill)) for p in set(names)}
+        if len(due) == 1:
+            s = max(0.0, step_stall_us(due[names[0]], total[names[0]], offsets, roofline))
+        else:
+            s = max(0.0, mixed_step_stall_us(due, total, names, offsets, roofline)[0])
+        share = {p: names.count(p) / len(names) for p in total}
+        first_only += max(0.0, max(f.fixed_us + f.rows_us * share[p] for p, f in total.items()) - offsets[0])
         stall += s
         step_total += roofline + s
-        reads += total.nvme_reads * tp
-        host += total.hash_us + total.host_cpu_us
+        reads += sum(f.nvme_reads * share[p] for p, f in total.items()) * tp
+        host += next(iter(total.values())).hash_us + sum(f.host_cpu_us * share[p] for p, f in total.items())
         n += 1
     return {
         "placement": placement,

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..engram.hashing import NgramHasher
+from ..serving.layered import LayeredStore
 from ..serving.prefetch import Prefetcher, Step
 from ..serving.store import TableStore, open_table
 from .corpus import Corpus, load_corpus
@@ -167,7 +168,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
     """Run steps for ``seconds`` (or ``max_steps``) with ``run_ahead`` of them in flight; the
     store's and the process's counters over the run, every step begun also consumed and ended."""
     store = prefetcher.store
-    assert isinstance(store, TableStore)
+    assert isinstance(store, (TableStore, LayeredStore))
     layers = prefetcher.config.layer_ids
     phase = PrefetchPhase()
     store.reset_stats()

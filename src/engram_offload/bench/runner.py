@@ -53,6 +53,7 @@ import torch
 
 from ..engram.config import EngramConfig
 from ..engram.hashing import NgramHasher
+from ..serving.layered import dram_bytes, is_layered, parse_placement
 from ..serving.prefetch import Prefetcher
 from ..serving.store import TableStore, open_table
 from ..table.format import read_header
@@ -60,6 +61,7 @@ from ..tiers import TIERS, is_resident
 from .backbone import EngramBackbone
 from .cold import make_cold
 from .corpus import Corpus
+from .drafts import make_drafter
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
     from .ranks import RankRole
 
 __all__ = ["BACKBONES", "BenchSettings", "CACHED_TIERS", "Corpora", "CACHE_STATES", "CGROUP_ALLOWANCE", "build_backbone",
-           "check_budget", "execute_capped_run", "execute_run"]
+           "check_budget", "check_tiers", "execute_capped_run", "execute_run", "tiers_of"]
 
 CACHE_STATES = ("cold", "warm", "mixed")
 BACKBONES = ("cpu", "modeled")
@@ -106,6 +108,7 @@ class BenchSettings:
     nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
     nvme_latency_us: float | None = None  # and a 4 KiB read's latency at queue depth 1 (default: the server's)
     pool: str | None = None  # the remote tier's pool URL (redis://host:port[,...])
+    drafts: str = "none"  # draft tokens whose rows decode steps fetch a step early (bench.drafts: ngram[:K])
 
     def to_dict(self) -> dict[str, Any]:
         from ..pool.client import redact
@@ -142,9 +145,36 @@ def build_backbone(config: EngramConfig, settings: BenchSettings,
     return EngramBackbone(bconfig, num_layers=layers, vocab_size=vocab_size, heads=settings.heads).eval()
 
 
+def tiers_of(tier: str) -> list[str]:
+    """The tiers a run's ``tier`` uses: itself, or each layer's of a per-layer placement
+    (``"1=memory/14=direct"``, ``serving.layered``), in layer order."""
+    if is_layered(tier):
+        placement = parse_placement(tier)
+        return [placement[layer] for layer in sorted(placement)]
+    return [tier]
+
+
+def check_tiers(text: str) -> list[str]:
+    """``--tiers``: comma-separated tier names or per-layer placements -> the list; ``ValueError``
+    in one line for an unknown tier or a malformed placement."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError("--tiers is empty")
+    for item in items:
+        if not is_layered(item) and item not in TIERS:
+            raise ValueError(f"--tiers: unknown {item}; choose from {', '.join(TIERS)} or a per-layer placement "
+                             "such as 1=memory/14=direct")
+        tiers_of(item)
+    return items
+
+
+def _resident(tier: str) -> bool:
+    """Whether every row of ``tier`` is in DRAM from the start (nothing to warm)."""
+    return all(is_resident(t) for t in tiers_of(tier))
+
+
 def _check_run(tier: str, state: str) -> None:
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; choose from: {', '.join(TIERS)}")
+    check_tiers(tier)
     if state not in CACHE_STATES:
         raise ValueError(f"unknown cache state {state!r}; choose from: {', '.join(CACHE_STATES)}")
 
@@ -155,14 +185,14 @@ CACHED_TIERS = ("direct", "remote")  # the tiers served through DRAM row caches 
 
 def _cache_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
     """The row caches of a run: only the cached tiers have them."""
-    if tier not in CACHED_TIERS or not (settings.cache_bytes or settings.fast_cache_bytes):
+    if not set(tiers_of(tier)) & set(CACHED_TIERS) or not (settings.cache_bytes or settings.fast_cache_bytes):
         return {}
     return dict(cache_bytes=settings.cache_bytes, fast_cache_bytes=settings.fast_cache_bytes, policy=settings.policy)
 
 
 def _tier_options(tier: str, settings: BenchSettings) -> dict[str, Any]:
     """What the tier itself needs to open: the pool's URL for ``remote``."""
-    if tier != "remote":
+    if "remote" not in tiers_of(tier):
         return {}
     if settings.pool is None:
         raise ValueError("a remote run needs a pool: give --pool redis://host:port, or let bench start one")
@@ -178,6 +208,7 @@ class _Measured:
     stream: RequestStream
     before: dict[str, Any]  # the store's stats() before the measurement
     after: dict[str, Any]  # and after
+    drafts: dict[str, Any] | None = None  # Prefetcher.draft_stats() over the measurement (drafts on)
 
 
 def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings: BenchSettings,
@@ -185,18 +216,19 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
            on_step: Callable[[str, float], Any] | None, rank: RankRole | None = None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement
     (``rank``: one of several rank processes, ``bench.ranks``)."""
+    drafter = make_drafter(settings.drafts)
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                 lookahead_tokens=settings.lookahead_tokens)
+                                 lookahead_tokens=settings.lookahead_tokens, drafter=drafter)
 
         def progress(phase: str) -> Callable[[float], Any] | None:
             return (lambda t: on_step(phase, t)) if on_step else None
 
         warm = corpora.warmup_for(state)
         warmup = None
-        if warm is not None and not is_resident(tier):
+        if warm is not None and not _resident(tier):
             # a replay of the warm-up requests' row accesses (no backbone): fills the caches
             # as serving them would, in a fraction of the time
             w = engine_for(None).run(_requests(RequestStream(warm, settings.shape, settings.seed + 1), rank),
@@ -206,11 +238,16 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
                       "hit_rate": store.stats()["store"]["hit_rate"] if store.levels else None}
         store.reset_stats()
         before = store.stats()
+        drafts_before = prefetcher.draft_stats()
         stream = _requests(RequestStream(corpora.measured, settings.shape, settings.seed), rank)
         run = engine_for(model if rank is None else rank.exchange(model)).run(
             stream, settings.seconds, on_step=progress("measure"),
                                     agree=None if rank is None else rank.agree)
-        return _Measured(warmup, run, stream, before, store.stats())
+        drafts = None
+        if drafter is not None:
+            after = prefetcher.draft_stats()
+            drafts = {k: after[k] - drafts_before[k] for k in drafts_before if isinstance(after[k], int)}
+        return _Measured(warmup, run, stream, before, store.stats(), drafts)
 
 
 def _requests(stream: RequestStream, rank: RankRole | None) -> RequestStream:
@@ -224,13 +261,33 @@ def _run_figures(served: _Measured, cached: bool) -> dict[str, Any]:
     def per_token(key: str) -> float:
         return (after.get(key, 0) - before.get(key, 0)) / tokens if tokens else 0.0
 
+    run = served.run
+    steps = run.steps or 1
+    layer_stall = {str(layer): seconds / steps * 1e6 for layer, seconds in sorted(run.layer_stall_seconds.items())}
+    total = float(sum(run.step_seconds)) or 1.0
+    first = min(run.layer_stall_seconds) if run.layer_stall_seconds else None
     return {
+        "layer_stall_us": layer_stall,  # each Engram layer's wait for its rows, per step
+        "first_layer_stall_fraction": run.layer_stall_seconds[first] / total if first is not None else None,
+        **_draft_figures(served.drafts),
         "hit_rate": served.after["store"]["hit_rate"] if cached else None,
         "level_hit_rates": {lv["level"]: lv["hit_rate"] for lv in served.after["levels"]} if cached else None,
         "tier_rows_per_token": per_token("rows"),
         "device_bytes_per_token": per_token("bytes_read"),
         "device_reads": _device_reads(served),
     }
+
+
+def _draft_figures(counts: dict[str, Any] | None) -> dict[str, Any]:
+    """A run's drafts: the share of the rows of steps after drafts that the drafts had
+    already fetched, and the draft rows those steps did not ask for, per row fetched ahead
+    (the extra reads a right row costs, at most: some unused rows were cache hits)."""
+    if counts is None:
+        return {}
+    fetched, unused = counts["next_rows_fetched"], counts["draft_rows_unused"]
+    return {"draft_counts": counts,
+            "draft_share_fetched": fetched / counts["next_rows"] if counts["next_rows"] else None,
+            "draft_extra_rows_per_fetched": unused / fetched if fetched else None}
 
 
 def _tier_delta(served: _Measured, key: str) -> int:
@@ -259,7 +316,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
     _check_run(tier, state)
     torch.set_num_threads(settings.threads)
     republished = None
-    if tier == "remote":  # before make_cold: publishing reads the file (a no-op when it is there)
+    if "remote" in tiers_of(tier):  # before make_cold: publishing reads the file (a no-op when it is there)
         republished = publish(settings.table, _tier_options(tier, settings)["pool"], fresh=state == "cold",
                               progress=False, on_step=on_step)
     cold_method = make_cold(settings.table, drop_all=settings.drop_all_caches)
@@ -276,6 +333,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         else rank.open(tier, options)
     with opened as store:
         open_seconds = time.perf_counter() - t_open
+        held = dram_bytes(store)
         served = _serve(store, tier, state, concurrency, settings, corpora, model, hasher, on_step, rank)
         rank_figures = {} if rank is None else rank.measure(served.run)
     if budget_note is None:
@@ -294,6 +352,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         "corpus_wrapped": served.stream.wrapped,
         "open_seconds": open_seconds,
         "cache_bytes": settings.cache_bytes if options else 0,
+        "dram_bytes": held,
         **figures,
         **rank_figures,
     }
@@ -312,11 +371,16 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     gpu = model.gpu
     if settings.nvme_iops is not None:
         gpu = local_nvme(model.gpu, model.tp, settings.nvme_iops, settings.nvme_bytes_per_s, settings.nvme_latency_us)
-    held = settings.cache_bytes if tier in CACHED_TIERS else settings.dram_budget
+    layers = tiers_of(tier)
+    cached = set(layers) & set(CACHED_TIERS)
+    held = settings.cache_bytes if cached else settings.dram_budget
     planner_hit = None
-    if PLACEMENT_OF_TIER[tier] == "nvme":
-        planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // config.row_bytes)
-    elif PLACEMENT_OF_TIER[tier] == "mmap":
+    if "nvme" in {PLACEMENT_OF_TIER[t] for t in layers}:
+        # a per-layer placement's cache serves its cached layers' rows only: the hit rate of a
+        # whole-table cache as many times larger as those layers are a share of the table
+        share = sum(t in CACHED_TIERS for t in layers) / len(layers)
+        planner_hit = curve_for(model.model)[0].hit_ratio(int((held or 0) / share) // config.row_bytes)
+    elif PLACEMENT_OF_TIER.get(tier) == "mmap":
         # the page cache, held to the budget, keeps 4 KiB pages; a page's other rows belong to
         # unrelated n-grams (hashing spreads them), so a cached page holds about one row worth keeping
         planner_hit = curve_for(model.model)[0].hit_ratio((held or 0) // MMAP_PAGE_BYTES)
@@ -341,10 +405,10 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
         "predicted_stall_fraction": own["stall_fraction"],
         "predicted_iops": own["nvme_iops"],
     }
-    on_nvme = PLACEMENT_OF_TIER[tier] == "nvme"  # the planner's remote placement has no row cache
+    on_nvme = "nvme" in {PLACEMENT_OF_TIER[t] for t in layers}  # the planner's remote placement has no row cache
     measured_hit = served.after["store"]["hit_rate"] if on_nvme and _cache_options(tier, settings) else None
     a = model.assumptions
-    if PLACEMENT_OF_TIER[tier] == "mmap":  # the page cache's hits, from the page faults
+    if PLACEMENT_OF_TIER.get(tier) == "mmap":  # the page cache's hits, from the page faults
         measured_hit = _page_cache_hit_rate(served)
         out.update(page_cache_hit_rate=measured_hit, tier_pages_touched=_tier_delta(served, "pages_touched"))
     elif measured_hit is not None and reads:
@@ -362,6 +426,9 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
 def _budget_note(tier: str, settings: BenchSettings) -> tuple[bool, str]:
     if settings.dram_budget is None:
         return False, "no budget given"
+    if is_layered(tier):
+        return False, ("per-layer placement: the DRAM it holds is dram_bytes (its resident layers' slices and "
+                       "the row caches of the others)")
     if is_resident(tier):
         return False, "the whole table is in DRAM (the unconstrained reference)"
     held = settings.cache_bytes + settings.fast_cache_bytes

@@ -101,8 +101,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
     r.add_argument("--tiers", default="memory,direct,mmap",
-                   help="comma list of memory, pinned, direct, mmap, remote (default memory,direct,mmap)")
+                   help="comma list of memory, pinned, shared, direct, mmap, remote, or per-layer placements "
+                   "such as 1=memory/14=direct (each Engram layer on its tier) (default memory,direct,mmap)")
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
+    r.add_argument("--drafts", default="none",
+                   help="draft tokens whose rows each decode step fetches a step early: none (default) or ngram[:K] "
+                   "(prompt lookup: the K tokens after the last earlier match of the sequence's suffix; K default 1)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
     r.add_argument("--repeats", type=positive_int, default=1, help="run every point this many times; medians reported (default 1)")
@@ -264,12 +268,11 @@ class _Plan:
 
 def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     """Check the options and find (or make) the table: everything ``bench`` needs to run."""
-    from ..bench.runner import CACHE_STATES, CACHED_TIERS, BenchSettings, check_budget
+    from ..bench.runner import CACHE_STATES, CACHED_TIERS, BenchSettings, check_budget, check_tiers
     from ..bench.workload import WorkloadShape
     from ..table.format import read_header
-    from ..tiers import TIERS
 
-    tiers = _list(args.tiers, tuple(TIERS), "tiers")
+    tiers = check_tiers(args.tiers)  # tier names or per-layer placements (1=memory/14=direct)
     if args.ranks > 1:
         from ..bench.ranks import RANK_TIERS
 
@@ -300,9 +303,13 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         drop_all_caches=args.drop_all_caches,
         backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
         nvme_bytes_per_s=args.nvme_bytes_per_s, nvme_latency_us=args.nvme_latency_us, pool=args.pool,
+        drafts=args.drafts,
     )
     check_budget(settings)
     check_memory_needs(_bench_needs(args, header, cache_bytes, max(concurrency)))
+    from ..bench.drafts import make_drafter
+
+    make_drafter(settings.drafts)  # a bad --drafts fails here, before any run
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
         from ..bench.modeled import modeled_backbone
 

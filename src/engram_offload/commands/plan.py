@@ -270,6 +270,7 @@ def _print_plan(console: Any, plan: Plan, machine: list[MachineDram] | None, wid
                       f"+ step buffers x {m.dp}[/]")
     for line in why:
         console.print(f"  [dim]{line}[/]")
+    _print_layered(console, plan)
     _print_cache_sweep(console, plan)
     _print_memory(console, plan)
     rec = plan.recommendation
@@ -287,6 +288,31 @@ def _largest(r: PlacementResult) -> str:
         return ""
     name, us = max(r.fetch_terms.items(), key=lambda kv: kv[1])
     return f"{name} {us:,.0f} us"
+
+
+def _print_layered(console: Any, plan: Plan) -> None:
+    """Per-layer placements (each at its best TP that fits), beside the whole-table ones above."""
+    from rich import box
+    from rich.table import Table
+
+    best: dict[str, PlacementResult] = {}
+    for r in plan.layered:
+        if r.fits and r.batch > 0 and (r.name not in best or r.tokens_per_s_per_gpu > best[r.name].tokens_per_s_per_gpu):
+            best[r.name] = r
+    if not best:
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left",
+              title="Each Engram layer on its own tier (the best TP of each; DRAM and HBM per GPU; then per layer)")
+    for col in ("placement", "TP", "batch", "stall us", "tok/s/user", "tok/s/GPU", "DRAM GiB", "HBM GiB", "hit"):
+        t.add_column(col, justify="left" if col == "placement" else "right", no_wrap=True)
+    for r in sorted(best.values(), key=lambda r: -r.tokens_per_s_per_gpu):
+        t.add_row(r.name, str(r.tp), str(r.batch), f"{r.predicted_stall_us:,.0f}", f"{r.interactivity:.0f}",
+                  f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.host_bytes_per_gpu / GiB:,.1f}",
+                  f"{sum(x['hbm_bytes_per_gpu'] for x in r.layers) / GiB:,.1f}", f"{(r.cache_hit_rate or 0):.0%}")
+        for x in r.layers:
+            t.add_row(f"  layer {x['layer']} on {x['placement']}", "", "", f"{x['stall_us']:,.0f}", "", "",
+                      f"{x['dram_bytes_per_gpu'] / GiB:,.1f}", f"{x['hbm_bytes_per_gpu'] / GiB:,.1f}", "")
+    console.print(t)
 
 
 def _print_cache_sweep(console: Any, plan: Plan) -> None:

@@ -29,6 +29,7 @@ def served_table(model_dir: str | os.PathLike[str], tier: str, *, table: str | o
             config = EngramConfig.from_hf_config(Path(model_dir) / "config.json")
             table = convert_checkpoint(model_dir, Path(tmp) / "table.engram", config, progress=False)
         store = open_table(table, tier, cache_bytes=cache_bytes or None, policy=policy)
+        assert isinstance(store, TableStore)  # one tier of TIERS, not a per-layer placement
         try:
             yield store
         finally:

@@ -16,7 +16,7 @@ from NVMe takes the fetch worker's CPU, which serves the rows side by side with 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
@@ -26,11 +26,13 @@ from .mrc import MissRatioCurve
 from .perf import StepTime, decode_step, decode_window_us, layer_offsets_us, prefill_window_us
 from .realtext import step_unique_fraction
 
-__all__ = ["PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all", "fetch_time", "host_cpu_us",
-           "host_core_share",
-           "layered_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
+__all__ = ["LAYER_PLACEMENTS", "PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all",
+           "evaluate_layered", "fetch_time", "host_cpu_us", "host_core_share", "layer_placements", "layered_name",
+           "layered_stall_us", "mixed_step_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
+LAYER_PLACEMENTS = ("dram", "nvme")  # what a per-layer placement mixes (each layer whole on one)
+MAX_MIXED_LAYERS = 4  # up to this many Engram layers every mix is tried; beyond, early layers on dram only
 GiB = 2**30
 
 
@@ -95,6 +97,7 @@ class PlacementResult:
     tokens_per_s_per_gpu: float = 0.0
     tokens_per_dollar: float = 0.0
     meets_interactivity: bool = False
+    layers: list[dict[str, Any]] = field(default_factory=list)  # a per-layer placement's layers, in order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -313,6 +316,119 @@ def step_stall_us(due: Fetch, total: Fetch, offsets_us: list[float], step_us: fl
     the fetch path falls behind by the difference every step."""
     latency = layered_stall_us(due.per_layer_us(len(offsets_us)), offsets_us)
     return max(latency, total.transfer_us - step_us)
+
+
+def mixed_step_stall_us(due: dict[str, Fetch], total: dict[str, Fetch], names: tuple[str, ...],
+                        offsets_us: list[float], step_us: float) -> tuple[float, list[float]]:
+    """``step_stall_us`` for Engram layers on different placements (``names[k]``: layer k's;
+    ``due``/``total``: each placement's fetch of the step's rows as if the whole table were
+    there, of which each layer's rows are 1/len(names)). Layers on one placement are
+    fetched one after another along its path; different placements' paths run side by
+    side. Returns the step's stall and each layer's share of it."""
+    n = len(names)
+    arrived: dict[str, float] = {}
+    stall, per_layer = 0.0, []
+    for name, offset in zip(names, offsets_us):
+        f = due[name]
+        arrived[name] = arrived.get(name, f.fixed_us) + f.rows_us / n
+        wait = max(0.0, arrived[name] - (offset + stall))
+        per_layer.append(wait)
+        stall += wait
+    busy = max(total[p].fixed_us + total[p].rows_us * names.count(p) / n for p in set(names))
+    return max(stall, busy - step_us), per_layer
+
+
+def layered_name(layer_ids: tuple[int, ...] | list[int], names: tuple[str, ...]) -> str:
+    """``(1, 14), ("dram", "nvme")`` -> ``"1=dram/14=nvme"`` (the tier spec's form)."""
+    return "/".join(f"{layer}={name}" for layer, name in zip(sorted(layer_ids), names))
+
+
+def layer_placements(model: ModelSpec) -> list[tuple[str, ...]]:
+    """The per-layer placements to weigh (one name per Engram layer, in layer order; the
+    uniform ones are the whole-table placements): every mix of ``LAYER_PLACEMENTS`` up to
+    ``MAX_MIXED_LAYERS`` layers, else the first k layers on dram and the rest on nvme."""
+    n = len(model.engram.layer_ids)
+    if n < 2:
+        return []
+    if n <= MAX_MIXED_LAYERS:
+        mixes = [tuple(LAYER_PLACEMENTS[(m >> (n - 1 - k)) & 1] for k in range(n)) for m in range(2**n)]
+        return [m for m in mixes if len(set(m)) > 1]
+    return [("dram",) * k + ("nvme",) * (n - k) for k in range(1, n)]
+
+
+def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp: int, workload: Workload,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> PlacementResult:
+    """A per-layer placement (``names``: dram or nvme for each Engram layer, in layer order)
+    at one TP degree: the dram layers' rows whole in host DRAM, the nvme layers' behind a DRAM
+    row cache of their own (``workload.cache_bytes`` all theirs when given, else the share
+    of the cache the target hit rate asks for), each layer waiting only for its own rows."""
+    a, w, e = assumptions, workload, model.engram
+    layer_ids = sorted(e.layer_ids)
+    if len(names) != len(layer_ids) or any(n not in LAYER_PLACEMENTS for n in names):
+        raise ValueError(f"a per-layer placement names one of {', '.join(LAYER_PLACEMENTS)} for each of the "
+                         f"{len(layer_ids)} Engram layers, got {names}")
+    on_nvme = names.count("nvme") / len(names)
+    r = PlacementResult(name=layered_name(layer_ids, names), tp=tp, fits=False,
+                        bytes_per_token_per_gpu=e.bytes_per_token_per_gpu(tp))
+    r.link = f"{gpu.host_link} (dram layers), NVMe -> DRAM cache -> {gpu.host_link} (nvme layers)"
+    # the nvme layers' cache: the rows they stand for see the hit rate of a whole-table cache
+    # 1/on_nvme as large
+    sized = w if w.cache_bytes is None else replace(w, cache_bytes=w.cache_bytes / on_nvme)
+    _memory(model, gpu, tp, "nvme", sized, a, r)
+    # the cache asked for is the nvme layers' own: only the DRAM it really holds is checked (below)
+    r.why_not = [why for why in r.why_not if not (why.startswith("a ") and " cache exceeds the " in why)]
+    r.cache_bytes_per_gpu *= on_nvme
+    dram_share = e.table_bytes * (1 - on_nvme) / tp
+    r.host_bytes_per_gpu = r.cache_bytes_per_gpu + dram_share
+    dram_cap = a.dram_usable_fraction * gpu.host_dram_per_gpu
+    if r.host_bytes_per_gpu > dram_cap:
+        r.why_not.append(f"dram layers {dram_share / GiB:.1f} GiB + cache {r.cache_bytes_per_gpu / GiB:.1f} GiB "
+                         f"per GPU exceed {a.dram_usable_fraction:.0%} of {gpu.host_dram_per_gpu / GiB:.0f} GiB "
+                         "host DRAM per GPU")
+    best: tuple[float, int, Any] | None = None
+    fallback: tuple[float, int, Any] | None = None
+    for batch in _batches(r.max_concurrent_seqs, w.batch):
+        step = decode_step(model, gpu, tp, batch, w.context, a)
+        offsets = layer_offsets_us(model, layer_ids, step.backbone_us)
+        unique = step_unique_fraction(batch, 0)
+        fetch = {p: fetch_time(model, gpu, tp, p, batch, r.cache_hit_rate, a, unique) for p in set(names)}
+        stall, per_layer = mixed_step_stall_us(fetch, fetch, names, offsets, step.backbone_us)
+        step_us = step.backbone_us + stall
+        inter = 1e6 / step_us
+        point = (step, step_us, stall, per_layer, fetch, decode_window_us(model, step))
+        if fallback is None or inter > fallback[0]:
+            fallback = (inter, batch, point)
+        if inter >= w.min_interactivity and (best is None or batch * inter / tp > best[0]):
+            best = (batch * inter / tp, batch, point)
+    chosen = best or fallback
+    if chosen is not None:
+        _, batch, (step, step_us, stall, per_layer, fetch, window) = chosen
+        nvme = fetch.get("nvme")
+        r.batch, r.step_us, r.predicted_stall_us, r.window_us, r.bound = batch, step_us, stall, window, step.bound
+        r.link_bytes_per_step = fetch[names[0]].link_bytes
+        r.transfer_us = max(f.transfer_us * names.count(p) / len(names) for p, f in fetch.items())
+        r.host_us = sum(f.host_cpu_us * names.count(p) / len(names) for p, f in fetch.items()) + \
+            fetch[names[0]].hash_us
+        r.fetch_terms = (nvme or fetch[names[0]]).terms()
+        r.interactivity = 1e6 / step_us
+        r.tokens_per_s_per_gpu = batch * r.interactivity / tp
+        r.tokens_per_dollar = r.tokens_per_s_per_gpu * 3600 / gpu.price_per_hour
+        r.meets_interactivity = best is not None
+        r.nvme_iops_needed = (nvme.nvme_reads * on_nvme / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
+                              if nvme is not None else 0.0)
+        r.nvme_iops_available = gpu.nvme_iops_per_server
+        rows = e.table_bytes / len(names) / tp
+        r.layers = [{"layer": layer, "placement": name, "hbm_bytes_per_gpu": 0.0,
+                     "dram_bytes_per_gpu": rows if name == "dram" else r.cache_bytes_per_gpu / names.count("nvme"),
+                     "stall_us": wait} for layer, name, wait in zip(layer_ids, names, per_layer)]
+    # prefill: every row of a chunk crosses the host link, as the dram and nvme placements say
+    tokens = a.prefill_chunk_tokens
+    r.prefill_window_us = prefill_window_us(model, gpu, tp, tokens, a)
+    r.prefill_transfer_us = a.host_link_latency_us + tokens * r.bytes_per_token_per_gpu / (
+        gpu.host_link_bw * a.host_link_efficiency) * 1e6
+    r.prefill_stall_us = max(0.0, r.prefill_transfer_us - r.prefill_window_us)
+    r.fits = not r.why_not
+    return r
 
 
 @dataclass(frozen=True)

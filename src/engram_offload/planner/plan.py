@@ -12,7 +12,7 @@ from .costs import MemoryCost, dram_verdict, memory_cost
 from .hardware import GpuSpec
 from .models import ModelSpec
 from .mrc import ExtrapolatedMRC, MissRatioCurve, ZipfMRC, mrc_from_trace
-from .placement import PlacementResult, Workload, evaluate, evaluate_all, tp_degrees
+from .placement import PlacementResult, Workload, evaluate, evaluate_all, evaluate_layered, layer_placements, tp_degrees
 from .realtext import REAL_TEXT_TOKENS, RealTextMRC
 from .recommend import Recommendation, recommend
 from .server import ServerFigure
@@ -34,6 +34,7 @@ class Plan:
     cache_sweep: list[PlacementResult] = field(default_factory=list)  # nvme at one TP, by cache size
     costs: list[MemoryCost] = field(default_factory=list)  # of each placement in ``placements``
     verdict: str = ""
+    layered: list[PlacementResult] = field(default_factory=list)  # per-layer placements at every TP
 
     def to_dict(self) -> dict[str, Any]:
         e = self.model.engram
@@ -59,6 +60,7 @@ class Plan:
             "bytes_per_token_per_gpu": {str(tp): e.bytes_per_token_per_gpu(tp)
                                         for tp in tp_degrees(w.gpus)},
             "placements": [r.to_dict() for r in self.placements],
+            "layered_placements": [r.to_dict() for r in self.layered],
             "recommendation": self.recommendation.to_dict(),
             "assumptions": self.assumptions.to_dict(),
         }
@@ -95,9 +97,12 @@ def curve_for(model: ModelSpec, trace: np.ndarray | None = None,
 def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,
               objective: str = "tokens-per-gpu",
               assumptions: Assumptions = DEFAULT_ASSUMPTIONS, server: list[ServerFigure] | None = None) -> Plan:
-    """Evaluate every placement and TP degree and recommend one."""
+    """Evaluate every placement and TP degree, whole-table and per layer (``Plan.layered``:
+    early Engram layers in DRAM, later ones on NVMe, ...), and recommend one."""
     results = evaluate_all(model, gpu, workload, assumptions)
-    rec = recommend(model, gpu, results, workload, objective)
+    layered = [evaluate_layered(model, gpu, names, tp, workload, assumptions)
+               for names in layer_placements(model) for tp in tp_degrees(workload.gpus)]
+    rec = recommend(model, gpu, results + layered, workload, objective)
     nvme = [r for r in results if r.name == "nvme" and r.fits]
     sweep: list[PlacementResult] = []
     if nvme:  # the cache in front of NVMe at each size, at the nvme placement's best TP
@@ -108,7 +113,7 @@ def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,
     costs = [memory_cost(r, model, gpu, assumptions) for r in results]
     verdict = dram_verdict(model, gpu, assumptions, [r for r in results if r.name == "dram" and r.fits], nvme)
     return Plan(model, gpu, workload, assumptions, results, rec, server=list(server or []), cache_sweep=sweep,
-                costs=costs, verdict=verdict)
+                costs=costs, verdict=verdict, layered=layered)
 
 
 def cache_sizes(table_bytes: float, given: float | None = None) -> list[float]:

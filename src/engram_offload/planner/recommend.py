@@ -66,7 +66,7 @@ def recommend(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], wo
 
     def key(r: PlacementResult) -> tuple:
         score = _score(r, objective) if r.meets_interactivity else r.interactivity
-        return (not r.meets_interactivity, -score, r.predicted_stall_us > 0, r.tp, order[r.name])
+        return (not r.meets_interactivity, -score, r.predicted_stall_us > 0, r.tp, _order(order, r))
 
     ranking = sorted(feasible, key=key)
     if ranking and ranking[0].meets_interactivity:
@@ -75,12 +75,18 @@ def recommend(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], wo
         # domain), then the simpler tier.
         top = _score(ranking[0], objective)
         close = [r for r in ranking if r.meets_interactivity and _score(r, objective) >= TIE * top]
-        close.sort(key=lambda r: (r.predicted_stall_us > 0, r.tp, order[r.name], -_score(r, objective)))
+        close.sort(key=lambda r: (r.predicted_stall_us > 0, r.tp, _order(order, r), -_score(r, objective)))
         ranking = close + [r for r in ranking if r not in close]
     rec = Recommendation(objective=objective, choice=ranking[0] if ranking else None,
                          ranking=ranking, smallest_tp=smallest)
     rec.reasons = _reasons(model, gpu, results, workload, rec)
     return rec
+
+
+def _order(order: dict[str, int], r: PlacementResult) -> int:
+    """A placement's rank among equals: whole-table placements by ``order`` (simplest
+    first), a per-layer placement after them all (two tiers to run)."""
+    return order.get(r.name, len(order))
 
 
 def _reasons(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], w: Workload,
@@ -149,7 +155,12 @@ def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[st
                 f"A prefill chunk would wait {c.prefill_stall_us / 1000:.1f} ms for its rows unless "
                 "they are fetched a chunk ahead (prompt tokens are known in advance)."
             )
-    if c.name == "nvme":
+    if c.layers:
+        out.append("Per layer: " + "; ".join(
+            f"layer {x['layer']} on {x['placement']} ({_fmt_bytes(x['dram_bytes_per_gpu'])} DRAM per GPU, "
+            f"{x['stall_us']:,.0f} us stall)" for x in c.layers) + ": the early layer's rows are in DRAM before its "
+            "short window ends, the later layers' have milliseconds to come from NVMe.")
+    if c.name == "nvme" or c.layers:
         out.append(
             f"A {_fmt_bytes(c.cache_bytes_per_gpu)} DRAM cache per GPU gives a "
             f"{(c.cache_hit_rate or 0):.0%} hit rate ({w.curve_label}); misses need "

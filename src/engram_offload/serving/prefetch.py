@@ -39,6 +39,18 @@ usable). A cancelled step raises ``StepCancelled``. Rows of a step stay pinned i
 store's caches until ``end_step`` (or until the step is cancelled), so a prefetch for the
 next step can never evict rows this step still reads.
 
+Drafts: speculative decoding knows the next tokens before they are verified (an MTP head, a
+draft model, a prompt-lookup match). ``begin_step(..., drafts=)`` takes, per sequence, the
+draft tokens after this step's token; their row ids are hashed on a copy of each sequence's
+history (the real one is not touched) and fetched in the background, after every urgent
+step and ahead of the prefill windows fetched further ahead (a ``_DraftStep``: no rows
+decoded, its pins held until the next step's own fetch is done). The next step fetches its real rows as always: those a right draft brought in are
+cache hits, the rest are read as without drafts. A wrong draft costs reads, never rows: it
+only ever warms the store's caches. ``draft_stats()`` counts the next steps' rows a draft
+had already fetched and the draft rows no next step asked for. Drafts pay only with a
+row cache in front of a tier that reads (``direct``, ``remote``): a resident table has
+nothing to fetch early.
+
 Tensor parallelism: a rank that owns the columns ``[c0, c1)`` of every layer
 (``sharding.shard_columns``) hashes every column (an n-gram's hash needs the whole n-gram and
 costs little) but keeps, fetches and returns only its own: ``rows(layer)`` is
@@ -70,6 +82,7 @@ from .store import RowLease, RowStore
 
 __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 
+SPLIT_MIN_ROWS = 512  # a step with fewer distinct rows is fetched in one part (one fetch call)
 Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
@@ -363,6 +376,14 @@ class Step:
                 f"{self.dedup.requested}, parts={len(self.parts)}, {state})")
 
 
+class _DraftStep(Step):
+    """The rows of draft tokens, fetched ahead of the step that may need them: one part, no
+    layer decoded (``deliver`` keeps only the lease that pins the rows in the caches)."""
+
+    def part_ids(self, p: int) -> tuple[np.ndarray, int]:
+        return self.dedup.unique, int(self.dedup.unique.size)
+
+
 def _read_rows() -> None:
     """No device work: marks where the caller's stream starts reading a layer's rows."""
 
@@ -378,6 +399,16 @@ class Prefetcher:
 
     ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
     store's ``columns``, else every column); see the module doc.
+
+    ``split_min_rows``: a step with fewer distinct rows is fetched in one part (default
+    ``SPLIT_MIN_ROWS``; 1, every step split by layer, for a store whose layers sit on
+    different tiers).
+
+    ``first_layer_first``: workers take the queued part of the earliest Engram layer first
+    (each step's parts still in order), so a step's first layer never waits behind another
+    step's later layer; by default on for a store whose layers sit on different tiers
+    (``serving.layered``), where a later layer's part may be a drive read and the first
+    layer's a DRAM copy due within the layers before it.
 
     ``max_tokens`` (on a device): the most tokens a step may have; the first set of output
     buffers is allocated at once for that many and never moves, so a CUDA graph captured
@@ -397,10 +428,11 @@ class Prefetcher:
         history: SequenceHistory | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
-        split_min_rows: int = 512,
+        split_min_rows: int | None = None,
         columns: Columns | None = None,
         max_tokens: int | None = None,
         wait_s: float = 60.0,
+        first_layer_first: bool | None = None,
     ) -> None:
         if not wait_s > 0:
             raise ValueError(f"wait_s must be > 0, got {wait_s}")
@@ -413,11 +445,16 @@ class Prefetcher:
         self.store = store
         self.hasher = hasher
         self.config = hasher.config
+        # a store with its layers on different tiers (serving.layered): an early layer's rows
+        # are quick to fetch and due soon, so they never wait for a later layer's slow ones:
+        # every step in one part per layer, however small, and early layers' parts first
+        layered = len(set(getattr(store, "placement", {}).values())) > 1
+        self.first_layer_first = layered if first_layer_first is None else bool(first_layer_first)
         self.columns = _columns(store, columns, self.config.cols_per_layer)
         num_columns = self.config.cols_per_layer if self.columns is None else self.columns[1] - self.columns[0]
         self.history = history if history is not None else hasher.new_history()
         self.dtype = dtype
-        self.split_min_rows = int(split_min_rows)
+        self.split_min_rows = (1 if layered else SPLIT_MIN_ROWS) if split_min_rows is None else int(split_min_rows)
         self._layer_bases_list = [int(b) for b in self.config.layer_row_bases]  # first row of each layer
         self.device = torch.device(device) if device is not None else store.device
         if self.device != store.device:
@@ -446,6 +483,9 @@ class Prefetcher:
         self.failures = 0
         self.stall_seconds = 0.0  # the stalls of the steps ended or cancelled
         self._closed = False
+        self._draft: _DraftStep | None = None  # the last step's drafts, until the next step is fetched
+        self._draft_counts = {"draft_steps": 0, "draft_rows": 0, "next_steps": 0, "next_rows": 0,
+                              "next_rows_fetched": 0, "draft_rows_unused": 0}
         # one worker serves every step; a second serves only urgent ones, so a step's own
         # fetch never waits behind a long fetch ahead of need
         self._workers = [threading.Thread(target=self._run, args=(urgent_only,), daemon=True,
@@ -468,11 +508,19 @@ class Prefetcher:
                 wake.wait()
                 self._idle[urgent_only] = False
             waiting = self._urgent if self._urgent else self._background
-            step = waiting[0]
+            step = self._pick(waiting)
             p, last = step.take_part()
             if last:
-                waiting.popleft()
+                waiting.remove(step)
             return step, p
+
+    def _pick(self, waiting: deque[Step]) -> Step:
+        """The step whose part is fetched next: the first queued, or with ``first_layer_first``
+        the first of those with the fewest parts handed out (an early layer's part before a
+        later layer's part of a step queued before it)."""
+        if not self.first_layer_first or len(waiting) == 1:
+            return waiting[0]
+        return min(waiting, key=lambda step: step._handed_out)  # min keeps the first of equals
 
     def _run(self, urgent_only: bool) -> None:
         while True:
@@ -545,6 +593,7 @@ class Prefetcher:
         dead: Sequence[Any] | None = None,
         *,
         urgent: bool = True,
+        drafts: Sequence[Any] | None = None,
     ) -> Step:
         """Hash the step's new tokens per sequence and start fetching every layer's rows.
 
@@ -553,6 +602,10 @@ class Prefetcher:
         tensor ``[S]``, a token per sequence (no per-sequence Python work). Returns the ``Step``; it also becomes ``current``.
         ``urgent=False`` marks a fetch ahead of need (e.g. a later prefill window): the
         workers serve it after every urgent step, yielding to new urgent steps between its parts.
+
+        ``drafts[i]`` (None or empty: none) are draft tokens of sequence ``seq_ids[i]`` after
+        this step's tokens: their rows are fetched in the background for the next step (see
+        the module doc); they never change any step's rows.
         """
         if self._closed:
             raise ValueError("this prefetcher is closed: create a new one")
@@ -601,7 +654,88 @@ class Prefetcher:
         with self._wake[False]:
             (self._urgent if urgent else self._background).append(step)
             self._wake_a_worker(urgent)
+        if urgent:
+            self._after_drafts(step, d.unique)
+        if drafts is not None:
+            self._fetch_drafts(seq_ids, drafts)
         return step
+
+    # ------------------------------------------------------------------ drafts
+    def _fetch_drafts(self, seq_ids: tuple[int, ...], drafts: Sequence[Any]) -> None:
+        """Hash the draft tokens on a copy of their sequences' histories and queue their rows'
+        fetch behind every urgent step (see the module doc)."""
+        if len(drafts) != len(seq_ids):
+            raise ValueError(f"{len(drafts)} drafts for {len(seq_ids)} sequences: give one (maybe empty) each")
+        pairs = [(seq, np.asarray(tokens.detach().cpu() if isinstance(tokens, torch.Tensor) else tokens,
+                                  dtype=np.int64).reshape(-1))
+                 for seq, tokens in zip(seq_ids, drafts) if tokens is not None]
+        pairs = [(seq, tokens) for seq, tokens in pairs if tokens.size]
+        if not pairs:
+            return
+        ids = [seq for seq, _ in pairs]
+        scratch = self.hasher.new_history(capacity=len(ids))
+        slots, own = scratch.slots_for(ids), self.history.slots_for(ids)
+        scratch.tokens[slots] = self.history.tokens[own]
+        scratch.dead[slots] = self.history.dead[own]
+        scratch.any_dead = bool(scratch.dead.any())
+        table_ids = self.hasher.pieces_ids(scratch, ids, [tokens for _, tokens in pairs], flat=True)  # [K, L, C]
+        if self.columns is not None:
+            table_ids = shard_ids(table_ids, self.columns)
+        d = dedup(table_ids)
+        draft = _DraftStep(0, tuple(ids), tuple(t.size for _, t in pairs), table_ids, d, self.config.layer_ids,
+                           [(0, int(d.unique.size), ())])
+        with self._lock:
+            stale, self._draft = self._draft, draft
+            self._draft_counts["draft_steps"] += 1
+            self._draft_counts["draft_rows"] += int(d.unique.size)
+        if stale is not None:  # drafts no urgent step came for (e.g. only prefill since)
+            stale.cancel()
+        with self._wake[False]:
+            # ahead of the windows fetched further ahead: the next step may need these rows
+            self._background.appendleft(draft)
+            self._wake_a_worker(False)
+
+    def _after_drafts(self, step: Step, unique: np.ndarray) -> None:
+        """The last drafts meet the step they were for (the next urgent step with one of their
+        sequences): count the rows they had fetched, and
+        let go of their pins once this step's own fetch holds its rows (at once, when the
+        draft fetch has not started: the step reads them itself)."""
+        with self._lock:
+            draft = self._draft
+            if draft is None or not set(step.seq_ids) & set(draft.seq_ids):
+                return  # no drafts, or drafts for other sequences (a prefill window, say)
+            self._draft = None
+        fetched = draft.done() and not draft.skipping
+        hits = int(np.isin(unique, draft.dedup.unique, assume_unique=True).sum()) if fetched else 0
+        with self._lock:
+            c = self._draft_counts
+            c["next_steps"] += 1
+            c["next_rows"] += int(unique.size)
+            c["next_rows_fetched"] += hits
+            c["draft_rows_unused"] += int(draft.dedup.unique.size) - hits
+        if draft.done() or draft._handed_out:  # fetched or being fetched: keep its pins until the step's
+            step.when_done(draft.cancel)
+        else:
+            draft.cancel()  # not started: skipped
+
+    def wait_drafts(self, timeout: float | None = None) -> bool:
+        """Wait until the last drafts' fetch has ended (fetched, failed or skipped); False on
+        timeout. True when there are none."""
+        with self._lock:
+            draft = self._draft
+        return True if draft is None else draft.wait_done(timeout)
+
+    def draft_stats(self) -> dict[str, Any]:
+        """Drafts so far: ``draft_steps``, ``draft_rows`` (distinct rows asked ahead),
+        ``next_rows`` (distinct rows of the steps that followed drafts), ``next_rows_fetched``
+        (of those, rows the drafts had already fetched), ``share_fetched``,
+        ``draft_rows_unused`` (draft rows the next step did not ask for: the reads a wrong
+        draft costs, at most) and ``unused_per_fetched``."""
+        with self._lock:
+            c: dict[str, Any] = dict(self._draft_counts)
+        c["share_fetched"] = c["next_rows_fetched"] / c["next_rows"] if c["next_rows"] else 0.0
+        c["unused_per_fetched"] = c["draft_rows_unused"] / c["next_rows_fetched"] if c["next_rows_fetched"] else None
+        return c
 
     def _wake_a_worker(self, urgent: bool) -> None:
         """Wake one worker for a new step (the queue's lock held): the general one when it
@@ -671,6 +805,9 @@ class Prefetcher:
         if self._closed:
             return
         self._closed = True
+        draft, self._draft = self._draft, None
+        if draft is not None:
+            draft.cancel()
         for step in list(self._open):
             self.cancel(step)
         self._stop_workers()

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, overload
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, overload
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ from .dedup import dedup
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 
 if TYPE_CHECKING:
+    from .layered import LayeredStore
     from .rowserver.client import RowClient
 
 __all__ = ["Lease", "RowLease", "RowSource", "RowStore", "TableStore", "open_table"]
@@ -568,7 +569,14 @@ def _fill_level(level: RowCache, ids: np.ndarray, out: torch.Tensor | np.ndarray
 def open_table(path: str | os.PathLike[str], tier: str = ..., *, cache_bytes: int | None = ..., policy: str = ...,
                fast_cache_bytes: int = ..., admission: bool | None = ..., device: str | torch.device | None = ...,
                sync: DeviceSync | None = ..., staging_bytes: int = ..., columns: Columns | None = ...,
-               row_server: None = ..., **options: Any) -> TableStore: ...
+               row_server: None = ..., **options: Any) -> TableStore | LayeredStore: ...
+
+
+@overload
+def open_table(path: str | os.PathLike[str], tier: Mapping[int, str], *, cache_bytes: int | None = ...,
+               policy: str = ..., fast_cache_bytes: int = ..., admission: bool | None = ..., device: None = ...,
+               sync: None = ..., staging_bytes: int = ..., columns: None = ..., row_server: None = ...,
+               **options: Any) -> LayeredStore: ...
 
 
 @overload
@@ -580,7 +588,7 @@ def open_table(path: str | os.PathLike[str], tier: str = ..., *, cache_bytes: in
 
 def open_table(
     path: str | os.PathLike[str],
-    tier: str = "mmap",
+    tier: str | Mapping[int, str] = "mmap",
     *,
     cache_bytes: int | None = None,
     policy: str = "lru",
@@ -592,7 +600,7 @@ def open_table(
     columns: Columns | None = None,
     row_server: str | os.PathLike[str] | None = None,
     **options: Any,
-) -> TableStore | RowClient:
+) -> TableStore | LayeredStore | RowClient:
     """Open a table file on a tier (``memory``, ``pinned``, ``shared``, ``mmap``, ``direct``,
     ``remote``). ``shared`` is ``memory`` with one copy per machine: the first process loads
     the table into shared memory, the others attach to it read-only.
@@ -624,7 +632,20 @@ def open_table(
     row server instead of opening the file, and return its ``RowClient`` (a ``RowStore``).
     The server owns the tier and the cache, so ``tier`` must be the server's and no cache,
     device or tier option is taken; ``columns`` still applies (checked in the client).
+
+    ``tier`` may also place each Engram layer on its own tier: ``{1: "memory", 14: "direct"}``
+    or ``"1=memory/14=direct"`` (every layer named); the result is then a ``layered.LayeredStore``
+    (host rows; no ``device``, ``columns`` or ``row_server``), see ``serving.layered``.
     """
+    if not isinstance(tier, str) or "=" in tier:
+        given = [name for name, value in (("device", device), ("sync", sync), ("columns", columns),
+                                          ("row_server", row_server)) if value is not None]
+        if given:
+            raise ValueError(f"a per-layer placement serves host rows from this process: drop {', '.join(given)}")
+        from .layered import open_layered
+
+        return open_layered(path, tier, TableStore, cache_bytes=cache_bytes, policy=policy, fast_cache_bytes=fast_cache_bytes,
+                            admission=admission, **options)
     if row_server is not None:
         return _connect(path, tier, row_server, columns, cache_bytes=cache_bytes, fast_cache_bytes=fast_cache_bytes,
                         device=device, sync=sync, **options)

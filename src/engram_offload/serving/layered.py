@@ -1,0 +1,439 @@
+"""A table whose Engram layers live on different tiers: ``open_table(path, tier={1: "memory", 14: "direct"})``.
+
+The first Engram layer of a decode step runs a fraction of a millisecond after the step's
+token is known, which is shorter than one NVMe read; a later layer has milliseconds. So the
+early layer's rows can sit in DRAM while the later layer's are read from the drive.
+
+Each layer's rows are a contiguous slice of the flat row space (``config.layer_row_base``),
+so a placement routes id ranges: a ``LayeredStore`` holds one ``TableStore`` per layer,
+splits every fetch's sorted ids at the layer bases and puts the rows back in order. A
+layer on a resident tier (``memory``, ``pinned``, ``shared``) loads only the pages of its own
+slice (``window_header``): its DRAM is that slice, not the whole table. Layers on the same
+non-resident tier (``mmap``, ``direct``, ``remote``) share one opened tier. The row cache
+budget goes to the layers on non-resident tiers only, split in proportion to their rows (a
+token asks every layer for the same number of rows).
+
+A placement is a mapping ``{layer_id: tier}`` or its text form ``"1=memory/14=direct"``
+(wherever a tier name is accepted); every layer of the table must be named.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..buffers.rowcopy import move_rows
+from ..cache.lease import Lease, Pins
+from ..cache.levels import build_levels
+from ..cache.row_cache import RowCache
+from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
+from ..engram.config import EngramConfig
+from ..engram.rows import decode_rows
+from ..table.format import TableHeader, TableLayout, read_header
+from ..tiers import TIERS, Tier, as_row_ids, get_tier_class, is_resident, open_tier
+from .dedup import dedup
+
+__all__ = ["LayeredStore", "Placement", "dram_bytes", "is_layered", "open_layered", "parse_placement",
+           "placement_text", "window_header"]
+
+Placement = dict[int, str]  # layer id -> tier name
+EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode (as TableStore)
+LayerStore = Callable[["_LayerRows", EngramConfig, Sequence[RowCache]], Any]  # makes a layer's TableStore
+
+
+def is_layered(tier: object) -> bool:
+    """Whether ``tier`` is a per-layer placement (a mapping, or text with ``=``) rather than one tier name."""
+    return isinstance(tier, Mapping) or (isinstance(tier, str) and "=" in tier)
+
+
+def parse_placement(tier: str | Mapping[int, str], layer_ids: tuple[int, ...] | None = None) -> Placement:
+    """``"1=memory/14=direct"`` or ``{1: "memory", 14: "direct"}`` -> ``{1: "memory", 14: "direct"}``.
+
+    With ``layer_ids`` (the table's), every layer must be named and no other. ``ValueError``
+    (one line) for a malformed spec, an unknown tier, a layer named twice, missing or foreign.
+    """
+    items: list[tuple[Any, Any]]
+    if isinstance(tier, Mapping):
+        items = list(tier.items())
+    else:
+        items = []
+        for part in str(tier).split("/"):
+            layer, sep, name = part.partition("=")
+            if not sep:
+                raise ValueError(f"placement {tier!r}: {part!r} is not LAYER=TIER (write e.g. '1=memory/14=direct')")
+            items.append((layer.strip(), name.strip()))
+    placement: Placement = {}
+    for layer, name in items:
+        try:
+            layer_id = int(layer)
+        except (TypeError, ValueError):
+            raise ValueError(f"placement {tier!r}: layer {layer!r} is not a layer id (an integer)") from None
+        if name not in TIERS:
+            raise ValueError(f"placement {tier!r}: unknown tier {name!r} for layer {layer_id}; "
+                             f"choose one of: {', '.join(TIERS)}")
+        if layer_id in placement:
+            raise ValueError(f"placement {tier!r}: layer {layer_id} is named twice")
+        placement[layer_id] = str(name)
+    if layer_ids is not None:
+        missing = [i for i in layer_ids if i not in placement]
+        foreign = [i for i in placement if i not in layer_ids]
+        if missing or foreign:
+            what = (f"misses layer(s) {', '.join(map(str, missing))}" if missing else
+                    f"names layer(s) {', '.join(map(str, foreign))} the table does not have")
+            raise ValueError(f"placement {tier!r} {what}: the table's Engram layers are "
+                             f"{', '.join(map(str, layer_ids))}; name every one (e.g. "
+                             f"'{'/'.join(f'{i}=memory' for i in layer_ids)}')")
+    return placement
+
+
+def placement_text(placement: Mapping[int, str]) -> str:
+    """``{1: "memory", 14: "direct"}`` -> ``"1=memory/14=direct"`` (layers in ascending order)."""
+    return "/".join(f"{layer}={placement[layer]}" for layer in sorted(placement))
+
+
+# ---------------------------------------------------------------------- a layer's slice of the file
+@dataclass(frozen=True)
+class _WindowLayout(TableLayout):
+    """The layout of whole data pages ``first_page..`` of a table, seen as a table of their
+    rows (``window_rows``, from row ``first_page * rows_per_page``): what a resident tier loads."""
+
+    first_page: int = 0
+    window_rows: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.window_rows
+
+
+@dataclass(frozen=True)
+class _WindowHeader(TableHeader):
+    first_row: int = 0  # the window's first row in the whole table
+
+    def fingerprint(self) -> int:
+        """The table's fingerprint mixed with the window: a window's shared segment is its own."""
+        h = xxhash.xxh3_64(int(super().fingerprint()).to_bytes(8, "little"))
+        h.update(np.array([self.first_row, self.layout.num_rows], "<i8").tobytes())
+        return h.intdigest()
+
+
+def window_header(header: TableHeader, start: int, end: int) -> TableHeader:
+    """A header for rows ``[start, end)`` widened to whole pages: resident tiers opened on it
+    load and check only those pages. The window's row ``r`` is the table's row
+    ``window.first_row + r`` (``first_row`` a multiple of ``rows_per_page``)."""
+    layout = header.layout
+    if not 0 <= start < end <= layout.num_rows:
+        raise ValueError(f"rows [{start}, {end}) are not a slice of the table's {layout.num_rows:,} rows")
+    rpp = layout.rows_per_page
+    first_page, end_page = start // rpp, -(-end // rpp)
+    first_row = first_page * rpp
+    window = _WindowLayout(layout.config, layout.block_size, layout.data_offset + first_page * layout.page_bytes,
+                           layout.version, first_page=first_page,
+                           window_rows=min(end_page * rpp, layout.num_rows) - first_row)
+    sums = None if header.page_sums is None else header.page_sums[first_page:end_page]
+    return _WindowHeader(header.path, window, header.block_digests, sums, first_row=first_row)
+
+
+class _LayerRows:
+    """One layer's rows ``[0, count)`` as rows ``[offset, offset + count)`` of ``tier`` (a
+    ``RowSource`` for that layer's ``TableStore``); the tier is closed by the ``LayeredStore``."""
+
+    def __init__(self, tier: Tier, offset: int, count: int) -> None:
+        self.tier, self.offset, self.count = tier, int(offset), int(count)
+
+    @property
+    def num_rows(self) -> int:
+        return self.count
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tier.row_bytes
+
+    def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        return self.tier.read_rows(ids + self.offset, out)
+
+    def stats(self) -> dict[str, Any]:
+        return self.tier.stats()
+
+    def close(self) -> None:
+        """The tier may serve other layers: ``LayeredStore.close`` closes it."""
+
+
+# ---------------------------------------------------------------------- the store
+@dataclass
+class _Layer:
+    layer_id: int
+    tier_name: str
+    base: int  # first row in the flat row space
+    count: int
+    store: Any  # the layer's TableStore (ids 0..count-1)
+    resident: Tier | None  # the window tier this layer alone holds in DRAM
+
+
+class LayeredStore:
+    """Rows of one table, each Engram layer through its own ``TableStore`` on its own tier
+    (a ``RowStore``; see the module doc). Host rows only. Thread-safe; a context manager."""
+
+    def __init__(self, config: EngramConfig, header: TableHeader, layers: list[_Layer], tiers: list[Tier]) -> None:
+        self._config = config
+        self.header = header
+        self.layers = sorted(layers, key=lambda lay: lay.base)
+        self._tiers = tiers  # every tier opened, each closed once
+        self._bounds = np.array([lay.base for lay in self.layers[1:]], np.int64)
+        self._rb = int(config.row_bytes)
+        self.device = torch.device("cpu")
+        self.sync = None
+        self.columns = None
+        self.placement = {lay.layer_id: lay.tier_name for lay in self.layers}
+        self._lock = threading.Lock()
+        self._requested = 0
+        self._fetches = 0
+        self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.closed = False
+
+    @property
+    def config(self) -> EngramConfig:
+        return self._config
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._config.num_rows)
+
+    @property
+    def row_bytes(self) -> int:
+        return self._rb
+
+    @property
+    def levels(self) -> list:
+        """Every layer's row caches (the figures' ``cached`` test)."""
+        return [level for lay in self.layers for level in lay.store.levels]
+
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
+        """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``),
+        each layer's from its own store; the lease holds every layer's pins."""
+        ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+        out, pins = self._fetch(ids, hold, requested)
+        return Lease(ids, out, pins)
+
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor | np.ndarray, Pins]:
+        if self.closed:
+            raise ValueError("this store is closed: open the table again")
+        t0 = time.perf_counter()
+        out, pins = self._fetch_layers(ids, hold)
+        with self._lock:
+            self._fetches += 1
+            self._requested += ids.size if requested is None else int(requested)
+            self._fetch_samples.append(time.perf_counter() - t0)
+        return out, pins
+
+    def _fetch_layers(self, ids: np.ndarray, hold: bool) -> tuple[torch.Tensor | np.ndarray, Pins]:
+        """Each layer's ids from its own store, the rows back in the ids' order."""
+        cuts = [0, *np.searchsorted(ids, self._bounds).tolist(), ids.size]
+        parts = [(lay, cuts[i], cuts[i + 1]) for i, lay in enumerate(self.layers) if cuts[i + 1] > cuts[i]]
+        if len(parts) == 1:  # one layer: its rows as they come
+            lay, a, b = parts[0]
+            out, pins, _ = lay.store._fetch(ids[a:b] - lay.base, hold, None)
+            return out, pins
+        out = torch.empty((ids.size, self._rb), dtype=torch.uint8)  # [u, row_bytes]
+        dest = out.numpy()
+        pins = []
+        try:
+            for lay, a, b in parts:
+                rows, got, _ = lay.store._fetch(ids[a:b] - lay.base, hold, None)
+                pins.extend(got)
+                dest[a:b] = rows if isinstance(rows, np.ndarray) else rows.numpy()
+        except BaseException:
+            Lease(ids, out, pins).release()
+            raise
+        return out, pins
+
+    def read_raw(self, row_ids: Any) -> torch.Tensor:
+        """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
+        d = dedup(row_ids)
+        raw, _ = self._fetch(self._in_range(d.unique), False, d.requested)
+        return _in_order(_tensor(raw), d.inverse)
+
+    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype`` (as ``TableStore.gather``)."""
+        d = dedup(row_ids)
+        shape = d.shape or (1,)
+        raw = _tensor(self._fetch(self._in_range(d.unique), False, d.requested)[0])
+        if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
+            return self.decode(_in_order(raw, d.inverse), dtype).reshape(*shape, self._config.head_dim)
+        rows = self.decode(raw, dtype)  # [u, head_dim]
+        return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*shape, -1)
+
+    def _in_range(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows):
+            as_row_ids(ids, self.num_rows)  # raises, naming the bad id
+        return ids
+
+    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
+               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
+               buffers: Any = None) -> torch.Tensor:
+        """As ``TableStore.decode``."""
+        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
+                           index_base=index_base, shape=shape, buffers=buffers)
+
+    # ------------------------------------------------------------------ statistics
+    def reset_stats(self) -> None:
+        for lay in self.layers:
+            lay.store.reset_stats()
+        with self._lock:
+            self._requested = self._fetches = 0
+            self._fetch_samples.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """``TableStore.stats``'s keys over the whole table, plus ``layers`` (per layer: its
+        tier, rows, DRAM and its own store's stats) and ``placement``.
+
+        ``store.hit_rate`` is the share of distinct rows read from no drive or pool: rows of
+        resident layers count as hits. ``levels`` lists every layer's levels, named
+        ``L<layer>:<level>``; ``tier`` sums the counters of every tier opened.
+        """
+        per_layer: dict[str, Any] = {}
+        levels: list[dict[str, Any]] = []
+        unique = device_rows = bytes_read = 0
+        for lay in self.layers:
+            s = lay.store.stats()
+            per_layer[str(lay.layer_id)] = {"tier": lay.tier_name, "row_base": lay.base, "rows": lay.count,
+                                            "dram_bytes": _layer_dram(lay), **s}
+            levels.extend({**lv, "level": f"L{lay.layer_id}:{lv['level']}"} for lv in s["levels"])
+            unique += s["store"]["rows_unique"]
+            bytes_read += s["store"]["bytes_read"]
+            if lay.resident is None:
+                device_rows += s["levels"][-1]["rows"]
+        tier: dict[str, Any] = {"tier": placement_text(self.placement)}
+        for t in self._tiers:
+            for key, value in t.stats().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "queue_depth":
+                    tier[key] = tier.get(key, 0) + value
+        with self._lock:
+            requested, fetches = self._requested, self._fetches
+            latency = {f"fetch_{k}": v for k, v in percentiles_ms(self._fetch_samples).items()}
+        store = {"fetches": fetches, "rows_requested": requested, "rows_unique": unique,
+                 "unique_ratio": unique / requested if requested else 1.0,
+                 "hit_rate": 1.0 - device_rows / unique if unique else 0.0, "bytes_read": bytes_read, **latency}
+        return {"store": store, "levels": levels, "tier": tier, "layers": per_layer,
+                "placement": placement_text(self.placement), "table": str(self.header.path),
+                "table_bytes": self.header.layout.file_bytes, "columns": None, "dram_bytes": dram_bytes(self)}
+
+    # ------------------------------------------------------------------ life cycle
+    def close(self) -> None:
+        self.closed = True
+        for lay in self.layers:
+            lay.store.close()
+        for t in self._tiers:
+            t.close()
+
+    def __enter__(self) -> "LayeredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LayeredStore({str(self.header.path)!r}, {placement_text(self.placement)}, rows={self.num_rows:,})"
+
+
+def _in_order(raw: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
+    """Raw rows of distinct ids ``[u, row_bytes]`` -> the caller's order ``[n, row_bytes]``."""
+    out = torch.empty((inverse.size, raw.shape[1]), dtype=torch.uint8)  # [n, row_bytes]
+    move_rows(raw, inverse, out, None)
+    return out
+
+
+def _tensor(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
+
+
+def _layer_dram(lay: _Layer) -> int:
+    held = sum(level.capacity * level.row_bytes for level in lay.store.levels if level.device.type == "cpu")
+    if lay.resident is not None:
+        held += lay.resident.num_rows * lay.resident.row_bytes
+    return int(held)
+
+
+def dram_bytes(store: Any) -> int:
+    """The DRAM a store holds: a resident tier's rows (a layered store's: its layers' slices),
+    its host row caches and, with a device, its staging buffers."""
+    if isinstance(store, LayeredStore):
+        return sum(_layer_dram(lay) for lay in store.layers)
+    held = sum(level.capacity * level.row_bytes for level in getattr(store, "levels", ())
+               if level.device.type == "cpu")
+    tier = getattr(store, "tier", None)
+    if tier is not None and getattr(tier, "name", "") in TIERS and is_resident(tier.name):
+        held += tier.num_rows * tier.row_bytes
+    device_rows = getattr(store, "_device_rows", None)
+    if device_rows is not None:
+        held += int(getattr(device_rows, "staging_bytes", 0) or 0)
+    return int(held)
+
+
+# ---------------------------------------------------------------------- opening
+def _tier_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options tier ``name`` takes (each tier its own: ``queue_depth`` is ``direct``'s)."""
+    params = inspect.signature(get_tier_class(name).__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def open_layered(path: Any, tier: str | Mapping[int, str], layer_store: LayerStore, *, cache_bytes: int | None = None,
+                 policy: str = "lru", fast_cache_bytes: int = 0, admission: bool | None = None,
+                 **options: Any) -> LayeredStore:
+    """Open ``path`` with each Engram layer on the tier ``tier`` names (see the module doc);
+    ``open_table`` calls it for a placement, with ``layer_store`` its ``TableStore`` class
+    (each layer's store over that layer's rows, config and caches). ``options`` go to the
+    tiers that take them."""
+    if str(path).startswith("redis://"):
+        raise ValueError("a per-layer placement needs the table file (its layers' slices): pass its path, "
+                         "and the pool as pool=")
+    header = read_header(path)
+    config = header.config
+    placement = parse_placement(tier, config.layer_ids)
+    unused = [k for k in options if not any(k in _tier_options(n, {k: 1}) for n in set(placement.values()))]
+    if unused:
+        raise ValueError(f"no tier of placement {placement_text(placement)} takes option(s) {', '.join(unused)}")
+    if header.page_sums is None and options.get("verify_reads") and any(is_resident(n) for n in placement.values()):
+        raise ValueError("verify_reads on a version-1 table checks whole blocks, which a layer's slice does not "
+                         "hold: convert the table to version 2 (page checksums) or drop verify_reads")
+    rows = config.rows_per_layer
+    cached_rows = sum(rows[i] for i, name in placement.items() if not is_resident(name))
+    tiers: list[Tier] = []
+    shared: dict[str, Tier] = {}  # non-resident tiers, one per name
+    layers: list[_Layer] = []
+    try:
+        for layer_id in config.layer_ids:
+            name, base, count = placement[layer_id], config.layer_row_base(layer_id), rows[layer_id]
+            if is_resident(name):
+                window = window_header(header, base, base + count)
+                opened = open_tier(name, window, **_tier_options(name, options))
+                tiers.append(opened)
+                offset = base - window.first_row  # type: ignore[attr-defined]
+                resident: Tier | None = opened
+                levels: list[RowCache] = []
+            else:
+                if name not in shared:
+                    shared[name] = open_tier(name, header, **_tier_options(name, options))
+                    tiers.append(shared[name])
+                opened, offset, resident = shared[name], base, None
+                share = count / cached_rows
+                levels = build_levels(config.row_bytes, int((cache_bytes or 0) * share), policy,
+                                      fast_cache_bytes=int(fast_cache_bytes * share), admission=admission,
+                                      num_rows=count)
+            layers.append(_Layer(layer_id, name, base, count,
+                                 layer_store(_LayerRows(opened, offset, count), config, levels), resident))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return LayeredStore(config, header, layers, tiers)

@@ -1,0 +1,72 @@
+"""Per-layer placements in the planner: each Engram layer whole on dram or nvme."""
+
+from __future__ import annotations
+
+import pytest
+
+from engram_offload.planner import Workload, get_gpu, get_model, make_plan
+from engram_offload.planner.assumptions import DEFAULT_ASSUMPTIONS
+from engram_offload.planner.perf import decode_step, layer_offsets_us
+from engram_offload.planner.placement import (
+    evaluate,
+    evaluate_layered,
+    fetch_time,
+    layer_placements,
+    mixed_step_stall_us,
+    step_stall_us,
+)
+from engram_offload.planner.plan import curve_for
+
+GiB = 2**30
+
+
+def _workload(model, **kw) -> Workload:
+    curve, label = curve_for(model)
+    return Workload(curve=curve, curve_label=label, **kw)
+
+
+@pytest.mark.parametrize("name", ["dram", "nvme"])
+def test_one_placement_for_every_layer_stalls_as_the_whole_table_does(name):
+    model, gpu, a = get_model("deepseek-v4.1-flash"), get_gpu("b300"), DEFAULT_ASSUMPTIONS
+    step = decode_step(model, gpu, 2, 256, 32768, a)
+    offsets = layer_offsets_us(model, sorted(model.engram.layer_ids), step.backbone_us)
+    fetch = fetch_time(model, gpu, 2, name, 256, 0.8, a)
+    names = (name,) * len(offsets)
+    mixed, per_layer = mixed_step_stall_us({name: fetch}, {name: fetch}, names, offsets, step.backbone_us)
+    assert mixed == pytest.approx(step_stall_us(fetch, fetch, offsets, step.backbone_us))
+    assert len(per_layer) == len(offsets) and sum(per_layer) <= mixed + 1e-9
+
+
+def test_the_first_layer_in_dram_and_the_rest_on_nvme_holds_less_dram_and_stalls_less_than_nvme():
+    model, gpu = get_model("deepseek-v4.1-flash"), get_gpu("b300")
+    w = _workload(model, cache_bytes=0.2 * model.engram.table_bytes, batch=256)
+    mixed = evaluate_layered(model, gpu, ("dram", "nvme"), 2, w)
+    dram, nvme = evaluate(model, gpu, "dram", 2, w), evaluate(model, gpu, "nvme", 2, w)
+    assert mixed.name == "1=dram/14=nvme" and mixed.fits
+    assert mixed.host_bytes_per_gpu < dram.host_bytes_per_gpu
+    assert mixed.predicted_stall_us < nvme.predicted_stall_us
+    # the nvme layer's cache is the whole --cache-bytes: a higher hit rate than the whole table's
+    assert mixed.cache_bytes_per_gpu * 2 == pytest.approx(w.cache_bytes)
+    assert mixed.cache_hit_rate > nvme.cache_hit_rate
+    assert [x["layer"] for x in mixed.layers] == [1, 14]
+    assert [x["placement"] for x in mixed.layers] == ["dram", "nvme"]
+    assert mixed.layers[0]["dram_bytes_per_gpu"] == pytest.approx(model.engram.table_bytes / 2 / 2)
+    assert sum(x["stall_us"] for x in mixed.layers) == pytest.approx(mixed.predicted_stall_us)
+
+
+def test_the_mixes_weighed_and_bad_names_refused():
+    model = get_model("deepseek-v4.1-flash")
+    assert layer_placements(model) == [("dram", "nvme"), ("nvme", "dram")]
+    with pytest.raises(ValueError, match="one of dram, nvme for each of the 2 Engram layers"):
+        evaluate_layered(model, get_gpu("b300"), ("hbm", "nvme"), 2, _workload(model))
+
+
+def test_the_plan_lists_per_layer_placements_beside_whole_table_ones():
+    model = get_model("deepseek-v4.1-flash")
+    plan = make_plan(model, get_gpu("b300"), _workload(model, cache_bytes=40 * GiB))
+    d = plan.to_dict()
+    names = {r["name"] for r in d["layered_placements"]}
+    assert names == {"1=dram/14=nvme", "1=nvme/14=dram"}
+    assert {r["name"] for r in d["placements"]} == {"hbm", "dram", "nvme", "remote"}
+    ranked = {r["name"] for r in d["recommendation"]["ranking"]}
+    assert "1=dram/14=nvme" in ranked  # weighed for the recommendation too
