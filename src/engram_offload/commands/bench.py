@@ -272,13 +272,16 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
     from ..bench.workload import WorkloadShape
     from ..table.format import read_header
 
-    tiers = check_tiers(args.tiers)  # tier names or per-layer placements (1=memory/14=direct)
+    try:
+        tiers = check_tiers(args.tiers)  # tier names or per-layer placements (1=memory/14=direct)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.ranks > 1:
         from ..bench.ranks import RANK_TIERS
 
         _list(args.tiers, RANK_TIERS, "tiers (with --ranks)")
         if args.ranks % args.tp:
-            raise ValueError(f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})")
+            raise UsageError(f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})")
     states = _list(args.cache_states, CACHE_STATES, "cache-states")
     concurrency = _concurrency(args.concurrency)
     table = Path(args.table) if args.table else default_table(args.preset, args.scale, args.seed, show)
