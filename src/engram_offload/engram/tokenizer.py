@@ -26,6 +26,7 @@ __all__ = [
     "engram_normalizer",
     "engram_cache_dir",
     "encode_documents",
+    "append_capped",
 ]
 
 _SENTINEL = "\ue000"  # private-use character: keeps a lone-space token alive through Strip()
@@ -159,6 +160,18 @@ def cached_token_map(path: str | Path | None = None, cache_dir: str | Path | Non
     return token_map
 
 
+def append_capped(out: list[np.ndarray], ids: np.ndarray, total: int, min_tokens: int,
+                  max_tokens: int | None) -> int:
+    """Append one document's ids to ``out`` (skipped under ``min_tokens``, cut to what
+    ``max_tokens`` leaves after ``total``); returns the new total."""
+    if ids.size < min_tokens:
+        return total
+    if max_tokens is not None:
+        ids = ids[: max_tokens - total]
+    out.append(ids)
+    return total + ids.size
+
+
 def encode_documents(texts: Iterable[str], tokenizer: Any, max_tokens: int | None = None,
                      min_tokens: int = 1, batch: int = 64) -> list[np.ndarray]:
     """Token ids (int64) of each text, ``batch`` texts per tokenizer call, read lazily.
@@ -171,13 +184,7 @@ def encode_documents(texts: Iterable[str], tokenizer: Any, max_tokens: int | Non
     texts = iter(texts)
     while chunk := list(islice(texts, batch)):
         for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
-            ids = np.asarray(enc.ids, np.int64)
-            if ids.size < min_tokens:
-                continue
-            if max_tokens is not None:
-                ids = ids[: max_tokens - total]
-            out.append(ids)
-            total += ids.size
+            total = append_capped(out, np.asarray(enc.ids, np.int64), total, min_tokens, max_tokens)
             if max_tokens is not None and total >= max_tokens:
                 return out
     return out

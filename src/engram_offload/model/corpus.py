@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ..engram.tokenizer import append_capped
+
 __all__ = ["CorpusFile", "corpus_files", "split", "token_sequences", "text_pieces", "DOCS_ROOT", "EOS_ID",
            "HELD_OUT_EVERY", "PIECE_CHARS"]
 
@@ -113,12 +115,7 @@ def token_sequences(files: Iterable[CorpusFile], tokenizer: Any, max_tokens: int
                 head = next(pending, None)
             docs = [np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
         for ids in docs:
-            if ids.size < min_tokens:
-                continue
-            if max_tokens is not None:
-                ids = ids[: max_tokens - total]
-            out.append(ids)
-            total += ids.size
+            total = append_capped(out, ids, total, min_tokens, max_tokens)
             if max_tokens is not None and total >= max_tokens:
                 return out
     return out
