@@ -62,8 +62,12 @@ def _folder(shm_dir: str | os.PathLike[str]) -> SegmentFolder | None:
 def _lock_in_use(folder: SegmentFolder, lock: str) -> bool:
     """Whether a process holds ``lock`` (a lock file), without waiting."""
     fd = folder.open(lock, os.O_RDONLY)
-    if fd is None:
-        return False
+    return fd is not None and _flocked_elsewhere(fd)
+
+
+def _flocked_elsewhere(fd: int) -> bool:
+    """Whether another open file holds a ``flock`` on ``fd``'s file (tried without waiting);
+    closes ``fd``."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
@@ -207,15 +211,10 @@ def _held(path: Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return True  # not ours to judge: leave it
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
+        return True  # not ours to judge: leave it
+    return _flocked_elsewhere(fd)
 
 
 def _drop_legacy(shm_dir: Path, name: str) -> bool:
