@@ -17,8 +17,11 @@ $(BIN)/.installed: pyproject.toml setup.py
 
 install: $(BIN)/.installed
 
+# The demo serves at a B300 pair's step rate (the modeled backbone: the GPU's step time slept, the
+# fetch path real), so each 5-second point measures hundreds of steps on a 2-core machine.
+DEMO_ARGS ?= --backbone modeled --gpu b300 --tp 2 --concurrency 8,32 --cache-states cold,warm --seconds 5
 demo: $(BIN)/.installed
-	$(BIN)/engram-offload bench
+	$(BIN)/engram-offload bench $(DEMO_ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

@@ -36,7 +36,8 @@ def test_a_tiny_benchmark_end_to_end(tiny_table, tmp_path, capsys):
                  "--warmup-seconds", "0.3", "--dram-budget", "20%", "--corpus", "stdlib",
                  "--mixed-corpus", "zipf", "--corpus-tokens", "20000", "--hidden", "32", "--layers", "16",
                  "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16", "--turns", "2",
-                 "--max-step-tokens", "32", "--repeats", "1", "--out", str(out), "--no-progress"])
+                 "--max-step-tokens", "32", "--repeats", "1", "--out", str(out), "--no-progress",
+                 "--min-steps", "1", "--min-users", "1"])  # tiny runs: compare whatever they measured
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
     runs = doc["runs"]
@@ -151,7 +152,7 @@ def _remote_bench(table, out, *extra):
                  "--concurrency", "2", "--seconds", "0.4", "--warmup-seconds", "0.3", "--dram-budget", "20%",
                  "--corpus", "stdlib", "--corpus-tokens", "20000", "--hidden", "32", "--layers", "16",
                  "--prompt-tokens", "48", "--answer-tokens", "8", "--tool-tokens", "16", "--turns", "2",
-                 "--max-step-tokens", "32", "--out", str(out), "--no-progress", *extra])
+                 "--max-step-tokens", "32", "--out", str(out), "--no-progress", "--min-steps", "1", "--min-users", "1", *extra])
 
 
 def test_the_remote_tier_runs_like_direct_on_a_pool_of_its_own(tiny_table, tmp_path, capsys):

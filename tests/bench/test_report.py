@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from engram_offload.bench.report import comparisons, frontier_plot, markdown_table, write_json
+from engram_offload.bench.report import (
+    MIN_STEPS,
+    MIN_USERS,
+    comparisons,
+    enough_samples,
+    frontier_plot,
+    markdown_table,
+    thin_points,
+    write_json,
+)
 
 
 def run(tier, state, c, tput, itl, inter):
@@ -57,3 +66,27 @@ def test_the_stall_limit_is_the_largest_concurrency_under_it_with_all_below_unde
     assert got == {"memory": 128, "direct": 8, "mmap": None}
     table = stall_limits_table(stall_limits(runs))
     assert "| mmap | cold | none |" in table and "| memory | cold | 128 |" in table
+
+
+def counted(r, steps, users):
+    return {**r, "steps": steps, "users_measured": users}
+
+
+def test_points_with_too_few_steps_or_users_are_marked_and_left_out_of_the_ratios():
+    runs = [counted(RUNS[0], 500, 17), counted(RUNS[1], 300, MIN_USERS), counted(RUNS[2], 75, MIN_USERS - 1),
+            counted(RUNS[3], MIN_STEPS - 1, 32)]
+    assert [enough_samples(r) for r in runs] == [True, True, False, False]
+    got = {(c["tier"], c["vs"]) for c in comparisons(runs)}
+    assert got == {("direct", "memory")}  # mmap's point has too few users: neither ratio with it
+    table = markdown_table(runs).splitlines()
+    assert [line.rsplit("|", 2)[-2].strip() for line in table[2:6]] == ["ok", "ok", "few", "few"]
+    assert f"under {MIN_STEPS} steps or {MIN_USERS} users" in table[-1]
+    assert thin_points(runs) == ["mmap warm x8", "memory warm x32"]
+    assert "few" not in markdown_table(runs[:2])
+
+
+def test_the_plot_keeps_thin_points_and_names_tiers_with_none(tmp_path):
+    runs = [counted(RUNS[0], 500, 17), counted(RUNS[2], 75, 1),
+            {**counted(run("mmap", "cold", 8, 0.0, None, None), 12, 0)}]
+    path = frontier_plot(runs, tmp_path / "f.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

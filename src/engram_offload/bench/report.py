@@ -9,10 +9,29 @@ from typing import Any
 
 from ..atomic import atomic_path
 
-__all__ = ["STALL_LIMIT", "comparisons", "comparisons_table", "frontier_plot", "markdown_table", "stall_limits",
+__all__ = ["MIN_STEPS", "MIN_USERS", "STALL_LIMIT", "comparisons", "enough_samples", "thin_points", "comparisons_table", "frontier_plot", "markdown_table", "stall_limits",
            "stall_limits_table", "write_json"]
 
 STALL_LIMIT = 0.05  # the stall share of step time a deployment tolerates
+# A point's figures are read as a result only from this many measured steps and users (users
+# whose output rate was measured): fewer, and a run is a handful of steps whose ratios move by
+# whole factors from one run to the next. Such points are marked "few" in the table, drawn
+# hollow on the plot and left out of the ratios.
+MIN_STEPS = 50
+MIN_USERS = 8
+
+
+def enough_samples(run: dict[str, Any], min_steps: int = MIN_STEPS, min_users: int = MIN_USERS) -> bool:
+    """Whether ``run`` measured at least ``min_steps`` steps and ``min_users`` users (a run
+    without these counts, such as one made up by hand, is not judged)."""
+    steps, users = run.get("steps"), run.get("users_measured")
+    return (steps is None or steps >= min_steps) and (users is None or users >= min_users)
+
+
+def thin_points(runs: list[dict[str, Any]], min_steps: int = MIN_STEPS, min_users: int = MIN_USERS) -> list[str]:
+    """``tier cache xC`` of every run with too few steps or users, in order."""
+    return [f"{r['tier']} {r['cache_state']} x{r['concurrency']}" for r in runs
+            if not enough_samples(r, min_steps, min_users)]
 
 COLUMNS = [
     ("tier", "tier", "{}"),
@@ -28,6 +47,8 @@ COLUMNS = [
     ("hit_rate", "hit rate", "{:.1%}"),
     ("device_bytes_per_token", "disk B/tok", "{:,.0f}"),
     ("budget_enforced", "budget", "{}"),
+    ("steps", "steps", "{:,}"),
+    ("users_measured", "users", "{:,}"),
 ]
 
 
@@ -42,17 +63,24 @@ def _cell(value: Any, fmt: str) -> str:
         return str(value)
 
 
-def markdown_table(runs: list[dict[str, Any]]) -> str:
-    """One row per run, the columns a reader compares first."""
-    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    rule = "|" + "|".join("---:" if fmt != "{}" else "---" for _, _, fmt in COLUMNS) + "|"
-    rows = ["| " + " | ".join(_cell(r.get(key), fmt) for key, _, fmt in COLUMNS) + " |" for r in runs]
-    return "\n".join([head, rule, *rows])
+def markdown_table(runs: list[dict[str, Any]], min_steps: int = MIN_STEPS, min_users: int = MIN_USERS) -> str:
+    """One row per run, the columns a reader compares first; a last column says "few" where the
+    run measured fewer than ``min_steps`` steps or ``min_users`` users."""
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " | sample |"
+    rule = "|" + "|".join("---:" if fmt != "{}" else "---" for _, _, fmt in COLUMNS) + "|---|"
+    rows = ["| " + " | ".join(_cell(r.get(key), fmt) for key, _, fmt in COLUMNS)
+            + f" | {'ok' if enough_samples(r, min_steps, min_users) else 'few'} |" for r in runs]
+    thin = any(not enough_samples(r, min_steps, min_users) for r in runs)
+    note = (f"\nsample: 'few' = under {min_steps} steps or {min_users} users measured; such points are "
+            "drawn hollow and left out of the ratios" if thin else "")
+    return "\n".join([head, rule, *rows]) + note
 
 
-def comparisons(runs: list[dict[str, Any]], baseline: str = "memory") -> list[dict[str, Any]]:
+def comparisons(runs: list[dict[str, Any]], baseline: str = "memory", min_steps: int = MIN_STEPS,
+                min_users: int = MIN_USERS) -> list[dict[str, Any]]:
     """Each non-baseline run against the baseline tier (and ``direct`` against ``mmap``) at the
-    same cache state and concurrency: throughput and P90 ITL ratios."""
+    same cache state and concurrency: throughput and P90 ITL ratios. Points with too few steps
+    or users (``enough_samples``) on either side are left out."""
     index = {(r["tier"], r["cache_state"], r["concurrency"]): r for r in runs}
     out = []
     for r in runs:
@@ -60,7 +88,8 @@ def comparisons(runs: list[dict[str, Any]], baseline: str = "memory") -> list[di
             if r["tier"] == ref or (ref == "mmap" and r["tier"] != "direct"):
                 continue
             base = index.get((ref, r["cache_state"], r["concurrency"]))
-            if base is None or not base["throughput_tok_s"]:
+            if base is None or not base["throughput_tok_s"] or not (
+                    enough_samples(r, min_steps, min_users) and enough_samples(base, min_steps, min_users)):
                 continue
             itl_ratio = (r["p90_itl_ms"] / base["p90_itl_ms"]
                          if r.get("p90_itl_ms") and base.get("p90_itl_ms") else None)
@@ -113,9 +142,12 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     return path
 
 
-def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], title: str = "") -> Path:
+def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], title: str = "",
+                  min_steps: int = MIN_STEPS, min_users: int = MIN_USERS) -> Path:
     """Throughput (tok/s) against interactivity (tok/s/user): one line per tier and cache
-    state, a point per concurrency (labelled)."""
+    state, a point per concurrency (labelled with it). Points with too few steps or users
+    are hollow; a tier and state that finished no user's output is named in the corner
+    instead of being left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,21 +156,36 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], titl
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     styles = {"cold": ":", "warm": "-", "mixed": "--"}
-    markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^", "remote": "v"}
+    markers = {"memory": "o", "pinned": "D", "direct": "s", "mmap": "^", "remote": "v", "shared": "P"}
     lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    unplotted: list[str] = []
     for r in runs:
         if r.get("interactivity_tok_s_per_user") is None:
+            unplotted.append(f"{r['tier']} {r['cache_state']} x{r['concurrency']}")
             continue
         lines.setdefault((r["tier"], r["cache_state"]), []).append(r)
     for (tier, state), points in sorted(lines.items()):
         points.sort(key=lambda r: r["concurrency"])
         xs = [p["interactivity_tok_s_per_user"] for p in points]
         ys = [p["throughput_tok_s"] for p in points]
-        ax.plot(xs, ys, linestyle=styles.get(state, "-"), marker=markers.get(tier, "o"), label=f"{tier}, {state}")
+        (line,) = ax.plot(xs, ys, linestyle=styles.get(state, "-"), label=f"{tier}, {state}")
+        marker = markers.get(tier, "o")
         for p, x, y in zip(points, xs, ys):
-            ax.annotate(f"{p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            full = enough_samples(p, min_steps, min_users)
+            ax.plot([x], [y], linestyle="none", marker=marker, color=line.get_color(),
+                    markerfacecolor=line.get_color() if full else "none")
+            ax.annotate(f"{p['concurrency']}" + ("" if full else " (few)"), (x, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+    notes = []
+    if any(not enough_samples(p, min_steps, min_users) for points in lines.values() for p in points):
+        notes.append(f"hollow: under {min_steps} steps or {min_users} users measured")
+    if unplotted:
+        notes.append("no user's output finished: " + ", ".join(unplotted))
+    if notes:
+        ax.text(0.01, 0.01, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom", ha="left")
     ax.set_xlabel("interactivity (output tok/s per user, median)")
     ax.set_ylabel("throughput (tok/s, input + output)")
+    ax.set_yscale("log")
     ax.set_title(title or "Throughput vs interactivity (labels: concurrency)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

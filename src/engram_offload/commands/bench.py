@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..bench.report import MIN_STEPS, MIN_USERS
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
@@ -109,6 +110,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(prompt lookup: the K tokens after the last earlier match of the sequence's suffix; K default 1)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
+    r.add_argument("--min-steps", type=positive_int, default=MIN_STEPS,
+                   help=f"steps a point must measure to be compared (default {MIN_STEPS}; fewer: marked 'few')")
+    r.add_argument("--min-users", type=positive_int, default=MIN_USERS,
+                   help=f"users whose output rate a point must measure to be compared (default {MIN_USERS})")
     r.add_argument("--repeats", type=positive_int, default=1, help="run every point this many times; medians reported (default 1)")
     r.add_argument("--warmup-seconds", type=seconds_or_zero, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
     r.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
@@ -420,6 +425,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         markdown_table,
         stall_limits,
         stall_limits_table,
+        thin_points,
         write_json,
     )
     from ..bench.sweep import run_sweep
@@ -437,7 +443,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              repeats=args.repeats, progress=progress.run, on_step=progress.step,
                              ranks=args.ranks, tp=args.tp)
         plan.settings = settings
-    ratios = comparisons(runs)
+    sample = {"min_steps": args.min_steps, "min_users": args.min_users}
+    ratios = comparisons(runs, **sample)
     limits = stall_limits(runs)
     out = Path(args.out)
     json_path = write_json(args.json_out or out / "results.json",
@@ -445,8 +452,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
-                                    f"budget {budget}")
-    print(markdown_table(runs))
+                                    f"budget {budget}", **sample)
+    print(markdown_table(runs, **sample))
     if args.ranks > 1:
         from ..bench.report import ranks_table
 
@@ -455,6 +462,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if ratios:
         print()
         print(comparisons_table(ratios))
+    thin = thin_points(runs, **sample)
+    if thin:
+        print(f"ratios leave out points with too few steps or users: {', '.join(thin)}")
     print()
     print(stall_limits_table(limits))
     print(f"\nwrote {json_path} and {plot_path}")
