@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.client import PoolClient, PoolError, key_slot
 
-from redis_servers import redis_single  # noqa: F401 (fixture)
+from redis_servers import fresh_pool, redis_single  # noqa: F401 (fixtures)
 
 
 def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
@@ -18,3 +20,85 @@ def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
     message = str(caught.value)
     assert message.startswith("INCR engram-test:counter: "), message
     assert "not an integer" in message
+
+
+# ---------------------------------------------------------------------- a slot being migrated (ASK)
+def _migrate_slot(pool, slot: int) -> tuple:
+    """Start moving ``slot`` from its owner to another node of ``pool`` (IMPORTING on the
+    target, MIGRATING on the source, as redis-cli --cluster reshard does); -> (source,
+    target, their node ids)."""
+    with PoolClient(pool.url) as client:
+        source_port = client.nodes[int(client.owner[slot])][1]
+    source = next(n for n in pool.nodes if n.port == source_port)
+    target = next(n for n in pool.nodes if n.port != source_port)
+    src, dst = source.connect(5.0), target.connect(5.0)
+    src_id, dst_id = src.call("CLUSTER", "MYID").decode(), dst.call("CLUSTER", "MYID").decode()
+    assert dst.call("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id) == b"OK"
+    assert src.call("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id) == b"OK"
+    src.close()
+    dst.close()
+    return source, target, src_id, dst_id
+
+
+def _owner_port(node, slot: int) -> int | None:
+    """The port of the node that ``node`` says owns ``slot``."""
+    conn = node.connect(5.0)
+    try:
+        entries = conn.call("CLUSTER", "SLOTS")
+    finally:
+        conn.close()
+    return next((int(e[2][1]) for e in entries if int(e[0]) <= slot <= int(e[1])), None)
+
+
+def _wait_until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # noqa: F811
+    """Mid-reshard the slot's owner answers ``ASK`` for a key it has handed over: the client
+    asks the importing node (after ``ASKING``), for reads, writes and pipelines alike."""
+    pool = fresh_pool(3)
+    moved, stays, new = b"{engram-ask}:moved", b"{engram-ask}:stays", b"{engram-ask}:new"
+    slot = key_slot(moved)
+    with PoolClient(pool.url) as client:
+        client.call("SET", moved, b"handed over")
+        client.call("SET", stays, b"still at the source")
+        source, target, _, dst_id = _migrate_slot(pool, slot)
+        src = source.connect(5.0)
+        try:
+            assert src.call("MIGRATE", "127.0.0.1", target.port, moved, 0, 5000) == b"OK"
+            assert str(src.call("GET", moved)).startswith("ASK")  # the source no longer has it
+        finally:
+            src.close()
+        assert client.call("GET", moved) == b"handed over"
+        assert client.call("GET", stays) == b"still at the source"
+        assert client.call("SET", new, b"written mid-migration") == b"OK"  # a new key goes to the target
+        assert client.execute([("GET", moved), ("GET", stays), ("STRLEN", new)]) == [
+            b"handed over", b"still at the source", len(b"written mid-migration")]
+        tgt = target.connect(5.0)
+        try:
+            assert tgt.call("ASKING") == b"OK" and tgt.call("GET", new) == b"written mid-migration"
+        finally:
+            tgt.close()
+        src = source.connect(5.0)
+        try:  # the rest of the slot's keys move too
+            assert src.call("MIGRATE", "127.0.0.1", target.port, stays, 0, 5000) == b"OK"
+        finally:
+            src.close()
+        # the migration ends: the new owner first, then the old, then the others (as redis-cli
+        # does); once every node says so, the old owner answers MOVED and the map is re-read
+        for node in [target, source, *(n for n in pool.nodes if n not in (source, target))]:
+            conn = node.connect(5.0)
+            try:
+                assert conn.call("CLUSTER", "SETSLOT", slot, "NODE", dst_id) == b"OK"
+            finally:
+                conn.close()
+        assert _wait_until(lambda: all(_owner_port(node, slot) == target.port for node in pool.nodes))
+        assert client.execute([("GET", moved), ("GET", stays), ("GET", new)]) == [
+            b"handed over", b"still at the source", b"written mid-migration"]
+        assert client.address(client.node_of(moved)) == f"127.0.0.1:{target.port}"
