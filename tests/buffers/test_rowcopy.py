@@ -96,7 +96,7 @@ def test_too_few_destination_rows_raise(path):
 
 
 def test_no_index_at_all_is_refused():
-    with pytest.raises(ValueError, match="give src_rows"):
+    with pytest.raises(ValueError, match="^move_rows: give src_rows, dst_rows or both$"):
         move_rows(_rows(2, 8), None, torch.zeros((2, 8), dtype=torch.uint8), None)
 
 
@@ -142,7 +142,8 @@ def test_host_fetches_never_copy_rows_with_tensor_ops(tmp_path, monkeypatch, tie
             prefetcher.end_step(step)
 
 
-@pytest.mark.parametrize("rb,dtype", [(264, torch.int64), (12, torch.int32), (6, torch.int16), (7, torch.uint8)])
+@pytest.mark.parametrize("rb,dtype", [(264, torch.int64), (12, torch.int32), (6, torch.int16), (7, torch.uint8),
+                                      (9, torch.uint8)])
 def test_wide_view_takes_the_widest_integer_dividing_a_row(rb, dtype):
     rows = _rows(5, rb)
     wide = rowcopy.wide_view(rows)
@@ -217,3 +218,20 @@ def test_the_tensor_path_gathers_scatters_and_picks_byte_offsets(dtype):
     move_rows(src, np.array([3, 30, 1], dtype), dst, where)
     assert torch.equal(dst[torch.from_numpy(where.astype(np.int64))], src[[3, 30, 1]])
     assert int(dst.count_nonzero()) == int(src[[3, 30, 1]].count_nonzero())
+
+
+def test_the_native_switch_turns_the_helper_off(monkeypatch):
+    if rowcopy._built_move() is None:
+        pytest.skip("the C helper is not built")
+    monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE", raising=False)
+    assert rowcopy.native_move_rows() is rowcopy._built_move()
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    assert rowcopy.native_move_rows() is None
+
+
+def test_rows_of_a_destination_with_more_dimensions(path):
+    """Rows are the last dimension of ``dst`` whatever its other dimensions."""
+    src = _rows(10, 8)
+    dst = torch.zeros((2, 2, 8), dtype=torch.uint8)  # 4 rows of 8 bytes
+    move_rows(src, np.array([9, 0, 4, 4]), dst, None)
+    assert torch.equal(dst.reshape(4, 8), src[[9, 0, 4, 4]])
