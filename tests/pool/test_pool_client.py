@@ -8,7 +8,7 @@ import pytest
 
 from engram_offload.pool.client import PoolClient, PoolError, key_slot
 
-from redis_servers import fresh_pool, redis_single  # noqa: F401 (fixtures)
+from redis_servers import fresh_pool, migrate_slot, redis_single  # noqa: F401 (fixtures)
 
 
 def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
@@ -23,23 +23,6 @@ def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
 
 
 # ---------------------------------------------------------------------- a slot being migrated (ASK)
-def _migrate_slot(pool, slot: int) -> tuple:
-    """Start moving ``slot`` from its owner to another node of ``pool`` (IMPORTING on the
-    target, MIGRATING on the source, as redis-cli --cluster reshard does); -> (source,
-    target, their node ids)."""
-    with PoolClient(pool.url) as client:
-        source_port = client.nodes[int(client.owner[slot])][1]
-    source = next(n for n in pool.nodes if n.port == source_port)
-    target = next(n for n in pool.nodes if n.port != source_port)
-    src, dst = source.connect(5.0), target.connect(5.0)
-    src_id, dst_id = src.call("CLUSTER", "MYID").decode(), dst.call("CLUSTER", "MYID").decode()
-    assert dst.call("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id) == b"OK"
-    assert src.call("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id) == b"OK"
-    src.close()
-    dst.close()
-    return source, target, src_id, dst_id
-
-
 def _owner_port(node, slot: int) -> int | None:
     """The port of the node that ``node`` says owns ``slot``."""
     conn = node.connect(5.0)
@@ -68,7 +51,7 @@ def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # n
     with PoolClient(pool.url) as client:
         client.call("SET", moved, b"handed over")
         client.call("SET", stays, b"still at the source")
-        source, target, _, dst_id = _migrate_slot(pool, slot)
+        source, target, _, dst_id = migrate_slot(pool, slot)
         src = source.connect(5.0)
         try:
             assert src.call("MIGRATE", "127.0.0.1", target.port, moved, 0, 5000) == b"OK"
