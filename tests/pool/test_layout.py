@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,6 +59,15 @@ def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
     assert str(caught.value) == expected
     header, rows = header_from_record(record, "pool table x", any_version=True)
     assert rows == 97 and header.layout.num_rows == playout.header.layout.num_rows
+    assert header.path == Path(playout.fingerprint)  # a table opened from the pool is named by its fingerprint
+
+
+@pytest.mark.parametrize("drop", ["table", "block_digests", "extent_rows"])
+def test_a_record_missing_a_field_is_unreadable(playout, drop):
+    meta = json.loads(playout.header_record())
+    del meta[drop]
+    with pytest.raises(TableFormatError, match=f"^pool table x: unreadable table header in the pool .*'{drop}'"):
+        header_from_record(json.dumps(meta).encode(), "pool table x")
 
 
 def test_row_ids_and_rows_must_agree_in_number():
