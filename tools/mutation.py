@@ -63,11 +63,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "planner/plan": (["planner/plan.py"], ["tests/planner"]),
     "buffers/recycle": (["buffers/recycle.py"], ["tests/buffers/test_recycle.py"]),
     "buffers/rowcopy": (["buffers/rowcopy.py"], ["tests/buffers/test_rowcopy.py"]),
-    # the pool against real redis-server processes on 127.0.0.1 (tests/redis_servers.py)
-    "pool/client": (["pool/client.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
+    # the pool against real redis-server processes on 127.0.0.1 (tests/redis_servers.py); every
+    # remote-tier test reads through the client and layout: pool/client runs its own tests only
+    "pool/client": (["pool/client.py"], ["tests/pool"]),
     "pool/layout": (["pool/layout.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
     "pool/publish": (["pool/publish.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
-    "pool/servers": (["pool/servers.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
+    "pool/servers": (["pool/servers.py"], ["tests/pool"]),
     "serving/rowserver/server": (["serving/rowserver/server.py"], ["tests/serving/rowserver"]),
     "serving/rowserver/client": (["serving/rowserver/client.py"], ["tests/serving/rowserver"]),
     "serving/rowserver/protocol": (["serving/rowserver/protocol.py"], ["tests/serving/rowserver"]),

@@ -10,6 +10,7 @@ import pytest
 
 from engram_offload.errors import TableFormatError
 from engram_offload.pool.layout import (
+    MAX_EXTENT_BYTES,
     POOL_LAYOUT_VERSION,
     PoolLayout,
     PoolLayoutError,
@@ -73,3 +74,27 @@ def test_a_record_missing_a_field_is_unreadable(playout, drop):
 def test_row_ids_and_rows_must_agree_in_number():
     with pytest.raises(ValueError, match="^3 rows to check against 2 row ids$"):
         bad_rows(bytes(3 * 12), 8, 12, "00", np.arange(2))
+
+
+def test_extent_of_each_row_and_extent_bytes(playout):
+    starts, counts = playout.starts, playout.counts
+    firsts, lasts = starts, starts + counts - 1
+    ids = np.concatenate([firsts, lasts])
+    assert playout.extent_of(ids).tolist() == [*range(playout.num_extents)] * 2
+    assert [playout.extent_bytes(e) for e in (0, playout.num_extents - 1)] == [
+        int(counts[0]) * (playout.header.layout.row_bytes + 4), int(counts[-1]) * (playout.header.layout.row_bytes + 4)]
+    assert playout.extent_bytes(0) == 97 * playout.stride
+
+
+def test_extent_rows_from_one_up_to_redis_string_limit(playout):
+    header = playout.header
+    assert PoolLayout(header, 1).counts.max() == 1
+    with pytest.raises(ValueError, match="^extent_rows must be >= 1, got 0$"):
+        PoolLayout(header, 0)
+    most = MAX_EXTENT_BYTES // playout.stride  # extents of exactly 512 MiB or less
+    assert PoolLayout(header, most).extent_rows == most
+    if most * playout.stride == MAX_EXTENT_BYTES:
+        PoolLayout(header, most)  # exactly at the limit
+    with pytest.raises(ValueError, match=(rf"^extents of {most + 1:,} rows of {playout.stride} bytes \(with their "
+                                          r"checksums\) exceed Redis's 512 MiB string limit: choose fewer extent rows$")):
+        PoolLayout(header, most + 1)
