@@ -17,6 +17,7 @@ from engram_offload.pool.layout import (
     bad_rows,
     header_from_record,
     layout_version_problem,
+    row_keys,
     stored_layout_version,
 )
 from engram_offload.table import make_random_table, read_header
@@ -98,3 +99,25 @@ def test_extent_rows_from_one_up_to_redis_string_limit(playout):
     with pytest.raises(ValueError, match=(rf"^extents of {most + 1:,} rows of {playout.stride} bytes \(with their "
                                           r"checksums\) exceed Redis's 512 MiB string limit: choose fewer extent rows$")):
         PoolLayout(header, most + 1)
+
+
+def _splitmix_key(fp: str, row: int) -> int:
+    """The row key as documented, in Python integers: the low 32 bits of SplitMix64's
+    finalizer of ``fingerprint ^ (row * golden ratio)`` (all mod 2**64)."""
+    mask = (1 << 64) - 1
+    z = ((row * 0x9E3779B97F4A7C15) & mask) ^ int(fp, 16)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return z & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("fp", ["0000000000000000", "c993ba57e528765a", "ffffffffffffffff"])
+def test_row_keys_are_the_documented_splitmix_keys(fp):
+    """The key is part of the pool's format (a pool written by one version is read by
+    another): pinned to the documented function at small, large and extreme row ids."""
+    ids = np.array([0, 1, 2, 97, 12345, 1 << 31, (1 << 40) + 3, (1 << 62) + 5, (1 << 63) - 1], np.int64)
+    keys = row_keys(fp, ids)
+    assert keys.dtype == np.uint32 and keys.shape == ids.shape
+    assert keys.tolist() == [_splitmix_key(fp, int(i)) for i in ids]
+    assert row_keys(fp, ids.tolist()).tolist() == keys.tolist()  # any int array-like
