@@ -20,6 +20,31 @@ def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
     message = str(caught.value)
     assert message.startswith("INCR engram-test:counter: "), message
     assert "not an integer" in message
+    with PoolClient(redis_single.url) as client:  # a key that is not UTF-8: escaped, not an error of its own
+        client.call("SET", b"engram-test:\xff", b"x")
+        with pytest.raises(PoolError, match=r"^INCR engram-test:\\xff: .*not an integer"):
+            client.call("INCR", b"engram-test:\xff")
+        client.call("DEL", b"engram-test:\xff")
+
+
+def test_scan_finds_the_keys_of_every_node(fresh_pool):  # noqa: F811
+    pool = fresh_pool(3)
+    with PoolClient(pool.url) as client:
+        keys = [f"engram-scan:{i}".encode() for i in range(60)]
+        assert {client.node_of(k) for k in keys} == {0, 1, 2}  # spread over the three nodes
+        client.execute([("SET", k, b"v") for k in keys])
+        client.call("SET", b"other:1", b"v")
+        assert sorted(client.scan("engram-scan:*")) == sorted(keys)
+
+
+def test_a_node_that_died_fails_each_node_naming_it(fresh_pool):  # noqa: F811
+    pool = fresh_pool(1)
+    with PoolClient(pool.url) as client:
+        assert client.each_node("PING") == [b"PONG"]
+        pool.nodes[0].kill()
+        with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+            client.each_node("PING")
+        assert not client._conns  # the broken connection is dropped
 
 
 # ---------------------------------------------------------------------- a slot being migrated (ASK)
@@ -31,6 +56,15 @@ def _owner_port(node, slot: int) -> int | None:
     finally:
         conn.close()
     return next((int(e[2][1]) for e in entries if int(e[0]) <= slot <= int(e[1])), None)
+
+
+def _clients(node) -> int:
+    """How many clients are connected to ``node`` (besides the one asking)."""
+    conn = node.connect(5.0)
+    try:
+        return len(conn.call("CLIENT", "LIST").splitlines()) - 1
+    finally:
+        conn.close()
 
 
 def _wait_until(condition, timeout: float = 20.0) -> bool:
@@ -63,6 +97,10 @@ def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # n
         assert client.call("SET", new, b"written mid-migration") == b"OK"  # a new key goes to the target
         assert client.execute([("GET", moved), ("GET", stays), ("STRLEN", new)]) == [
             b"handed over", b"still at the source", len(b"written mid-migration")]
+        clients = _clients(target)
+        for _ in range(5):  # the connection to the importing node is kept and used again
+            assert client.call("GET", moved) == b"handed over"
+        assert _clients(target) == clients
         tgt = target.connect(5.0)
         try:
             assert tgt.call("ASKING") == b"OK" and tgt.call("GET", new) == b"written mid-migration"
