@@ -123,3 +123,40 @@ def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # n
         assert client.execute([("GET", moved), ("GET", stays), ("GET", new)]) == [
             b"handed over", b"still at the source", b"written mid-migration"]
         assert client.address(client.node_of(moved)) == f"127.0.0.1:{target.port}"
+
+
+def test_a_plain_server_is_one_node_and_never_one_of_several(redis_single):  # noqa: F811
+    with PoolClient(redis_single.url) as client:
+        assert client.cluster is False and client.nodes == [("127.0.0.1", redis_single.nodes[0].port)]
+        assert client.owner.min() == client.owner.max() == 0
+    port = redis_single.nodes[0].port
+    with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} is a plain Redis server, not a cluster node: give one "
+                                         r"plain server, or the nodes of a Redis Cluster$")):
+        PoolClient(f"{redis_single.url},127.0.0.1:{port}")
+
+
+def test_a_cluster_missing_a_slot_is_refused(fresh_pool):  # noqa: F811
+    pool = fresh_pool(3)
+    conn = pool.nodes[0].connect(5.0)
+    try:
+        assert conn.call("CLUSTER", "DELSLOTS", 0, 1) == b"OK"
+    finally:
+        conn.close()
+    with pytest.raises(PoolError, match=(rf"^the cluster at 127.0.0.1:{pool.nodes[0].port} does not cover all 16384 "
+                                         r"slots \(2 unassigned\): fix the cluster \(redis-cli --cluster fix\)$")):
+        PoolClient(f"redis://127.0.0.1:{pool.nodes[0].port}")
+
+
+def test_without_the_redis_packages_the_message_says_what_to_install(monkeypatch):
+    import sys
+
+    from engram_offload.pool import client as client_module
+
+    monkeypatch.setitem(sys.modules, "redis.crc", None)
+    with pytest.raises(ImportError, match=r"^the pooled tier needs the 'redis' package: pip install "
+                                          r"'engram-offload\[pool\]'$"):
+        key_slot("k")
+    monkeypatch.setitem(sys.modules, "hiredis", None)
+    with pytest.raises(ImportError, match=r"^the pooled tier needs the 'hiredis' and 'redis' packages: pip install "
+                                          r"'engram-offload\[pool\]'$"):
+        client_module._import_hiredis()
