@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -45,6 +46,31 @@ def test_a_node_that_died_fails_each_node_naming_it(fresh_pool):  # noqa: F811
         with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
             client.each_node("PING")
         assert not client._conns  # the broken connection is dropped
+        with pytest.raises(PoolError, match=f"^cannot connect to 127.0.0.1:{pool.nodes[0].port}: "):
+            client.each_node("PING")  # no connection to be had now
+
+
+def test_a_node_that_died_fails_a_command_naming_it(fresh_pool):  # noqa: F811
+    pool = fresh_pool(1)
+    with PoolClient(pool.url) as client:
+        assert client.call("SET", "engram-test:k", b"v") == b"OK"
+        pool.nodes[0].kill()
+        with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+            client.call("GET", "engram-test:k")
+        assert not client._conns
+
+
+def test_a_stopped_node_times_out_within_the_bound(fresh_pool):  # noqa: F811
+    """A node that accepts connections but never answers (a stopped process): each wait ends
+    after the client's timeout with an error naming the node, never hangs."""
+    pool = fresh_pool(1)
+    with PoolClient(pool.url, timeout=0.5) as client:
+        pool.nodes[0].process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+                client.call("GET", "engram-test:k")
+        finally:
+            pool.nodes[0].process.send_signal(signal.SIGCONT)
 
 
 # ---------------------------------------------------------------------- a slot being migrated (ASK)
