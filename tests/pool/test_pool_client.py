@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engram_offload.pool.client import PoolClient, PoolError, key_slot
+from engram_offload.pool.client import PoolClient, PoolError, key_slot, parse_pool_url, redact
 
 from redis_servers import fresh_pool, migrate_slot, redis_single  # noqa: F401 (fixtures)
 
@@ -186,3 +186,58 @@ def test_without_the_redis_packages_the_message_says_what_to_install(monkeypatch
     with pytest.raises(ImportError, match=r"^the pooled tier needs the 'hiredis' and 'redis' packages: pip install "
                                           r"'engram-offload\[pool\]'$"):
         client_module._import_hiredis()
+
+
+# ---------------------------------------------------------------------- pool URLs
+A, B = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
+
+
+@pytest.mark.parametrize("url, seeds, fp, auth", [
+    ("redis://127.0.0.1:7001", [A], None, None),
+    (["redis://127.0.0.1:7001", "127.0.0.1:7002"], [A, B], None, None),
+    ("redis://127.0.0.1:7001, ,127.0.0.1:7002", [A, B], None, None),
+    (",127.0.0.1:7001", [A], None, None),  # an empty first part: the scheme is asked of the first address
+    ("redis://127.0.0.1:7001,127.0.0.1:7002/0123456789abcdef", [A, B], "0123456789abcdef", None),
+    ("redis://alice:s3cret@127.0.0.1:7001", [A], None, ("alice", "s3cret")),
+    ("redis://:s3cret@127.0.0.1:7001", [A], None, (None, "s3cret")),
+    ("redis://127.0.0.1:1,127.0.0.1:65535", [("127.0.0.1", 1), ("127.0.0.1", 65535)], None, None),
+])
+def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seeds, fp, auth):
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    assert parse_pool_url(url) == (seeds, fp, auth)
+
+
+@pytest.mark.parametrize("url, said", [
+    ("", "no pool address in '': use redis://host:port[,host:port...]"),
+    (" , ", "no pool address in ' , ': use redis://host:port[,host:port...]"),
+    ("redis://u:pw@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
+    ("redis://127.0.0.1:7x1", "pool address 'redis://127.0.0.1:7x1' lacks a port number: use redis://host:port (a "
+                              "password with '/', '@' or ':' is written percent-encoded)"),
+    ("redis://127.0.0.1:0", "pool address 'redis://127.0.0.1:0': port 0 is out of range (1-65535)"),
+    ("redis://127.0.0.1:65536", "pool address 'redis://127.0.0.1:65536': port 65536 is out of range (1-65535)"),
+    ("http://127.0.0.1:7001", "pool address 'http://127.0.0.1:7001' is not a redis:// URL "
+                              "(redis://host:port[,host:port...])"),
+])
+def test_bad_pool_urls_say_exactly_what_is_wrong(url, said):
+    with pytest.raises(ValueError) as caught:
+        parse_pool_url(url)
+    assert str(caught.value) == said
+
+
+def test_the_password_comes_from_the_environment_unless_the_url_has_one(monkeypatch):
+    monkeypatch.setenv("ENGRAM_OFFLOAD_POOL_PASSWORD", "from-env")
+    assert parse_pool_url("redis://127.0.0.1:7001")[2] == (None, "from-env")
+    assert parse_pool_url("redis://bob:in-url@127.0.0.1:7001")[2] == ("bob", "in-url")
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://u:pw@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),
+    ("redis://u:p:w@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),
+    ("redis://u:a@b@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),  # an '@' in the password
+    ("redis://user@127.0.0.1:7001", "redis://user@127.0.0.1:7001"),  # no password
+    ("redis://127.0.0.1:7001", "redis://127.0.0.1:7001"),
+    (["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002"], "redis://:***@127.0.0.1:7001,127.0.0.1:7002"),
+    ("redis://:x@127.0.0.1:7001,redis://:y@127.0.0.1:7002", "redis://:***@127.0.0.1:7001,redis://:***@127.0.0.1:7002"),
+])
+def test_redact_hides_every_password(url, shown):
+    assert redact(url) == shown
