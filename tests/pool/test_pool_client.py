@@ -31,6 +31,7 @@ def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
 def test_scan_finds_the_keys_of_every_node(fresh_pool):  # noqa: F811
     pool = fresh_pool(3)
     with PoolClient(pool.url) as client:
+        assert client.cluster is True and len(client.nodes) == 3
         keys = [f"engram-scan:{i}".encode() for i in range(60)]
         assert {client.node_of(k) for k in keys} == {0, 1, 2}  # spread over the three nodes
         client.execute([("SET", k, b"v") for k in keys])
