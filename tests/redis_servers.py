@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 
+from engram_offload.pool.client import PoolClient
 from engram_offload.pool.servers import LocalPool, redis_server_missing, start_local_pool
 
 
@@ -57,3 +58,20 @@ def fresh_pool(tmp_path):
     yield start
     for pool in pools:
         pool.stop()
+
+
+def migrate_slot(pool, slot: int) -> tuple:
+    """Start moving ``slot`` from its owner to another node of ``pool`` (IMPORTING on the
+    target, MIGRATING on the source, as redis-cli --cluster reshard does); -> (source,
+    target, their node ids)."""
+    with PoolClient(pool.url) as client:
+        source_port = client.nodes[int(client.owner[slot])][1]
+    source = next(n for n in pool.nodes if n.port == source_port)
+    target = next(n for n in pool.nodes if n.port != source_port)
+    src, dst = source.connect(5.0), target.connect(5.0)
+    src_id, dst_id = src.call("CLUSTER", "MYID").decode(), dst.call("CLUSTER", "MYID").decode()
+    assert dst.call("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id) == b"OK"
+    assert src.call("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id) == b"OK"
+    src.close()
+    dst.close()
+    return source, target, src_id, dst_id

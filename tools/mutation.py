@@ -61,6 +61,19 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                           ["tests/planner/test_placement_rules.py", "tests/planner/test_planner_placement.py"]),
     "planner/recommend": (["planner/recommend.py"], ["tests/planner/test_recommend.py"]),
     "planner/plan": (["planner/plan.py"], ["tests/planner"]),
+    "buffers/recycle": (["buffers/recycle.py"], ["tests/buffers/test_recycle.py"]),
+    "buffers/rowcopy": (["buffers/rowcopy.py"], ["tests/buffers/test_rowcopy.py"]),
+    # the pool against real redis-server processes on 127.0.0.1 (tests/redis_servers.py); every
+    # remote-tier test reads through the client and layout: pool/client runs its own tests only
+    "pool/client": (["pool/client.py"], ["tests/pool"]),
+    "pool/layout": (["pool/layout.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
+    "pool/publish": (["pool/publish.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
+    "pool/servers": (["pool/servers.py"], ["tests/pool"]),
+    "serving/rowserver/server": (["serving/rowserver/server.py"], ["tests/serving/rowserver"]),
+    "serving/rowserver/client": (["serving/rowserver/client.py"], ["tests/serving/rowserver"]),
+    "serving/rowserver/protocol": (["serving/rowserver/protocol.py"], ["tests/serving/rowserver"]),
+    "tiers/remote": (["tiers/remote.py"], ["tests/tiers/test_remote.py", "tests/pool"]),
+    "bench/modeled": (["bench/modeled.py"], ["tests/bench/test_modeled.py"]),
 }
 
 # module -> [tool.mutmut] settings of its own. A prefetch mutant that stops the workers leaves

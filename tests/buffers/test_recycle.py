@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -141,3 +145,70 @@ def test_a_replaced_free_slot_is_taken_off_the_free_list():
     grown[:] = 1
     other[:] = 2
     assert (grown == 1).all()
+
+
+def test_by_default_sixteen_arrays_are_kept():
+    pool = RecycledArrays(min_bytes=0)
+    held = [pool.empty((64,), np.uint8) for _ in range(17)]
+    assert pool.made == 17 and len(pool._bases) == 16 and pool.kept_bytes == 16 * 64
+    del held
+
+
+def test_kept_bytes_may_reach_max_bytes_exactly():
+    pool = RecycledArrays(keep=2, min_bytes=0, max_bytes=1000)
+    a, b = pool.empty((400,), np.uint8), pool.empty((600,), np.uint8)  # 1,000 bytes: both kept
+    assert pool.kept_bytes == 1000 and len(pool._bases) == 2
+    pool = RecycledArrays(keep=2, min_bytes=0, max_bytes=1000)
+    a, b = pool.empty((300,), np.uint8), pool.empty((600,), np.uint8)
+    del a
+    grown = pool.empty((400,), np.uint8)  # replaces a's free 300 bytes: 1,000 kept
+    assert pool.kept_bytes == 1000 and address(grown) in {address(x) for x in pool._bases}
+    del b, grown
+
+
+def test_every_free_array_too_small_is_a_candidate_for_replacing():
+    """The last-freed small array would take the kept bytes over ``max_bytes``; an earlier
+    freed one does not: that one is replaced."""
+    pool = RecycledArrays(keep=3, min_bytes=0, max_bytes=1000)
+    a, b, c = pool.empty((100,), np.uint8), pool.empty((200,), np.uint8), pool.empty((600,), np.uint8)
+    del b  # free list: b (200 bytes)
+    del a  # free list: b, a (100 bytes, let go of last)
+    grown = pool.empty((300,), np.uint8)  # replacing a: 1,100 bytes; replacing b: 1,000 bytes
+    assert pool.kept_bytes == 1000 and address(grown) in {address(x) for x in pool._bases}
+    assert sorted(x.nbytes for x in pool._bases) == [100, 300, 600]
+    del c, grown
+
+
+def test_arrays_not_kept_have_their_shape_and_dtype():
+    pool = RecycledArrays(keep=1, min_bytes=64, max_bytes=1000)
+    small = pool.empty((3, 5), np.float32)  # under min_bytes: a plain array
+    assert small.shape == (3, 5) and small.dtype == np.float32
+    kept = pool.empty((10, 10), np.int16)
+    large = pool.empty((20, 30), np.int32)  # over max_bytes: the caller's alone
+    assert large.shape == (20, 30) and large.dtype == np.int32 and kept.shape == (10, 10)
+
+
+def test_an_array_outlives_its_pool():
+    """Arrays handed out hold their memory after the pool is gone: in a child process, a
+    pool's 8 MiB array (its own ``mmap``) is written after the pool is collected; here, the
+    memory the pool kept lives on with the array."""
+    pool = RecycledArrays()
+    a = pool.empty((1 << 20,), np.float64)
+    memory = weakref.ref(pool._bases[0])
+    del pool
+    gc.collect()
+    assert memory() is not None and address(memory()) == address(a)
+    del a
+    gc.collect()
+    assert memory() is None
+    code = ("import gc, numpy as np\n"
+            "from engram_offload.buffers.recycle import RecycledArrays\n"
+            "pool = RecycledArrays()\n"
+            "a = pool.empty((1 << 20,), np.float64)\n"
+            "del pool\n"
+            "gc.collect()\n"
+            "a[:] = 3.0\n"
+            "print(float(a.sum()))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package this test imported
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.split() == [str(3.0 * (1 << 20))], (done.returncode, done.stderr)

@@ -96,7 +96,7 @@ def test_too_few_destination_rows_raise(path):
 
 
 def test_no_index_at_all_is_refused():
-    with pytest.raises(ValueError, match="give src_rows"):
+    with pytest.raises(ValueError, match="^move_rows: give src_rows, dst_rows or both$"):
         move_rows(_rows(2, 8), None, torch.zeros((2, 8), dtype=torch.uint8), None)
 
 
@@ -140,3 +140,98 @@ def test_host_fetches_never_copy_rows_with_tensor_ops(tmp_path, monkeypatch, tie
             for layer in config.layer_ids:
                 assert step.rows(layer).shape[-1] == config.head_dim
             prefetcher.end_step(step)
+
+
+@pytest.mark.parametrize("rb,dtype", [(264, torch.int64), (12, torch.int32), (6, torch.int16), (7, torch.uint8),
+                                      (9, torch.uint8)])
+def test_wide_view_takes_the_widest_integer_dividing_a_row(rb, dtype):
+    rows = _rows(5, rb)
+    wide = rowcopy.wide_view(rows)
+    assert wide.dtype == dtype and wide.shape == (5, rb * rows.element_size() // wide.element_size())
+    assert torch.equal(wide.view(torch.uint8), rows)
+    strided = _rows(5, 2 * rb)[:, :rb]  # not contiguous: left as it is
+    assert rowcopy.wide_view(strided) is strided
+
+
+def test_the_helper_is_looked_up_once_and_none_when_missing(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(rowcopy, "_built", rowcopy._UNRESOLVED)
+    monkeypatch.setitem(sys.modules, "engram_offload.buffers._rowcopy", None)  # import fails
+    monkeypatch.delattr(sys.modules["engram_offload.buffers"], "_rowcopy", raising=False)
+    assert rowcopy._built_move() is None and rowcopy._built is None
+    monkeypatch.delitem(sys.modules, "engram_offload.buffers._rowcopy")
+    monkeypatch.setattr(rowcopy, "_built", rowcopy._UNRESOLVED)
+    try:
+        from engram_offload.buffers import _rowcopy
+    except ImportError:
+        pytest.skip("the C helper is not built")
+    assert rowcopy._built_move() is _rowcopy.move_rows and rowcopy._built is _rowcopy.move_rows
+
+
+def test_out_of_range_messages_name_the_side_and_the_first_bad_offset(path):
+    """The message names the buffer (src or dst) and the first offset out of range, after
+    valid ones at both ends (offset 0, the last row)."""
+    src, out = _rows(50, 8), torch.zeros((4, 8), dtype=torch.uint8)
+    with pytest.raises(IndexError, match=r"src offset 400 .*outside 0\.\.392"):
+        move_rows(src, np.array([0, 49, 50, 51], np.int64), out, None)
+    with pytest.raises(IndexError, match=r"src offset -8 .*outside"):
+        move_rows(src, np.array([0, 49, -1, 51], np.int64), out, None)
+    with pytest.raises(IndexError, match=r"dst offset 32 .*outside 0\.\.24"):
+        move_rows(src[:3], None, out, np.array([0, 3, 4], np.int64))
+    with pytest.raises(IndexError, match="overrun the 32-byte dst"):
+        move_rows(src, np.arange(5), out, None)
+    with pytest.raises(IndexError, match="overrun the 16-byte src"):
+        move_rows(src[:2], None, out, np.arange(3))
+    assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.uint16])
+def test_indexes_of_any_integer_dtype(path, dtype):
+    src = _rows(300, 8)
+    pick = np.array([255, 40, 299 if dtype != np.uint8 else 33], dtype)
+    out = torch.zeros((3, 8), dtype=torch.uint8)
+    move_rows(src, pick, out, None)
+    assert torch.equal(out, src[torch.from_numpy(pick.astype(np.int64))])
+    dst = torch.zeros((300, 8), dtype=torch.uint8)
+    move_rows(src[:3], None, dst, pick)
+    assert torch.equal(dst[torch.from_numpy(pick.astype(np.int64))], src[:3])
+    with pytest.raises(TypeError, match="row indexes must be integers, got float64"):
+        move_rows(src, np.array([1.0]), out, None)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
+def test_the_tensor_path_gathers_scatters_and_picks_byte_offsets(dtype):
+    """Strided tensors (as rows on a device) go through tensor ops: byte offsets into a flat
+    source up to its last window, indexes of any integer dtype, a destination longer than
+    the rows moved."""
+    flat = _rows(1, 512)[0, ::2]  # [256] bytes, not contiguous
+    offsets = np.array([0, 1, 256 - 16, 100], dtype)
+    out = torch.zeros((6, 32), dtype=torch.uint8)[:, :16]  # not contiguous, more rows than moved
+    move_rows(flat, offsets, out, None, src_byte_offsets=True)
+    for i, off in enumerate(offsets.tolist()):
+        assert torch.equal(out[i], flat[off: off + 16])
+    assert not out[4:].any()
+    src = _rows(40, 32)[:, :16]  # not contiguous
+    dst = torch.zeros((40, 32), dtype=torch.uint8)[:, 16:]
+    where = np.array([39, 0, 7], dtype)
+    move_rows(src, np.array([3, 30, 1], dtype), dst, where)
+    assert torch.equal(dst[torch.from_numpy(where.astype(np.int64))], src[[3, 30, 1]])
+    assert int(dst.count_nonzero()) == int(src[[3, 30, 1]].count_nonzero())
+
+
+def test_the_native_switch_turns_the_helper_off(monkeypatch):
+    if rowcopy._built_move() is None:
+        pytest.skip("the C helper is not built")
+    monkeypatch.delenv("ENGRAM_OFFLOAD_NO_NATIVE", raising=False)
+    assert rowcopy.native_move_rows() is rowcopy._built_move()
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    assert rowcopy.native_move_rows() is None
+
+
+def test_rows_of_a_destination_with_more_dimensions(path):
+    """Rows are the last dimension of ``dst`` whatever its other dimensions."""
+    src = _rows(10, 8)
+    dst = torch.zeros((2, 2, 8), dtype=torch.uint8)  # 4 rows of 8 bytes
+    move_rows(src, np.array([9, 0, 4, 4]), dst, None)
+    assert torch.equal(dst.reshape(4, 8), src[[9, 0, 4, 4]])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
-from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.client import PoolClient, PoolError, key_slot, parse_pool_url, redact
 
-from redis_servers import redis_single  # noqa: F401 (fixture)
+from redis_servers import fresh_pool, migrate_slot, redis_single  # noqa: F401 (fixtures)
 
 
 def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
@@ -18,3 +21,224 @@ def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
     message = str(caught.value)
     assert message.startswith("INCR engram-test:counter: "), message
     assert "not an integer" in message
+    with PoolClient(redis_single.url) as client:  # a key that is not UTF-8: escaped, not an error of its own
+        client.call("SET", b"engram-test:\xff", b"x")
+        with pytest.raises(PoolError, match=r"^INCR engram-test:\\xff: .*not an integer"):
+            client.call("INCR", b"engram-test:\xff")
+        client.call("DEL", b"engram-test:\xff")
+
+
+def test_scan_finds_the_keys_of_every_node(fresh_pool):  # noqa: F811
+    pool = fresh_pool(3)
+    with PoolClient(pool.url) as client:
+        assert client.cluster is True and len(client.nodes) == 3
+        keys = [f"engram-scan:{i}".encode() for i in range(60)]
+        assert {client.node_of(k) for k in keys} == {0, 1, 2}  # spread over the three nodes
+        client.execute([("SET", k, b"v") for k in keys])
+        client.call("SET", b"other:1", b"v")
+        assert sorted(client.scan("engram-scan:*")) == sorted(keys)
+
+
+def test_a_node_that_died_fails_each_node_naming_it(fresh_pool):  # noqa: F811
+    pool = fresh_pool(1)
+    with PoolClient(pool.url) as client:
+        assert client.each_node("PING") == [b"PONG"]
+        pool.nodes[0].kill()
+        with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+            client.each_node("PING")
+        assert not client._conns  # the broken connection is dropped
+        with pytest.raises(PoolError, match=f"^cannot connect to 127.0.0.1:{pool.nodes[0].port}: "):
+            client.each_node("PING")  # no connection to be had now
+
+
+def test_a_node_that_died_fails_a_command_naming_it(fresh_pool):  # noqa: F811
+    pool = fresh_pool(1)
+    with PoolClient(pool.url) as client:
+        assert client.call("SET", "engram-test:k", b"v") == b"OK"
+        pool.nodes[0].kill()
+        with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+            client.call("GET", "engram-test:k")
+        assert not client._conns
+
+
+def test_a_stopped_node_times_out_within_the_bound(fresh_pool):  # noqa: F811
+    """A node that accepts connections but never answers (a stopped process): each wait ends
+    after the client's timeout with an error naming the node, never hangs."""
+    pool = fresh_pool(1)
+    with PoolClient(pool.url, timeout=0.5) as client:
+        pool.nodes[0].process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
+                client.call("GET", "engram-test:k")
+        finally:
+            pool.nodes[0].process.send_signal(signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------- a slot being migrated (ASK)
+def _owner_port(node, slot: int) -> int | None:
+    """The port of the node that ``node`` says owns ``slot``."""
+    conn = node.connect(5.0)
+    try:
+        entries = conn.call("CLUSTER", "SLOTS")
+    finally:
+        conn.close()
+    return next((int(e[2][1]) for e in entries if int(e[0]) <= slot <= int(e[1])), None)
+
+
+def _clients(node) -> int:
+    """How many clients are connected to ``node`` (besides the one asking)."""
+    conn = node.connect(5.0)
+    try:
+        return len(conn.call("CLIENT", "LIST").splitlines()) - 1
+    finally:
+        conn.close()
+
+
+def _wait_until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # noqa: F811
+    """Mid-reshard the slot's owner answers ``ASK`` for a key it has handed over: the client
+    asks the importing node (after ``ASKING``), for reads, writes and pipelines alike."""
+    pool = fresh_pool(3)
+    moved, stays, new = b"{engram-ask}:moved", b"{engram-ask}:stays", b"{engram-ask}:new"
+    slot = key_slot(moved)
+    with PoolClient(pool.url) as client:
+        client.call("SET", moved, b"handed over")
+        client.call("SET", stays, b"still at the source")
+        source, target, _, dst_id = migrate_slot(pool, slot)
+        src = source.connect(5.0)
+        try:
+            assert src.call("MIGRATE", "127.0.0.1", target.port, moved, 0, 5000) == b"OK"
+            assert str(src.call("GET", moved)).startswith("ASK")  # the source no longer has it
+        finally:
+            src.close()
+        assert client.call("GET", moved) == b"handed over"
+        assert client.call("GET", stays) == b"still at the source"
+        assert client.call("SET", new, b"written mid-migration") == b"OK"  # a new key goes to the target
+        assert client.execute([("GET", moved), ("GET", stays), ("STRLEN", new)]) == [
+            b"handed over", b"still at the source", len(b"written mid-migration")]
+        clients = _clients(target)
+        for _ in range(5):  # the connection to the importing node is kept and used again
+            assert client.call("GET", moved) == b"handed over"
+        assert _clients(target) == clients
+        tgt = target.connect(5.0)
+        try:
+            assert tgt.call("ASKING") == b"OK" and tgt.call("GET", new) == b"written mid-migration"
+        finally:
+            tgt.close()
+        src = source.connect(5.0)
+        try:  # the rest of the slot's keys move too
+            assert src.call("MIGRATE", "127.0.0.1", target.port, stays, 0, 5000) == b"OK"
+        finally:
+            src.close()
+        # the migration ends: the new owner first, then the old, then the others (as redis-cli
+        # does); once every node says so, the old owner answers MOVED and the map is re-read
+        for node in [target, source, *(n for n in pool.nodes if n not in (source, target))]:
+            conn = node.connect(5.0)
+            try:
+                assert conn.call("CLUSTER", "SETSLOT", slot, "NODE", dst_id) == b"OK"
+            finally:
+                conn.close()
+        assert _wait_until(lambda: all(_owner_port(node, slot) == target.port for node in pool.nodes))
+        assert client.execute([("GET", moved), ("GET", stays), ("GET", new)]) == [
+            b"handed over", b"still at the source", b"written mid-migration"]
+        assert client.address(client.node_of(moved)) == f"127.0.0.1:{target.port}"
+
+
+def test_a_plain_server_is_one_node_and_never_one_of_several(redis_single):  # noqa: F811
+    with PoolClient(redis_single.url) as client:
+        assert client.cluster is False and client.nodes == [("127.0.0.1", redis_single.nodes[0].port)]
+        assert client.owner.min() == client.owner.max() == 0
+    port = redis_single.nodes[0].port
+    with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} is a plain Redis server, not a cluster node: give one "
+                                         r"plain server, or the nodes of a Redis Cluster$")):
+        PoolClient(f"{redis_single.url},127.0.0.1:{port}")
+
+
+def test_a_cluster_missing_a_slot_is_refused(fresh_pool):  # noqa: F811
+    pool = fresh_pool(3)
+    conn = pool.nodes[0].connect(5.0)
+    try:
+        assert conn.call("CLUSTER", "DELSLOTS", 0, 1) == b"OK"
+    finally:
+        conn.close()
+    with pytest.raises(PoolError, match=(rf"^the cluster at 127.0.0.1:{pool.nodes[0].port} does not cover all 16384 "
+                                         r"slots \(2 unassigned\): fix the cluster \(redis-cli --cluster fix\)$")):
+        PoolClient(f"redis://127.0.0.1:{pool.nodes[0].port}")
+
+
+def test_without_the_redis_packages_the_message_says_what_to_install(monkeypatch):
+    import sys
+
+    from engram_offload.pool import client as client_module
+
+    monkeypatch.setitem(sys.modules, "redis.crc", None)
+    with pytest.raises(ImportError, match=r"^the pooled tier needs the 'redis' package: pip install "
+                                          r"'engram-offload\[pool\]'$"):
+        key_slot("k")
+    monkeypatch.setitem(sys.modules, "hiredis", None)
+    with pytest.raises(ImportError, match=r"^the pooled tier needs the 'hiredis' and 'redis' packages: pip install "
+                                          r"'engram-offload\[pool\]'$"):
+        client_module._import_hiredis()
+
+
+# ---------------------------------------------------------------------- pool URLs
+A, B = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
+
+
+@pytest.mark.parametrize("url, seeds, fp, auth", [
+    ("redis://127.0.0.1:7001", [A], None, None),
+    (["redis://127.0.0.1:7001", "127.0.0.1:7002"], [A, B], None, None),
+    ("redis://127.0.0.1:7001, ,127.0.0.1:7002", [A, B], None, None),
+    (",127.0.0.1:7001", [A], None, None),  # an empty first part: the scheme is asked of the first address
+    ("redis://127.0.0.1:7001,127.0.0.1:7002/0123456789abcdef", [A, B], "0123456789abcdef", None),
+    ("redis://alice:s3cret@127.0.0.1:7001", [A], None, ("alice", "s3cret")),
+    ("redis://:s3cret@127.0.0.1:7001", [A], None, (None, "s3cret")),
+    ("redis://127.0.0.1:1,127.0.0.1:65535", [("127.0.0.1", 1), ("127.0.0.1", 65535)], None, None),
+])
+def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seeds, fp, auth):
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    assert parse_pool_url(url) == (seeds, fp, auth)
+
+
+@pytest.mark.parametrize("url, said", [
+    ("", "no pool address in '': use redis://host:port[,host:port...]"),
+    (" , ", "no pool address in ' , ': use redis://host:port[,host:port...]"),
+    ("redis://u:pw@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
+    ("redis://127.0.0.1:7x1", "pool address 'redis://127.0.0.1:7x1' lacks a port number: use redis://host:port (a "
+                              "password with '/', '@' or ':' is written percent-encoded)"),
+    ("redis://127.0.0.1:0", "pool address 'redis://127.0.0.1:0': port 0 is out of range (1-65535)"),
+    ("redis://127.0.0.1:65536", "pool address 'redis://127.0.0.1:65536': port 65536 is out of range (1-65535)"),
+    ("http://127.0.0.1:7001", "pool address 'http://127.0.0.1:7001' is not a redis:// URL "
+                              "(redis://host:port[,host:port...])"),
+])
+def test_bad_pool_urls_say_exactly_what_is_wrong(url, said):
+    with pytest.raises(ValueError) as caught:
+        parse_pool_url(url)
+    assert str(caught.value) == said
+
+
+def test_the_password_comes_from_the_environment_unless_the_url_has_one(monkeypatch):
+    monkeypatch.setenv("ENGRAM_OFFLOAD_POOL_PASSWORD", "from-env")
+    assert parse_pool_url("redis://127.0.0.1:7001")[2] == (None, "from-env")
+    assert parse_pool_url("redis://bob:in-url@127.0.0.1:7001")[2] == ("bob", "in-url")
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://u:pw@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),
+    ("redis://u:p:w@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),
+    ("redis://u:a@b@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),  # an '@' in the password
+    ("redis://user@127.0.0.1:7001", "redis://user@127.0.0.1:7001"),  # no password
+    ("redis://127.0.0.1:7001", "redis://127.0.0.1:7001"),
+    (["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002"], "redis://:***@127.0.0.1:7001,127.0.0.1:7002"),
+    ("redis://:x@127.0.0.1:7001,redis://:y@127.0.0.1:7002", "redis://:***@127.0.0.1:7001,redis://:***@127.0.0.1:7002"),
+])
+def test_redact_hides_every_password(url, shown):
+    assert redact(url) == shown

@@ -14,6 +14,7 @@ from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.sharding import (
     assemble_columns,
+    column_range,
     require_in_shard,
     shard_columns,
     shard_ids,
@@ -273,3 +274,28 @@ def test_packing_over_three_layers():
     assert np.array_equal(rows.to_local(every), np.arange(rows.num_rows))
     lo, hi = rows.ranges[2]
     assert rows.to_local(np.array([lo, hi - 1])).tolist() == [rows.num_rows - (hi - lo), rows.num_rows - 1]
+
+
+def _subgroup_main(rank: int, world: int, init_file: str) -> None:
+    """Ranks 0-1 and 2-3 each assemble their own 5 columns in their own group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        group, member = groups[rank // 2], rank % 2
+        full = torch.arange(3 * 5 * 4, dtype=torch.float32).reshape(3, 5, 4) + 1000 * (rank // 2)  # [T, C, d]
+        c0, c1 = column_range(5, member, 2)  # [0, 3) and [3, 5)
+        assert torch.equal(assemble_columns(full[:, c0:c1].clone(), 5, group=group), full)
+        with pytest.raises(ValueError, match=(rf"^rank {member} of 2 owns columns \[{c0}, {c1}\) of 5: local rows "
+                                              rf"must be \[T, {c1 - c0}, d\], got \(3, 1, 4\)$")):
+            assemble_columns(full[:, :1].clone(), 5, group=group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_assemble_columns_within_a_group(tmp_path):
+    """Four ranks in two groups of two: each group's ranks own and gather their group's
+    columns (its size and a rank's place in it, not the world's), and a rank past the first
+    names its own columns in the shape error."""
+    mp.spawn(_subgroup_main, args=(4, str(tmp_path / "rendezvous")), nprocs=4)

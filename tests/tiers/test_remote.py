@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 from engram_offload.errors import ChecksumError, TierError
-from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.client import PoolClient, PoolError, key_slot
 from engram_offload.pool.layout import PoolLayout, PoolLayoutError, fingerprint
 from engram_offload.pool.publish import drop_table, pool_status, publish_table
 from engram_offload.pool.servers import free_port_base
@@ -24,7 +24,7 @@ from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.remote import RemoteTier, open_pool_table
 
-from redis_servers import fresh_pool, redis_cluster, redis_single, skip_without_redis  # noqa: F401 (fixtures)
+from redis_servers import fresh_pool, migrate_slot, redis_cluster, redis_single, skip_without_redis  # noqa: F401
 from tier_cases import FORMATS
 from tiny_tables import tiny_config
 
@@ -549,3 +549,33 @@ def test_a_stopped_node_is_marked_down_and_reads_go_to_the_fallback_at_once(tabl
                 break
             time.sleep(0.05)
         assert brief.stats()["fallback_requests"] == before
+
+
+def test_rows_of_an_extent_whose_slot_is_migrating_are_read_where_they_are(tables, fresh_pool):
+    """Mid-reshard: an extent handed over to the node importing its slot is answered with
+    ``ASK`` by its owner; the tier asks the importing node (after ``ASKING``), without a
+    retry, and the extents still at the owner are read there."""
+    pool = fresh_pool(3)
+    path, _ = tables[("int8", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=0) as remote, \
+            open_tier("memory", read_header(path)) as memory:
+        playout = remote.pool_layout
+        moved = 3
+        slot = key_slot(playout.keys[moved])
+        source, target, _, _ = migrate_slot(pool, slot)
+        conn = source.connect(5.0)
+        try:
+            assert conn.call("MIGRATE", "127.0.0.1", target.port, playout.keys[moved], 0, 5000) == b"OK"
+            assert str(conn.call("GETRANGE", playout.keys[moved], 0, 0)).startswith("ASK")
+        finally:
+            conn.close()
+        ids = np.concatenate([edge_ids(playout), np.arange(int(playout.starts[moved]),
+                                                           int(playout.starts[moved] + playout.counts[moved]))])
+        ids = np.unique(ids)
+        assert np.array_equal(read(remote, ids), read(memory, ids))
+        assert np.array_equal(read(remote, ids[::-1]), read(memory, ids[::-1]))
+        assert remote.stats()["retries"] == 0
+    with RemoteTier(read_header(path), pool=pool.url, verify_extents="all") as reopened, \
+            open_tier("memory", read_header(path)) as memory:  # opening reads the moved extent whole too
+        assert np.array_equal(read(reopened, ids), read(memory, ids))

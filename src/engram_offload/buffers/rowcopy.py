@@ -129,8 +129,8 @@ def _move_tensors(src: Any, src_rows: np.ndarray | None, dst: Any, dst_rows: np.
     dst_t = torch.as_tensor(dst)
     rb = int(dst_t.shape[-1])
     if src_byte_offsets:
-        flat = src_t.reshape(-1)
-        windows = flat.as_strided((flat.numel() - rb + 1, rb), (1, 1))  # [N - rb + 1, rb], overlapping
+        flat = src_t.reshape(-1)  # a view when it can be: strided, then
+        windows = flat.unfold(0, rb, 1)  # [N - rb + 1, rb], overlapping, through flat's own stride
         picked = windows.index_select(0, torch.from_numpy(np.asarray(src_rows, np.int64)).to(flat.device))
     elif src_rows is None:
         picked = src_t.reshape(-1, rb)[: len(dst_rows)]  # type: ignore[arg-type]

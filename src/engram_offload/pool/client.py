@@ -2,7 +2,8 @@
 
 ``PoolClient`` knows the pool's nodes and which node serves each of the 16,384 slots
 (from ``CLUSTER SLOTS``; a plain Redis server serves them all), sends each node one
-pipeline and follows ``MOVED`` by re-reading the slot map. The remote tier uses
+pipeline, follows ``MOVED`` by re-reading the slot map and ``ASK`` (a slot being migrated)
+by asking the node named once, after ``ASKING``. The remote tier uses
 ``NodeConnection`` and the slot map directly for its hot path.
 """
 
@@ -271,7 +272,9 @@ class PoolClient:
 
     def execute(self, commands: Sequence[tuple], keys: Sequence[str | bytes] | None = None) -> list:
         """Run ``commands`` (argument tuples, first key at position 1 unless ``keys`` says)
-        pipelined per node; replies in order. ``MOVED`` re-reads the slot map and retries."""
+        pipelined per node; replies in order. ``MOVED`` re-reads the slot map and retries;
+        ``ASK`` (the key's slot is migrating and the key has moved) sends the command to the
+        node named, after ``ASKING``."""
         keys = [c[1] if isinstance(c[1], bytes) else str(c[1]) for c in commands] if keys is None else keys
         replies: list = [None] * len(commands)
         todo = list(range(len(commands)))
@@ -279,7 +282,8 @@ class PoolClient:
             by_node: dict[int, list[int]] = {}
             for i in todo:
                 by_node.setdefault(self.node_of(keys[i]), []).append(i)
-            moved = []
+            moved: list[int] = []
+            asked: dict[str, list[int]] = {}  # node address -> commands it takes for a migrating slot
             for node, idx in by_node.items():
                 conn = self.connection(node)
                 try:
@@ -289,14 +293,40 @@ class PoolClient:
                     self._drop(node)
                     raise PoolError(f"pool node {self.address(node)} failed: {exc}") from exc
                 for i, reply in zip(idx, got):
-                    if isinstance(reply, Exception) and str(reply).startswith(("MOVED", "ASK")):
-                        moved.append(i)
                     replies[i] = reply
+                    if isinstance(reply, Exception):
+                        redirect = str(reply).split()  # MOVED|ASK <slot> <host:port>
+                        if redirect[:1] == ["MOVED"]:
+                            moved.append(i)
+                        elif redirect[:1] == ["ASK"] and len(redirect) == 3:
+                            asked.setdefault(redirect[2], []).append(i)
+            for address, idx in asked.items():
+                for i, reply in zip(idx, self._asking(address, [commands[i] for i in idx])):
+                    replies[i] = reply
+                    if isinstance(reply, Exception) and str(reply).startswith(("MOVED", "ASK")):
+                        moved.append(i)  # the migration ended (or was undone) meanwhile: re-read the map
             if not moved:
                 return replies
             self.refresh()
             todo = moved
         raise PoolError(f"keys keep moving between nodes (last: {_shown(keys[todo[0]])}): is the cluster resharding?")
+
+    def _asking(self, address: str, commands: list[tuple]) -> list:
+        """``commands`` on the node at ``address`` (``host:port``), each after ``ASKING``: the
+        node imports their keys' slot, and answers for a key the owner has handed over."""
+        host, _, port = address.rpartition(":")
+        conn = self._conns.get(address)
+        try:
+            if conn is None:
+                conn = self._conns[address] = NodeConnection(host, int(port), self.timeout, self.auth)
+            conn.send(b"".join(encode_command("ASKING") + encode_command(*c) for c in commands))
+            got = conn.read_replies(2 * len(commands))
+        except (OSError, ValueError) as exc:
+            dropped = self._conns.pop(address, None)
+            if dropped is not None:
+                dropped.close()
+            raise PoolError(f"pool node {address} (asked to serve a migrating slot) failed: {exc}") from exc
+        return got[1::2]  # each command's reply; the even ones are ASKING's OK
 
     def call(self, *args: Arg):
         """One command on the node owning its key (``args[1]``); raises on an error reply."""

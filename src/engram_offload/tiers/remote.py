@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import TierError
-from ..pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
+from ..pool.client import NodeConnection, PoolClient, PoolError, encode_command, key_slot, parse_pool_url, redact
 from ..pool.layout import PoolLayout, bad_rows, fingerprint, rows_with_sums
 from ..pool.publish import check_complete, check_extent_digests, read_pool_table
 from ..table.format import TableHeader, read_header
@@ -59,6 +59,9 @@ def _range_args(start: int, end: int) -> bytes:
     return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(a), a, len(b), b)
 
 
+_ASKING = encode_command("ASKING")
+
+
 def _object_array(items: list) -> np.ndarray:
     """``items`` as a 1-D numpy object array (fancy indexing picks many at C speed)."""
     out = np.empty(len(items), object)
@@ -75,6 +78,7 @@ class _Job:
     request: bytes
     nbytes: int
     dest: int | None        # byte offset in the data buffer when the runs are contiguous there
+    pieces: np.ndarray      # the request's pieces: each run's key prefix, then its range arguments
 
 
 class _Runs:
@@ -340,7 +344,7 @@ class RemoteTier(Tier):
             else:  # in its own order, the data starts with the first (and only) node's bytes
                 dest = 0 if runs.order is None else int(runs.pos[order[a]])
             jobs.append(_Job(addresses[node], order[a:b], b"".join(request[2 * a: 2 * b].tolist()), count * stride,
-                             dest))
+                             dest, request[2 * a: 2 * b]))
         return jobs
 
     def _connection(self, address: str) -> NodeConnection:
@@ -376,7 +380,7 @@ class RemoteTier(Tier):
         """Send every job, then read every node's replies: (job, replies, joined bytes) for
         each that returned all its bytes, (job, reason) for each that failed. A node marked
         down fails at once; one that times out is marked down."""
-        done, failures, sent = [], [], []
+        done, failures, sent, asked = [], [], [], []
         for job in jobs:
             if self._is_down(job.address):
                 self._count(down_skips=1)
@@ -403,13 +407,48 @@ class RemoteTier(Tier):
                 continue
             try:
                 blob = b"".join(replies)
-            except TypeError:  # an error or nil reply
-                blob = b""
+            except TypeError:  # an error or nil reply (or ASK: the extent's slot is being migrated)
+                asked.append((job, replies))  # followed once every node's replies are read
+                continue
             if len(blob) == job.nbytes:
                 done.append((job, replies, blob))
             else:
                 failures.append((job, self._diagnose(job, replies)))
+        for job, replies in asked:
+            replies = self._follow_asks(job, replies)
+            blob = b"".join(replies) if all(isinstance(r, bytes) for r in replies) else b""
+            if len(blob) == job.nbytes:
+                done.append((job, replies, blob))
+            else:
+                failures.append((job, self._diagnose(job, replies)))
+        if asked:  # done in the jobs' order: the caller may join their bytes as they come
+            position = {id(job): i for i, job in enumerate(jobs)}
+            done.sort(key=lambda item: position[id(item[0])])
         return done, failures
+
+    def _follow_asks(self, job: _Job, replies: list) -> list:
+        """``replies`` with each ``ASK`` (the run's extent has moved to the node importing its
+        slot, mid-reshard) replaced by that node's reply, asked after ``ASKING``; a node that
+        fails leaves the ``ASK`` in place (the run fails and is retried)."""
+        asked: dict[str, list[int]] = {}
+        for i, reply in enumerate(replies):
+            redirect = str(reply).split() if isinstance(reply, Exception) else []
+            if redirect[:1] == ["ASK"] and len(redirect) == 3:
+                asked.setdefault(redirect[2], []).append(i)
+        if not asked:
+            return replies
+        replies = list(replies)
+        for address, runs in asked.items():
+            try:
+                conn = self._connection(address)
+                conn.send(b"".join(_ASKING + job.pieces[2 * i] + job.pieces[2 * i + 1] for i in runs))
+                got = conn.read_replies(2 * len(runs))
+            except (OSError, ValueError):
+                self._forget(address)
+                continue
+            for i, reply in zip(runs, got[1::2]):
+                replies[i] = reply
+        return replies
 
     def _diagnose(self, job: _Job, replies: list) -> str:
         """Why a node's replies do not hold the bytes asked for (its first bad reply)."""

@@ -6,6 +6,7 @@ import multiprocessing
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -256,3 +257,66 @@ def test_open_table_with_a_row_server_refuses_local_options(table, server):
         open_table(path, "direct", row_server=server, engine="threads")
     with pytest.raises(ValueError, match="on the direct tier, not mmap"):
         open_table(path, "mmap", row_server=server)
+
+
+def test_a_closed_connection_releases_its_leases_itself(table, socket_dir):
+    """A client that closes while holding leases: its connection's end releases them, before
+    the connection stops counting, even while something else still references the lease
+    objects (here the store's caller keeps each one), so no destructor is needed to unpin
+    the rows. The other connection's pins stay."""
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    store = open_table(path, "direct", cache_bytes=CACHE_ROWS * tiny_config("fp8_e4m3_ue8m0", 64).row_bytes)
+    taken = []  # every server-side lease: referenced here as long as the test runs
+    fetch = store.fetch
+
+    def keep(ids, **options):
+        taken.append(fetch(ids, **options))
+        return taken[-1]
+
+    store.fetch = keep  # type: ignore[method-assign]
+    server = RowServer(store, sock, max_rows=100)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with RowClient(sock) as other:
+            closing = RowClient(sock)
+            held = closing.fetch(np.arange(0, 300, 2), hold=True)  # 150 rows: 2 round trips, 2 leases
+            kept = other.fetch(np.arange(1, 41, 2), hold=True)  # 20 rows of the other connection
+            assert np.array_equal(held.raw.numpy(), expected[np.arange(0, 300, 2)])
+            stats = other.stats()["server"]
+            assert stats["leases_held"] == 3 and sum(stats["pinned_slots"]) == 170
+            closing.close()  # the lease is not released by its owner: the connection's end does it
+            assert wait_for(lambda: other.stats()["server"]["connections"] == 1)
+            stats = other.stats()["server"]
+            assert stats["leases_held"] == 1 and sum(stats["pinned_slots"]) == 20, stats
+            kept.release()
+            assert sum(other.stats()["server"]["pinned_slots"]) == 0
+            del held
+    finally:
+        server.close()
+        thread.join(timeout=30)
+
+
+def test_a_fetch_in_pieces_counts_each_lookup_once(table, server):
+    """A fetch of more distinct ids than the server's ``max_rows`` (100) goes in pieces; the
+    store counts the lookups the whole fetch stands for once, not once per piece."""
+    _, expected = table
+    ids = np.arange(0, 750, 3)  # 250 distinct ids: pieces of 100, 100, 50
+    with RowClient(server) as client:
+        before = client.stats()["store"]
+        with client.fetch(ids, hold=True, requested=700) as lease:
+            assert np.array_equal(lease.raw.numpy(), expected[ids])
+        after = client.stats()["store"]
+        assert after["rows_requested"] - before["rows_requested"] == 700
+        assert after["rows_unique"] - before["rows_unique"] == 250
+        assert after["fetches"] - before["fetches"] == 3
+        raw = client.read_raw(np.concatenate([ids, ids[:30]]))  # 280 lookups of 250 rows, deduplicated here
+        assert np.array_equal(raw.numpy(), expected[np.concatenate([ids, ids[:30]])])
+        again = client.stats()["store"]
+        assert again["rows_requested"] - after["rows_requested"] == 280
+        assert again["rows_unique"] - after["rows_unique"] == 250
+        client.fetch(ids, hold=False).release()  # requested: the ids themselves
+        assert client.stats()["store"]["rows_requested"] - again["rows_requested"] == 250
+        with pytest.raises(ValueError, match="a fetch of 250 ids stands for 250 to .*, not 249"):
+            client.fetch(ids, hold=False, requested=249)  # fewer lookups than rows, found before any piece

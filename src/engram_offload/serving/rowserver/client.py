@@ -256,13 +256,19 @@ class RowClient:
         out = np.empty((ids.size, self._rb), np.uint8)  # [u, row_bytes]
         numbers: list[int] = []
         requested = ids.size if requested is None else int(requested)
+        if requested < ids.size:
+            raise ValueError(f"a fetch of {ids.size} ids stands for {ids.size} to more lookups, not {requested:,}: "
+                             "pass requested= as the lookups before deduplication")
         with self._lock:
             try:
                 for start in range(0, ids.size, self.max_rows):
                     piece = ids[start: start + self.max_rows]
                     self._ids[: piece.size] = piece
                     flags = p.HOLD if hold else 0
-                    value, _, _ = self._ask(p.encode(p.FETCH, flags, piece.size, requested if start == 0 else 0),
+                    # the lookups this piece stands for: the first takes the duplicates, so the
+                    # pieces add up to ``requested`` (the server counts each piece's)
+                    lookups = requested - (ids.size - piece.size) if start == 0 else piece.size
+                    value, _, _ = self._ask(p.encode(p.FETCH, flags, piece.size, lookups),
                                             f"a fetch of {piece.size} rows")
                     out[start: start + piece.size] = self._rows[: piece.size]
                     if value:

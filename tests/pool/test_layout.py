@@ -1,0 +1,123 @@
+"""The pool layout's stored header record: its version checks and the messages they give."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram_offload.errors import TableFormatError
+from engram_offload.pool.layout import (
+    MAX_EXTENT_BYTES,
+    POOL_LAYOUT_VERSION,
+    PoolLayout,
+    PoolLayoutError,
+    bad_rows,
+    header_from_record,
+    layout_version_problem,
+    row_keys,
+    stored_layout_version,
+)
+from engram_offload.table import make_random_table, read_header
+
+from tiny_tables import tiny_config
+
+
+@pytest.fixture(scope="module")
+def playout(tmp_path_factory):
+    path = make_random_table(tmp_path_factory.mktemp("layout") / "t.tbl", tiny_config("int8", 64), seed=4,
+                             block_size=16384)
+    return PoolLayout(read_header(path), 97)
+
+
+def _with_version(record: bytes, version) -> bytes:
+    meta = json.loads(record)
+    meta["pool_layout"] = version
+    return json.dumps(meta).encode()
+
+
+@pytest.mark.parametrize("version", ["3", 3.0, None, [3]])
+def test_a_version_that_is_not_an_integer_is_unreadable(playout, version):
+    record = _with_version(playout.header_record(), version)
+    assert stored_layout_version(record) is None
+    with pytest.raises(TableFormatError, match="unreadable table header in the pool .no pool layout version"):
+        header_from_record(record, "t")
+    assert stored_layout_version(b"not json") is None and stored_layout_version(b"[]") is None
+    assert stored_layout_version(playout.header_record()) == POOL_LAYOUT_VERSION
+
+
+@pytest.mark.parametrize("version,why", [(0, ""), (1, " (rows without checksums)"),
+                                         (2, " (row checksums not bound to the rows' places)"), (4, "")])
+def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
+    expected = (f"pool table x was published with pool layout version {version}{why}; this engram-offload reads "
+                f"version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish TABLE --redis URL "
+                "(it replaces the old layout's keys)")
+    assert layout_version_problem("pool table x", version) == expected
+    record = _with_version(playout.header_record(), version)
+    with pytest.raises(PoolLayoutError) as caught:
+        header_from_record(record, "pool table x")
+    assert str(caught.value) == expected
+    header, rows = header_from_record(record, "pool table x", any_version=True)
+    assert rows == 97 and header.layout.num_rows == playout.header.layout.num_rows
+    assert header.path == Path(playout.fingerprint)  # a table opened from the pool is named by its fingerprint
+
+
+@pytest.mark.parametrize("drop", ["table", "block_digests", "extent_rows"])
+def test_a_record_missing_a_field_is_unreadable(playout, drop):
+    meta = json.loads(playout.header_record())
+    del meta[drop]
+    with pytest.raises(TableFormatError, match=f"^pool table x: unreadable table header in the pool .*'{drop}'"):
+        header_from_record(json.dumps(meta).encode(), "pool table x")
+
+
+def test_row_ids_and_rows_must_agree_in_number():
+    with pytest.raises(ValueError, match="^3 rows to check against 2 row ids$"):
+        bad_rows(bytes(3 * 12), 8, 12, "00", np.arange(2))
+
+
+def test_extent_of_each_row_and_extent_bytes(playout):
+    starts, counts = playout.starts, playout.counts
+    firsts, lasts = starts, starts + counts - 1
+    ids = np.concatenate([firsts, lasts])
+    assert playout.extent_of(ids).tolist() == [*range(playout.num_extents)] * 2
+    assert [playout.extent_bytes(e) for e in (0, playout.num_extents - 1)] == [
+        int(counts[0]) * (playout.header.layout.row_bytes + 4), int(counts[-1]) * (playout.header.layout.row_bytes + 4)]
+    assert playout.extent_bytes(0) == 97 * playout.stride
+
+
+def test_extent_rows_from_one_up_to_redis_string_limit(playout):
+    header = playout.header
+    assert PoolLayout(header, 1).counts.max() == 1
+    with pytest.raises(ValueError, match="^extent_rows must be >= 1, got 0$"):
+        PoolLayout(header, 0)
+    most = MAX_EXTENT_BYTES // playout.stride  # extents of exactly 512 MiB or less
+    assert PoolLayout(header, most).extent_rows == most
+    if most * playout.stride == MAX_EXTENT_BYTES:
+        PoolLayout(header, most)  # exactly at the limit
+    with pytest.raises(ValueError, match=(rf"^extents of {most + 1:,} rows of {playout.stride} bytes \(with their "
+                                          r"checksums\) exceed Redis's 512 MiB string limit: choose fewer extent rows$")):
+        PoolLayout(header, most + 1)
+
+
+def _splitmix_key(fp: str, row: int) -> int:
+    """The row key as documented, in Python integers: the low 32 bits of SplitMix64's
+    finalizer of ``fingerprint ^ (row * golden ratio)`` (all mod 2**64)."""
+    mask = (1 << 64) - 1
+    z = ((row * 0x9E3779B97F4A7C15) & mask) ^ int(fp, 16)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return z & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("fp", ["0000000000000000", "c993ba57e528765a", "ffffffffffffffff"])
+def test_row_keys_are_the_documented_splitmix_keys(fp):
+    """The key is part of the pool's format (a pool written by one version is read by
+    another): pinned to the documented function at small, large and extreme row ids."""
+    ids = np.array([0, 1, 2, 97, 12345, 1 << 31, (1 << 40) + 3, (1 << 62) + 5, (1 << 63) - 1], np.int64)
+    keys = row_keys(fp, ids)
+    assert keys.dtype == np.uint32 and keys.shape == ids.shape
+    assert keys.tolist() == [_splitmix_key(fp, int(i)) for i in ids]
+    assert row_keys(fp, ids.tolist()).tolist() == keys.tolist()  # any int array-like
