@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,26 +18,11 @@ from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.rowserver import RowClient, RowServer, start_row_server
 from engram_offload.serving.sharding import shard_columns
 from engram_offload.serving.store import open_table
-from engram_offload.table import make_random_table, random_rows
+from engram_offload.table import make_random_table
 
 from tiny_tables import tiny_config
 
 CACHE_ROWS = 400
-
-
-@pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    config = tiny_config("fp8_e4m3_ue8m0", 64)
-    path = make_random_table(tmp_path_factory.mktemp("rowserver") / "t.table", config, seed=8, block_size=16384)
-    return path, np.concatenate(list(random_rows(config, 8)))
-
-
-@pytest.fixture
-def socket_dir():
-    """A short folder for Unix sockets (their paths are limited to 107 bytes)."""
-    directory = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

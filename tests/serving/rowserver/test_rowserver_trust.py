@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -74,20 +73,6 @@ except OSError as exc:
 message, fds, _, _ = socket.recv_fds(s, 1 << 20, 1)
 print(message[:4].decode(), len(fds), message[24:].decode())
 """
-
-
-@pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    config = tiny_config("fp8_e4m3_ue8m0", 64)
-    path = make_random_table(tmp_path_factory.mktemp("trust") / "t.table", config, seed=8, block_size=16384)
-    return path, np.concatenate(list(random_rows(config, 8)))
-
-
-@pytest.fixture
-def socket_dir():
-    directory = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def system_python_for_other_uid() -> str:
