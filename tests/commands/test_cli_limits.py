@@ -74,16 +74,34 @@ def _limited(script: str, headroom: int) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_threads_beyond_the_address_space_limit_say_so(table):
+def test_threads_beyond_the_address_space_limit_are_refused_up_front(table):
+    """Started one by one, threads past the limit sometimes fail inside the C library, which
+    aborts the process ("failed to register TLS destructor"): their stacks are counted first."""
     run = _limited(f"""
         raise SystemExit(main(["bench-tier", "--table", "{table}", "--tier", "mmap", "--queue-depth", "1000",
                                "--batch", "16", "--seconds", "1"]))
     """, 512 << 20)  # 1,000 caller threads' stacks (8 MiB each by default) cannot fit in 512 MiB
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
-    assert lines[0].startswith("engram-offload bench-tier: error: cannot start another thread (")
-    assert "address-space limit (ulimit -v, " in lines[0] and "raise the limit or use fewer threads" in lines[0]
+    assert "--queue-depth 1000 starts 1,000 threads whose stacks need" in lines[0]
+    assert "left under the address-space limit (ulimit -v): give a smaller --queue-depth or raise the limit" in lines[0]
+
+
+def test_a_thread_that_cannot_start_says_so(monkeypatch, capsys, table):
+    """Past the up-front count (a limit reached another way), a thread that cannot start is one
+    line naming the limit, not a traceback."""
+    import threading
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    code = main(["bench-tier", "--table", str(table), "--tier", "mmap", "--queue-depth", "4", "--batch", "16",
+                 "--seconds", "0.2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("engram-offload bench-tier: error: cannot start "
+                                                              "another thread ("), err
 
 
 def test_a_table_beyond_the_address_space_limit_is_refused_up_front(tmp_path):

@@ -22,7 +22,7 @@ from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from .cold import make_cold
 from .corpus import Corpus
 
-__all__ = ["run_tier_bench", "memory_needs"]
+__all__ = ["caller_threads", "memory_needs", "run_tier_bench"]
 
 
 @dataclass
@@ -114,6 +114,14 @@ THREAD_BYTES = 32 << 10
 RESIDENT_TIERS = ("memory", "pinned", "shared")
 
 
+def caller_threads(tier: str, callers: int | None, queue_depth: int) -> tuple[str, int]:
+    """The setting that sets a run's caller threads (``callers``, else ``queue_depth``: the
+    mmap tier reads with one thread a read in flight) and how many it starts."""
+    if callers is not None:
+        return "callers", callers
+    return "queue_depth", queue_depth if tier == "mmap" else 1
+
+
 def memory_needs(tier: str, num_rows: int, row_bytes: int, rows_per_token: int, *, batch: int = 1024,
                  callers: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH, cache_bytes: int = 0,
                  prefetcher: bool = False, sequences: int = 32, run_ahead: int = 2,
@@ -133,8 +141,7 @@ def memory_needs(tier: str, num_rows: int, row_bytes: int, rows_per_token: int, 
         if corpus == "zipf":  # made up to the count asked (a real corpus is only capped by it)
             needs.append(("corpus_tokens", corpus_tokens, corpus_tokens * 8, f"{corpus_tokens:,} token ids x 8 B"))
         return needs
-    threads = callers if callers is not None else (queue_depth if tier == "mmap" else 1)
-    source = "callers" if callers is not None else "queue_depth"  # what sets the caller threads
+    source, threads = caller_threads(tier, callers, queue_depth)
     larger = ("batch", batch) if batch >= threads else (source, threads)  # the one to make smaller
     needs += [
         (*larger, threads * batch * row, f"{threads:,} caller(s) x {batch:,} rows x {row} B"),

@@ -21,7 +21,7 @@ from ..bench.report import MIN_STEPS, MIN_USERS
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
 from . import UsageError
-from .core import MemoryNeed, check_memory_needs
+from .core import MemoryNeed, check_memory_needs, check_thread_stacks
 from .options import (
     add_cache_bytes,
     add_json,
@@ -539,7 +539,7 @@ def _tier_bench_mode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench_tier(args: argparse.Namespace) -> int:
-    from ..bench.tier_bench import memory_needs, run_tier_bench
+    from ..bench.tier_bench import caller_threads, memory_needs, run_tier_bench
     from ..table.format import read_header
 
     mode = _tier_bench_mode(args)
@@ -550,6 +550,9 @@ def cmd_bench_tier(args: argparse.Namespace) -> int:
                          queue_depth=args.queue_depth, cache_bytes=cache_bytes,
                          **{k: v for k, v in mode.items() if k != "check"})
     check_memory_needs([MemoryNeed(_flag(name, value, args), need, how) for name, value, need, how in needs])
+    if not mode.get("prefetcher"):
+        source, threads = caller_threads(args.tier, mode.get("callers"), args.queue_depth)
+        check_thread_stacks(threads, _flag(source, threads, args))
     result = run_tier_bench(args.table, args.tier, seconds=args.seconds, queue_depth=args.queue_depth,
                             cold=args.cold, drop_all_caches=args.drop_all_caches, engine=args.engine,
                             seed=args.seed, cache_bytes=cache_bytes, policy=args.policy, **mode)

@@ -55,6 +55,30 @@ def usable_memory() -> tuple[int, str] | None:
     return min(found) if found else None
 
 
+DEFAULT_THREAD_STACK = 8 << 20  # glibc's thread stack where the stack limit is unlimited
+
+
+def check_thread_stacks(threads: int, option: str) -> None:
+    """Refuse up front (``UsageError``: exit 2) ``threads`` threads whose stacks cannot all be
+    mapped under the address-space limit (``ulimit -v``): past it a thread may fail inside the C
+    library, which then aborts the process instead of raising. No limit: nothing checked."""
+    import resource
+    import threading
+
+    left = address_space_left()
+    if left is None:
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    stack = threading.stack_size() or (DEFAULT_THREAD_STACK if soft == resource.RLIM_INFINITY else soft)
+    need = threads * stack
+    if need > left:
+        raise UsageError(
+            f"{option} starts {threads:,} threads whose stacks need {format_bytes(need)} of address space "
+            f"({threads:,} x {format_bytes(stack)}), but {format_bytes(left)} is left under the address-space "
+            f"limit (ulimit -v): give a smaller {option.split()[0]} or raise the limit"
+        )
+
+
 def check_memory_needs(needs: list[MemoryNeed], flag: str | None = None) -> None:
     """Refuse up front (``UsageError``: exit 2) options whose memory, counted at least, exceeds
     what this process can get (``usable_memory``), naming the largest option and what to do;
