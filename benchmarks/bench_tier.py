@@ -157,13 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         med["a_fio_cpu_us_per_read"] = median_of(runs["fio"], "cpu_us_per_read")
         med["a_direct_uring_vs_fio"] = med["a_direct_uring_reads_per_s"] / med["a_fio_iops"]
         med["a_direct_uring_2callers_vs_fio"] = med["a_direct_uring_2callers_reads_per_s"] / med["a_fio_iops"]
+    return write_result(
+        "bench_tier", table, args, argv, load_start, med, runs,
+        params={"repeats": args.repeats, "seconds": s, "mmap_seconds": args.mmap_seconds, "queue_depth": q,
+                "batch": args.batch},
+        targets={"a_direct_vs_fio_min": 0.85, "a_cpu_us_per_read_max": 3.0, "b_ratio_min": 0.8})
+
+
+def write_result(benchmark: str, table: Path, args: argparse.Namespace, argv: list[str] | None,
+                 load_start: tuple, med: dict, runs: dict, *, params: dict, targets: dict) -> int:
+    """Write the run's JSON to ``--out`` (the command, table, machine, medians and runs) and
+    print the medians."""
     result = {
-        "benchmark": "bench_tier",
+        "benchmark": benchmark,
         "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "table": str(table), "table_bytes": table.stat().st_size,
-        "params": {"repeats": args.repeats, "seconds": s, "mmap_seconds": args.mmap_seconds,
-                   "queue_depth": q, "batch": args.batch},
-        "targets": {"a_direct_vs_fio_min": 0.85, "a_cpu_us_per_read_max": 3.0, "b_ratio_min": 0.8},
+        "params": params,
+        "targets": targets,
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "median": med,
         "runs": runs,
@@ -198,21 +208,11 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
         for name in ("pipelined", "one_call"):
             med[f"{name}_vs_fio"] = med[f"{name}_reads_per_s"] / med["fio_iops"]
             med[f"{name}_cpu_vs_fio"] = med[f"{name}_cpu_us_per_read"] / med["fio_cpu_us_per_read"]
-    result = {
-        "benchmark": "bench_tier --one-caller",
-        "command": "python benchmarks/bench_tier.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "table": str(table), "table_bytes": table.stat().st_size,
-        "params": {"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH,
-                   "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS},
-        "targets": {"pipelined_vs_fio_min": 0.9, "pipelined_cpu_vs_fio_max": 1.2},
-        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-        "median": med,
-        "runs": runs,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(med, indent=2))
-    return 0
+    return write_result(
+        "bench_tier --one-caller", table, args, argv, load_start, med, runs,
+        params={"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH,
+                "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS},
+        targets={"pipelined_vs_fio_min": 0.9, "pipelined_cpu_vs_fio_max": 1.2})
 
 
 if __name__ == "__main__":
