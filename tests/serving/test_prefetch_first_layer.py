@@ -5,23 +5,13 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 import torch
 
-from engram_offload import open_table, write_table
-from engram_offload.engram.config import EngramConfig
+from engram_offload import open_table
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
 
-CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32,
-                      prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")
-VOCAB = 1000
-
-
-@pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    x = torch.randn(CONFIG.num_rows, CONFIG.head_dim)
-    return write_table(tmp_path_factory.mktemp("first") / "t.tbl", CONFIG, x)
+from test_prefetch import CONFIG, VOCAB, table  # noqa: F401  (table: the Prefetcher tests' fixture)
 
 
 def _order(table, first_layer_first: bool | None, tier: str = "mmap") -> list[str]:
