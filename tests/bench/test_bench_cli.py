@@ -226,3 +226,25 @@ def test_drafts_are_counted_per_run_and_each_layers_stall_is_reported(tiny_table
     assert counts["draft_steps"] > 0 and counts["next_rows"] > 0
     assert run["draft_share_fetched"] == pytest.approx(counts["next_rows_fetched"] / counts["next_rows"])
     assert main(["bench", "--table", str(tiny_table), "--drafts", "mtp", "--out", str(tmp_path), "--no-progress"]) == 1
+
+
+def test_model_drafts_come_from_the_trained_model(tiny_table, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "--table", str(tiny_table), "--backbone", "modeled", "--gpu", "b300", "--tp", "2",
+                 "--tiers", "direct", "--cache-states", "cold", "--concurrency", "4", "--drafts", "model:2",
+                 "--seconds", "0.4", "--dram-budget", "20%", "--corpus", "stdlib",
+                 "--corpus-tokens", "20000", "--prompt-tokens", "48", "--answer-tokens", "16", "--tool-tokens", "16",
+                 "--turns", "2", "--max-step-tokens", "32", "--out", str(out), "--no-progress"])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    (run,) = doc["runs"]
+    assert doc["settings"]["drafts"] == "model:2" and "draft_predictor" not in doc["settings"]
+    counts = run["draft_counts"]
+    assert counts["draft_steps"] > 0 and counts["next_rows_fetched"] > 0  # some drafts were right
+    capsys.readouterr()
+    assert main(["bench", "--table", str(tiny_table), "--drafts", "model", "--draft-model", str(tmp_path / "none"),
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
+    assert main(["bench", "--table", str(tiny_table), "--drafts", "ngram", "--draft-model", str(tmp_path),
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "is for --drafts model" in capsys.readouterr().err

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram_offload.bench.drafts import make_drafter, ngram_draft
+from engram_offload.bench import drafts
+from engram_offload.bench.drafts import PredictedDrafter, make_drafter, ngram_draft
 
 
 def test_the_tokens_after_the_last_earlier_match_of_the_longest_suffix():
@@ -21,8 +22,52 @@ def test_the_tokens_after_the_last_earlier_match_of_the_longest_suffix():
 
 def test_draft_specs():
     assert make_drafter("none") is None
-    assert make_drafter("ngram")(np.array([1, 2, 1])).tolist() == [2]
-    assert make_drafter("ngram:3")(np.array([1, 2, 3, 4, 1])).tolist() == [2, 3, 4]
-    for bad, message in [("ngram:0", ">= 1"), ("ngram:x", "whole number"), ("mtp", "choose none or ngram")]:
+    assert make_drafter("ngram")(np.array([1, 2, 1]), 3).tolist() == [2]
+    assert make_drafter("ngram:3")(np.array([1, 2, 3, 4, 1]), 5).tolist() == [2, 3, 4]
+    assert make_drafter("ngram:3")(np.array([1, 2, 3, 4, 1, 9, 9]), 5).tolist() == [2, 3, 4]  # later tokens unseen
+    for bad, message in [("ngram:0", ">= 1"), ("ngram:x", "whole number"), ("mtp", "choose none, ngram"),
+                         ("none:2", "choose none"), ("model:2", "needs a model")]:
         with pytest.raises(ValueError, match=message):
             make_drafter(bad)
+
+
+class CountingPredictor:
+    """Predicts token + 1 after every position, -1 after a token 0; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        return np.where(tokens == 0, -1, tokens + 1)
+
+
+def test_model_drafts_take_the_predictions_after_the_known_tokens():
+    predictor = CountingPredictor()
+    drafter = make_drafter("model:3", predictor)
+    tokens = np.array([5, 6, 7, 0, 9, 10])
+    assert drafter(tokens, 1).tolist() == [6, 7, 8]  # after 5: the predictions at positions 0, 1, 2
+    assert drafter(tokens, 2).tolist() == [7, 8]  # cut at position 3's "none"
+    assert drafter(tokens, 5).tolist() == [10, 11]  # as many as the sequence holds
+    assert predictor.calls == 1  # one run per sequence array
+    other = tokens.copy()
+    assert drafter(other, 1).tolist() == [6, 7, 8] and predictor.calls == 2
+    assert make_drafter("model", predictor)(tokens, 1).tolist() == [6]  # K defaults to 1
+
+
+def test_a_predictor_of_the_wrong_shape_is_refused():
+    drafter = PredictedDrafter(lambda tokens: tokens[:-1], 2)
+    with pytest.raises(ValueError, match="predictions for"):
+        drafter(np.arange(4), 1)
+
+
+def test_kept_predictions_are_bounded(monkeypatch):
+    monkeypatch.setattr(drafts, "KEPT_SEQUENCES", 2)
+    predictor = CountingPredictor()
+    drafter = PredictedDrafter(predictor, 1)
+    arrays = [np.arange(1, 5) for _ in range(3)]
+    for a in arrays:
+        drafter(a, 1)
+    assert len(drafter._kept) == 2 and predictor.calls == 3
+    drafter(arrays[0], 2)  # dropped as the oldest: predicted again
+    assert predictor.calls == 4

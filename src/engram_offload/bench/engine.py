@@ -272,7 +272,7 @@ class ServingEngine:
         decode_step = None
         if decoding:
             # a sequence's tokens so far, this step's included: what a drafter proposes from
-            drafts = None if self.drafter is None else [self.drafter(r.tokens[: r.fed + 1]) for r, _ in decoding]
+            drafts = None if self.drafter is None else [self.drafter(r.tokens, r.fed + 1) for r, _ in decoding]
             decode_step = self.prefetcher.begin_step([r.number for r, _ in decoding], [p for _, p in decoding],
                                                      drafts=drafts)
         for r, p in prefill:  # pieces not fetched ahead are fetched now

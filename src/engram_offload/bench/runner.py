@@ -44,7 +44,7 @@ from __future__ import annotations
 import multiprocessing
 import queue as queue_module
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -61,7 +61,7 @@ from ..tiers import TIERS, is_resident
 from .backbone import EngramBackbone
 from .cold import make_cold
 from .corpus import Corpus
-from .drafts import make_drafter
+from .drafts import Predictor, make_drafter
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
@@ -108,12 +108,14 @@ class BenchSettings:
     nvme_bytes_per_s: float | None = None  # and its read bandwidth (default: nvme_iops x 4 KiB)
     nvme_latency_us: float | None = None  # and a 4 KiB read's latency at queue depth 1 (default: the server's)
     pool: str | None = None  # the remote tier's pool URL (redis://host:port[,...])
-    drafts: str = "none"  # draft tokens whose rows decode steps fetch a step early (bench.drafts: ngram[:K])
+    drafts: str = "none"  # draft tokens whose rows decode steps fetch a step early (bench.drafts: ngram[:K], model[:K])
+    # what --drafts model[:K] predicts with (bench.drafts.Predictor; the command line loads the trained model)
+    draft_predictor: Predictor | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         from ..pool.client import redact
 
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft_predictor"}
         d["shape"] = asdict(self.shape)
         d["pool"] = redact(self.pool) if self.pool else None
         return d
@@ -216,7 +218,7 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
            on_step: Callable[[str, float], Any] | None, rank: RankRole | None = None) -> _Measured:
     """The warm-up pass (warm and mixed states, tiers that are not resident), then the measurement
     (``rank``: one of several rank processes, ``bench.ranks``)."""
-    drafter = make_drafter(settings.drafts)
+    drafter = make_drafter(settings.drafts, settings.draft_predictor)
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,

@@ -106,8 +106,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "such as 1=memory/14=direct (each Engram layer on its tier) (default memory,direct,mmap)")
     r.add_argument("--cache-states", default="cold,warm,mixed", help="comma list of cold, warm, mixed (default all)")
     r.add_argument("--drafts", default="none",
-                   help="draft tokens whose rows each decode step fetches a step early: none (default) or ngram[:K] "
-                   "(prompt lookup: the K tokens after the last earlier match of the sequence's suffix; K default 1)")
+                   help="draft tokens whose rows each decode step fetches a step early: none (default), ngram[:K] "
+                   "(prompt lookup: the K tokens after the last earlier match of the sequence's suffix) or model[:K] "
+                   "(the trained model's next K tokens, standing in for an MTP head); K default 1")
+    r.add_argument("--draft-model", metavar="DIR", default=None,
+                   help="the model folder --drafts model[:K] predicts with (default: the shipped trained model)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
     r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
     r.add_argument("--min-steps", type=positive_int, default=MIN_STEPS,
@@ -311,18 +314,38 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         drop_all_caches=args.drop_all_caches,
         backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
         nvme_bytes_per_s=args.nvme_bytes_per_s, nvme_latency_us=args.nvme_latency_us, pool=args.pool,
-        drafts=args.drafts,
+        drafts=args.drafts, draft_predictor=_draft_predictor(args),
     )
     check_budget(settings)
     check_memory_needs(_bench_needs(args, header, cache_bytes, max(concurrency)))
     from ..bench.drafts import make_drafter
 
-    make_drafter(settings.drafts)  # a bad --drafts fails here, before any run
+    make_drafter(settings.drafts, settings.draft_predictor)  # a bad --drafts fails here, before any run
     if args.backbone == "modeled":  # a bad --gpu, --model or --tp fails here, before any run
         from ..bench.modeled import modeled_backbone
 
         modeled_backbone(header.config, args.gpu, args.tp, args.model)
     return _Plan(table, header, budget, tiers, states, concurrency, settings)
+
+
+def _draft_predictor(args: argparse.Namespace) -> Any:
+    """The trained model's predictor for --drafts model[:K] (loaded here, so a bad --draft-model
+    fails before any run); None for the other kinds."""
+    from ..bench.drafts import draft_kind
+
+    kind, _ = draft_kind(args.drafts)
+    if args.draft_model is not None and kind != "model":
+        raise UsageError(f"--draft-model is for --drafts model[:K], not --drafts {args.drafts}")
+    if kind != "model":
+        return None
+    from ..model.drafts import ModelPredictor
+
+    predictor = ModelPredictor(args.draft_model)
+    try:
+        predictor.model()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--draft-model {args.draft_model or '(the shipped model)'}: {exc}") from None
+    return predictor
 
 
 def _bench_needs(args: argparse.Namespace, header: Any, cache_bytes: int, concurrency: int) -> list[MemoryNeed]:
