@@ -41,6 +41,21 @@
 #define NOGIL_MIN_ROWS 4096 /* release the GIL from this many rows on (about 0.3 ms of work): a let-go
                               * with another thread waiting costs a thread switch */
 
+/* Rows picked by an index lie anywhere in a large arena (a row cache): the row this many
+ * picks ahead is asked into the cache while this one decodes, which would otherwise wait on
+ * memory line by line (a row on a 200 MB arena decoded in 0.21 us, 0.08 with this). Always
+ * inlined: a call gcc did not inline into the per-target clones was dropped as having no
+ * effect (a prefetch has none it can see). */
+#define PREFETCH_ROWS 8
+
+static inline __attribute__((always_inline)) void prefetch_row(const uint8_t *raw, const int64_t *index, Py_ssize_t r, Py_ssize_t n,
+                                Py_ssize_t rb) {
+    if (!index || r + PREFETCH_ROWS >= n) return;
+    const uint8_t *row = raw + index[r + PREFETCH_ROWS] * rb;
+    for (Py_ssize_t off = 0; off < rb; off += 64) __builtin_prefetch(row + off, 0, 3);
+    __builtin_prefetch(row + rb - 1, 0, 3);
+}
+
 /* One clone per instruction set, picked when the module loads (gcc on x86-64): with AVX2
  * a block's 32 lookups vectorize to gathers, about twice the scalar loop's speed. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -56,6 +71,7 @@
                      const T *restrict table, T *restrict out) {                                        \
         Py_ssize_t blocks = d / BLOCK;                                                                  \
         for (Py_ssize_t r = 0; r < n; r++) {                                                            \
+            prefetch_row(raw, index, r, n, rb);                                                         \
             const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;                            \
             T *restrict o = out + r * d;                                                                \
             for (Py_ssize_t b = 0; b < blocks; b++) {                                                   \
@@ -91,6 +107,7 @@ static void decode32_arithmetic(const uint8_t *raw, const int64_t *index, Py_ssi
     const __m256i nan_byte = _mm256_set1_epi8(0x7F);
     Py_ssize_t blocks = d / BLOCK;
     for (Py_ssize_t r = 0; r < n; r++) {
+        prefetch_row(raw, index, r, n, rb);
         const uint8_t *restrict row = raw + (index ? index[r] : r) * rb;
         uint32_t *restrict o = out + r * d;
         for (Py_ssize_t b = 0; b < blocks; b++) {
