@@ -399,23 +399,6 @@ static void batch_fail(batch_t *b, const slot_t *s, int err, int eof)
     b->err_tries = s->tries > b->retries ? b->retries : s->tries;
 }
 
-/* Pages a completion delivered that the batch reads again (its on_done checks them) are
- * this many completions ahead asked into the cache: the device wrote them to memory past the
- * caches, and the checksum would otherwise wait on them line by line. */
-#define PREFETCH_AHEAD 8
-#define PREFETCH_MAX_BYTES (64 * 1024)
-
-static inline void prefetch_completion(const ring_t *r, const batch_t *b, unsigned at)
-{
-    const struct io_uring_cqe *cqe = &r->cqes[at & r->cq_mask];
-    const slot_t *s;
-    if (!b->on_done || b->lengths || cqe->res <= 0 || b->length > PREFETCH_MAX_BYTES)
-        return;
-    s = &r->slots[(unsigned)cqe->user_data];
-    for (int64_t off = 0; off < b->length; off += 64)
-        __builtin_prefetch(s->buf + off, 0, 3);
-}
-
 static void batch_run(ring_t *r, batch_t *b)
 {
     int64_t next = 0;        /* next request not yet issued */
@@ -426,12 +409,8 @@ static void batch_run(ring_t *r, batch_t *b)
         /* 1. Reap every completion already posted (no syscall needed). */
         unsigned head = *r->cq_head;
         unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
-        for (unsigned k = 0; k < PREFETCH_AHEAD && k < tail - head; k++)
-            prefetch_completion(r, b, head + k);
         while (head != tail) {
             const struct io_uring_cqe *cqe = &r->cqes[head & r->cq_mask];
-            if (tail - head > PREFETCH_AHEAD)
-                prefetch_completion(r, b, head + PREFETCH_AHEAD);
             unsigned slot = (unsigned)cqe->user_data;
             int res = cqe->res;
             slot_t *s = &r->slots[slot];
