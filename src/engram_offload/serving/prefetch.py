@@ -352,9 +352,12 @@ class Step:
         if not delivered.wait(timeout):
             raise TimeoutError(f"rows of layer {layer_id} of step {self.number} not delivered after {timeout:g} s: "
                                f"{self.source} did not return them (Prefetcher wait_s= or timeout= sets the wait)")
-        waited = time.perf_counter() - t0
+        self.add_stall(time.perf_counter() - t0)
+
+    def add_stall(self, seconds: float) -> None:
+        """Count ``seconds`` the consumer spent waiting for (or fetching) this step's rows."""
         with self._lock:
-            self.stall_seconds += waited
+            self.stall_seconds += seconds
             self.stalls += 1
 
     def cancel(self) -> None:
@@ -395,7 +398,9 @@ class Prefetcher:
     store opened with ``device=`` delivers to that device, and the step's rows are then
     dequantized there on the fetch stream (see the module doc). Two worker threads serve
     steps in order, urgent ones first, and each step's parts in order; one of them serves
-    only urgent steps. Use as a context manager or call ``close``.
+    only urgent steps. A caller asking for host rows whose part no worker has taken yet,
+    both being busy, fetches the step's parts up to it itself rather than wait behind them.
+    Use as a context manager or call ``close``.
 
     ``columns``: the column shard ``[c0, c1)`` whose rows ``rows()`` returns (default: the
     store's ``columns``, else every column); see the module doc.
@@ -527,24 +532,54 @@ class Prefetcher:
             picked = self._next_part(urgent_only)
             if picked is None:
                 return
-            step, p = picked
-            if step.skipping:
-                step.skip(p)
-                continue
-            lease = None
-            try:
-                ids, requested = step.part_ids(p)
-                lease = self.store.fetch(ids, hold=True, requested=requested)
-                if step.outputs is None:
-                    step.deliver(p, self._decode_layers(step, p, lease), lease)
-                else:
-                    step.deliver(p, None, lease, self._to_layer_outputs(step, p, lease))
-            except BaseException as exc:  # kept for the caller; the worker carries on
-                if lease is not None:
-                    lease.release()
-                with self._lock:
-                    self.failures += 1
-                step.fail(p, exc)
+            self._fetch_part(*picked)
+
+    def _fetch_part(self, step: Step, p: int) -> None:
+        """Fetch, decode and deliver part ``p`` of ``step`` (a worker's, or a caller's own part:
+        see ``_fetch_own_parts``); a failure is kept for the caller."""
+        if step.skipping:
+            step.skip(p)
+            return
+        lease = None
+        try:
+            ids, requested = step.part_ids(p)
+            lease = self.store.fetch(ids, hold=True, requested=requested)
+            if step.outputs is None:
+                step.deliver(p, self._decode_layers(step, p, lease), lease)
+            else:
+                step.deliver(p, None, lease, self._to_layer_outputs(step, p, lease))
+        except BaseException as exc:  # kept for the caller; the worker carries on
+            if lease is not None:
+                lease.release()
+            with self._lock:
+                self.failures += 1
+            step.fail(p, exc)
+
+    def _fetch_own_parts(self, step: Step, layer_id: int) -> None:
+        """A caller that needs a layer whose part no worker has taken yet while both are busy
+        (say with a later layer's drive reads or a window fetched ahead) fetches the step's
+        parts itself, in order, up to that one, instead of waiting behind them; the time is the
+        step's stall. Its fetch is bounded by the store's own waits, as a worker's is; with a
+        worker idle it waits (``wait_s``) for the worker. Host rows only (on a device the parts
+        run on the fetch stream, the workers' own)."""
+        if step.outputs is not None or layer_id not in step.layer_ids or step.done():
+            return
+        p = step._part_of[step.layer_ids.index(layer_id)]
+        t0 = None
+        while True:
+            with self._wake[False]:  # the queue's lock: workers take parts under it too
+                if step._handed_out > p or step.skipping or self._idle[False] or self._idle[True]:
+                    break
+                q, last = step.take_part()
+                if last:
+                    for waiting in (self._urgent, self._background):
+                        if step in waiting:
+                            waiting.remove(step)
+            if t0 is None:
+                t0 = time.perf_counter()
+            self._fetch_part(step, q)
+        if t0 is not None:
+            step.add_stall(time.perf_counter() - t0)
 
     def _decode_layers(self, step: Step, p: int, lease: RowLease) -> dict[int, torch.Tensor]:
         """Part ``p``'s rows decoded straight into each of its layers' order (one gather and
@@ -756,6 +791,7 @@ class Prefetcher:
         step = step or self.current
         if step is None:
             raise ValueError("no step in flight: call begin_step(seq_ids, pieces) first")
+        self._fetch_own_parts(step, layer_id)
         return step.rows(layer_id, timeout)
 
     def end_step(self, step: Step | None = None) -> None:

@@ -1,0 +1,102 @@
+"""A caller whose layer's part no worker has taken, both workers busy, fetches it itself."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from engram_offload import open_table
+from engram_offload.engram.hashing import NgramHasher
+from engram_offload.serving.prefetch import Prefetcher
+
+from test_prefetch import CONFIG, VOCAB, expected_rows, table  # noqa: F401  (table: the Prefetcher tests' fixture)
+
+
+def _held_workers(store, pf: Prefetcher, tokens: np.ndarray):
+    """Both workers held inside a fetch (the general one in ``ahead``'s first part, the urgent-only
+    one in ``a``'s); returns the two steps, the gates that let them go, and every fetch's ids."""
+    gates, entered = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    calls: list[np.ndarray] = []
+    lock = threading.Lock()
+    real = store.fetch
+
+    def recording(ids, **kwargs):
+        with lock:
+            n = len(calls)
+            calls.append(np.asarray(ids).copy())
+        if n < 2:
+            entered[n].set()
+            assert gates[n].wait(10)
+        return real(ids, **kwargs)
+
+    store.fetch = recording
+    ahead = pf.begin_step([1], [tokens[0]], urgent=False)
+    assert entered[0].wait(10)
+    a = pf.begin_step([2], [tokens[1]])
+    assert entered[1].wait(10)
+    return ahead, a, gates, calls
+
+
+def _parts_fetched(calls: list[np.ndarray], step) -> int:
+    return sum(any(np.array_equal(step.dedup.unique[lo:hi], ids) for lo, hi, _ in step.parts) for ids in calls)
+
+
+def test_a_caller_fetches_its_own_parts_while_both_workers_are_busy(table):
+    tokens = np.random.default_rng(6).integers(0, VOCAB, size=(3, 6))
+    hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
+    with open_table(table, "mmap") as plain, open_table(table, "1=memory/3=mmap") as store, \
+            Prefetcher(store, hasher, split_min_rows=1, wait_s=5) as pf:
+        ahead, a, gates, calls = _held_workers(store, pf, tokens)
+        b = pf.begin_step([3], [tokens[2]])
+        for pos, layer in enumerate(CONFIG.layer_ids):  # the workers stay held throughout
+            assert torch.equal(pf.rows(layer, b), expected_rows(plain, hasher, tokens[2:3], pos)[0])
+        assert b.done() and b.stalls == 2 and b.stall_seconds > 0
+        assert not any(g.is_set() for g in gates) and _parts_fetched(calls, b) == 2
+        pf.end_step(b)
+        for g in gates:
+            g.set()
+        for step in (a, ahead):
+            pf.end_step(step)
+            assert step.error is None
+        assert _parts_fetched(calls, b) == 2  # taken off the queue: no worker fetched them again
+
+
+def test_a_caller_takes_the_parts_before_its_layer_in_order_and_leaves_the_rest(table):
+    tokens = np.random.default_rng(7).integers(0, VOCAB, size=(3, 6))
+    hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
+    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, \
+            Prefetcher(store, hasher, split_min_rows=1, wait_s=5) as pf:
+        ahead, a, gates, calls = _held_workers(store, pf, tokens)
+        b = pf.begin_step([3], [tokens[2]])
+        first = CONFIG.layer_ids[0]
+        assert torch.equal(pf.rows(first, b), expected_rows(plain, hasher, tokens[2:3], 0)[0])
+        assert b._handed_out == 1 and not b.done()  # its second layer's part still queued for a worker
+        gates[1].set()  # the urgent-only worker: a's second part, then b's
+        assert b.wait_done(10)
+        assert torch.equal(pf.rows(CONFIG.layer_ids[1], b), expected_rows(plain, hasher, tokens[2:3], 1)[0])
+        assert b.stalls == 1 and _parts_fetched(calls, b) == 2
+        gates[0].set()
+        for step in (b, a, ahead):
+            pf.end_step(step)
+            assert step.error is None
+
+
+def test_a_caller_waits_for_an_idle_worker_rather_than_fetch(table):
+    tokens = np.random.default_rng(8).integers(0, VOCAB, size=(1, 6))
+    hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher, split_min_rows=1, wait_s=5) as pf:
+        fetched_by: list[str] = []
+        real = store.fetch
+
+        def recording(ids, **kwargs):
+            fetched_by.append(threading.current_thread().name)
+            return real(ids, **kwargs)
+
+        store.fetch = recording
+        step = pf.begin_step([1], [tokens[0]])
+        for layer in CONFIG.layer_ids:
+            pf.rows(layer, step)
+        pf.end_step(step)
+        assert len(fetched_by) == 2 and all(name.startswith("engram-prefetch") for name in fetched_by)
