@@ -6,41 +6,47 @@ import threading
 
 import numpy as np
 import torch
+from test_prefetch import CONFIG, VOCAB, table  # noqa: F401  (table: the Prefetcher tests' fixture)
 
 from engram_offload import open_table
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
 
-from test_prefetch import CONFIG, VOCAB, table  # noqa: F401  (table: the Prefetcher tests' fixture)
+
+def held_workers(store, pf: Prefetcher, tokens: np.ndarray):
+    """Both workers held inside a fetch (the general one in ``ahead``'s first part, the urgent-only
+    one in ``a``'s); returns the two steps, the gates that let them go, and every fetch's ids."""
+    gates, entered = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    calls: list[np.ndarray] = []
+    lock = threading.Lock()
+    real = store.fetch
+
+    def recording(ids, **kwargs):
+        with lock:
+            n = len(calls)
+            calls.append(np.asarray(ids).copy())
+        if n < 2:
+            entered[n].set()
+            assert gates[n].wait(10)
+        return real(ids, **kwargs)
+
+    store.fetch = recording
+    ahead = pf.begin_step([1], [tokens[0]], urgent=False)
+    assert entered[0].wait(10)
+    a = pf.begin_step([2], [tokens[1]])
+    assert entered[1].wait(10)
+    return ahead, a, gates, calls
 
 
 def _order(table, first_layer_first: bool | None, tier: str = "mmap") -> list[str]:
-    """Both workers held in a read (the general one in ``ahead``'s part 0, the urgent-only
-    one in ``a``'s); ``b`` is queued; the general worker's picks once let go."""
+    """Both workers held in a read (``held_workers``); ``b`` is queued; the general worker's
+    picks once let go."""
     tokens = np.random.default_rng(4).integers(0, VOCAB, size=(3, 6))
     hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
     spec = tier if tier != "layered" else "1=memory/3=mmap"
     with open_table(table, spec) as store, \
             Prefetcher(store, hasher, split_min_rows=1, first_layer_first=first_layer_first) as pf:
-        gates, entered = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
-        calls: list[np.ndarray] = []
-        lock = threading.Lock()
-        real = store.fetch
-
-        def recording(ids, **kwargs):
-            with lock:
-                n = len(calls)
-                calls.append(np.asarray(ids).copy())
-            if n < 2:
-                entered[n].set()
-                assert gates[n].wait(10)
-            return real(ids, **kwargs)
-
-        store.fetch = recording
-        ahead = pf.begin_step([1], [tokens[0]], urgent=False)
-        assert entered[0].wait(10)
-        a = pf.begin_step([2], [tokens[1]])
-        assert entered[1].wait(10)
+        ahead, a, gates, calls = held_workers(store, pf, tokens)
         b = pf.begin_step([3], [tokens[2]])
         gates[0].set()
         assert b.wait_done(10) and ahead.wait_done(10)

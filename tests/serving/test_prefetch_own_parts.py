@@ -3,53 +3,38 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import torch
+from test_prefetch import CONFIG, VOCAB, expected_rows, table  # noqa: F401  (table: the Prefetcher tests' fixture)
+from test_prefetch_first_layer import held_workers
 
 from engram_offload import open_table
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.serving.prefetch import Prefetcher
-
-from test_prefetch import CONFIG, VOCAB, expected_rows, table  # noqa: F401  (table: the Prefetcher tests' fixture)
-
-
-def _held_workers(store, pf: Prefetcher, tokens: np.ndarray):
-    """Both workers held inside a fetch (the general one in ``ahead``'s first part, the urgent-only
-    one in ``a``'s); returns the two steps, the gates that let them go, and every fetch's ids."""
-    gates, entered = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
-    calls: list[np.ndarray] = []
-    lock = threading.Lock()
-    real = store.fetch
-
-    def recording(ids, **kwargs):
-        with lock:
-            n = len(calls)
-            calls.append(np.asarray(ids).copy())
-        if n < 2:
-            entered[n].set()
-            assert gates[n].wait(10)
-        return real(ids, **kwargs)
-
-    store.fetch = recording
-    ahead = pf.begin_step([1], [tokens[0]], urgent=False)
-    assert entered[0].wait(10)
-    a = pf.begin_step([2], [tokens[1]])
-    assert entered[1].wait(10)
-    return ahead, a, gates, calls
 
 
 def _parts_fetched(calls: list[np.ndarray], step) -> int:
     return sum(any(np.array_equal(step.dedup.unique[lo:hi], ids) for lo, hi, _ in step.parts) for ids in calls)
 
 
-def test_a_caller_fetches_its_own_parts_while_both_workers_are_busy(table):
-    tokens = np.random.default_rng(6).integers(0, VOCAB, size=(3, 6))
+@contextmanager
+def _third_step_behind_held_workers(table, spec: str, seed: int):
+    """A plain store, the hasher, the Prefetcher, the tokens, its held steps and gates, the
+    fetches so far, and a third step ``b`` queued behind them."""
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, size=(3, 6))
     hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
-    with open_table(table, "mmap") as plain, open_table(table, "1=memory/3=mmap") as store, \
+    with open_table(table, "mmap") as plain, open_table(table, spec) as store, \
             Prefetcher(store, hasher, split_min_rows=1, wait_s=5) as pf:
-        ahead, a, gates, calls = _held_workers(store, pf, tokens)
+        ahead, a, gates, calls = held_workers(store, pf, tokens)
         b = pf.begin_step([3], [tokens[2]])
+        yield plain, hasher, pf, tokens, (ahead, a), gates, calls, b
+
+
+def test_a_caller_fetches_its_own_parts_while_both_workers_are_busy(table):
+    with _third_step_behind_held_workers(table, "1=memory/3=mmap", 6) as (plain, hasher, pf, tokens, (ahead, a),
+                                                                          gates, calls, b):
         for pos, layer in enumerate(CONFIG.layer_ids):  # the workers stay held throughout
             assert torch.equal(pf.rows(layer, b), expected_rows(plain, hasher, tokens[2:3], pos)[0])
         assert b.done() and b.stalls == 2 and b.stall_seconds > 0
@@ -64,12 +49,7 @@ def test_a_caller_fetches_its_own_parts_while_both_workers_are_busy(table):
 
 
 def test_a_caller_takes_the_parts_before_its_layer_in_order_and_leaves_the_rest(table):
-    tokens = np.random.default_rng(7).integers(0, VOCAB, size=(3, 6))
-    hasher = NgramHasher(CONFIG, np.arange(VOCAB, dtype=np.int64) % 700)
-    with open_table(table, "mmap") as plain, open_table(table, "mmap") as store, \
-            Prefetcher(store, hasher, split_min_rows=1, wait_s=5) as pf:
-        ahead, a, gates, calls = _held_workers(store, pf, tokens)
-        b = pf.begin_step([3], [tokens[2]])
+    with _third_step_behind_held_workers(table, "mmap", 7) as (plain, hasher, pf, tokens, (ahead, a), gates, calls, b):
         first = CONFIG.layer_ids[0]
         assert torch.equal(pf.rows(first, b), expected_rows(plain, hasher, tokens[2:3], 0)[0])
         assert b._handed_out == 1 and not b.done()  # its second layer's part still queued for a worker
