@@ -103,3 +103,44 @@ def test_eval_reads_a_users_corpus_whole_and_the_training_corpus_held_out(small_
     # and another corpus through that checkpoint: whole
     assert main(["eval", "--checkpoint", str(model), "--corpus", str(few), "--max-tokens", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == whole["tokens"]
+
+
+def test_eval_reports_the_twin_and_the_lesion_on_the_same_tokens_per_kind(small_corpus, tmp_path, capsys):
+    import json
+
+    model, twin = tmp_path / "m", tmp_path / "m-no-engram"
+    assert main(["train", "--out", str(model), "--corpus", str(small_corpus), *TINY_TRAIN]) == 0
+    assert main(["train", "--out", str(twin), "--corpus", str(small_corpus), "--no-engram", *TINY_TRAIN]) == 0
+    capsys.readouterr()
+    mixed = tmp_path / "mixed"  # one file of each kind: code, documentation, prose
+    mixed.mkdir()
+    shutil.copyfile(small_corpus / "json" / "decoder.py", mixed / "decoder.py")
+    (mixed / "guide.rst").write_text("Reading JSON\n============\n\nUse ``json.loads`` to decode a document.\n" * 20)
+    (mixed / "letter.txt").write_text("Dear reader, the weather was fine and we walked to the river.\n" * 20)
+    assert main(["eval", "--checkpoint", str(model), "--corpus", str(mixed), "--max-tokens", "900", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["twin"] == str(twin.resolve())
+    assert list(record["by_kind"]) == ["code", "documentation", "prose", "all"]
+    for kind, row in record["by_kind"].items():
+        assert set(row) == {"engram", "twin", "lesion"}, kind
+        assert row["engram"]["tokens"] == row["twin"]["tokens"] == row["lesion"]["tokens"] > 0, kind
+    assert record["by_kind"]["all"]["engram"]["tokens"] == record["tokens"] == \
+        sum(record["by_kind"][k]["engram"]["tokens"] for k in ("code", "documentation", "prose"))
+    assert record["twin_over_engram"] == pytest.approx(
+        record["by_kind"]["all"]["twin"]["perplexity"] / record["perplexity"])
+    assert main(["eval", "--checkpoint", str(model), "--corpus", str(mixed), "--max-tokens", "900"]) == 0
+    printed = capsys.readouterr().out
+    assert "table's worth: twin / Engram" in printed and "lesion (gate forced to 0) / Engram" in printed
+
+
+def test_eval_twin_must_be_a_model_without_engram(small_corpus, tmp_path, capsys):
+    model = tmp_path / "m"
+    assert main(["train", "--out", str(model), "--corpus", str(small_corpus), *TINY_TRAIN]) == 0
+    capsys.readouterr()
+    one = str(small_corpus / "json" / "decoder.py")
+    assert main(["eval", "--checkpoint", str(model), "--corpus", one, "--twin", str(model)]) == 2
+    assert "has Engram layers" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(model), "--corpus", one, "--twin", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(model), "--corpus", one, "--max-tokens", "200"]) == 0
+    assert "no twin at" in capsys.readouterr().out

@@ -58,3 +58,37 @@ def test_rank_correlation():
     # ties take their mean rank: Pearson of ranks [1.5, 1.5, 3, 4] and [1, 2, 3, 4]
     a, b = np.array([1.5, 1.5, 3, 4]), np.array([1.0, 2, 3, 4])
     assert rank_correlation(np.array([7.0, 7, 8, 9]), np.array([1.0, 2, 3, 4])) == pytest.approx(np.corrcoef(a, b)[0, 1])
+
+
+def test_reads_of_unseen_ngrams_are_told_from_seen_ones(model, held_out_pieces, scanned):
+    from engram_offload.model.evaluate import batches
+    from engram_offload.model.ngrams import SeenNgrams, ngram_keys
+
+    seen = SeenNgrams()
+    half = held_out_pieces[: len(held_out_pieces) // 2]
+    for chunk in batches(half, 16):
+        seen.add(ngram_keys(model.hasher, chunk[:, :-1]))
+    with_seen = scan(model, held_out_pieces, seen=seen)
+    c = model.config
+    reads = with_seen.unseen_reads + with_seen.seen_reads  # per order
+    assert np.array_equal(reads, np.full(c.num_orders, scanned.counts.sum() / c.num_orders))
+    assert np.isclose((with_seen.unseen_gate_sums + with_seen.seen_gate_sums).sum(), scanned.gate_sums.sum())
+    assert (with_seen.seen_reads > 0).all() and (with_seen.unseen_reads > 0).all()
+    assert with_seen.unseen_reads[1] > with_seen.unseen_reads[0]  # 3-grams are new more often than 2-grams
+    alone = scan(model, half, seen=seen)
+    assert alone.unseen_reads.sum() == 0  # the text the filter was filled from: all seen
+    assert scanned.unseen_reads is None
+
+
+def test_seen_ngrams_round_trip(model, tmp_path):
+    from engram_offload.model.ngrams import SeenNgrams, ngram_keys
+
+    ids = torch.randint(3, 100_000, (3, 40), generator=torch.Generator().manual_seed(0))
+    keys = ngram_keys(model.hasher, ids)
+    assert keys.shape == (3, 40, model.config.max_ngram_size - 1)
+    seen = SeenNgrams()
+    seen.add(keys[:2])
+    seen.save(tmp_path)
+    loaded = SeenNgrams.load(tmp_path)
+    assert loaded is not None and loaded.contains(keys[:2]).all() and not loaded.contains(keys[2]).any()
+    assert SeenNgrams.load(tmp_path / "none") is None

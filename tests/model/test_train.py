@@ -66,3 +66,63 @@ def test_held_out_split_is_by_file_and_stable(small_corpus):
     assert {f.name for f in train_files}.isdisjoint(f.name for f in held)
     assert len(train_files) + len(held) == len(files)
     assert split(corpus_files([small_corpus]))[1] == held
+
+
+def test_the_twin_without_engram_starts_from_the_same_backbone():
+    from engram_offload.engram.config import EngramConfig
+    from engram_offload.engram.tokenizer import cached_token_map
+    from engram_offload.model.lm import EngramLM
+
+    token_map = cached_token_map()
+    config = EngramConfig(layer_ids=(1,), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(211, 211),
+                          pad_id=2, hidden_size=32, hc_mult=2, variant="v4.1", row_format="fp8_e4m3_ue8m0",
+                          compressed_vocab_size=int(token_map.max()) + 1)
+    vocab = torch.arange(3, 66)
+    torch.manual_seed(3)
+    with_engram = EngramLM(config, vocab, token_map, 2, 2, table=False)
+    torch.manual_seed(3)
+    twin = EngramLM(config, vocab, token_map, 2, 2, table=False, engram=False)
+    backbone = {k: v for k, v in with_engram.state_dict().items() if ".engram." not in k}
+    assert backbone.keys() == twin.state_dict().keys()
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in backbone.items())
+    assert twin.engram_layers() == {} and not twin.has_engram
+
+
+def test_twin_trains_on_the_same_batches_and_saves_one_shard(small_corpus, tmp_path):
+    from engram_offload.model.checkpoint_io import load_model, written_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = train(tiny(5, small_corpus), tmp_path / "m", progress=False, log=lambda m: None)
+        settings = tiny(5, small_corpus)
+        settings.engram = False
+        twin = train(settings, tmp_path / "t", progress=False, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(p.name for p in twin.path.iterdir()) == ["config.json", "model.safetensors",
+                                                           "model.safetensors.index.json", "training.json"]
+    assert twin.train_tokens == model.train_tokens
+    assert twin.history[0]["train_loss"] != model.history[0]["train_loss"]  # the table changes the first batch's loss
+    loaded = load_model(twin.path)
+    assert not loaded.has_engram and written_rows(twin.path) is None
+    written = written_rows(model.path)
+    config = load_model(model.path).config
+    assert written is not None and written.shape == (config.num_rows,) and 0 < written.sum() < written.size
+
+
+def test_row_dropout_and_a_zero_table_leave_unwritten_rows_at_zero(small_corpus, tmp_path):
+    from engram_offload.model.checkpoint_io import load_model, written_rows
+
+    settings = tiny(5, small_corpus)
+    settings.row_dropout, settings.table_init = 0.5, "zero"
+    result = train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+    model = load_model(result.path)
+    written = written_rows(result.path)
+    rows = torch.cat([layer.lookup(torch.arange(model.config.rows_per_layer[i]))
+                      for i, layer in model.engram_layers().items()])
+    assert written is not None and not rows[~torch.from_numpy(written)].any()
+    assert rows[torch.from_numpy(written)].any(dim=1).float().mean() > 0.9
+    with pytest.raises(ValueError, match="row_dropout"):
+        settings.row_dropout = 1.0
+        train(settings, tmp_path / "bad", progress=False, log=lambda m: None)

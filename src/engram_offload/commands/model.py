@@ -42,7 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--max-train-tokens", type=positive_int, default=None,
                     help="tokenize at most this many training tokens (default 1,000,000)")
     tr.add_argument("--corpus", action="append", metavar="DIR", help="a folder of .py/.txt/.rst files (repeatable; "
-                    "default: the standard library and, if installed, python3.11-doc)")
+                    "default: every installed source: the standard library, python3.11-doc, man pages, licence "
+                    "texts, copyright files, debian-reference-en, debian-faq, doc-debian; missing ones are named)")
+    tr.add_argument("--no-engram", action="store_true",
+                    help="train the twin without Engram: the same seed, data, steps and backbone, no table")
+    tr.add_argument("--row-dropout", type=float, default=None,
+                    help="share of row reads replaced by another row of their head while training, as an unseen "
+                    "n-gram's read is (default 0)")
+    tr.add_argument("--table-init", choices=("normal", "zero"), default=None,
+                    help="what a row no training n-gram writes holds (default normal: random, std 0.1)")
+    tr.add_argument("--prime-start", type=positive_int, default=None,
+                    help="table rows per head start at the first prime above this (default 7,500)")
     tr.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1: reproducible)")
     tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -51,15 +61,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     reads, as_json = _reading_parent(), _json_parent()
     ev = sub.add_parser(
         "eval", parents=[reads, as_json], help="held-out perplexity of the trained model, from any tier",
-        description="Perplexity of the model on the held-out files of a corpus, with Engram rows from "
-        "the checkpoint or served from a tier; --no-engram forces every gate to 0.",
+        description="Perplexity of the model on the held-out files of a corpus, per kind of text (code, "
+        "documentation, prose), with Engram rows from the checkpoint or served from a tier; beside it, on the same "
+        "tokens, its twin trained without Engram and the model with every gate forced to 0 (a lesion).",
     )
     ev.add_argument("--tier", choices=("memory", "mmap", "direct"),
                     help="serve the rows from this tier (the table is converted from the checkpoint "
                     "unless --table is given); default: the checkpoint's own rows")
     ev.add_argument("--table", help="an already converted table file of the model (with --tier; default: converted from the checkpoint)")
     deprecated_alias(ev, "--cache", add_cache_bytes(ev, 0, percent=False, what="DRAM row cache in front of the tier (with --tier)"))
-    ev.add_argument("--no-engram", action="store_true", help="zero the Engram contribution (gate forced to 0)")
+    deprecated_alias(ev, "--no-engram", ev.add_argument(
+        "--lesion", action="store_true", help="report the model with every gate forced to 0 (the lesion) as its "
+        "perplexity; the table printed below always gives the Engram model, the lesion and the twin"))
+    ev.add_argument("--twin", metavar="DIR", help="the model's twin trained without Engram (default: the folder "
+                    "NAME-no-engram beside the model, when there is one)")
     ev.set_defaults(func=cmd_eval)
 
     sc = sub.add_parser(
@@ -133,8 +148,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..model.train import TrainSettings, plot_losses, train
 
     out, plot = train_outputs(args.out, args.plot)  # before any work: a bad path fails now, not at the end
-    s = TrainSettings(seed=args.seed, corpus=args.corpus)
-    for name in ("steps", "batch", "seq_len", "max_train_tokens"):
+    s = TrainSettings(seed=args.seed, corpus=args.corpus, engram=not args.no_engram)
+    if args.row_dropout is not None and not 0 <= args.row_dropout < 1:
+        raise UsageError(f"--row-dropout must be at least 0 and below 1, got {args.row_dropout}")
+    for name in ("steps", "batch", "seq_len", "max_train_tokens", "row_dropout", "table_init", "prime_start"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     b, t, v, h = s.batch, s.seq_len, s.vocab, s.attention_heads
@@ -220,10 +237,16 @@ def trained_on(model_dir: Path, corpus: list[str] | None) -> bool:
 
 
 def _held_out_pieces(args: argparse.Namespace, model_dir: Path) -> list:
-    """The windows to read: the held-out files of the checkpoint's training corpus, or the
-    whole of any other corpus (nothing of it was trained on); ``--all-files``: every file."""
+    """The windows to read, every kind's one after another (see ``_held_out_by_kind``)."""
+    return [p for pieces in _held_out_by_kind(args, model_dir).values() for p in pieces]
+
+
+def _held_out_by_kind(args: argparse.Namespace, model_dir: Path) -> dict[str, list]:
+    """The windows to read by kind of text: the held-out files of the checkpoint's training
+    corpus, or the whole of any other corpus (nothing of it was trained on); ``--all-files``:
+    every file. ``--max-tokens`` is shared equally by the kinds."""
     from ..engram.tokenizer import load_tokenizer
-    from ..model.corpus import corpus_files, split, token_sequences
+    from ..model.corpus import corpus_files, kind_sequences, split
     from ..model.evaluate import windows
 
     files = corpus_files(args.corpus)
@@ -232,8 +255,8 @@ def _held_out_pieces(args: argparse.Namespace, model_dir: Path) -> list:
         if not files:
             raise UsageError("the corpus has no held-out file (one file in 20 is held out): "
                              "give a larger corpus or pass --all-files")
-    sequences = token_sequences(files, load_tokenizer(), args.max_tokens or None, min_tokens=2)
-    return windows(sequences, args.seq_len)
+    by_kind = kind_sequences(files, load_tokenizer(), args.max_tokens or None, min_tokens=2)
+    return {kind: windows(seqs, args.seq_len) for kind, seqs in by_kind.items()}
 
 
 def _load(args: argparse.Namespace, table: bool):
@@ -248,40 +271,62 @@ def _load(args: argparse.Namespace, table: bool):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..model.evaluate import evaluate, store_rows
+    from ..model.checkpoint_io import load_model, twin_dir
+    from ..model.evaluate import compare, store_rows
     from ..model.serving import served_table
 
     if (args.table or args.cache_bytes) and not args.tier:
         raise UsageError("--table and --cache-bytes need --tier")
     model_dir, model = _load(args, table=args.tier is None)
-    pieces = _held_out_pieces(args, model_dir)
-    if args.no_engram:
-        model.set_gate_scale(0.0)
+    twin_path = Path(args.twin) if args.twin else twin_dir(model_dir)
+    if args.twin and not (twin_path / "config.json").is_file():
+        raise UsageError(f"--twin {args.twin} holds no config.json: give the folder `train --no-engram` wrote")
+    twin = load_model(twin_path) if (twin_path / "config.json").is_file() else None
+    if twin is not None and twin.has_engram:
+        raise UsageError(f"--twin {twin_path} has Engram layers: give the folder `train --no-engram` wrote")
+    by_kind = _held_out_by_kind(args, model_dir)
     serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache_bytes) if args.tier \
         else nullcontext(None)
     with serving as store:
-        result = evaluate(model, pieces, store_rows(store, model) if store is not None else None)
+        table = compare(model, twin, by_kind, store_rows(store, model) if store is not None else None)
         stats = store.stats() if store is not None else None
+    result = table["all"]["lesion" if args.lesion else "engram"]
     record = {**result.to_dict(), "model": str(model_dir), "tier": args.tier or "checkpoint",
-              "engram": not args.no_engram, "windows": len(pieces), "seq_len": args.seq_len}
+              "engram": not args.lesion, "windows": sum(len(p) for p in by_kind.values()), "seq_len": args.seq_len,
+              "twin": str(twin_path) if twin is not None else None,
+              "by_kind": {kind: {name: r.to_dict() for name, r in row.items()} for kind, row in table.items()}}
+    everything = table["all"]
+    record["lesion_over_engram"] = everything["lesion"].perplexity / everything["engram"].perplexity
+    if twin is not None:
+        record["twin_over_engram"] = everything["twin"].perplexity / everything["engram"].perplexity
     if stats is not None and args.cache_bytes:
         record["cache_hit_rate"] = stats["store"]["hit_rate"]
     _json_out(args, record)
     if args.json:
         print(json.dumps(record))
-    else:
-        print(f"{record['tokens']:,} tokens  perplexity {result.perplexity:.3f}  (nll {result.nll:.4f}; "
-              f"rows from {record['tier']}; Engram {'on' if record['engram'] else 'zeroed'})")
+        return 0
+    print(f"{record['tokens']:,} tokens  perplexity {result.perplexity:.3f}  (nll {result.nll:.4f}; "
+          f"rows from {record['tier']}; Engram {'on' if record['engram'] else 'zeroed'})")
+    print(f"{'text':>14} {'tokens':>9} {'Engram':>9} {'twin':>9} {'lesion':>9}")
+    for kind, row in table.items():
+        twin_ppl = f"{row['twin'].perplexity:>9.3f}" if "twin" in row else f"{'-':>9}"
+        print(f"{kind:>14} {row['engram'].tokens:>9,} {row['engram'].perplexity:>9.3f} {twin_ppl} "
+              f"{row['lesion'].perplexity:>9.3f}")
+    worth = f"twin / Engram {record['twin_over_engram']:.3f}x" if twin is not None else \
+        f"no twin at {twin_path} (train one with `train --no-engram`, or pass --twin)"
+    print(f"table's worth: {worth}; lesion (gate forced to 0) / Engram {record['lesion_over_engram']:.3f}x")
     return 0
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
     from ..engram.tokenizer import load_tokenizer
+    from ..model.checkpoint_io import written_rows
+    from ..model.ngrams import SeenNgrams
     from ..model.scan import plot_scan, rank_correlation, scan, top_rows
 
     model_dir, model = _load(args, table=True)
     pieces = _held_out_pieces(args, model_dir)
-    result = scan(model, pieces)
+    result = scan(model, pieces, seen=SeenNgrams.load(model_dir))
     read = result.read_rows
     counts, gates = result.counts[read], result.mean_gates[read]
     steady = counts >= args.min_reads
@@ -294,6 +339,8 @@ def cmd_scan(args: argparse.Namespace) -> int:
         f"spearman_gate_vs_reads_min{args.min_reads}": rank_correlation(gates[steady], counts[steady]),
         "mean_gate": float(result.gate_sums.sum() / max(1, result.counts.sum())),
         "rows_serving_one_ngram": float((result.distinct_ngrams[read] == 1).mean()),
+        **_unseen_summary(result),
+        **_unwritten_summary(result, written_rows(model_dir)),
         "top": top,
     }
     _json_out(args, summary)
@@ -305,6 +352,15 @@ def cmd_scan(args: argparse.Namespace) -> int:
     print(f"{summary['tokens']:,} tokens, {summary['reads']:,} reads of {summary['rows_read']:,} rows "
           f"(of {summary['table_rows']:,}); mean gate {summary['mean_gate']:.3f}")
     print(f"{summary['rows_serving_one_ngram']:.1%} of the rows read served a single n-gram (the rest collide)")
+    if "unseen_ngram_reads" in summary:
+        for n, share, gate, other in zip(range(2, 2 + len(summary["unseen_ngram_reads"])),
+                                         summary["unseen_ngram_reads"], summary["mean_gate_unseen_ngrams"],
+                                         summary["mean_gate_seen_ngrams"]):
+            print(f"{share:.2%} of the {n}-gram reads were of {n}-grams no training window held: mean gate "
+                  f"{gate:.3f} there, {other:.3f} on seen {n}-grams")
+    if "unwritten_reads" in summary:
+        print(f"{summary['unwritten_reads']:.2%} of the reads were of rows no training n-gram wrote: mean gate "
+              f"{summary['mean_gate_unwritten']:.3f} there, {summary['mean_gate_written']:.3f} on written rows")
     print(f"Spearman(mean gate, reads) = {summary['spearman_gate_vs_reads']:+.3f} over every row read; "
           f"{summary[f'spearman_gate_vs_reads_min{args.min_reads}']:+.3f} over rows read >= {args.min_reads} times")
     for name, rows in top.items():
@@ -313,6 +369,36 @@ def cmd_scan(args: argparse.Namespace) -> int:
             print(f"  L{r['layer']} n={r['order']} h{r['head']}  gate {r['mean_gate']:.3f}  reads {r['reads']:>6,}  "
                   f"{r['ngram']!r} ({r['ngram_share']:.0%} of the row's reads)")
     return 0
+
+
+def _unwritten_summary(result, written) -> dict[str, float]:
+    """The share of reads of rows no training n-gram wrote, and the mean gate there and on the
+    written rows ({} when the checkpoint does not say which rows were written)."""
+    if written is None:
+        return {}
+    unwritten = ~written
+    reads = result.counts.sum()
+
+    def mean_gate(rows) -> float:
+        return float(result.gate_sums[rows].sum() / result.counts[rows].sum()) if result.counts[rows].sum() else float("nan")
+
+    return {"unwritten_reads": float(result.counts[unwritten].sum() / max(1, reads)),
+            "mean_gate_unwritten": mean_gate(unwritten), "mean_gate_written": mean_gate(written)}
+
+
+def _unseen_summary(result) -> dict[str, list[float]]:
+    """Per order (2-grams first): the share of reads of n-grams no training window held, and the
+    mean gate on those reads and on the others ({} when the checkpoint keeps no training n-grams)."""
+    if result.unseen_reads is None:
+        return {}
+    unseen, seen = result.unseen_reads, result.seen_reads
+
+    def ratio(a, b) -> list[float]:
+        return [float(x / y) if y else float("nan") for x, y in zip(a, b)]
+
+    return {"unseen_ngram_reads": ratio(unseen, unseen + seen),
+            "mean_gate_unseen_ngrams": ratio(result.unseen_gate_sums, unseen),
+            "mean_gate_seen_ngrams": ratio(result.seen_gate_sums, seen)}
 
 
 def cmd_cache_sim(args: argparse.Namespace) -> int:

@@ -34,9 +34,11 @@ from ..engram.rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue
 from ..engram.tokenizer import cached_token_map
 from .lm import EngramLM, ProbedEngramLayer
 
-__all__ = ["save_model", "load_model", "shipped_model_dir", "quantize_fp8_blocks", "model_config_json"]
+__all__ = ["save_model", "load_model", "shipped_model_dir", "twin_dir", "written_rows", "quantize_fp8_blocks", "model_config_json"]
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+TWIN_SHARD = "model.safetensors"  # the one shard of a twin without Engram
+WRITTEN_ROWS = "written_rows.npy"  # which table rows a training n-gram wrote
 DEEPSEEK_VOCAB = 129_280
 FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic",
                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "scale_fmt": "ue8m0"}
@@ -45,6 +47,22 @@ FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic",
 def shipped_model_dir() -> Path:
     """The small trained model shipped inside the package."""
     return Path(str(resources.files("engram_offload") / "data" / "model"))
+
+
+def twin_dir(model_dir: str | os.PathLike[str]) -> Path:
+    """Where a model's twin without Engram lies: the folder beside it, named ``NAME-no-engram``."""
+    root = Path(model_dir).resolve()
+    return root.parent / f"{root.name}-no-engram"
+
+
+def written_rows(model_dir: str | os.PathLike[str]) -> np.ndarray | None:
+    """Which table rows (flat, layers back to back) a training n-gram wrote, bool; None when the
+    checkpoint does not say."""
+    path = Path(model_dir) / WRITTEN_ROWS
+    if not path.is_file():
+        return None
+    config = EngramConfig.from_hf_config(Path(model_dir) / "config.json")
+    return np.unpackbits(np.load(path))[: config.num_rows].astype(bool)
 
 
 def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +100,8 @@ def model_config_json(model: EngramLM) -> dict[str, Any]:
         "engram_compressed_vocab_size": model.hasher.compressed_vocab_size,
         "engram_num_embeddings": [c.rows_per_layer[i] for i in c.layer_ids],
     }
+    if not model.has_engram:
+        text["engram_in_model"] = False  # the twin: the engram_* fields say what it was trained without
     return {"architectures": ["EngramLM"], "model_type": "engram_lm",
             "quantization_config": FP8_QUANTIZATION, "text_config": text}
 
@@ -116,17 +136,23 @@ def _engram_tensors(model: EngramLM, tables: dict[int, torch.Tensor]) -> dict[st
 
 
 def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str | os.PathLike[str],
-               extra: dict[str, Any] | None = None) -> Path:
+               extra: dict[str, Any] | None = None, written: torch.Tensor | None = None) -> Path:
     """Write ``model`` (with its float Engram ``tables``, per layer id) into ``directory``.
 
-    Same model, same bytes. ``extra`` (JSON-able) is written to ``training.json``.
+    Same model, same bytes. ``extra`` (JSON-able) is written to ``training.json``; ``written``
+    (bool, one per table row, layers back to back) to ``written_rows.npy`` (bits packed). A
+    twin without Engram is written as one shard, ``model.safetensors``, its config saying
+    ``"engram_in_model": false``.
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    shards = (_backbone_tensors(model), _engram_tensors(model, tables))
+    if model.has_engram:
+        shards = dict(zip(SHARDS, (_backbone_tensors(model), _engram_tensors(model, tables))))
+    else:
+        shards = {TWIN_SHARD: _backbone_tensors(model)}
     weight_map: dict[str, str] = {}
     total = 0
-    for shard, tensors in zip(SHARDS, shards):
+    for shard, tensors in shards.items():
         with atomic_path(root / shard) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt"})
         weight_map.update((name, shard) for name in tensors)
@@ -134,6 +160,9 @@ def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_bytes_atomic(root / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
     write_bytes_atomic(root / "config.json", (json.dumps(model_config_json(model), indent=2) + "\n").encode())
+    if written is not None:
+        with atomic_path(root / WRITTEN_ROWS) as tmp, open(tmp, "wb") as f:
+            np.save(f, np.packbits(written.numpy().astype(bool)))
     if extra is not None:
         write_bytes_atomic(root / "training.json", (json.dumps(extra, indent=2, sort_keys=True) + "\n").encode())
     return root
@@ -157,13 +186,14 @@ def load_model(directory: str | os.PathLike[str] | None = None, *, table: bool =
         raise ValueError(f"{root} has no vocab_ids tensor: is it an EngramLM checkpoint?")
     if token_map is None:
         token_map = cached_token_map()
+    engram = text.get("engram_in_model", True) is not False
     model = EngramLM(config, state["vocab_ids"], token_map, int(text["num_hidden_layers"]),
-                     int(text["num_attention_heads"]), table=False)
+                     int(text["num_attention_heads"]), table=False, engram=engram)
     floats = {k: (v if v.dtype == torch.int64 else v.float()) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(floats, strict=False)
     missing = [k for k in missing if ".engram." not in k]
     if missing or unexpected:
         raise ValueError(f"{root} does not match the model: missing {missing}, unexpected {unexpected}")
-    for i in config.layer_ids:
+    for i in config.layer_ids if engram else ():
         model.layers[i].engram = ProbedEngramLayer.from_checkpoint(root, i, table=table)
     return model.eval()

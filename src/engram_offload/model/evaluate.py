@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .lm import EngramLM, RowsFor
 
-__all__ = ["EvalResult", "evaluate", "windows", "batches", "store_rows"]
+__all__ = ["EvalResult", "evaluate", "windows", "batches", "store_rows", "compare", "combined"]
 
 
 @dataclass
@@ -75,7 +75,7 @@ def evaluate(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None
     total, count = 0.0, 0
     for chunk in batches(pieces, batch):
         inputs, targets = chunk[:, :-1], model.to_model_ids(chunk[:, 1:])
-        row_ids = model.row_ids(inputs)
+        row_ids = model.row_ids(inputs) if model.has_engram else None
         if before_batch is not None:
             before_batch(inputs, row_ids)
         logits = model(inputs, rows_for, row_ids=row_ids)  # [B, T, K]
@@ -87,3 +87,30 @@ def evaluate(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None
         raise ValueError("no text to evaluate: the corpus gave no window of two or more tokens")
     nll = total / count
     return EvalResult(count, nll, math.exp(nll))
+
+
+def combined(results: list[EvalResult]) -> EvalResult:
+    """The results of disjoint texts as one: their token-weighted NLL."""
+    tokens = sum(r.tokens for r in results)
+    nll = sum(r.nll * r.tokens for r in results) / max(1, tokens)
+    return EvalResult(tokens, nll, math.exp(nll))
+
+
+def compare(model: EngramLM, twin: EngramLM | None, pieces_by_kind: dict[str, list[np.ndarray]],
+            rows_for: RowsFor | None = None) -> dict[str, dict[str, EvalResult]]:
+    """Per kind of text, and for ``"all"`` of it: the Engram model (rows from ``rows_for``), the
+    same model with every gate forced to 0 (the lesion) and, when given, its ``twin`` trained
+    without Engram, all on the same windows."""
+    out: dict[str, dict[str, EvalResult]] = {}
+    for kind, pieces in pieces_by_kind.items():
+        row = {"engram": evaluate(model, pieces, rows_for)}
+        model.set_gate_scale(0.0)
+        try:
+            row["lesion"] = evaluate(model, pieces, rows_for)
+        finally:
+            model.set_gate_scale(None)
+        if twin is not None:
+            row["twin"] = evaluate(twin, pieces)
+        out[kind] = row
+    out["all"] = {name: combined([row[name] for row in out.values()]) for name in next(iter(out.values()))}
+    return out

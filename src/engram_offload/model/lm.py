@@ -65,13 +65,15 @@ class EngramLM(nn.Module):
     ``vocab_ids`` int64 ``[K]``: the DeepSeek ids of model tokens ``1..K`` (0 is the rest).
     ``token_map``: the DeepSeek tokenizer's compression map, for the Engram hash.
     ``table=False`` builds the Engram layers without their fp8 tables (rows come from outside).
+    ``engram=False`` builds the twin without Engram layers: the same backbone (the same initial
+    weights under the same seed), no table; ``config`` then only names the layers it lacks.
     """
 
     vocab_ids: torch.Tensor  # buffer, int64 [K]
     model_id_of: torch.Tensor  # buffer, int64 [DeepSeek vocabulary]: model id of each DeepSeek id
 
     def __init__(self, config: EngramConfig, vocab_ids: torch.Tensor, token_map: np.ndarray,
-                 num_layers: int, attention_heads: int, *, table: bool = True) -> None:
+                 num_layers: int, attention_heads: int, *, table: bool = True, engram: bool = True) -> None:
         super().__init__()
         if config.variant != "v4.1":
             raise ValueError(f"EngramLM uses the v4.1 Engram variant, got {config.variant!r}")
@@ -87,14 +89,16 @@ class EngramLM(nn.Module):
         model_id = torch.full((self.hasher.vocab_size,), UNKNOWN, dtype=torch.int64)
         model_id[vocab_ids] = torch.arange(1, self.vocab_size)
         self.register_buffer("model_id_of", model_id, persistent=False)  # DeepSeek id -> model id
+        # the backbone first, so that a model with Engram and its twin without start from the same weights
         self.embed = nn.Embedding(self.vocab_size, d)
-        self.layers = nn.ModuleList(
-            DecoderLayer(Block(d, attention_heads),
-                         ProbedEngramLayer(config, i, table=table) if i in config.layer_ids else None)
-            for i in range(num_layers)
-        )
+        blocks = [Block(d, attention_heads) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, self.vocab_size, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(block, ProbedEngramLayer(config, i, table=table) if engram and i in config.layer_ids else None)
+            for i, block in enumerate(blocks)
+        )
+        self.has_engram = engram
         self.num_layers, self.attention_heads = num_layers, attention_heads
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -102,6 +106,9 @@ class EngramLM(nn.Module):
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def engram_layers(self) -> dict[int, ProbedEngramLayer]:
+        """The Engram layers by layer id (none for a twin without Engram)."""
+        if not self.has_engram:
+            return {}
         layers = self.decoder_layers()
         out: dict[int, ProbedEngramLayer] = {}
         for i in self.config.layer_ids:
@@ -125,12 +132,13 @@ class EngramLM(nn.Module):
         ``rows_for`` defaults to each Engram layer's own table; ``row_ids`` (``[B, T, L, C]``)
         may be passed when already hashed.
         """
-        if row_ids is None:
+        if row_ids is None and self.has_engram:
             row_ids = self.row_ids(input_ids)
         hc = self.config.hc_mult
         h = self.embed(self.to_model_ids(input_ids)).unsqueeze(2).expand(-1, -1, hc, -1)  # [B, T, hc, D]
         for i, layer in enumerate(self.decoder_layers()):
             if layer.engram is not None:
+                assert row_ids is not None
                 ids = row_ids[:, :, self.config.layer_ids.index(i)]  # [B, T, C]
                 rows = rows_for(i, ids) if rows_for is not None else layer.engram.lookup(ids)
                 h = layer.engram(h, rows=rows)  # [B, T, hc, D]

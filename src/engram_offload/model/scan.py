@@ -20,6 +20,7 @@ import torch
 
 from .evaluate import EvalResult, evaluate
 from .lm import EngramLM, RowsFor
+from .ngrams import SeenNgrams, ngram_keys
 
 __all__ = ["ScanResult", "scan", "rank_correlation", "top_rows", "plot_scan"]
 
@@ -35,6 +36,12 @@ class ScanResult:
     trace_ids: np.ndarray  # int64 [reads]: flat row ids in serving order
     trace_gates: np.ndarray  # float32 [reads]
     evaluation: EvalResult
+    # with a ``SeenNgrams`` of the training n-grams: reads (and their gate sums) of n-grams never
+    # seen in training, and of the others, per order (index 0: 2-grams); None without one
+    unseen_reads: np.ndarray | None = None
+    unseen_gate_sums: np.ndarray | None = None
+    seen_reads: np.ndarray | None = None
+    seen_gate_sums: np.ndarray | None = None
 
     @property
     def read_rows(self) -> np.ndarray:
@@ -45,8 +52,10 @@ class ScanResult:
         return np.divide(self.gate_sums, self.counts, out=np.zeros_like(self.gate_sums), where=self.counts > 0)
 
 
-def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = None, batch: int = 16) -> ScanResult:
-    """Run the model over ``pieces`` (from ``evaluate.windows``) and record every read's gate."""
+def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = None, batch: int = 16,
+         seen: SeenNgrams | None = None) -> ScanResult:
+    """Run the model over ``pieces`` (from ``evaluate.windows``) and record every read's gate
+    (and, given the training n-grams ``seen``, the gates of reads of n-grams seen and unseen)."""
     c = model.config
     n = c.max_ngram_size
     rows = c.num_rows
@@ -58,6 +67,7 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
     trace_ids: list[np.ndarray] = []
     trace_gates: list[np.ndarray] = []
     pairs: list[np.ndarray] = []  # [reads, 1 + n]: row id, then the n-gram read
+    novelty = np.zeros((4, c.num_orders), np.float64)  # unseen reads, unseen gate sums, seen reads, seen gate sums
 
     def on_batch(inputs: torch.Tensor, row_ids: torch.Tensor, logits: torch.Tensor) -> None:
         b, t = inputs.shape
@@ -76,6 +86,13 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
         per_col = np.where(keep, grams[:, :, None, None, :], -1)  # [B, T, 1, C, n]
         per_col = np.broadcast_to(per_col, (*flat.shape, n))
         pairs.append(np.concatenate([flat[..., None], per_col], axis=-1).reshape(-1, n + 1))
+        if seen is not None:
+            new = ~seen.contains(ngram_keys(model.hasher, ids))  # [B, T, orders]
+            per_order = gates.sum(axis=2, keepdims=True) * c.n_heads  # [B, T, 1]: one order's reads' gates
+            novelty[0] += new.sum(axis=(0, 1)) * len(c.layer_ids) * c.n_heads
+            novelty[1] += (per_order * new).sum(axis=(0, 1))
+            novelty[2] += (~new).sum(axis=(0, 1)) * len(c.layer_ids) * c.n_heads
+            novelty[3] += (per_order * ~new).sum(axis=(0, 1))
 
     result = evaluate(model, pieces, rows_for, batch=batch, on_batch=on_batch)
     share = np.zeros(rows, np.float64)
@@ -86,8 +103,9 @@ def scan(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None = N
     examples[unique[first, 0]] = unique[first, 1:]
     share[unique[first, 0]] = reads[first] / counts[unique[first, 0]]
     np.add.at(distinct, unique[:, 0], 1)
+    found = (novelty[0], novelty[1], novelty[2], novelty[3]) if seen is not None else (None,) * 4
     return ScanResult(rows, counts, gate_sums, examples, share, distinct, np.concatenate(trace_ids),
-                      np.concatenate(trace_gates), result)
+                      np.concatenate(trace_gates), result, *found)
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:

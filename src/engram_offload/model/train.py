@@ -1,9 +1,14 @@
-"""Train a small ``EngramLM`` on CPython's standard library (and Python's docs) on the CPU.
+"""Train a small ``EngramLM`` on the CPU, on code, documentation and prose a Debian machine has
+installed (``corpus.SOURCES``), or its twin without Engram (``TrainSettings.engram=False``).
 
 Seeded end to end: the file shuffle, the initial weights, the batches and the optimizer
-steps depend only on ``TrainSettings``; with one thread the saved bytes repeat exactly.
-Engram tables train as float ``nn.Embedding`` s (sparse gradients, ``SparseAdam``) and are
-saved as fp8 rows with ue8m0 scales; ``wkv`` is saved as fp8 with 32x32 block scales.
+steps depend only on ``TrainSettings``; with one thread the saved bytes repeat exactly. A
+model and its twin of the same settings see the same batches and start from the same
+backbone weights. Engram tables train as float ``nn.Embedding`` s (sparse gradients,
+``SparseAdam``) and are saved as fp8 rows with ue8m0 scales; ``wkv`` is saved as fp8 with
+32x32 block scales. ``row_dropout`` trains with that share of row reads replaced by another
+row of the same head (not trained by that read), as a read of an n-gram never seen in training
+gets what colliding n-grams wrote: the gate may learn to close on rows that do not fit.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from ..engram.config import EngramConfig
 from ..engram.tokenizer import cached_token_map, load_tokenizer
 from ..table.progress import LineProgress, on_terminal
 from .checkpoint_io import save_model
-from .corpus import EOS_ID, corpus_files, split, token_sequences
+from .corpus import EOS_ID, corpus_files, find_sources, kind_sequences, missing_sources_message, split
 from .evaluate import evaluate, windows
 from .lm import EngramLM
+from .ngrams import SeenNgrams, ngram_keys
 
 __all__ = ["TrainSettings", "TrainResult", "train", "model_vocabulary", "plot_losses"]
 
@@ -53,7 +59,10 @@ class TrainSettings:
     max_train_tokens: int = 1_000_000
     eval_every: int = 50
     eval_windows: int = 32
-    corpus: list[str] | None = field(default=None)  # None: the standard library (+ docs)
+    corpus: list[str] | None = field(default=None)  # None: every installed source of corpus.SOURCES
+    engram: bool = True  # False: the twin without Engram (same backbone, data and steps)
+    row_dropout: float = 0.0  # share of row reads replaced by another row of their head while training
+    table_init: str = "normal"  # "normal" (std table_init_std) or "zero": what an unwritten row holds
 
 
 @dataclass
@@ -89,7 +98,13 @@ def _lr_factor(step: int, s: TrainSettings) -> float:
 def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print) -> TrainResult:
     """Train with ``settings`` and save the model into ``out`` (released V4.1 format)."""
     s = settings
+    if s.table_init not in ("normal", "zero"):
+        raise ValueError(f"table_init must be 'normal' or 'zero', got {s.table_init!r}")
+    if not 0 <= s.row_dropout < 1:
+        raise ValueError(f"row_dropout must be in [0, 1), got {s.row_dropout}")
     torch.manual_seed(s.seed)
+    if s.corpus is None and (missing := find_sources()[1]):
+        log(missing_sources_message(missing))
     files = corpus_files(s.corpus)
     train_files, held_files = split(files)
     if not train_files or not held_files:
@@ -97,10 +112,12 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
                          "give a corpus of at least a few dozen files")
     shuffled = [train_files[i] for i in np.random.default_rng(s.seed).permutation(len(train_files))]
     tokenizer = load_tokenizer()
-    log(f"tokenizing {len(train_files):,} training files (up to {s.max_train_tokens:,} tokens) "
-        f"and {len(held_files):,} held-out files")
-    train_seqs = token_sequences(shuffled, tokenizer, s.max_train_tokens)
-    held = windows(token_sequences(held_files, tokenizer, s.eval_windows * s.seq_len * 4), s.seq_len)
+    log(f"tokenizing {len(train_files):,} training files (up to {s.max_train_tokens:,} tokens, shared by "
+        f"kind and source) and {len(held_files):,} held-out files")
+    by_kind = kind_sequences(shuffled, tokenizer, s.max_train_tokens)
+    train_seqs = [seq for seqs in by_kind.values() for seq in seqs]
+    held = _interleave([windows(seqs, s.seq_len) for seqs in
+                        kind_sequences(held_files, tokenizer, s.eval_windows * s.seq_len * 4).values()])
     held = held[: s.eval_windows]
     stream = _stream(train_seqs)
     token_map = cached_token_map()
@@ -110,46 +127,84 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
         row_format="fp8_e4m3_ue8m0", rms_norm_eps=1e-6, compressed_vocab_size=int(token_map.max()) + 1,
     )
     model = EngramLM(config, model_vocabulary(train_seqs, s.vocab), token_map, s.layers, s.attention_heads,
-                     table=False)
-    tables = {i: nn.Embedding(config.rows_per_layer[i], s.head_dim, sparse=True) for i in config.layer_ids}
+                     table=False, engram=s.engram)
+    layer_ids = config.layer_ids if s.engram else ()
+    tables = {i: nn.Embedding(config.rows_per_layer[i], s.head_dim, sparse=True) for i in layer_ids}
     for table in tables.values():
-        nn.init.normal_(table.weight, std=s.table_init_std)
+        if s.table_init == "zero":
+            nn.init.zeros_(table.weight)
+        else:
+            nn.init.normal_(table.weight, std=s.table_init_std)
+    written = {i: torch.zeros(config.rows_per_layer[i], dtype=torch.bool) for i in layer_ids}
     dense = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
-    sparse = torch.optim.SparseAdam([table.weight for table in tables.values()], lr=s.table_lr)
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in (dense, sparse)]
+    optimizers: list[torch.optim.Optimizer] = [dense]
+    if tables:
+        optimizers.append(torch.optim.SparseAdam([table.weight for table in tables.values()], lr=s.table_lr))
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in optimizers]
+    drops = torch.Generator().manual_seed(s.seed + 1)  # apart from the batches', so a twin sees the same batches
+    training = [False]
+
+    heads = {i: (torch.tensor(config.head_offsets(i)), torch.tensor(config.head_sizes(i))) for i in layer_ids}
 
     def rows_for(layer_id: int, ids: torch.Tensor) -> torch.Tensor:
-        return tables[layer_id](ids)  # [B, T, C, d]
+        rows = tables[layer_id](ids)  # [B, T, C, d]
+        if not training[0]:
+            return rows
+        if s.row_dropout:  # a dropped read gets another row of its head, as an unseen n-gram would
+            dropped = torch.rand(ids.shape, generator=drops) < s.row_dropout  # [B, T, C]
+            offsets, sizes = heads[layer_id]
+            other = (torch.rand(ids.shape, generator=drops) * sizes).long() + offsets
+            written[layer_id][ids[~dropped]] = True
+            return torch.where(dropped.unsqueeze(-1), tables[layer_id](other).detach(), rows)
+        written[layer_id][ids.reshape(-1)] = True
+        return rows
 
+    seen = SeenNgrams() if tables else None  # the n-grams of every training window
     g = torch.Generator().manual_seed(s.seed)
     history: list[dict[str, float]] = []
     started = time.perf_counter()
     with _progress(progress, s.steps) as bar:
         for step in range(s.steps):
             model.train()
+            training[0] = True
             starts = torch.randint(0, stream.numel() - s.seq_len - 1, (s.batch,), generator=g)
             chunk = torch.stack([stream[i: i + s.seq_len + 1] for i in starts.tolist()])  # [B, T+1]
-            logits = model(chunk[:, :-1], rows_for)
+            if seen is not None:
+                seen.add(ngram_keys(model.hasher, chunk[:, :-1]))
+            logits = model(chunk[:, :-1], rows_for if tables else None)
             loss = F.cross_entropy(logits.flatten(0, 1), model.to_model_ids(chunk[:, 1:]).reshape(-1))
-            dense.zero_grad(set_to_none=True)
-            sparse.zero_grad(set_to_none=True)
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            dense.step()
-            sparse.step()
+            for o in optimizers:
+                o.step()
             for schedule in schedules:
                 schedule.step()
             record = {"step": step + 1, "train_loss": float(loss.detach())}
             if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
                 model.eval()
-                record["held_out_loss"] = evaluate(model, held, rows_for).nll
+                training[0] = False
+                record["held_out_loss"] = evaluate(model, held, rows_for if tables else None).nll
             history.append(record)
             bar(step, record)
     seconds = time.perf_counter() - started
     meta = {"settings": _jsonable(asdict(s)), "train_tokens": int(stream.numel()),
+            "train_tokens_by_kind": {k: int(sum(x.size for x in v)) for k, v in by_kind.items()},
             "train_files": len(train_files), "held_out_files": len(held_files), "history": history}
-    path = save_model(model, {i: tables[i].weight for i in config.layer_ids}, out, extra=meta)
+    flat_written = torch.cat([written[i] for i in layer_ids]) if tables else None
+    path = save_model(model, {i: tables[i].weight for i in layer_ids}, out, extra=meta, written=flat_written)
+    if seen is not None:
+        seen.save(path)
     return TrainResult(path, history, int(stream.numel()), seconds)
+
+
+def _interleave(lists: list[list[Any]]) -> list[Any]:
+    """The items of ``lists`` taken in turn, one from each (a shorter list drops out when it ends)."""
+    out = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
