@@ -242,3 +242,141 @@ def test_the_password_comes_from_the_environment_unless_the_url_has_one(monkeypa
 ])
 def test_redact_hides_every_password(url, shown):
     assert redact(url) == shown
+
+
+# ---------------------------------------------------------------------- redirections, scripted
+# Each plain server answers this script with the reply stored under engram-test:reply; one
+# that starts with '!' comes back as an error reply ('!ASK 1 127.0.0.1:port': an ASK).
+SCRIPTED = ("local r = redis.call('GET', 'engram-test:reply') "
+            "if string.sub(r, 1, 1) == '!' then return redis.error_reply(string.sub(r, 2)) end return r")
+
+
+def _set_reply(node, reply: str) -> None:
+    """Store ``reply`` for ``SCRIPTED`` on ``node`` and zero its command counts."""
+    conn = node.connect(5.0)
+    try:
+        assert conn.call("SET", "engram-test:reply", reply) == b"OK"
+        assert conn.call("CONFIG", "RESETSTAT") == b"OK"
+    finally:
+        conn.close()
+
+
+def _evals(node) -> int:
+    """How many scripts ``node`` ran since its last ``_set_reply``."""
+    conn = node.connect(5.0)
+    try:
+        stats = conn.call("INFO", "commandstats").decode()
+    finally:
+        conn.close()
+    line = next((s for s in stats.splitlines() if s.startswith("cmdstat_eval:")), "cmdstat_eval:calls=0,")
+    return int(line.split("calls=")[1].split(",")[0])
+
+
+def test_an_ask_goes_to_the_node_named_with_the_clients_credentials_and_timeout(fresh_pool):  # noqa: F811
+    """Two password-protected servers; the first answers ASK naming the second. The client asks
+    the second (a connection of its own, authenticated, kept for the next ASK); when that one
+    answers MOVED, the map is re-read and the command retried, three times in all."""
+    first, second = fresh_pool(1), fresh_pool(1)
+    a, b = first.nodes[0], second.nodes[0]
+    for node in (a, b):
+        with PoolClient(node.url) as plain:
+            plain.call("CONFIG", "SET", "requirepass", "pw")
+        node.password = "pw"
+    _set_reply(a, f"!ASK 1 127.0.0.1:{b.port}")
+    _set_reply(b, "served by the importing node")
+    with PoolClient(f"redis://:pw@127.0.0.1:{a.port}", timeout=0.5) as client:
+        assert client.call("EVAL", SCRIPTED, 0) == b"served by the importing node"
+        asked = client._conns[f"127.0.0.1:{b.port}"]
+        assert client.execute([("EVAL", SCRIPTED, 0), ("EVAL", SCRIPTED, "0")]) == [
+            b"served by the importing node"] * 2
+        assert client._conns[f"127.0.0.1:{b.port}"] is asked and len(client._conns) == 2
+        assert (_evals(a), _evals(b)) == (3, 3)
+
+        _set_reply(a, f"!ASK 1 127.0.0.1:{b.port}")
+        _set_reply(b, f"!MOVED 1 127.0.0.1:{a.port}")
+        with pytest.raises(PoolError, match=(r"^keys keep moving between nodes \(last: local r = .* end return r\): "
+                                             r"is the cluster resharding\?$")):
+            client.call("EVAL", SCRIPTED, 0)
+        assert (_evals(a), _evals(b)) == (3, 3)  # three tries, each asked on
+
+        _set_reply(b, "served by the importing node")
+        b.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PoolError, match=(rf"^pool node 127.0.0.1:{b.port} \(asked to serve a migrating "
+                                                 r"slot\) failed: ")):
+                client.call("EVAL", SCRIPTED, 0)
+            assert time.monotonic() - started < 4.0  # the client's timeout, not a hang
+            assert f"127.0.0.1:{b.port}" not in client._conns  # the connection is dropped
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+        assert client.call("EVAL", SCRIPTED, 0) == b"served by the importing node"  # a new connection
+        b.kill()
+        for said in ("", f"cannot connect to 127.0.0.1:{b.port}: "):  # the kept connection fails, then a new one
+            with pytest.raises(PoolError, match=(rf"^pool node 127.0.0.1:{b.port} \(asked to serve a migrating "
+                                                 rf"slot\) failed: {said}")):
+                client.call("EVAL", SCRIPTED, 0)
+            assert list(client._conns) == [f"127.0.0.1:{a.port}"]
+
+
+@pytest.mark.parametrize("reply", ["FOO 1 127.0.0.1:7001", "ASK 1", "ASK 1 127.0.0.1:7001 x", "MOVEDX 1 2"])
+def test_an_error_that_is_no_redirection_is_the_reply(redis_single, reply):  # noqa: F811
+    _set_reply(redis_single.nodes[0], "!" + reply)
+    with PoolClient(redis_single.url) as client:
+        assert str(client.execute([("EVAL", SCRIPTED, 0)])[0]) == reply
+        with pytest.raises(PoolError, match=f"^EVAL local r = .*: {reply}$"):
+            client.call("EVAL", SCRIPTED, 0)
+        assert len(client._conns) == 1
+    _set_reply(redis_single.nodes[0], "")
+
+
+def test_an_ask_naming_no_port_fails_naming_it(redis_single):  # noqa: F811
+    _set_reply(redis_single.nodes[0], "!ASK 1 nowhere")
+    with PoolClient(redis_single.url) as client:
+        with pytest.raises(PoolError, match=r"^pool node nowhere \(asked to serve a migrating slot\) failed: "):
+            client.call("EVAL", SCRIPTED, 0)
+    _set_reply(redis_single.nodes[0], "")
+
+
+def test_credentials_name_their_user_and_a_refusal_says_so(fresh_pool, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    pool = fresh_pool(1)
+    port = pool.nodes[0].port
+    with PoolClient(pool.url) as client:
+        assert client.call("ACL", "SETUSER", "alice", "on", ">pw2", "~*", "+@all") == b"OK"
+        client.call("CONFIG", "SET", "requirepass", "pw")
+    with PoolClient(f"redis://alice:pw2@127.0.0.1:{port}") as client:
+        assert client.call("ACL", "WHOAMI") == b"alice"
+    with PoolClient(f"redis://:pw@127.0.0.1:{port}") as client:
+        assert client.call("ACL", "WHOAMI") == b"default"
+    monkeypatch.setenv("ENGRAM_OFFLOAD_POOL_PASSWORD", "pw")
+    with PoolClient(f"redis://127.0.0.1:{port}") as client:
+        assert client.call("ACL", "WHOAMI") == b"default"
+    for url in (f"redis://:pw2@127.0.0.1:{port}", f"redis://bob:pw@127.0.0.1:{port}"):
+        with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} refused the credentials in the pool URL: "
+                                             "WRONGPASS invalid username-password pair")):
+            PoolClient(url)
+
+
+def test_commands_whose_key_is_not_the_first_argument_name_it(fresh_pool):  # noqa: F811
+    """``keys=`` routes each command; a seed named ``localhost`` still lists the nodes by the
+    address the cluster gives; a node that forgot a slot right after a range leaves it unassigned."""
+    pool = fresh_pool(3)
+    keys = [f"engram-keys:{i}".encode() for i in range(12)]
+    with PoolClient(pool.url) as client:
+        assert {client.node_of(k) for k in keys} == {0, 1, 2}
+        client.execute([("SET", k, k + b"!") for k in keys])
+        script = "return redis.call('GET', KEYS[1])"
+        assert client.execute([("EVAL", script, 1, k) for k in keys], keys=keys) == [k + b"!" for k in keys]
+    with PoolClient(f"redis://localhost:{pool.nodes[1].port}") as client:
+        assert sorted(client.nodes) == [("127.0.0.1", n.port) for n in pool.nodes]
+    node = pool.nodes[1]
+    conn = node.connect(5.0)
+    try:
+        first = min(int(e[0]) for e in conn.call("CLUSTER", "SLOTS") if int(e[2][1]) == node.port)
+        assert first > 0 and conn.call("CLUSTER", "DELSLOTS", first) == b"OK"  # the slot after another node's range
+        held = sum(int(e[1]) - int(e[0]) + 1 for e in conn.call("CLUSTER", "SLOTS"))
+    finally:
+        conn.close()
+    with pytest.raises(PoolError, match=rf"does not cover all 16384 slots \({16384 - held} unassigned\)"):
+        PoolClient(f"redis://127.0.0.1:{node.port}")

@@ -4,15 +4,27 @@ rewritten, and a stored header that does not match its fingerprint."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import threading
 
 import numpy as np
 import pytest
 import xxhash
 
 from engram_offload.errors import TableFormatError
-from engram_offload.pool.client import PoolClient
-from engram_offload.pool.layout import PoolLayout, header_from_record
-from engram_offload.pool.publish import _complete_record, _hgetall, check_complete, publish_table, read_pool_table
+from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.layout import POOL_LAYOUT_VERSION, PoolLayout, header_from_record, layout_version_problem
+from engram_offload.pool.publish import (
+    _complete_record,
+    _hgetall,
+    _info_field,
+    check_complete,
+    drop_table,
+    pool_status,
+    publish_table,
+    read_pool_table,
+)
 from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers.remote import open_pool_table
 
@@ -85,13 +97,14 @@ def test_a_stored_header_that_does_not_match_its_fingerprint_is_refused(table, r
     header, rows = header_from_record(record, "t")
     assert rows == EXTENT_ROWS and np.array_equal(header.block_digests, playout.header.block_digests)
     bad = _tampered(record, how)
-    with pytest.raises(TableFormatError, match="does not match its fingerprint"):
+    with pytest.raises(TableFormatError, match="^t: the stored table header does not match its fingerprint$"):
         header_from_record(bad, "t")
     publish_table(table, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
     with PoolClient(redis_single.url) as client:
         client.call("SET", playout.header_key, bad)
         try:
-            with pytest.raises(TableFormatError, match="does not match its fingerprint"):
+            with pytest.raises(TableFormatError, match=f"^pool table {playout.fingerprint}: the stored table header "
+                                                       "does not match its fingerprint$"):
                 read_pool_table(client, playout.fingerprint)
             with pytest.raises(TableFormatError, match="does not match its fingerprint"):
                 open_pool_table(f"{redis_single.url}/{playout.fingerprint}")
@@ -99,3 +112,126 @@ def test_a_stored_header_that_does_not_match_its_fingerprint_is_refused(table, r
             client.call("SET", playout.header_key, record)
     with open_pool_table(f"{redis_single.url}/{playout.fingerprint}") as remote:
         assert remote.fingerprint == playout.fingerprint
+
+
+def _extent_values(url: str, playout: PoolLayout) -> list[bytes]:
+    with PoolClient(url) as client:
+        return [client.call("GET", key) for key in playout.keys]
+
+
+def test_a_publish_read_in_small_chunks_stores_the_same_extents(table, fresh_pool, monkeypatch):  # noqa: F811
+    """The file is read in chunks of whole blocks: chunks of 5 blocks (20 pages; the table's
+    56 pages end in a short chunk, and extents straddle chunks) store the extents a publish in
+    one chunk stores."""
+    from engram_offload.pool import publish
+
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    assert playout.header.layout.num_pages % 20 != 0
+    publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    whole = _extent_values(pool.url, playout)
+    assert drop_table(pool.url, playout.fingerprint) == playout.num_extents + 3  # header, manifest, complete
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 5 * playout.header.layout.block_size)
+    result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert (result["sent"], result["skipped"]) == (playout.num_extents, 0)
+    assert _extent_values(pool.url, playout) == whole
+
+
+def test_pool_status_reports_each_table_and_each_key_it_cannot_read(table, tmp_path, fresh_pool):  # noqa: F811
+    """One complete table, one published under an older pool layout, a header record with a
+    layout version but no table, and a header key that is not a table's (not even UTF-8)."""
+    pool = fresh_pool(1)
+    publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    old = make_random_table(tmp_path / "old.tbl", tiny_config("int8", 64), seed=12, block_size=16384)
+    publish_table(old, pool.url, extent_rows=500, progress=False)
+    playout, old_layout = PoolLayout(read_header(table), EXTENT_ROWS), PoolLayout(read_header(old), 500)
+    with PoolClient(pool.url) as client:
+        record = json.loads(client.call("GET", old_layout.header_key))
+        record["pool_layout"] = 2
+        client.call("SET", old_layout.header_key, json.dumps(record).encode())
+        client.call("SET", "{0123456789abcdef}:engram:header", json.dumps({"pool_layout": 3}).encode())
+        client.call("SET", b"{\xff}:engram:header", b"x")
+        used = _info_field(client.each_node("INFO", "memory")[0], "used_memory")
+    status = pool_status(pool.url)
+    assert status["cluster"] is False
+    [node] = status["nodes"]
+    assert node["address"] == f"127.0.0.1:{pool.nodes[0].port}" and node["used_memory"] > used // 2 > 0
+    tables = {t["fingerprint"]: t for t in status["tables"]}
+    layout = playout.header.layout
+    assert tables[playout.fingerprint] == {
+        "fingerprint": playout.fingerprint, "pool_layout": POOL_LAYOUT_VERSION, "complete": True, "problems": [],
+        "extents": playout.num_extents, "extent_rows": EXTENT_ROWS, "manifest_extents": playout.num_extents,
+        "rows": layout.num_rows, "row_format": "int8", "row_bytes": layout.row_bytes,
+        "bytes": layout.num_rows * playout.stride}
+    assert isinstance(tables[playout.fingerprint]["bytes"], int)
+    fp = old_layout.fingerprint
+    assert tables[fp]["pool_layout"] == 2 and tables[fp]["complete"] is False
+    assert tables[fp]["problems"] == [layout_version_problem(f"table {fp}", 2)]
+    assert tables[fp]["manifest_extents"] == old_layout.num_extents
+    assert tables["0123456789abcdef"] == {
+        "fingerprint": "0123456789abcdef", "pool_layout": 3, "complete": False,
+        "problems": ["unreadable: table 0123456789abcdef: unreadable table header in the pool ('table'); drop it "
+                     "(engram-offload pool drop 0123456789abcdef) and publish it again"]}
+    assert tables[r"{\xff}:engram:header"] == {
+        "fingerprint": r"{\xff}:engram:header", "pool_layout": None, "complete": False,
+        "problems": [r"key '{\\xff}:engram:header' is not an engram-offload table's header (another program's key?)"]}
+
+
+def _ends_within(seconds: float, call) -> BaseException:
+    """The error ``call()`` raised, which it must raise within ``seconds`` (run on a thread)."""
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            caught.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    assert caught, "no error raised"
+    return caught[0]
+
+
+def test_status_and_drop_wait_for_a_stopped_node_no_longer_than_their_timeout(fresh_pool):  # noqa: F811
+    """A node that accepts connections but never answers: ``pool_status`` and ``drop_table``
+    give up after the timeout they are given (0.5 s here; the client's own default is 5 s)."""
+    pool = fresh_pool(1)
+    process = pool.nodes[0].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        for call in (lambda: pool_status(pool.url, timeout=0.5),
+                     lambda: drop_table(pool.url, "0123456789abcdef", timeout=0.5)):
+            error = _ends_within(4.0, call)
+            assert isinstance(error, PoolError) and "no pool node answers" in str(error), error
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fp", ["c993ba57e528765", "C993BA57E528765A", "c993ba57e528765a0", "table"])
+def test_a_name_that_is_not_a_fingerprint_is_refused_before_the_pool_is_asked(fp):
+    said = rf"^{re.escape(repr(fp))} is not a table fingerprint \(16 hex digits; see pool status\)$"
+    with pytest.raises(ValueError, match=said):
+        drop_table("redis://127.0.0.1:1", fp)  # no server there: the name is checked first
+    with pytest.raises(ValueError, match=said):
+        read_pool_table(None, fp)  # type: ignore[arg-type]
+
+
+def test_a_drop_deletes_the_complete_marker_first(table, fresh_pool):  # noqa: F811
+    """Readers stop at once: the marker goes before any other key. A user allowed to delete
+    the marker only (Redis ACL) drops nothing else, and the error says which command failed."""
+    pool = fresh_pool(1)
+    publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    fp = playout.fingerprint
+    with PoolClient(pool.url) as client:
+        assert client.call("ACL", "SETUSER", "dropper", "on", ">pw", f"~{playout.complete_key}", "+@all") == b"OK"
+        url = pool.url.replace("redis://", "redis://dropper:pw@")
+        with pytest.raises(PoolError, match=rf"^DEL failed while dropping {fp}: NOPERM "):
+            drop_table(url, fp)
+        assert client.call("GET", playout.complete_key) is None
+        assert client.call("GET", playout.header_key) is not None
+        assert drop_table(pool.url, fp) == playout.num_extents + 2  # all but the marker were left
+        assert list(client.scan("*")) == []

@@ -1,0 +1,241 @@
+"""Local Redis servers on 127.0.0.1: ports picked in range and outside the ephemeral range, a
+node's start, failure and stop, a cluster over every slot, messages that say what to do."""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from engram_offload.pool import servers
+from engram_offload.pool.client import PoolClient, PoolError
+from engram_offload.pool.servers import (
+    LocalPool,
+    PortTakenError,
+    RedisNode,
+    ephemeral_ports,
+    free_port_base,
+    redis_server_missing,
+    start_local_pool,
+)
+
+from redis_servers import skip_without_redis
+
+OFFSET = servers.CLUSTER_BUS_OFFSET
+
+
+class CountingRandom(random.Random):
+    """A seeded ``random.Random`` that counts the ports it picked."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.picks = 0
+
+    def randrange(self, *args, **kwargs) -> int:  # type: ignore[override]
+        self.picks += 1
+        return super().randrange(*args, **kwargs)
+
+
+def only(base: int, nodes: int = 1) -> dict:
+    """``free_port_base`` arguments whose one candidate is ``base``."""
+    return {"low": base, "high": base + nodes + OFFSET + 1}
+
+
+def test_without_redis_server_the_message_says_how_to_install(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    said = "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)"
+    assert redis_server_missing() == said
+    with pytest.raises(PoolError, match=f"^{re.escape(said)}$"):
+        start_local_pool(1, None)
+    with pytest.raises(ValueError, match="^nodes must be >= 1, got 0$"):
+        start_local_pool(0, None)
+
+
+def test_the_ephemeral_range_is_the_kernels_or_else_linuxs_default(monkeypatch):
+    kernel = tuple(map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()))
+    assert ephemeral_ports() == kernel
+    monkeypatch.setattr(servers, "open", lambda *a, **k: io.StringIO("not numbers"), raising=False)
+    assert ephemeral_ports() == (32768, 60999)
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError("no /proc here")
+
+    monkeypatch.setattr(servers, "open", unreadable, raising=False)
+    assert ephemeral_ports() == (32768, 60999)
+
+
+def test_free_ports_and_their_bus_ports_lie_between_1024_and_65535_outside_the_ephemeral_range(monkeypatch):
+    """Each case leaves ``free_port_base`` one candidate: taken when every port of it (the
+    nodes' and their bus ports, +10000) is usable, else 400 picks and an error naming the range."""
+    monkeypatch.setattr(servers, "ephemeral_ports", lambda: (20000, 21000))  # below the kernel's range
+    usable = [(1024, 1), (55535, 1), (19999, 1), (21001, 1), (9999, 1), (11001, 1), (19998, 2), (21001, 3)]
+    for base, nodes in usable:
+        assert free_port_base(nodes, rng=random.Random(base), **only(base, nodes)) == base, (base, nodes)
+    unusable = [(1023, 1), (55536, 1), (20000, 1), (21000, 1), (10000, 1), (11000, 1), (19999, 2), (19990, 11)]
+    for base, nodes in unusable:
+        rng = CountingRandom(base)
+        low, high = only(base, nodes).values()
+        with pytest.raises(PoolError, match=(rf"^found no {nodes} free ports \(and their bus ports\) between {low} "
+                                             rf"and {high} outside the ephemeral range 20000-21000: give --port$")):
+            free_port_base(nodes, rng=rng, **only(base, nodes))
+        assert rng.picks == 400, (base, nodes)
+    for seed in range(20):  # a range that is too small still yields its first port
+        assert free_port_base(1, 5000, 5000, random.Random(seed)) == 5000
+
+
+def test_a_port_or_bus_port_in_use_is_not_picked(monkeypatch):
+    base = free_port_base(2)
+    monkeypatch.setattr(servers, "ephemeral_ports", lambda: (1, 1))
+    for port in (base, base + 1, base + OFFSET, base + 1 + OFFSET):
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", port))
+            held.listen(1)
+            with pytest.raises(PoolError, match="^found no 2 free ports"):
+                free_port_base(2, rng=random.Random(0), **only(base, 2))
+    assert free_port_base(2, rng=random.Random(0), **only(base, 2)) == base
+
+
+def test_a_port_held_only_by_a_closed_connection_is_free():
+    """A connection the server side closed waits in TIME_WAIT on the server's port: redis-server
+    binds with SO_REUSEADDR, so the port counts as free."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    assert not servers._port_free(port)  # listening
+    accepted.close()  # the server's end closes first: it is the one left in TIME_WAIT
+    assert client.recv(1) == b""
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError):  # without SO_REUSEADDR the port is not to be had
+        plain.bind(("127.0.0.1", port))
+    assert servers._port_free(port)
+
+
+def test_servers_started_with_die_with_parent_die_with_the_thread_that_started_them(tmp_path):
+    """``PR_SET_PDEATHSIG`` fires when the thread that started the child ends (``pool serve``
+    starts its servers on its main thread, so with the process)."""
+    skip_without_redis()
+    pools: list[LocalPool] = []
+    thread = threading.Thread(target=lambda: pools.append(start_local_pool(1, None, tmp_path, die_with_parent=True)))
+    thread.start()
+    thread.join()
+    [pool] = pools
+    try:
+        assert pool.nodes[0].process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        pool.stop()
+
+
+def test_a_local_server_in_a_folder_of_its_own_is_gone_with_it_when_stopped():
+    skip_without_redis()
+    with start_local_pool(1, None) as pool:
+        node, root = pool.nodes[0], pool.directory
+        assert pool.cluster is False and node.cluster is False and root.name.startswith("engram-pool-")
+        assert node.directory == root / f"node-{node.port}" and (node.directory / f"redis-{node.port}.log").exists()
+        assert pool.url == node.url == f"redis://127.0.0.1:{node.port}"
+        with PoolClient(pool.url) as client:
+            assert client.call("SET", "k", b"v") == b"OK"
+        pool.wait_ready(0.0)  # a plain server is ready at once
+    assert node.process.returncode == 0 and not root.exists()  # stopped by SIGTERM, its folder removed
+
+
+def test_a_password_is_asked_of_every_client_and_kept_off_the_command_line(tmp_path):
+    skip_without_redis()
+    with start_local_pool(1, None, tmp_path, password="s3cret") as pool:
+        node = pool.nodes[0]
+        assert "s3cret" not in repr(node)
+        assert b"s3cret" not in Path(f"/proc/{node.process.pid}/cmdline").read_bytes()
+        with pytest.raises(PoolError, match="NOAUTH"):
+            PoolClient(pool.url)
+        conn = node.connect(5.0)
+        try:
+            assert conn.call("PING") == b"PONG"
+        finally:
+            conn.close()
+    assert tmp_path.exists()  # a folder it was given is left
+
+
+def test_a_cluster_splits_the_slots_evenly_in_port_order(tmp_path):
+    skip_without_redis()
+    with start_local_pool(3, None, tmp_path) as pool:
+        assert pool.cluster is True and all(n.cluster for n in pool.nodes)
+        ports = [n.port for n in pool.nodes]
+        assert ports == list(range(ports[0], ports[0] + 3))
+        assert pool.url == "redis://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        conn = pool.nodes[0].connect(5.0)
+        try:
+            slots = sorted((int(s[0]), int(s[1]), int(s[2][1])) for s in conn.call("CLUSTER", "SLOTS"))
+        finally:
+            conn.close()
+        assert slots == [(0, 5460, ports[0]), (5461, 10921, ports[1]), (10922, 16383, ports[2])]
+        assert all(servers._cluster_ok(n, 3) for n in pool.nodes)
+        assert not servers._cluster_ok(pool.nodes[0], 2)
+        pool.nodes[2].kill()
+        assert pool.nodes[2].process.returncode == -signal.SIGKILL
+        assert not servers._cluster_ok(pool.nodes[2], 3)  # nothing answers
+
+
+def test_a_cluster_that_never_becomes_healthy_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(servers, "_cluster_ok", lambda node, nodes: False)
+    pool = LocalPool([RedisNode(1, tmp_path, True)], True, tmp_path)
+    with pytest.raises(PoolError, match=r"^the local cluster did not become healthy within 0.2 s$"):
+        pool.wait_ready(0.2)
+
+
+def test_a_plain_server_cannot_form_a_cluster(tmp_path):
+    skip_without_redis()
+    with start_local_pool(1, None, tmp_path) as pool:
+        assert not servers._cluster_ok(pool.nodes[0], 1)  # CLUSTER INFO is an error reply
+        with pytest.raises(PoolError, match=rf"^127.0.0.1:{pool.nodes[0].port}: CLUSTER ADDSLOTSRANGE failed: "
+                                            ".*cluster support disabled"):
+            servers._form_cluster(pool)
+
+
+def test_a_server_that_exits_at_start_says_why(tmp_path):
+    """A bad configuration line (here smuggled in through the password) stops redis-server
+    before it answers: its own message is the error."""
+    skip_without_redis()
+    port = free_port_base(1)
+    node = RedisNode(port, tmp_path, False, password="x\nno-such-directive yes")
+    with pytest.raises(PoolError, match=rf"(?s)^redis-server on port {port} exited at start: .*no-such-directive") as e:
+        node.start()
+    assert type(e.value) is PoolError
+
+
+def test_a_port_taken_between_the_check_and_the_bind_is_a_port_taken_error(tmp_path, monkeypatch):
+    """The port is free when checked, then taken before redis-server binds it: redis-server
+    exits, its log says why, and the error is a ``PortTakenError``."""
+    skip_without_redis()
+    monkeypatch.setattr(servers, "_port_free", lambda port: True)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port_base(1)))
+        held.listen(1)
+        port = held.getsockname()[1]
+        node = RedisNode(port, tmp_path, False)
+        with pytest.raises(PortTakenError, match=rf"(?s)^redis-server on port {port} exited at start: .*"
+                                                 "Address already in use"):
+            node.start()
+    assert "Address already in use" in node.log_tail()
+
+
+def test_a_server_that_never_answers_is_stopped_and_named(tmp_path, monkeypatch):
+    skip_without_redis()
+
+    def no_answer(self, timeout):
+        raise ConnectionRefusedError("nothing answers")
+
+    monkeypatch.setattr(RedisNode, "connect", no_answer)
+    node = RedisNode(free_port_base(1), tmp_path, False)
+    with pytest.raises(PoolError, match=rf"^redis-server on port {node.port} did not answer within 0.3 s$"):
+        node.start(timeout=0.3)
+    assert node.process.returncode == 0  # stopped (SIGTERM) before the error
