@@ -27,14 +27,19 @@ CACHE_ROWS = 400
 
 @pytest.fixture
 def server(table, socket_dir):
-    """A row server process over the direct tier with a 400-row cache; its socket path."""
+    """A row server over the direct tier with a 400-row cache, serving from a thread of this
+    process (so that its code counts for mutation testing; ``start_row_server`` and the server
+    process are tested on their own below and in the trust tests); its socket path."""
     path, _ = table
     sock = socket_dir / "rows.sock"
     rb = tiny_config("fp8_e4m3_ue8m0", 64).row_bytes
-    process = start_row_server(path, sock, cache_bytes=CACHE_ROWS * rb, max_rows=100)
+    serving = RowServer(open_table(path, "direct", cache_bytes=CACHE_ROWS * rb), sock, max_rows=100)
+    thread = threading.Thread(target=serving.serve_forever, daemon=True)
+    thread.start()
     yield sock
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=30)
+    serving.close()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def zipf_steps(num_rows: int, steps: int = 240, per_step: int = 96, seed: int = 2) -> list[np.ndarray]:
