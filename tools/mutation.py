@@ -74,6 +74,13 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "serving/rowserver/protocol": (["serving/rowserver/protocol.py"], ["tests/serving/rowserver"]),
     "tiers/remote": (["tiers/remote.py"], ["tests/tiers/test_remote.py", "tests/pool"]),
     "bench/modeled": (["bench/modeled.py"], ["tests/bench/test_modeled.py"]),
+    "tiers/shared": (["tiers/shared.py"], ["tests/tiers/test_shared_tier.py", "tests/tiers/test_shared_safety.py"]),
+    "engram/checkpoint": (["engram/checkpoint.py"], ["tests/engram/test_released_checkpoint.py",
+                                                     "tests/model/test_checkpoint_io.py",
+                                                     "tests/table/test_convert_refusals.py"]),
+    "integrations/settings": (["integrations/settings.py"], ["tests/integrations/test_settings.py"]),
+    "integrations/lookup": (["integrations/lookup.py"], ["tests/integrations/test_lookup.py"]),
+    "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_engine.py"]),
 }
 
 # module -> [tool.mutmut] settings of its own. A prefetch mutant that stops the workers leaves

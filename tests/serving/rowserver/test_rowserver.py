@@ -20,6 +20,7 @@ from engram_offload.serving.sharding import shard_columns
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table
 
+from row_servers import serving
 from tiny_tables import tiny_config
 
 CACHE_ROWS = 400
@@ -27,14 +28,12 @@ CACHE_ROWS = 400
 
 @pytest.fixture
 def server(table, socket_dir):
-    """A row server process over the direct tier with a 400-row cache; its socket path."""
-    path, _ = table
+    """A row server over the direct tier with a 400-row cache, serving from a thread of this
+    process (so that its code counts for mutation testing; ``start_row_server`` and the server
+    process are tested on their own below and in the trust tests); its socket path."""
     sock = socket_dir / "rows.sock"
-    rb = tiny_config("fp8_e4m3_ue8m0", 64).row_bytes
-    process = start_row_server(path, sock, cache_bytes=CACHE_ROWS * rb, max_rows=100)
-    yield sock
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=30)
+    with serving(table[0], sock, cache_rows=CACHE_ROWS, max_rows=100):
+        yield sock
 
 
 def zipf_steps(num_rows: int, steps: int = 240, per_step: int = 96, seed: int = 2) -> list[np.ndarray]:

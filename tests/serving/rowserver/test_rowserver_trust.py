@@ -105,6 +105,28 @@ def hello_for(path: Path) -> dict:
             "fingerprint": header.fingerprint()}
 
 
+def pause(process: subprocess.Popen) -> None:
+    """SIGSTOP ``process`` and wait until every thread of it has stopped: the kernel stops the
+    other threads only once the one it woke for the signal runs, and on a loaded machine a
+    thread already woken by a request could answer it meanwhile."""
+    process.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{process.pid}/task")
+
+    def stopped() -> bool:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return all(state in "tT" for state in states)
+
+    deadline = time.monotonic() + 30
+    while not stopped():
+        assert time.monotonic() < deadline, f"pid {process.pid} did not stop within 30 s of SIGSTOP"
+        time.sleep(0.01)
+
+
 def stop(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGCONT)
     process.kill()
@@ -340,7 +362,7 @@ def test_a_stopped_server_times_out_every_wait(table, socket_dir):
     server = start_row_server(path, sock)
     try:
         client = RowClient(sock, timeout_s=1)
-        server.send_signal(signal.SIGSTOP)
+        pause(server)
         with pytest.raises(TierError, match=r"did not answer a fetch of 1 rows within 1 s \(stopped or wedged"):
             client.read_raw([3])
         with pytest.raises(TierError, match="did not answer"):  # the connection is gone, it says why
@@ -366,7 +388,7 @@ def test_the_prefetcher_bounds_its_waits_on_a_stopped_server(table, socket_dir):
     try:
         client = RowClient(sock, timeout_s=4)
         pf = Prefetcher(client, NgramHasher(config, token_map), wait_s=1)
-        server.send_signal(signal.SIGSTOP)
+        pause(server)
         pf.begin_step([1], [np.arange(6)])
 
         def wait_rows() -> None:  # in a thread: the old code waits forever

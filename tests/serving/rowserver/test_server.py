@@ -1,0 +1,257 @@
+"""``RowServer`` served from a thread of the test process, spoken to byte by byte: its hello,
+its answers to every request (good, malformed, unknown, out of bounds), its leases, its
+refusals and its log. The server process (``start_row_server``, ``main``) has its own tests in
+``test_rowserver.py`` and ``test_rowserver_trust.py``."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram_offload.errors import EngramError, TierError
+from engram_offload.serving.rowserver import RowClient, RowServer
+from engram_offload.serving.rowserver import protocol as p
+from engram_offload.serving.rowserver import server as server_module
+from engram_offload.serving.store import open_table
+from engram_offload.table import read_header
+
+from row_servers import ROW_BYTES, serving
+
+
+class Raw:
+    """A connection that speaks the protocol by hand: the hello, its buffer, one request at a time."""
+
+    def __init__(self, sock: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(30)
+        self.sock.connect(str(sock))
+        message, fds, _, _ = socket.recv_fds(self.sock, p.MAX_MESSAGE, 1)
+        self.op, _, _, _, self.hello = p.decode(message)
+        self.fds = fds
+        self.buffer = mmap.mmap(fds[0], self.hello["buffer_bytes"]) if self.op == p.HELLO else None
+
+    def ask(self, message: bytes) -> tuple[bytes, int, int, int, object]:
+        self.sock.send(message)
+        return p.decode(self.sock.recv(p.MAX_MESSAGE))
+
+    def fetch(self, ids: list[int], hold: bool = False, requested: int = 0) -> tuple[bytes, int, object]:
+        assert self.buffer is not None
+        self.buffer[: 8 * len(ids)] = np.asarray(ids, np.int64).tobytes()
+        op, _, value, _, payload = self.ask(p.encode(p.FETCH, p.HOLD if hold else 0, len(ids), requested))
+        return op, value, payload
+
+    def rows(self, n: int) -> np.ndarray:
+        assert self.buffer is not None
+        offset, rb = self.hello["rows_offset"], self.hello["row_bytes"]
+        return np.frombuffer(self.buffer, np.uint8, n * rb, offset).reshape(n, rb).copy()
+
+    def stats(self) -> dict:
+        op, _, _, _, payload = self.ask(p.encode(p.STATS))
+        assert op == p.OK
+        return payload["server"]
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.sock.close()
+
+
+def test_the_hello_names_the_table_the_tier_and_the_buffers_layout(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    header = read_header(path)
+    with serving(path, sock, max_rows=100):
+        raw = Raw(sock)
+        try:
+            assert raw.op == p.HELLO and len(raw.fds) == 1
+            rows_offset, nbytes = p.buffer_layout(100, ROW_BYTES)
+            assert raw.hello == {"config": header.config.to_dict(), "num_rows": header.layout.num_rows,
+                                 "row_bytes": ROW_BYTES, "max_rows": 100, "rows_offset": rows_offset,
+                                 "buffer_bytes": nbytes, "tier": "direct", "table": str(path),
+                                 "fingerprint": header.fingerprint()}
+            assert os.fstat(raw.fds[0]).st_size == nbytes
+        finally:
+            raw.close()
+
+
+def test_every_request_is_answered_and_a_bad_one_leaves_the_connection_serving(table, socket_dir):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock, max_rows=100):
+        raw = Raw(sock)
+        try:
+            def error(message: bytes) -> tuple[str, str]:
+                op, _, _, _, payload = raw.ask(message)
+                assert op == p.ERROR
+                return payload["type"], payload["message"]
+
+            assert error(b"x") == ("ValueError", "malformed request: a row-server message is at least 24 bytes, got 1")
+            assert error(p.encode(b"NOPE")) == ("ValueError", "unknown request b'NOPE'")
+            assert error(p.encode(p.FETCH, 0, 101)) == ("ValueError", "a fetch holds at most 100 ids, got 101")
+            assert error(p.encode(p.FETCH, 0, 1 << 63)) == ("ValueError", f"a fetch holds at most 100 ids, got {1 << 63}")
+            stands_for = "pass requested= as the lookups before deduplication"
+            raw.buffer[:16] = np.array([3, 5], np.int64).tobytes()
+            assert error(p.encode(p.FETCH, 0, 2, 1)) == (
+                "ValueError", f"a fetch of 2 ids stands for 2 to {server_module.MAX_REQUESTED:,} requested ids, "
+                f"not 1: {stands_for}")
+            assert error(p.encode(p.FETCH, 0, 2, server_module.MAX_REQUESTED + 1)) == (
+                "ValueError", f"a fetch of 2 ids stands for 2 to {server_module.MAX_REQUESTED:,} requested ids, "
+                f"not {server_module.MAX_REQUESTED + 1:,}: {stands_for}")
+            raw.buffer[:16] = np.array([5, 3], np.int64).tobytes()
+            kind, message = error(p.encode(p.FETCH, 0, 2))
+            assert kind == "ValueError" and "sorted" in message  # the store's own check, its type kept
+            assert raw.stats()["rows_served"] == 0
+
+            assert raw.fetch([3, 5], requested=2) == (p.OK, 0, None)  # no hold: no lease number
+            assert np.array_equal(raw.rows(2), expected[[3, 5]])
+            assert raw.fetch([7], requested=server_module.MAX_REQUESTED) == (p.OK, 0, None)  # the bound itself
+            assert raw.fetch([], requested=0) == (p.OK, 0, None)
+            assert raw.fetch(list(range(100)), hold=True) == (p.OK, 1, None)  # leases count from 1
+            assert np.array_equal(raw.rows(100), expected[:100])
+            assert raw.fetch([200, 300], hold=True) == (p.OK, 2, None)
+            stats = raw.stats()
+            assert (stats["rows_served"], stats["leases_held"], sum(stats["pinned_slots"])) == (105, 2, 102)
+            raw.sock.send(p.encode(p.RELEASE, value=1))  # no reply to a release
+            raw.sock.send(p.encode(p.RELEASE, value=1))  # once only
+            raw.sock.send(p.encode(p.RELEASE, value=99))  # a number it never gave: nothing happens
+            stats = raw.stats()
+            assert (stats["leases_held"], sum(stats["pinned_slots"])) == (1, 2)
+            assert stats["connections"] == 1 and stats["refused"] == 0
+            assert stats["max_rows"] == 100 and stats["max_connections"] == server_module.DEFAULT_MAX_CONNECTIONS
+        finally:
+            raw.close()
+
+
+def test_connections_past_the_cap_are_told_so_logged_and_the_others_served(table, socket_dir, capfd):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock, max_connections=1) as server:
+        with RowClient(sock) as first:
+            for _ in range(2):
+                with pytest.raises(TierError, match=rf"^the row server at {sock} refused the connection: the row "
+                                                    rf"server at {sock} serves at most 1 connections and has them "
+                                                    r"all: close idle clients, or start it with a larger "
+                                                    r"max_connections$"):
+                    RowClient(sock)
+            assert np.array_equal(first.read_raw([4]).numpy(), expected[[4]])
+            assert first.stats()["server"]["refused"] == 2
+            assert server.stats()["server"]["connections"] == 1
+        said = capfd.readouterr().err.splitlines()
+        assert said == [f"engram-offload row server: refused a connection: the row server at {sock} serves at "
+                        "most 1 connections and has them all: close idle clients, or start it with a larger "
+                        "max_connections"] * 2
+
+
+def test_a_connection_without_a_thread_is_refused_and_not_counted(table, socket_dir, monkeypatch):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock, max_connections=1) as server:
+        class NoThread(threading.Thread):
+            def start(self) -> None:
+                raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(server_module.threading, "Thread", NoThread)
+        with pytest.raises(TierError, match=r"refused the connection: the row server cannot start a thread for a "
+                                            r"connection \(can't start new thread\): retry later$"):
+            RowClient(sock)
+        monkeypatch.undo()
+        with RowClient(sock) as client:  # the refused one does not hold the only place
+            assert client.stats()["server"]["refused"] == 1
+        assert server.stats()["server"]["connections"] in (0, 1)
+
+
+BIG_BUFFER_MIB = p.buffer_layout(100_000, ROW_BYTES)[1] / 2**20
+
+
+@pytest.mark.parametrize("code,words", [(errno.EMFILE, r"is out of file descriptors \(ulimit -n \d+, 64 connections "
+                                                       r"allowed\): close idle clients, or raise its limit$"),
+                                        (errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer "
+                                                       r"\(Cannot allocate memory\): close idle clients, or start it "
+                                                       r"with fewer max_rows$")])
+def test_a_connection_without_a_buffer_is_told_why_and_the_server_goes_on(table, socket_dir, monkeypatch, capfd,
+                                                                          code, words):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock, max_rows=100_000) as server:
+        def no_memfd(name: str, flags: int = 0) -> int:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(server_module.os, "memfd_create", no_memfd)
+        with pytest.raises(TierError, match=f"refused the connection: the row server {words}"):
+            RowClient(sock)
+        monkeypatch.undo()
+        with RowClient(sock) as client:
+            assert np.array_equal(client.read_raw([6]).numpy(), expected[[6]])
+            assert client.stats()["server"]["refused"] == 1
+        assert f"engram-offload row server: no buffer for a connection: [Errno {code}]" in capfd.readouterr().err
+        assert server.stats()["server"]["connections"] in (0, 1)
+
+
+def test_the_log_says_the_first_lines_then_one_in_a_thousand(table, socket_dir, capfd):
+    path, _ = table
+    with serving(path, socket_dir / "rows.sock") as server:
+        capfd.readouterr()
+        for i in range(2000):
+            server._log(f"line {i + 1}")
+        said = capfd.readouterr().err.splitlines()
+    assert said == [*(f"engram-offload row server: line {i}" for i in range(1, 101)),
+                    "engram-offload row server: line 1000 (1,000 such lines)",
+                    "engram-offload row server: line 2000 (2,000 such lines)"]
+
+
+def test_close_stops_serving_removes_the_socket_and_closes_the_store(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock) as server:
+        client = RowClient(sock)
+        server.close()
+        assert not sock.exists()
+        assert server.store.closed
+        with pytest.raises(TierError, match="closed the connection"):
+            client.read_raw([1])
+        client.close()
+        server.close()  # twice: nothing more to do
+    with serving(path, sock):  # the lock was let go: a new server takes the socket
+        with RowClient(sock) as client:
+            assert client.num_rows == read_header(path).layout.num_rows
+
+
+def test_bad_limits_and_a_file_in_the_sockets_place_are_refused_and_let_the_lock_go(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with open_table(path, "direct") as store:
+        for rows, connections in ((0, 1), (1, 0), (-1, 5)):
+            with pytest.raises(ValueError, match=rf"^max_rows and max_connections must be >= 1, got {rows} and "
+                                                 rf"{connections}$"):
+                RowServer(store, sock, max_rows=rows, max_connections=connections)
+        RowServer(store, sock, max_rows=1, max_connections=1).close()
+    sock.write_text("not a socket")
+    with open_table(path, "direct") as store:
+        for _ in range(2):  # the first refusal let the lock go: the second is the same refusal, not "held"
+            with pytest.raises(EngramError, match=rf"^{sock} exists and is not a socket: choose another socket path$"):
+                RowServer(store, sock)
+    assert sock.read_text() == "not a socket"
+    sock.unlink()
+    with serving(path, sock, max_rows=1, max_connections=1) as server:
+        assert (server.max_rows, server.max_connections) == (1, 1)
+        assert sock.stat().st_mode & 0o777 == 0o600
+
+
+def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    assert server_module.main([str(path), str(sock), "--max-connections", "0"]) == 1
+    assert capsys.readouterr().err == ("engram-offload row server: max_rows and max_connections must be >= 1, got "
+                                       f"{server_module.DEFAULT_MAX_ROWS} and 0\n")
+    assert server_module.main([str(socket_dir / "none.table"), str(sock)]) == 1
+    assert capsys.readouterr().err.startswith("engram-offload row server: ")
+    assert not sock.exists()
