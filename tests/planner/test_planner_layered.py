@@ -1,6 +1,8 @@
-"""Per-layer placements in the planner: each Engram layer whole on dram or nvme."""
+"""Per-layer placements in the planner: each Engram layer whole on hbm, dram or nvme."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -56,9 +58,37 @@ def test_the_first_layer_in_dram_and_the_rest_on_nvme_holds_less_dram_and_stalls
 
 def test_the_mixes_weighed_and_bad_names_refused():
     model = get_model("deepseek-v4.1-flash")
-    assert layer_placements(model) == [("dram", "nvme"), ("nvme", "dram")]
-    with pytest.raises(ValueError, match="one of dram, nvme for each of the 2 Engram layers"):
-        evaluate_layered(model, get_gpu("b300"), ("hbm", "nvme"), 2, _workload(model))
+    assert layer_placements(model) == [("hbm", "dram"), ("hbm", "nvme"), ("dram", "hbm"), ("dram", "nvme"),
+                                       ("nvme", "hbm"), ("nvme", "dram")]
+    with pytest.raises(ValueError, match="one of hbm, dram, nvme for each of the 2 Engram layers"):
+        evaluate_layered(model, get_gpu("b300"), ("remote", "nvme"), 2, _workload(model))
+    with pytest.raises(ValueError, match="for each of the 2 Engram layers"):
+        evaluate_layered(model, get_gpu("b300"), ("hbm",), 2, _workload(model))
+
+
+def test_many_layers_weigh_the_near_tiers_for_the_first_ones():
+    model = get_model("deepseek-v4.1-flash")
+    many = replace(model, engram=replace(model.engram, layer_ids=(1, 8, 14, 20, 26)))
+    mixes = layer_placements(many)
+    assert ("hbm", "dram", "dram", "dram", "dram") in mixes and ("dram", "dram", "dram", "dram", "nvme") in mixes
+    assert len(mixes) == 8 and all(len(m) == 5 and len(set(m)) == 2 for m in mixes)
+
+
+def test_the_first_layer_in_hbm_takes_gpu_memory_from_the_kv_cache_and_nothing_from_the_link():
+    model, gpu = get_model("deepseek-v4.1-flash"), get_gpu("b300")
+    w = _workload(model, batch=256)
+    mixed = evaluate_layered(model, gpu, ("hbm", "dram"), 2, w)
+    hbm, dram = evaluate(model, gpu, "hbm", 2, w), evaluate(model, gpu, "dram", 2, w)
+    half = model.engram.table_bytes / 2 / 2  # one of two layers, per GPU at TP=2
+    assert mixed.name == "1=hbm/14=dram" and mixed.fits and not hbm.fits  # the whole table leaves too little KV
+    assert mixed.table_hbm_bytes_per_gpu == pytest.approx(half)
+    assert mixed.hbm_free_bytes == pytest.approx(dram.hbm_free_bytes - half)
+    assert mixed.host_bytes_per_gpu == pytest.approx(half) and mixed.cache_bytes_per_gpu == 0
+    assert [x["hbm_bytes_per_gpu"] for x in mixed.layers] == [pytest.approx(half), 0.0]
+    assert [x["dram_bytes_per_gpu"] for x in mixed.layers] == [0.0, pytest.approx(half)]
+    assert mixed.link_bytes_per_step == pytest.approx(dram.link_bytes_per_step / 2)
+    assert mixed.prefill_transfer_us < dram.prefill_transfer_us
+    assert "GPU memory (hbm layers)" in mixed.link and "NVMe" not in mixed.link
 
 
 def test_the_plan_lists_per_layer_placements_beside_whole_table_ones():
@@ -66,7 +96,8 @@ def test_the_plan_lists_per_layer_placements_beside_whole_table_ones():
     plan = make_plan(model, get_gpu("b300"), _workload(model, cache_bytes=40 * GiB))
     d = plan.to_dict()
     names = {r["name"] for r in d["layered_placements"]}
-    assert names == {"1=dram/14=nvme", "1=nvme/14=dram"}
+    assert names == {"1=hbm/14=dram", "1=hbm/14=nvme", "1=dram/14=hbm", "1=dram/14=nvme", "1=nvme/14=hbm",
+                     "1=nvme/14=dram"}
     assert {r["name"] for r in d["placements"]} == {"hbm", "dram", "nvme", "remote"}
     ranked = {r["name"] for r in d["recommendation"]["ranking"]}
     assert "1=dram/14=nvme" in ranked  # weighed for the recommendation too

@@ -15,6 +15,7 @@ from NVMe takes the fetch worker's CPU, which serves the rows side by side with 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -31,8 +32,8 @@ __all__ = ["LAYER_PLACEMENTS", "PLACEMENTS", "Fetch", "Workload", "PlacementResu
            "layered_stall_us", "mixed_step_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
-LAYER_PLACEMENTS = ("dram", "nvme")  # what a per-layer placement mixes (each layer whole on one)
-MAX_MIXED_LAYERS = 4  # up to this many Engram layers every mix is tried; beyond, early layers on dram only
+LAYER_PLACEMENTS = ("hbm", "dram", "nvme")  # what a per-layer placement mixes (each layer whole on one)
+MAX_MIXED_LAYERS = 4  # up to this many Engram layers every mix is tried; beyond, early layers nearer the GPU only
 GiB = 2**30
 
 
@@ -120,10 +121,13 @@ def _batches(max_seqs: int, fixed: int | None) -> list[int]:
 
 
 def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
-            a: Assumptions, r: PlacementResult) -> None:
+            a: Assumptions, r: PlacementResult, hbm_share: float | None = None) -> None:
+    """HBM, DRAM and NVMe needs of placement ``name``; ``hbm_share``: the share of the table in
+    HBM (default: all of it for hbm, none otherwise), for a per-layer placement."""
     table = model.engram.table_bytes
     r.weight_bytes_per_gpu = model.weight_bytes / tp
-    r.table_hbm_bytes_per_gpu = table / tp if name == "hbm" else 0.0
+    share = (1.0 if name == "hbm" else 0.0) if hbm_share is None else hbm_share
+    r.table_hbm_bytes_per_gpu = table / tp * share
     budget = a.gpu_memory_utilization * gpu.hbm_bytes
     r.hbm_free_bytes = max(0.0, budget - r.weight_bytes_per_gpu - r.table_hbm_bytes_per_gpu
                            - a.runtime_overhead_bytes)
@@ -136,7 +140,7 @@ def _memory(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, w: Workload,
     if need > budget:
         r.why_not.append(
             f"weights {r.weight_bytes_per_gpu / GiB:.1f} GiB"
-            + (f" + table {r.table_hbm_bytes_per_gpu / GiB:.1f} GiB" if name == "hbm" else "")
+            + (f" + table {r.table_hbm_bytes_per_gpu / GiB:.1f} GiB" if r.table_hbm_bytes_per_gpu else "")
             + f" + runtime {a.runtime_overhead_bytes / GiB:.0f} GiB per GPU exceed "
             f"{a.gpu_memory_utilization:.0%} of {gpu.hbm_bytes / GiB:.0f} GiB HBM"
         )
@@ -346,39 +350,49 @@ def layered_name(layer_ids: tuple[int, ...] | list[int], names: tuple[str, ...])
 def layer_placements(model: ModelSpec) -> list[tuple[str, ...]]:
     """The per-layer placements to weigh (one name per Engram layer, in layer order; the
     uniform ones are the whole-table placements): every mix of ``LAYER_PLACEMENTS`` up to
-    ``MAX_MIXED_LAYERS`` layers, else the first k layers on dram and the rest on nvme."""
+    ``MAX_MIXED_LAYERS`` layers, else the first k layers on hbm and the rest on dram, and the
+    first k on dram and the rest on nvme."""
     n = len(model.engram.layer_ids)
     if n < 2:
         return []
     if n <= MAX_MIXED_LAYERS:
-        mixes = [tuple(LAYER_PLACEMENTS[(m >> (n - 1 - k)) & 1] for k in range(n)) for m in range(2**n)]
-        return [m for m in mixes if len(set(m)) > 1]
-    return [("dram",) * k + ("nvme",) * (n - k) for k in range(1, n)]
+        return [m for m in itertools.product(LAYER_PLACEMENTS, repeat=n) if len(set(m)) > 1]
+    return [near * k + far * (n - k) for near, far in ((("hbm",), ("dram",)), (("dram",), ("nvme",)))
+            for k in range(1, n)]
 
 
 def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp: int, workload: Workload,
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> PlacementResult:
-    """A per-layer placement (``names``: dram or nvme for each Engram layer, in layer order)
-    at one TP degree: the dram layers' rows whole in host DRAM, the nvme layers' behind a DRAM
-    row cache of their own (``workload.cache_bytes`` all theirs when given, else the share
-    of the cache the target hit rate asks for), each layer waiting only for its own rows."""
+    """A per-layer placement (``names``: hbm, dram or nvme for each Engram layer, in layer
+    order) at one TP degree: the hbm layers' rows whole in GPU memory (less KV cache), the
+    dram layers' whole in host DRAM, the nvme layers' behind a DRAM row cache of their own
+    (``workload.cache_bytes`` all theirs when given, else the share of the cache the target
+    hit rate asks for), each layer waiting only for its own rows."""
     a, w, e = assumptions, workload, model.engram
     layer_ids = sorted(e.layer_ids)
     if len(names) != len(layer_ids) or any(n not in LAYER_PLACEMENTS for n in names):
         raise ValueError(f"a per-layer placement names one of {', '.join(LAYER_PLACEMENTS)} for each of the "
                          f"{len(layer_ids)} Engram layers, got {names}")
-    on_nvme = names.count("nvme") / len(names)
+    share = {p: names.count(p) / len(names) for p in LAYER_PLACEMENTS}
+    on_nvme = share["nvme"]
     r = PlacementResult(name=layered_name(layer_ids, names), tp=tp, fits=False,
                         bytes_per_token_per_gpu=e.bytes_per_token_per_gpu(tp))
-    r.link = f"{gpu.host_link} (dram layers), NVMe -> DRAM cache -> {gpu.host_link} (nvme layers)"
-    # the nvme layers' cache: the rows they stand for see the hit rate of a whole-table cache
-    # 1/on_nvme as large
-    sized = w if w.cache_bytes is None else replace(w, cache_bytes=w.cache_bytes / on_nvme)
-    _memory(model, gpu, tp, "nvme", sized, a, r)
-    # the cache asked for is the nvme layers' own: only the DRAM it really holds is checked (below)
-    r.why_not = [why for why in r.why_not if not (why.startswith("a ") and " cache exceeds the " in why)]
-    r.cache_bytes_per_gpu *= on_nvme
-    dram_share = e.table_bytes * (1 - on_nvme) / tp
+    r.link = ", ".join(path for p, path in (("hbm", "GPU memory (hbm layers)"),
+                                            ("dram", f"{gpu.host_link} (dram layers)"),
+                                            ("nvme", f"NVMe -> DRAM cache -> {gpu.host_link} (nvme layers)"))
+                       if share[p])
+    if on_nvme:
+        # the nvme layers' cache: the rows they stand for see the hit rate of a whole-table
+        # cache 1/on_nvme as large
+        sized = w if w.cache_bytes is None else replace(w, cache_bytes=w.cache_bytes / on_nvme)
+        _memory(model, gpu, tp, "nvme", sized, a, r, hbm_share=share["hbm"])
+        # the cache asked for is the nvme layers' own: only the DRAM it really holds is checked (below)
+        r.why_not = [why for why in r.why_not if not (why.startswith("a ") and " cache exceeds the " in why)]
+        r.cache_bytes_per_gpu *= on_nvme
+    else:  # hbm and dram layers only: no cache
+        _memory(model, gpu, tp, "hbm", w, a, r, hbm_share=share["hbm"])
+        r.cache_hit_rate = 1.0
+    dram_share = e.table_bytes * share["dram"] / tp
     r.host_bytes_per_gpu = r.cache_bytes_per_gpu + dram_share
     dram_cap = a.dram_usable_fraction * gpu.host_dram_per_gpu
     if r.host_bytes_per_gpu > dram_cap:
@@ -405,7 +419,7 @@ def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp:
         _, batch, (step, step_us, stall, per_layer, fetch, window) = chosen
         nvme = fetch.get("nvme")
         r.batch, r.step_us, r.predicted_stall_us, r.window_us, r.bound = batch, step_us, stall, window, step.bound
-        r.link_bytes_per_step = fetch[names[0]].link_bytes
+        r.link_bytes_per_step = sum(f.link_bytes * share[p] for p, f in fetch.items())
         r.transfer_us = max(f.transfer_us * names.count(p) / len(names) for p, f in fetch.items())
         r.host_us = sum(f.host_cpu_us * names.count(p) / len(names) for p, f in fetch.items()) + \
             fetch[names[0]].hash_us
@@ -418,13 +432,14 @@ def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp:
                               if nvme is not None else 0.0)
         r.nvme_iops_available = gpu.nvme_iops_per_server
         rows = e.table_bytes / len(names) / tp
-        r.layers = [{"layer": layer, "placement": name, "hbm_bytes_per_gpu": 0.0,
-                     "dram_bytes_per_gpu": rows if name == "dram" else r.cache_bytes_per_gpu / names.count("nvme"),
+        r.layers = [{"layer": layer, "placement": name, "hbm_bytes_per_gpu": rows if name == "hbm" else 0.0,
+                     "dram_bytes_per_gpu": (rows if name == "dram" else
+                                            r.cache_bytes_per_gpu / names.count("nvme") if name == "nvme" else 0.0),
                      "stall_us": wait} for layer, name, wait in zip(layer_ids, names, per_layer)]
-    # prefill: every row of a chunk crosses the host link, as the dram and nvme placements say
+    # prefill: every row of a chunk on dram or nvme crosses the host link, as those placements say
     tokens = a.prefill_chunk_tokens
     r.prefill_window_us = prefill_window_us(model, gpu, tp, tokens, a)
-    r.prefill_transfer_us = a.host_link_latency_us + tokens * r.bytes_per_token_per_gpu / (
+    r.prefill_transfer_us = a.host_link_latency_us + tokens * r.bytes_per_token_per_gpu * (1 - share["hbm"]) / (
         gpu.host_link_bw * a.host_link_efficiency) * 1e6
     r.prefill_stall_us = max(0.0, r.prefill_transfer_us - r.prefill_window_us)
     r.fits = not r.why_not
