@@ -74,6 +74,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "serving/rowserver/protocol": (["serving/rowserver/protocol.py"], ["tests/serving/rowserver"]),
     "tiers/remote": (["tiers/remote.py"], ["tests/tiers/test_remote.py", "tests/pool"]),
     "bench/modeled": (["bench/modeled.py"], ["tests/bench/test_modeled.py"]),
+    "bench/drafts": (["bench/drafts.py"], ["tests/bench/test_drafts.py"]),
+    "model/drafts": (["model/drafts.py"], ["tests/model/test_model_drafts.py"]),
     "tiers/shared": (["tiers/shared.py"], ["tests/tiers/test_shared_tier.py", "tests/tiers/test_shared_safety.py"]),
     "engram/checkpoint": (["engram/checkpoint.py"], ["tests/engram/test_released_checkpoint.py",
                                                      "tests/model/test_checkpoint_io.py",

@@ -25,10 +25,22 @@ def test_draft_specs():
     assert make_drafter("ngram")(np.array([1, 2, 1]), 3).tolist() == [2]
     assert make_drafter("ngram:3")(np.array([1, 2, 3, 4, 1]), 5).tolist() == [2, 3, 4]
     assert make_drafter("ngram:3")(np.array([1, 2, 3, 4, 1, 9, 9]), 5).tolist() == [2, 3, 4]  # later tokens unseen
-    for bad, message in [("ngram:0", ">= 1"), ("ngram:x", "whole number"), ("mtp", "choose none, ngram"),
-                         ("none:2", "choose none"), ("model:2", "needs a model")]:
-        with pytest.raises(ValueError, match=message):
+    for bad, message in [("ngram:0", ">= 1"), ("ngram:x", "whole number"), ("none:2", "choose none"),
+                         ("mtp", "choose none, ngram[:K] (prompt lookup, K draft tokens) or model[:K] "
+                                 "(the trained model's next K tokens)"),
+                         ("model:2", "needs a model to predict with: the command line loads the trained model "
+                                     "(engram_offload.model.drafts.ModelPredictor)")]:
+        with pytest.raises(ValueError) as caught:
             make_drafter(bad)
+        assert message in str(caught.value)
+
+
+def test_a_prompt_lookup_matches_every_token_of_the_suffix():
+    # [1, 9, 3] agrees with the suffix [1, 2, 3] at its ends only: the real match is the first
+    assert ngram_draft(np.array([1, 2, 3, 1, 9, 3, 7, 1, 2, 3]), 1).tolist() == [1]
+    # int64 drafts from any integer history, a match or none
+    assert ngram_draft(np.array([5, 6, 5], np.int32), 1).dtype == np.int64
+    assert ngram_draft(np.array([5, 6], np.int32), 1).dtype == np.int64
 
 
 class CountingPredictor:
@@ -53,6 +65,13 @@ def test_model_drafts_take_the_predictions_after_the_known_tokens():
     other = tokens.copy()
     assert drafter(other, 1).tolist() == [6, 7, 8] and predictor.calls == 2
     assert make_drafter("model", predictor)(tokens, 1).tolist() == [6]  # K defaults to 1
+
+
+def test_token_zero_is_a_draft_and_drafts_are_int64():
+    drafter = make_drafter("model:2", lambda tokens: np.array([0, 0, -1, 4], np.int32))  # token 0 is a real token
+    got = drafter(np.arange(4, dtype=np.int32), 1)
+    assert got.tolist() == [0, 0] and got.dtype == np.int64
+    assert drafter(np.arange(4), 2).tolist() == [0]
 
 
 def test_a_predictor_of_the_wrong_shape_is_refused():
