@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 from engram_offload.model.drafts import STRIDE, WINDOW, ModelPredictor
@@ -51,3 +52,49 @@ def test_the_predictor_pickles_as_its_folder(model_dir):
     copy = pickle.loads(pickle.dumps(predictor))
     assert copy.directory == str(model_dir) and copy._model is None
     assert np.array_equal(copy(np.arange(1000, 1040)), predictor(np.arange(1000, 1040)))
+
+
+def _expected_everywhere(model, tokens: np.ndarray) -> np.ndarray:
+    """Each position's prediction from the window the predictor should use for it: windows of
+    WINDOW tokens STRIDE apart (the last ending at the sequence's end), a position taken from
+    the latest window that leaves it at least WINDOW - STRIDE tokens of context (or the first)."""
+    n = tokens.size
+    width = min(WINDOW, n)
+    starts = sorted(set(range(0, n - width + 1, STRIDE)) | {n - width})
+    tops = {s: _top1(model, tokens[s: s + width]) for s in starts}
+    want = np.empty(n, np.int64)
+    for p in range(n):
+        s = max([s for s in starts if p - s >= width - STRIDE], default=0)
+        want[p] = tops[s][p - s]
+    return want
+
+
+def test_every_position_of_sequences_of_awkward_lengths_takes_its_window(model, held_out_pieces):
+    predictor = ModelPredictor()
+    predictor._model = model
+    text = np.concatenate([np.asarray(p) for p in held_out_pieces])
+    # the first position predicts a token of the vocabulary here, so a missed position 0 shows
+    offset = next(o for o in range(200) if _top1(model, text[o: o + 8])[0] >= 0)
+    for n in (1, 255, 256, 401):  # 255: the last window start falls exactly on a stride
+        tokens = text[offset: offset + n]
+        assert np.array_equal(predictor(tokens), _expected_everywhere(model, tokens)), n
+    assert predictor(np.empty(0, np.int64)).shape == (0,)
+    tokens = text[offset: offset + 300]
+    assert np.array_equal(predictor(tokens.astype(np.int32)), predictor(tokens))
+
+
+def test_more_windows_than_a_batch(model, held_out_pieces):
+    predictor = ModelPredictor()
+    predictor._model = model
+    text = np.concatenate([np.asarray(p) for p in held_out_pieces] * 2)
+    tokens = text[: 66 * STRIDE + WINDOW]  # 67 windows: two forward passes
+    assert tokens.size == 66 * STRIDE + WINDOW
+    got = predictor(tokens)
+    for p in (64 * STRIDE + 70, tokens.size - 1):  # positions in the second pass
+        s = (p - (WINDOW - STRIDE)) // STRIDE * STRIDE
+        assert got[p] == _top1(model, tokens[s: s + WINDOW])[p - s], p
+
+
+def test_a_missing_model_folder_is_an_error(tmp_path):
+    with pytest.raises((OSError, ValueError)):
+        ModelPredictor(tmp_path / "no-model").model()
