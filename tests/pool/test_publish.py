@@ -235,3 +235,17 @@ def test_a_drop_deletes_the_complete_marker_first(table, fresh_pool):  # noqa: F
         assert client.call("GET", playout.header_key) is not None
         assert drop_table(pool.url, fp) == playout.num_extents + 2  # all but the marker were left
         assert list(client.scan("*")) == []
+
+
+def test_a_publish_read_in_chunks_smaller_than_a_block_still_checks_whole_blocks(table, fresh_pool, monkeypatch):  # noqa: F811
+    """A block larger than the read chunk (blocks of up to 1 GiB are allowed, chunks are 32 MiB)
+    is read whole: a chunk of one page would hash a part of the block against its digest."""
+    from engram_offload.pool import publish
+
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", playout.header.layout.block_size // 2)
+    result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert result["sent"] == playout.num_extents
+    with PoolClient(pool.url) as client:
+        assert check_complete(client, playout) == []
