@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 import xxhash
 
-from engram_offload.errors import TableFormatError
+from engram_offload.errors import ChecksumError, TableFormatError
 from engram_offload.pool.client import PoolClient, PoolError
 from engram_offload.pool.layout import POOL_LAYOUT_VERSION, PoolLayout, header_from_record, layout_version_problem
 from engram_offload.pool.publish import (
     _complete_record,
     _hgetall,
     _info_field,
+    _info_text,
     check_complete,
+    check_extent_digests,
     drop_table,
     pool_status,
     publish_table,
@@ -27,6 +29,7 @@ from engram_offload.pool.publish import (
 )
 from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers.remote import open_pool_table
+from engram_offload.units import format_bytes
 
 from redis_servers import fresh_pool, redis_single  # noqa: F401 (fixtures)
 from tiny_tables import tiny_config
@@ -195,15 +198,17 @@ def _ends_within(seconds: float, call) -> BaseException:
     return caught[0]
 
 
-def test_status_and_drop_wait_for_a_stopped_node_no_longer_than_their_timeout(fresh_pool):  # noqa: F811
-    """A node that accepts connections but never answers: ``pool_status`` and ``drop_table``
-    give up after the timeout they are given (0.5 s here; the client's own default is 5 s)."""
+def test_status_drop_and_publish_wait_for_a_stopped_node_no_longer_than_their_timeout(table, fresh_pool):  # noqa: F811
+    """A node that accepts connections but never answers: ``pool_status``, ``drop_table`` and
+    ``publish_table`` give up after the timeout they are given (0.5 s here; the client's own
+    default is 5 s)."""
     pool = fresh_pool(1)
     process = pool.nodes[0].process
     process.send_signal(signal.SIGSTOP)
     try:
         for call in (lambda: pool_status(pool.url, timeout=0.5),
-                     lambda: drop_table(pool.url, "0123456789abcdef", timeout=0.5)):
+                     lambda: drop_table(pool.url, "0123456789abcdef", timeout=0.5),
+                     lambda: publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, timeout=0.5)):
             error = _ends_within(4.0, call)
             assert isinstance(error, PoolError) and "no pool node answers" in str(error), error
     finally:
@@ -235,3 +240,196 @@ def test_a_drop_deletes_the_complete_marker_first(table, fresh_pool):  # noqa: F
         assert client.call("GET", playout.header_key) is not None
         assert drop_table(pool.url, fp) == playout.num_extents + 2  # all but the marker were left
         assert list(client.scan("*")) == []
+
+
+def test_a_publish_read_in_chunks_smaller_than_a_block_still_checks_whole_blocks(table, fresh_pool, monkeypatch):  # noqa: F811
+    """A block larger than the read chunk (blocks of up to 1 GiB are allowed, chunks are 32 MiB)
+    is read whole: a chunk of one page would hash a part of the block against its digest."""
+    from engram_offload.pool import publish
+
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", playout.header.layout.block_size // 2)
+    result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert result["sent"] == playout.num_extents
+    with PoolClient(pool.url) as client:
+        assert check_complete(client, playout) == []
+
+
+def _copy(table, tmp_path, name: str = "copy.tbl"):
+    copy = tmp_path / name
+    copy.write_bytes(table.read_bytes())
+    return copy
+
+
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_or_shortened_table_file_is_never_published(table, tmp_path, fresh_pool, monkeypatch):  # noqa: F811
+    """A damaged page (format 2: page checksums), a damaged block (format 1: block digests
+    only) and a file cut short while it is read each stop the publish with the reason, and
+    no complete marker is written."""
+    from engram_offload.pool import publish
+    from engram_offload.table.verify import checksum_error, page_checksum_error
+
+    pool = fresh_pool(1)
+    layout = read_header(table).layout
+    damaged = _copy(table, tmp_path)
+    _flip(damaged, layout.data_offset + 23 * layout.page_bytes + 100)
+    with pytest.raises(ChecksumError) as caught:
+        publish_table(damaged, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert str(caught.value) == str(page_checksum_error(read_header(damaged), 23, reread=False))
+
+    old = make_random_table(tmp_path / "v1.tbl", tiny_config("int8", 64), seed=11, block_size=16384, version=1)
+    header = read_header(old)
+    assert header.page_sums is None
+    _flip(old, header.layout.data_offset + 5 * header.layout.block_size + 7)
+    with pytest.raises(ChecksumError) as caught:
+        publish_table(old, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert str(caught.value) == str(checksum_error(read_header(old), 5))
+
+    short = _copy(table, tmp_path, "short.tbl")
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 5 * layout.block_size)
+
+    def cut(extent: int) -> None:  # the file changes under the publish, after its first chunk was read
+        if extent == 0:
+            with open(short, "r+b") as f:
+                f.truncate(layout.data_offset + 10 * layout.page_bytes)
+
+    with pytest.raises(EOFError, match=f"^{re.escape(str(short))} ended early while publishing; the file changed "
+                                       "under us$"):
+        publish_table(short, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=cut)
+    with PoolClient(pool.url) as client:
+        assert not list(client.scan("*:engram:complete"))
+
+
+def test_the_complete_marker_is_the_documented_record(table, fresh_pool):  # noqa: F811
+    """``{"extent_rows", "extents", "fingerprint", "manifest_xxh3"}`` as sorted JSON, the last
+    the xxh3_64 of the extents' digests in order, one a line: readers compare it byte for byte."""
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with PoolClient(pool.url) as client:
+        digests = [xxhash.xxh3_64_hexdigest(client.call("GET", key)) for key in playout.keys]
+        assert _hgetall(client, playout.manifest_key) == {str(e): d for e, d in enumerate(digests)}
+        marker = client.call("GET", playout.complete_key)
+    assert marker == (f'{{"extent_rows": {EXTENT_ROWS}, "extents": {playout.num_extents}, "fingerprint": '
+                      f'"{playout.fingerprint}", "manifest_xxh3": '
+                      f'"{xxhash.xxh3_64_hexdigest(chr(10).join(digests).encode())}"}}').encode()
+
+
+def test_what_keeps_a_table_from_being_served_is_named(table, fresh_pool):  # noqa: F811
+    """``check_complete``: no marker; a manifest entry lost; a marker of another manifest;
+    extents of the wrong length, five named and the rest counted; an extent key of another
+    type. ``check_extent_digests``: extents altered or gone."""
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    keys, n = playout.keys, playout.num_extents
+    with PoolClient(pool.url) as client:
+        assert check_complete(client, playout) == [] and check_extent_digests(client, playout, range(n)) == []
+        marker = client.call("GET", playout.complete_key)
+        client.call("DEL", playout.complete_key)
+        assert check_complete(client, playout) == ["no complete marker: the publish has not finished"]
+        client.call("SET", playout.complete_key, marker)
+        digest = client.call("HGET", playout.manifest_key, 3)
+        client.call("HDEL", playout.manifest_key, 3)
+        assert check_complete(client, playout) == [f"the manifest lacks 1 of {n} extents"]
+        client.call("HSET", playout.manifest_key, 3, b"0" * 16)
+        assert check_complete(client, playout) == [
+            "the complete marker does not match the manifest (another publish under way?)"]
+        client.call("HSET", playout.manifest_key, 3, digest)
+        values = [client.call("GET", key) for key in keys]
+        lengths = [len(v) for v in values]
+        assert lengths == (playout.counts * playout.stride).tolist()
+        for wrong in (5, 6, 7):
+            for e in range(wrong):
+                client.call("SETRANGE", keys[e], lengths[e], b"x")  # one byte too many
+            named = [f"extent {keys[e]} holds {lengths[e] + 1:,} bytes, expected {lengths[e]:,}" for e in range(5)]
+            more = [f"... and {wrong - 5} more extents"] if wrong > 5 else []
+            assert check_complete(client, playout) == named + more
+            for e in range(wrong):
+                client.call("SET", keys[e], values[e])
+        client.call("DEL", keys[2])
+        assert check_complete(client, playout) == [f"extent {keys[2]} holds 0 bytes, expected {lengths[2]:,}"]
+        assert check_extent_digests(client, playout, [1, 2]) == [f"extent {keys[2]} does not match its manifest digest"]
+        client.call("SET", keys[2], values[2][:-1] + bytes([values[2][-1] ^ 1]))
+        assert check_extent_digests(client, playout, [2, 4]) == [f"extent {keys[2]} does not match its manifest digest"]
+        client.call("DEL", keys[2])
+        client.call("HSET", keys[2], "f", "v")
+        with pytest.raises(PoolError, match="^STRLEN failed: WRONGTYPE "):
+            check_complete(client, playout)
+        client.call("DEL", keys[2])
+        client.call("SET", keys[2], values[2])
+        assert check_complete(client, playout) == []
+        with pytest.raises(PoolError, match=("^table 0123456789abcdef is not in the pool: publish it "
+                                             r"\(engram-offload pool publish TABLE\)$")):
+            read_pool_table(client, "0123456789abcdef")
+
+
+def test_a_publish_says_what_it_sent_and_what_it_found_in_place(table, fresh_pool, capsys):  # noqa: F811
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    total = playout.header.layout.num_rows * playout.stride
+    first = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=True)
+    assert first == {"fingerprint": playout.fingerprint, "extents": playout.num_extents, "sent": playout.num_extents,
+                     "skipped": 0, "bytes_sent": total, "nodes": 1}
+    data = playout.header.layout.data_bytes
+    assert capsys.readouterr().err.splitlines()[-1] == f"publishing {table.name}: {format_bytes(data)} of " \
+                                                        f"{format_bytes(data)} (100%)"
+    again = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert again == {**first, "sent": 0, "skipped": playout.num_extents, "bytes_sent": 0}
+    with PoolClient(pool.url) as client:  # one extent lost: only it is sent again
+        client.call("DEL", playout.keys[4])
+    third = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    assert third == {**first, "sent": 1, "skipped": playout.num_extents - 1, "bytes_sent": EXTENT_ROWS * playout.stride}
+
+
+def test_a_publish_whose_pool_changed_under_it_fails_and_leaves_no_marker(table, fresh_pool):  # noqa: F811
+    """An extent deleted after it was sent (a node flushed, evicted): the final check catches it,
+    the complete marker is taken back and the error names the extent."""
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    last = playout.num_extents - 1
+    with PoolClient(pool.url) as client:
+        def lose_the_first(extent: int) -> None:
+            if extent == last:
+                client.call("DEL", playout.keys[0])
+
+        with pytest.raises(PoolError, match=(rf"^publish of {playout.fingerprint} did not hold: extent "
+                                             rf"{re.escape(playout.keys[0])} holds 0 bytes, expected "
+                                             rf"{EXTENT_ROWS * playout.stride:,}$")):
+            publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=lose_the_first)
+        assert client.call("GET", playout.complete_key) is None
+
+
+def test_a_stored_header_that_cannot_be_read_is_named_when_publishing(table, fresh_pool):  # noqa: F811
+    pool = fresh_pool(1)
+    playout = PoolLayout(read_header(table), EXTENT_ROWS)
+    with PoolClient(pool.url) as client:
+        client.call("SET", playout.header_key, json.dumps({"pool_layout": POOL_LAYOUT_VERSION}).encode())
+    with pytest.raises(TableFormatError, match=(rf"^pool table {playout.fingerprint}: unreadable table header in "
+                                                r"the pool \('table'\)$")):
+        publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+
+
+def test_info_fields_are_read_as_redis_writes_them():
+    info = b"# Memory\r\nused_memory:1234\r\nneg:-5\r\nword:abc\r\npath:/a:b\r\nodd:\xff\r\n"
+    assert [_info_field(info, k) for k in ("used_memory", "neg", "word", "missing", "odd")] == [1234, -5, -1, -1, -1]
+    assert [_info_text(info, k) for k in ("path", "word", "missing", "odd")] == ["/a:b", "abc", "", "\ufffd"]
+
+
+def test_publish_refuses_a_pool_that_evicts_only_when_it_has_a_limit(fresh_pool, table):  # noqa: F811
+    pool = fresh_pool(1)
+    port = pool.nodes[0].port
+    with PoolClient(pool.url) as client:
+        client.each_node("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")  # maxmemory 0: no limit, no eviction
+        assert publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)["sent"] > 0
+        client.each_node("CONFIG", "SET", "maxmemory", "1")
+    with pytest.raises(PoolError, match=(rf"^pool node 127.0.0.1:{port} evicts keys when full \(maxmemory 1 bytes, "
+                                         r"maxmemory-policy allkeys-lru\): published extents would vanish; set "
+                                         r"maxmemory-policy noeviction \(CONFIG SET maxmemory-policy noeviction\)$")):
+        publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)

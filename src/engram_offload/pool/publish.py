@@ -60,7 +60,8 @@ def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterat
     each page, where the format has page checksums) verified."""
     layout = header.layout
     rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
-    chunk_pages = max(1, (READ_CHUNK_BYTES // layout.block_size) * layout.block_size // page)
+    # whole blocks, at least one (a block may exceed READ_CHUNK_BYTES; blocks are whole pages)
+    chunk_pages = max(1, READ_CHUNK_BYTES // layout.block_size) * layout.block_size // page
     staging = bytearray(chunk_pages * page)
     rows_left = layout.num_rows
     with open(header.path, "rb", buffering=0) as f:
