@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engram_offload.errors import ChecksumError, TierError
-from engram_offload.serving.rowserver import RowClient
+from engram_offload.serving.rowserver import RowClient, start_row_server
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows, read_header
 
-from row_servers import serving
+from row_servers import ROW_BYTES, serving
 from tiny_tables import tiny_config
 
 
@@ -172,3 +172,20 @@ def test_fetch_takes_sorted_distinct_ids_holds_them_by_default_and_checks_reques
         assert client.stats()["server"]["leases_held"] == 0
         with client.fetch(ids, hold=False) as lease:
             assert lease.pinned_rows == 0 and client.stats()["server"]["leases_held"] == 0
+
+
+def test_start_row_server_hands_its_options_to_the_server_process(table, socket_dir):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    server = start_row_server(path, sock, cache_bytes=100 * ROW_BYTES, max_rows=50, max_connections=3)
+    try:
+        with RowClient(sock) as client:
+            stats = client.stats()
+            assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
+            assert stats["levels"][0]["policy"] == "lru" and stats["levels"][0]["capacity_rows"] == 100
+            assert client.tier == "direct" and client.max_rows == 50
+            assert np.array_equal(client.read_raw(np.arange(120)).numpy(), expected[:120])  # in 3 round trips
+            assert client.stats()["client"]["round_trips"] == 2 + 3
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
