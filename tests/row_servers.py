@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engram_offload.serving.rowserver import RowServer
-from engram_offload.serving.store import open_table
+from engram_offload.serving.store import TableStore, open_table
 
 from tiny_tables import tiny_config
 
@@ -17,10 +17,13 @@ ROW_BYTES = tiny_config("fp8_e4m3_ue8m0", 64).row_bytes  # the row server tests'
 
 
 @contextlib.contextmanager
-def serving(path: Path, sock: Path, cache_rows: int = 400, **options: int) -> Iterator[RowServer]:
-    """A ``RowServer`` of ``path`` (direct tier, a ``cache_rows``-row cache) serving ``sock`` from a
-    thread; closed, and its thread joined, on exit."""
-    server = RowServer(open_table(path, "direct", cache_bytes=cache_rows * ROW_BYTES), sock, **options)
+def serving(path: Path, sock: Path, cache_rows: int = 400, store: TableStore | None = None,
+            **options: int) -> Iterator[RowServer]:
+    """A ``RowServer`` of ``path`` (direct tier, a ``cache_rows``-row cache), or of ``store``,
+    serving ``sock`` from a thread; closed, and its thread joined, on exit."""
+    if store is None:
+        store = open_table(path, "direct", cache_bytes=cache_rows * ROW_BYTES)
+    server = RowServer(store, sock, **options)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engram_offload.bench.engine import StepShape
-from engram_offload.bench.modeled import ModeledBackbone, modeled_backbone, planner_prediction
+from engram_offload.bench.modeled import ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from engram_offload.engram.config import EngramConfig
 from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
 from engram_offload.planner.perf import decode_step, step_time
-from engram_offload.planner.placement import fetch_time, step_stall_us
+from engram_offload.planner.placement import fetch_time, mixed_step_stall_us, step_stall_us
 from engram_offload.planner.realtext import step_unique_fraction
 
 V41 = get_model("deepseek-v4.1-flash")
@@ -120,3 +120,78 @@ def test_an_mmap_table_reads_by_page_faults_one_per_faulting_thread():
     got = planner_prediction(backbone(), "mmap", [(32, 0, 32 * 4096)], 0.5, gpu)
     assert got["placement"] == "mmap"
     assert got["stall_us"] > planner_prediction(backbone(), "direct", [(32, 0, 32 * 4096)], 0.5, gpu)["stall_us"]
+
+
+def _predicted(model, names, steps, hit_rate, gpu, unique=None):
+    """``planner_prediction``'s figures for layers on ``names`` (one per Engram layer), step by step."""
+    a = replace(DEFAULT_ASSUMPTIONS, host_fetch_cores=DEFAULT_ASSUMPTIONS.host_fetch_cores / model.tp,
+                dram_rows_by_gpu=False)
+    stall = first = total_us = reads = host = 0.0
+    for d, p, kv in steps:
+        roof = step_time(V41, gpu, model.tp, d, p, kv, DEFAULT_ASSUMPTIONS).backbone_us
+        offsets = [roof * 1 / V41.num_layers, roof * 14 / V41.num_layers]
+        due = {n: fetch_time(V41, gpu, model.tp, n, d, hit_rate, a, unique or step_unique_fraction(d, 0)) for n in names}
+        total = {n: fetch_time(V41, gpu, model.tp, n, d + p, hit_rate, a, unique or step_unique_fraction(d, p))
+                 for n in names}
+        share = {n: names.count(n) / len(names) for n in total}
+        if len(total) == 1:
+            s = max(0.0, step_stall_us(due[names[0]], total[names[0]], offsets, roof))
+        else:
+            s = max(0.0, mixed_step_stall_us(due, total, names, offsets, roof)[0])
+        stall += s
+        total_us += roof + s
+        first += max(0.0, max(f.fixed_us + f.rows_us * share[n] for n, f in total.items()) - offsets[0])
+        reads += sum(f.nvme_reads * share[n] for n, f in total.items()) * model.tp
+        host += total[names[0]].hash_us + sum(f.host_cpu_us * share[n] for n, f in total.items())
+    k = len(steps)
+    return {"stall_us": stall / k, "stall_us_all_at_first_layer": first / k, "step_us": total_us / k,
+            "stall_fraction": stall / total_us, "nvme_iops": reads / total_us * 1e6, "host_cpu_us": host / k}
+
+
+def test_a_per_layer_placement_waits_for_each_layers_rows_along_its_own_medium():
+    model = backbone()
+    gpu = replace(get_gpu("b300"), nvme_drives=1, nvme_iops_per_drive=10_000, gpus_per_server=2)
+    steps = [(8, 0, 8000), (4, 100, 5000), (64, 0, 64 * 900)]
+    for tier, names in (("1=memory/14=direct", ("dram", "nvme")), ("1=direct/14=mmap", ("nvme", "mmap")),
+                        ("direct", ("nvme", "nvme")), ("1=direct/14=direct", ("nvme", "nvme"))):
+        got = planner_prediction(model, tier, steps, 0.5, gpu)
+        want = _predicted(model, names, steps, 0.5, gpu)
+        assert set(got) == {"placement", "hit_rate", *want}
+        assert got["placement"] == (names[0] if names[0] == names[1] else "/".join(names)) and got["hit_rate"] == 0.5
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12), (tier, key)
+        assert got["stall_us_all_at_first_layer"] > 0 and got["host_cpu_us"] > 0 and got["nvme_iops"] > 0
+    mixed = planner_prediction(model, "1=memory/14=direct", steps, 0.5, gpu)
+    single = planner_prediction(model, "direct", steps, 0.5, gpu)
+    assert mixed["nvme_iops"] < single["nvme_iops"] and mixed["stall_us"] != single["stall_us"]
+
+
+def test_a_prediction_of_no_stall_and_of_no_steps_is_zero():
+    model = ModeledBackbone(V41, get_gpu("h100"), 1, V41.engram.layer_ids)  # a long step: the rows are early
+    got = planner_prediction(model, "memory", [(1, 0, 10**7)], None)
+    assert got["stall_us"] == 0.0 and got["stall_fraction"] == 0.0 and got["nvme_iops"] == 0.0
+    assert got["stall_us_all_at_first_layer"] == 0.0  # they come before the first Engram layer
+    assert got["step_us"] == pytest.approx(model.step_time(StepShape((), 1, 0, 10**7)).backbone_us, rel=1e-12)
+    model = backbone()
+    assert planner_prediction(model, "direct", [], 0.5) == {
+        "placement": "nvme", "hit_rate": 0.5, "stall_us": 0.0, "stall_us_all_at_first_layer": 0.0, "step_us": 0.0,
+        "stall_fraction": 0.0, "nvme_iops": 0.0, "host_cpu_us": 0.0}
+
+
+def test_a_table_without_a_name_needs_a_model_and_the_assumptions_are_kept():
+    config = EngramConfig.from_name("deepseek-v4.1-flash").scaled(0.01)
+    nameless = replace(config, name="")
+    with pytest.raises(ValueError, match=r"^the table's layout has no name: pass --model \(one of the planner's "
+                                         r"models\)$"):
+        modeled_backbone(nameless, "b300", 2)
+    assert modeled_backbone(nameless, "b300", 2, model="deepseek-v4.1-flash").model.num_layers == 40
+    slow = replace(DEFAULT_ASSUMPTIONS, host_us_per_miss=DEFAULT_ASSUMPTIONS.host_us_per_miss * 2)
+    assert modeled_backbone(config, "b300", 2, assumptions=slow).assumptions == slow
+    assert modeled_backbone(config, "b300", 2).assumptions == DEFAULT_ASSUMPTIONS
+
+
+def test_local_nvme_is_one_drive_of_the_given_rate_for_one_tp_group():
+    gpu = local_nvme(get_gpu("b300"), 4, iops=50_000)
+    assert (gpu.nvme_drives, gpu.nvme_iops_per_drive, gpu.gpus_per_server) == (1, 50_000, 4)
+    assert gpu.nvme_bw_per_drive == 50_000 * 4096
+    assert local_nvme(get_gpu("b300"), 4, iops=50_000, bytes_per_s=1e9).nvme_bw_per_drive == 1e9

@@ -8,8 +8,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +149,15 @@ def test_connections_past_the_cap_are_told_so_logged_and_the_others_served(table
             assert np.array_equal(first.read_raw([4]).numpy(), expected[[4]])
             assert first.stats()["server"]["refused"] == 2
             assert server.stats()["server"]["connections"] == 1
-        said = capfd.readouterr().err.splitlines()
+            raw = Raw(sock)  # what is said on the wire: an error in place of the hello, no buffer
+            try:
+                assert (raw.op, raw.fds) == (p.ERROR, [])
+                assert raw.hello == {"type": "TierError", "message": f"the row server at {sock} serves at most 1 "
+                                     "connections and has them all: close idle clients, or start it with a larger "
+                                     "max_connections"}
+            finally:
+                raw.close()
+        said = capfd.readouterr().err.splitlines()[:2]
         assert said == [f"engram-offload row server: refused a connection: the row server at {sock} serves at "
                         "most 1 connections and has them all: close idle clients, or start it with a larger "
                         "max_connections"] * 2
@@ -220,6 +232,9 @@ def test_close_stops_serving_removes_the_socket_and_closes_the_store(table, sock
             client.read_raw([1])
         client.close()
         server.close()  # twice: nothing more to do
+    with serving(path, sock) as server:
+        sock.unlink()  # removed by hand meanwhile: closing still works
+        server.close()
     with serving(path, sock):  # the lock was let go: a new server takes the socket
         with RowClient(sock) as client:
             assert client.num_rows == read_header(path).layout.num_rows
@@ -255,3 +270,82 @@ def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
     assert server_module.main([str(socket_dir / "none.table"), str(sock)]) == 1
     assert capsys.readouterr().err.startswith("engram-offload row server: ")
     assert not sock.exists()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop):
+    """``main`` in this process: a client in a thread checks what it serves, then signals this
+    process; the handler closes the server and ``main`` returns 0."""
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    seen: dict[str, object] = {}
+
+    def check_then_stop() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not sock.exists():
+                assert time.monotonic() < deadline, "main did not serve within 60 s"
+                time.sleep(0.01)
+            with RowClient(sock) as client:
+                seen["rows"] = client.read_raw([2, 9]).numpy()
+                seen["stats"] = client.stats()
+                seen["tier"] = client.tier
+        finally:
+            os.kill(os.getpid(), stop)
+
+    thread = threading.Thread(target=check_then_stop, daemon=True)
+    thread.start()
+    try:
+        code = server_module.main([str(path), str(sock), "--tier", "mmap", "--cache", f"{100 * ROW_BYTES}",
+                                   "--policy", "lfu", "--max-rows", "50", "--max-connections", "3"])
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        thread.join(timeout=30)
+    assert code == 0
+    assert capsys.readouterr().out == f"serving {path} on {sock}\n"
+    assert np.array_equal(seen["rows"], expected[[2, 9]]) and seen["tier"] == "mmap"
+    stats = seen["stats"]
+    assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
+    assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
+    assert not sock.exists()  # closed by the handler
+
+
+HOLDER = r"""
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def test_a_held_lock_names_the_holders_pid_uid_and_command_line(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    padding = "x" * 150  # the command line is cut at 120 characters
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"{sock}.lock", padding], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        command = f"{sys.executable} -c {HOLDER} {sock}.lock {padding}".strip()[:120]
+        with open_table(path, "direct") as store:
+            with pytest.raises(EngramError) as err:
+                RowServer(store, sock)
+        assert str(err.value) == (f"{sock}.lock is held by pid {holder.pid} (uid {os.geteuid()}: {command}): a row "
+                                  f"server already serves {sock}; connect to it, or stop that process first")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_a_lock_holder_not_in_proc_locks_is_another_process(table, socket_dir, monkeypatch):
+    lock = socket_dir / "rows.sock.lock"
+    lock.write_bytes(b"")
+
+    def no_locks(*args, **kwargs):
+        raise OSError("no /proc/locks here")
+
+    monkeypatch.setattr(server_module, "open", no_locks, raising=False)
+    assert server_module._lock_holder(os.stat(lock)) == "another process"
