@@ -389,20 +389,29 @@ def test_a_publish_says_what_it_sent_and_what_it_found_in_place(table, fresh_poo
 
 
 def test_a_publish_whose_pool_changed_under_it_fails_and_leaves_no_marker(table, fresh_pool):  # noqa: F811
-    """An extent deleted after it was sent (a node flushed, evicted): the final check catches it,
-    the complete marker is taken back and the error names the extent."""
+    """Extents deleted after they were sent (a node flushed, evicted), or a manifest entry lost:
+    the final check catches it, the complete marker is taken back and the error names what is wrong."""
     pool = fresh_pool(1)
     playout = PoolLayout(read_header(table), EXTENT_ROWS)
     last = playout.num_extents - 1
     with PoolClient(pool.url) as client:
-        def lose_the_first(extent: int) -> None:
+        def lose_the_first_two(extent: int) -> None:
             if extent == last:
-                client.call("DEL", playout.keys[0])
+                client.call("DEL", playout.keys[0], playout.keys[1])  # one plain server: one DEL
 
-        with pytest.raises(PoolError, match=(rf"^publish of {playout.fingerprint} did not hold: extent "
-                                             rf"{re.escape(playout.keys[0])} holds 0 bytes, expected "
-                                             rf"{EXTENT_ROWS * playout.stride:,}$")):
-            publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=lose_the_first)
+        lost = "; ".join(f"extent {playout.keys[e]} holds 0 bytes, expected {EXTENT_ROWS * playout.stride:,}"
+                         for e in (0, 1))
+        with pytest.raises(PoolError, match=f"^publish of {playout.fingerprint} did not hold: {re.escape(lost)}$"):
+            publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=lose_the_first_two)
+        assert client.call("GET", playout.complete_key) is None
+
+        def lose_a_manifest_entry(extent: int) -> None:
+            if extent == last:
+                client.call("HDEL", playout.manifest_key, 0)
+
+        with pytest.raises(PoolError, match=(f"^publish of {playout.fingerprint} did not hold: the manifest lacks 1 "
+                                             f"of {playout.num_extents} extents$")):
+            publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=lose_a_manifest_entry)
         assert client.call("GET", playout.complete_key) is None
 
 
@@ -417,8 +426,9 @@ def test_a_stored_header_that_cannot_be_read_is_named_when_publishing(table, fre
 
 
 def test_info_fields_are_read_as_redis_writes_them():
-    info = b"# Memory\r\nused_memory:1234\r\nneg:-5\r\nword:abc\r\npath:/a:b\r\nodd:\xff\r\n"
-    assert [_info_field(info, k) for k in ("used_memory", "neg", "word", "missing", "odd")] == [1234, -5, -1, -1, -1]
+    info = b"# Memory\r\nused_memory:1234\r\nneg:-5\r\nword:abc\r\npath:/a:b\r\nodd:\xff\r\nx:X12\r\n"
+    assert [_info_field(info, k) for k in ("used_memory", "neg", "word", "missing", "odd", "x")] == [
+        1234, -5, -1, -1, -1, -1]
     assert [_info_text(info, k) for k in ("path", "word", "missing", "odd")] == ["/a:b", "abc", "", "\ufffd"]
 
 

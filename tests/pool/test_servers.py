@@ -239,3 +239,65 @@ def test_a_server_that_never_answers_is_stopped_and_named(tmp_path, monkeypatch)
     with pytest.raises(PoolError, match=rf"^redis-server on port {node.port} did not answer within 0.3 s$"):
         node.start(timeout=0.3)
     assert node.process.returncode == 0  # stopped (SIGTERM) before the error
+
+
+def test_the_log_tail_is_the_last_2000_characters_of_a_log_that_may_not_exist(tmp_path):
+    node = RedisNode(7001, tmp_path / "never-started", False)
+    assert node.log_tail() == ""
+    node.kill()  # nothing started: nothing to kill or stop
+    node.stop()
+    node.directory.mkdir()
+    (node.directory / "redis-7001.log").write_bytes(b"a" * 1000 + b"\xff" + b"b" * 2500)
+    tail = node.log_tail()
+    assert tail == "b" * 2000
+    (node.directory / "redis-7001.log").write_bytes(b"start \xff end")
+    assert node.log_tail() == "start \ufffd end"
+
+
+def test_a_stopped_node_is_not_healthy_and_is_asked_within_a_bound(tmp_path):
+    """``_cluster_ok`` on a node that accepts connections but never answers gives False after
+    its one-second timeout; forming a cluster with it fails after five seconds (the first
+    ``CLUSTER ADDSLOTSRANGE`` times out), never hangs."""
+    skip_without_redis()
+    with start_local_pool(3, None, tmp_path) as pool:
+        node = pool.nodes[0]
+        node.process.send_signal(signal.SIGSTOP)
+        try:
+            result: list = []
+            thread = threading.Thread(target=lambda: result.append(servers._cluster_ok(node, 3)), daemon=True)
+            thread.start()
+            thread.join(10)
+            assert result == [False]
+            errors: list = []
+
+            def form() -> None:
+                try:
+                    servers._form_cluster(pool)
+                except OSError as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=form, daemon=True)
+            thread.start()
+            thread.join(20)
+            assert not thread.is_alive() and len(errors) == 1 and "timed out" in str(errors[0]), errors
+        finally:
+            node.process.send_signal(signal.SIGCONT)
+
+
+def test_a_meet_the_first_node_refuses_is_an_error_naming_the_node(tmp_path):
+    skip_without_redis()
+    base = free_port_base(2)
+    nodes = [RedisNode(base + i, tmp_path / f"node-{i}", True) for i in range(2)]
+    pool = LocalPool(nodes, True, tmp_path)
+    try:
+        for node in nodes:
+            node.start()
+        conn = nodes[0].connect(5.0)
+        try:
+            assert conn.call("ACL", "SETUSER", "default", "-cluster|meet") == b"OK"
+        finally:
+            conn.close()
+        with pytest.raises(PoolError, match=rf"^CLUSTER MEET 127.0.0.1:{base + 1} failed: NOPERM"):
+            servers._form_cluster(pool)
+    finally:
+        pool.stop()
