@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,13 +198,24 @@ def test_a_connection_without_a_buffer_is_told_why_and_the_server_goes_on(table,
         def no_memfd(name: str, flags: int = 0) -> int:
             raise OSError(code, os.strerror(code))
 
+        failed: list[BaseException] = []
+        monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
         monkeypatch.setattr(server_module.os, "memfd_create", no_memfd)
+        stdout = os.fstat(1)
         with pytest.raises(TierError, match=f"refused the connection: the row server {words}"):
             RowClient(sock)
+        raw = Raw(sock)  # on the wire: an error in place of the hello
+        try:
+            assert raw.op == p.ERROR and raw.fds == [] and raw.hello["type"] == "TierError"
+            assert re.match(f"the row server {words}", raw.hello["message"])
+        finally:
+            raw.close()
         monkeypatch.undo()
         with RowClient(sock) as client:
             assert np.array_equal(client.read_raw([6]).numpy(), expected[[6]])
-            assert client.stats()["server"]["refused"] == 1
+            assert client.stats()["server"]["refused"] == 2
+        assert failed == []  # the connections' threads ended cleanly, no descriptor closed that was not theirs
+        assert os.fstat(1) == stdout
         assert f"engram-offload row server: no buffer for a connection: [Errno {code}]" in capfd.readouterr().err
         assert server.stats()["server"]["connections"] in (0, 1)
 
@@ -349,3 +361,23 @@ def test_a_lock_holder_not_in_proc_locks_is_another_process(table, socket_dir, m
 
     monkeypatch.setattr(server_module, "open", no_locks, raising=False)
     assert server_module._lock_holder(os.stat(lock)) == "another process"
+
+
+def test_a_peer_of_an_untrusted_uid_is_refused_naming_it(table, socket_dir, monkeypatch):
+    path, _ = table
+    with serving(path, socket_dir / "rows.sock") as server:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with a, b:
+            monkeypatch.setattr(server_module.p, "trusted_uid", lambda uid: False)  # as if this uid were another's
+            assert server._why_refused(a) == (f"uid {os.geteuid()} may not read rows from this row server (it "
+                                              f"serves its own uid {os.geteuid()} and root): run the ranks as that "
+                                              "user")
+            monkeypatch.undo()
+            assert server._why_refused(a) is None  # served: it counts as a connection now
+            assert server.stats()["server"]["connections"] == 1
+        # the connection is closed while still counted, as when its thread ends during close():
+        # close() still removes the socket file, closes the store and lets the lock go
+        server.close()
+        assert not (socket_dir / "rows.sock").exists() and server.store.closed
+    with serving(path, socket_dir / "rows.sock"):
+        pass
