@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -185,22 +186,27 @@ def test_a_connection_without_a_thread_is_refused_and_not_counted(table, socket_
 BIG_BUFFER_MIB = p.buffer_layout(100_000, ROW_BYTES)[1] / 2**20
 
 
-@pytest.mark.parametrize("code,words", [(errno.EMFILE, r"is out of file descriptors \(ulimit -n \d+, 64 connections "
-                                                       r"allowed\): close idle clients, or raise its limit$"),
-                                        (errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer "
-                                                       r"\(Cannot allocate memory\): close idle clients, or start it "
-                                                       r"with fewer max_rows$")])
+@pytest.mark.parametrize("call,code,words", [
+    ("memfd", errno.EMFILE, r"is out of file descriptors \(ulimit -n \d+, 64 connections allowed\): close idle "
+                            r"clients, or raise its limit$"),
+    ("memfd", errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer \(Cannot allocate "
+                            r"memory\): close idle clients, or start it with fewer max_rows$"),
+    ("mmap", errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer \(Cannot allocate "
+                           r"memory\): close idle clients, or start it with fewer max_rows$")])
 def test_a_connection_without_a_buffer_is_told_why_and_the_server_goes_on(table, socket_dir, monkeypatch, capfd,
-                                                                          code, words):
+                                                                          call, code, words):
     path, expected = table
     sock = socket_dir / "rows.sock"
     with serving(path, sock, max_rows=100_000) as server:
-        def no_memfd(name: str, flags: int = 0) -> int:
+        def fail(*args: object) -> int:
             raise OSError(code, os.strerror(code))
 
         failed: list[BaseException] = []
         monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
-        monkeypatch.setattr(server_module.os, "memfd_create", no_memfd)
+        if call == "memfd":
+            monkeypatch.setattr(server_module.os, "memfd_create", fail)
+        else:  # the buffer made, its mapping refused: the buffer's descriptor is closed again
+            monkeypatch.setattr(server_module, "mmap", types.SimpleNamespace(mmap=fail))
         stdout = os.fstat(1)
         with pytest.raises(TierError, match=f"refused the connection: the row server {words}"):
             RowClient(sock)
@@ -381,3 +387,24 @@ def test_a_peer_of_an_untrusted_uid_is_refused_naming_it(table, socket_dir, monk
         assert not (socket_dir / "rows.sock").exists() and server.store.closed
     with serving(path, socket_dir / "rows.sock"):
         pass
+
+
+def test_a_connection_that_fails_is_logged_in_one_line_and_closed(table, socket_dir, capfd):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock) as server:
+        def broken() -> dict:
+            raise RuntimeError("the stats are broken")
+
+        raw = Raw(sock)
+        try:
+            server.store.stats = broken  # type: ignore[method-assign]
+            raw.sock.send(p.encode(p.STATS))
+            assert raw.sock.recv(p.MAX_MESSAGE) == b""  # the server closed this connection
+        finally:
+            raw.close()
+        del server.store.stats
+        with RowClient(sock) as client:  # the others go on
+            assert np.array_equal(client.read_raw([1]).numpy(), expected[[1]])
+    assert "engram-offload row server: a connection failed: RuntimeError: the stats are broken\n" in \
+        capfd.readouterr().err
