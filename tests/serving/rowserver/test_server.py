@@ -290,8 +290,8 @@ def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
     assert not sock.exists()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop):
+@pytest.mark.parametrize("stop,options", [(signal.SIGTERM, True), (signal.SIGINT, False)])
+def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop, options):
     """``main`` in this process: a client in a thread checks what it serves, then signals this
     process; the handler closes the server and ``main`` returns 0."""
     path, expected = table
@@ -315,18 +315,25 @@ def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir,
     thread = threading.Thread(target=check_then_stop, daemon=True)
     thread.start()
     try:
-        code = server_module.main([str(path), str(sock), "--tier", "mmap", "--cache", f"{100 * ROW_BYTES}",
-                                   "--policy", "lfu", "--max-rows", "50", "--max-connections", "3"])
+        given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
+                 "--max-connections", "3"]
+        code = server_module.main([str(path), str(sock), *(given if options else [])])
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
         thread.join(timeout=30)
     assert code == 0
     assert capsys.readouterr().out == f"serving {path} on {sock}\n"
-    assert np.array_equal(seen["rows"], expected[[2, 9]]) and seen["tier"] == "mmap"
+    assert np.array_equal(seen["rows"], expected[[2, 9]])
     stats = seen["stats"]
-    assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
-    assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
+    if options:
+        assert seen["tier"] == "mmap"
+        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
+        assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
+    else:  # the defaults: the direct tier, no cache
+        assert seen["tier"] == "direct" and [level["level"] for level in stats["levels"]] == ["tier"]
+        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (
+            server_module.DEFAULT_MAX_ROWS, server_module.DEFAULT_MAX_CONNECTIONS)
     assert not sock.exists()  # closed by the handler
 
 
@@ -408,3 +415,13 @@ def test_a_connection_that_fails_is_logged_in_one_line_and_closed(table, socket_
             assert np.array_equal(client.read_raw([1]).numpy(), expected[[1]])
     assert "engram-offload row server: a connection failed: RuntimeError: the stats are broken\n" in \
         capfd.readouterr().err
+
+
+def test_main_help_names_the_command_and_its_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        server_module.main(["--help"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith("usage: engram-offload-rowserver [-h]")
+    words = " ".join(said.split())
+    assert server_module.main.__doc__.split("``")[1] in words and "DRAM row cache size, e.g. 4GiB" in words
