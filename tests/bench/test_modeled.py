@@ -172,6 +172,9 @@ def test_a_prediction_of_no_stall_and_of_no_steps_is_zero():
     assert got["stall_us"] == 0.0 and got["stall_fraction"] == 0.0 and got["nvme_iops"] == 0.0
     assert got["stall_us_all_at_first_layer"] == 0.0  # they come before the first Engram layer
     assert got["step_us"] == pytest.approx(model.step_time(StepShape((), 1, 0, 10**7)).backbone_us, rel=1e-12)
+    assert planner_prediction(model, "1=memory/14=direct", [(1, 0, 10**7)], 0.99)["stall_us"] == 0.0
+    one_layer = ModeledBackbone(V41, get_gpu("h100"), 1, (1,))
+    assert planner_prediction(one_layer, "direct", [(1, 0, 10**7)], 0.5)["placement"] == "nvme"
     model = backbone()
     assert planner_prediction(model, "direct", [], 0.5) == {
         "placement": "nvme", "hit_rate": 0.5, "stall_us": 0.0, "stall_us_all_at_first_layer": 0.0, "step_us": 0.0,
@@ -195,3 +198,11 @@ def test_local_nvme_is_one_drive_of_the_given_rate_for_one_tp_group():
     assert (gpu.nvme_drives, gpu.nvme_iops_per_drive, gpu.gpus_per_server) == (1, 50_000, 4)
     assert gpu.nvme_bw_per_drive == 50_000 * 4096
     assert local_nvme(get_gpu("b300"), 4, iops=50_000, bytes_per_s=1e9).nvme_bw_per_drive == 1e9
+
+
+def test_a_backbone_needs_one_gpu_and_layers_within_the_model():
+    with pytest.raises(ValueError, match=r"^--tp must be >= 1, got 0$"):
+        ModeledBackbone(V41, get_gpu("b300"), 0, (1, 14))
+    with pytest.raises(ValueError, match=r"^Engram layers \[40\] are beyond deepseek-v4.1-flash's 40 layers$"):
+        ModeledBackbone(V41, get_gpu("b300"), 1, (1, 40))
+    assert ModeledBackbone(V41, get_gpu("b300"), 1, (1, 39)).layer_ids == (1, 39)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -184,26 +186,42 @@ def test_a_connection_without_a_thread_is_refused_and_not_counted(table, socket_
 BIG_BUFFER_MIB = p.buffer_layout(100_000, ROW_BYTES)[1] / 2**20
 
 
-@pytest.mark.parametrize("code,words", [(errno.EMFILE, r"is out of file descriptors \(ulimit -n \d+, 64 connections "
-                                                       r"allowed\): close idle clients, or raise its limit$"),
-                                        (errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer "
-                                                       r"\(Cannot allocate memory\): close idle clients, or start it "
-                                                       r"with fewer max_rows$")])
+@pytest.mark.parametrize("call,code,words", [
+    ("memfd", errno.EMFILE, r"is out of file descriptors \(ulimit -n \d+, 64 connections allowed\): close idle "
+                            r"clients, or raise its limit$"),
+    ("memfd", errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer \(Cannot allocate "
+                            r"memory\): close idle clients, or start it with fewer max_rows$"),
+    ("mmap", errno.ENOMEM, rf"cannot make this connection's {BIG_BUFFER_MIB:.0f} MiB buffer \(Cannot allocate "
+                           r"memory\): close idle clients, or start it with fewer max_rows$")])
 def test_a_connection_without_a_buffer_is_told_why_and_the_server_goes_on(table, socket_dir, monkeypatch, capfd,
-                                                                          code, words):
+                                                                          call, code, words):
     path, expected = table
     sock = socket_dir / "rows.sock"
     with serving(path, sock, max_rows=100_000) as server:
-        def no_memfd(name: str, flags: int = 0) -> int:
+        def fail(*args: object) -> int:
             raise OSError(code, os.strerror(code))
 
-        monkeypatch.setattr(server_module.os, "memfd_create", no_memfd)
+        failed: list[BaseException] = []
+        monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
+        if call == "memfd":
+            monkeypatch.setattr(server_module.os, "memfd_create", fail)
+        else:  # the buffer made, its mapping refused: the buffer's descriptor is closed again
+            monkeypatch.setattr(server_module, "mmap", types.SimpleNamespace(mmap=fail))
+        stdout = os.fstat(1)
         with pytest.raises(TierError, match=f"refused the connection: the row server {words}"):
             RowClient(sock)
+        raw = Raw(sock)  # on the wire: an error in place of the hello
+        try:
+            assert raw.op == p.ERROR and raw.fds == [] and raw.hello["type"] == "TierError"
+            assert re.match(f"the row server {words}", raw.hello["message"])
+        finally:
+            raw.close()
         monkeypatch.undo()
         with RowClient(sock) as client:
             assert np.array_equal(client.read_raw([6]).numpy(), expected[[6]])
-            assert client.stats()["server"]["refused"] == 1
+            assert client.stats()["server"]["refused"] == 2
+        assert failed == []  # the connections' threads ended cleanly, no descriptor closed that was not theirs
+        assert os.fstat(1) == stdout
         assert f"engram-offload row server: no buffer for a connection: [Errno {code}]" in capfd.readouterr().err
         assert server.stats()["server"]["connections"] in (0, 1)
 
@@ -272,8 +290,8 @@ def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
     assert not sock.exists()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop):
+@pytest.mark.parametrize("stop,options", [(signal.SIGTERM, True), (signal.SIGINT, False)])
+def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop, options):
     """``main`` in this process: a client in a thread checks what it serves, then signals this
     process; the handler closes the server and ``main`` returns 0."""
     path, expected = table
@@ -297,18 +315,25 @@ def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir,
     thread = threading.Thread(target=check_then_stop, daemon=True)
     thread.start()
     try:
-        code = server_module.main([str(path), str(sock), "--tier", "mmap", "--cache", f"{100 * ROW_BYTES}",
-                                   "--policy", "lfu", "--max-rows", "50", "--max-connections", "3"])
+        given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
+                 "--max-connections", "3"]
+        code = server_module.main([str(path), str(sock), *(given if options else [])])
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
         thread.join(timeout=30)
     assert code == 0
     assert capsys.readouterr().out == f"serving {path} on {sock}\n"
-    assert np.array_equal(seen["rows"], expected[[2, 9]]) and seen["tier"] == "mmap"
+    assert np.array_equal(seen["rows"], expected[[2, 9]])
     stats = seen["stats"]
-    assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
-    assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
+    if options:
+        assert seen["tier"] == "mmap"
+        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
+        assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
+    else:  # the defaults: the direct tier, no cache
+        assert seen["tier"] == "direct" and [level["level"] for level in stats["levels"]] == ["tier"]
+        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (
+            server_module.DEFAULT_MAX_ROWS, server_module.DEFAULT_MAX_CONNECTIONS)
     assert not sock.exists()  # closed by the handler
 
 
@@ -349,3 +374,54 @@ def test_a_lock_holder_not_in_proc_locks_is_another_process(table, socket_dir, m
 
     monkeypatch.setattr(server_module, "open", no_locks, raising=False)
     assert server_module._lock_holder(os.stat(lock)) == "another process"
+
+
+def test_a_peer_of_an_untrusted_uid_is_refused_naming_it(table, socket_dir, monkeypatch):
+    path, _ = table
+    with serving(path, socket_dir / "rows.sock") as server:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with a, b:
+            monkeypatch.setattr(server_module.p, "trusted_uid", lambda uid: False)  # as if this uid were another's
+            assert server._why_refused(a) == (f"uid {os.geteuid()} may not read rows from this row server (it "
+                                              f"serves its own uid {os.geteuid()} and root): run the ranks as that "
+                                              "user")
+            monkeypatch.undo()
+            assert server._why_refused(a) is None  # served: it counts as a connection now
+            assert server.stats()["server"]["connections"] == 1
+        # the connection is closed while still counted, as when its thread ends during close():
+        # close() still removes the socket file, closes the store and lets the lock go
+        server.close()
+        assert not (socket_dir / "rows.sock").exists() and server.store.closed
+    with serving(path, socket_dir / "rows.sock"):
+        pass
+
+
+def test_a_connection_that_fails_is_logged_in_one_line_and_closed(table, socket_dir, capfd):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock) as server:
+        def broken() -> dict:
+            raise RuntimeError("the stats are broken")
+
+        raw = Raw(sock)
+        try:
+            server.store.stats = broken  # type: ignore[method-assign]
+            raw.sock.send(p.encode(p.STATS))
+            assert raw.sock.recv(p.MAX_MESSAGE) == b""  # the server closed this connection
+        finally:
+            raw.close()
+        del server.store.stats
+        with RowClient(sock) as client:  # the others go on
+            assert np.array_equal(client.read_raw([1]).numpy(), expected[[1]])
+    assert "engram-offload row server: a connection failed: RuntimeError: the stats are broken\n" in \
+        capfd.readouterr().err
+
+
+def test_main_help_names_the_command_and_its_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        server_module.main(["--help"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith("usage: engram-offload-rowserver [-h]")
+    words = " ".join(said.split())
+    assert server_module.main.__doc__.split("``")[1] in words and "DRAM row cache size, e.g. 4GiB" in words

@@ -211,7 +211,10 @@ class RowServer:
         with self._state:
             connections = list(self._connections)
         for conn in connections:
-            conn.shutdown(socket.SHUT_RDWR)
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # it ended meanwhile (its thread closed it): nothing to stop
+                pass
         self.socket_path.unlink(missing_ok=True)
         self.store.close()
         if self._spare >= 0:
