@@ -39,7 +39,7 @@ __all__ = ["TrainSettings", "TrainResult", "train", "model_vocabulary", "plot_lo
 @dataclass
 class TrainSettings:
     seed: int = 0
-    steps: int = 300
+    steps: int = 2_000
     batch: int = 16
     seq_len: int = 128
     hidden: int = 64
@@ -50,14 +50,14 @@ class TrainSettings:
     engram_heads: int = 4
     head_dim: int = 32
     hc_mult: int = 2
-    prime_start: int = 7_500
+    prime_start: int = 20_000
     vocab: int = 2_048  # model tokens, the unknown token included
     lr: float = 3e-3
     table_lr: float = 1e-2
     warmup: int = 30
     table_init_std: float = 0.1
-    max_train_tokens: int = 1_000_000
-    eval_every: int = 50
+    max_train_tokens: int = 4_000_000
+    eval_every: int = 200
     eval_windows: int = 32
     corpus: list[str] | None = field(default=None)  # None: every installed source of corpus.SOURCES
     engram: bool = True  # False: the twin without Engram (same backbone, data and steps)
