@@ -161,7 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ])  # --max-train-tokens only caps what the corpus gives: not an allocation of its own
     torch.set_num_threads(args.threads)
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
-    result = train(s, out, progress=not args.no_progress, log=log)
+    result = train(s, out, progress=not args.no_progress, log=log, warn=lambda msg: print(msg, file=sys.stderr))
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]

@@ -130,11 +130,11 @@ def kind_of_suffix(path: Path) -> str:
     return {".py": "code", ".rst": "documentation"}.get(path.suffix, "prose")
 
 
-def find_sources(sources: Iterable[Source] = SOURCES) -> tuple[list[Source], list[Source]]:
-    """(sources with at least one file installed, sources missing)."""
+def find_sources(sources: Iterable[Source] | None = None) -> tuple[list[Source], list[Source]]:
+    """(sources with at least one file installed, sources missing), of ``sources`` (default ``SOURCES``)."""
     found: list[Source] = []
     missing: list[Source] = []
-    for s in sources:
+    for s in SOURCES if sources is None else sources:
         (found if s.root.is_dir() and any(s.files()[:1]) else missing).append(s)
     return found, missing
 
@@ -157,7 +157,7 @@ def corpus_files(roots: Iterable[str | Path] | None = None, sources: Iterable[So
     alone, labelled by its name.
     """
     if roots is None:
-        found = find_sources(SOURCES if sources is None else sources)[0]
+        found = find_sources(sources)[0]
         installed = [f for s in found for f in s.files()]
         if not installed:
             raise FileNotFoundError("no corpus source is installed: " + missing_sources_message(list(SOURCES)))

@@ -95,8 +95,10 @@ def _lr_factor(step: int, s: TrainSettings) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print) -> TrainResult:
-    """Train with ``settings`` and save the model into ``out`` (released V4.1 format)."""
+def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print, warn=None) -> TrainResult:
+    """Train with ``settings`` and save the model into ``out`` (released V4.1 format). ``log``
+    gets the progress lines; ``warn`` (default ``log``) the line naming the corpus sources not
+    installed."""
     s = settings
     if s.table_init not in ("normal", "zero"):
         raise ValueError(f"table_init must be 'normal' or 'zero', got {s.table_init!r}")
@@ -104,7 +106,7 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
         raise ValueError(f"row_dropout must be in [0, 1), got {s.row_dropout}")
     torch.manual_seed(s.seed)
     if s.corpus is None and (missing := find_sources()[1]):
-        log(missing_sources_message(missing))
+        (warn or log)(missing_sources_message(missing))
     files = corpus_files(s.corpus)
     train_files, held_files = split(files)
     if not train_files or not held_files:
