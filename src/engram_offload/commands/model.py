@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser(
         "train", help="train the small Engram language model on the CPU",
-        description="Train a small EngramLM (V4.1 Engram layers with hyper-connection branches) on "
-        "CPython's standard library (and Python's docs, when installed), seeded, and save it in the "
-        "released DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
+        description="Train a small EngramLM (V4.1 Engram layers with hyper-connection branches), or with "
+        "--no-engram its twin without Engram, on the code, documentation and prose this machine has "
+        "installed (the sources not installed are named), seeded, and save it in the released "
+        "DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
     )
     tr.add_argument("--out", required=True, help="folder to write the checkpoint into")
     tr.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same bytes; default 0)")
@@ -130,8 +131,8 @@ def _reading_parent() -> argparse.ArgumentParser:
     deprecated_alias(p, "--model", p.add_argument(
         "--checkpoint", metavar="DIR", help="a trained model's folder (default: the model shipped in the package)"))
     p.add_argument("--corpus", action="append", metavar="DIR",
-                   help="a folder of .py/.txt/.rst files (repeatable; default: the standard library "
-                   "and, if installed, python3.11-doc)")
+                   help="a folder of .py/.txt/.rst files (repeatable; kinds by suffix: .py code, .rst "
+                   "documentation, .txt prose; default: every installed source the model was trained on)")
     p.add_argument("--all-files", action="store_true",
                    help="every file of the checkpoint's training corpus, not only its held-out ones (another "
                    "corpus is always read whole)")
