@@ -144,3 +144,14 @@ def test_eval_twin_must_be_a_model_without_engram(small_corpus, tmp_path, capsys
     assert "holds no config.json" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(model), "--corpus", one, "--max-tokens", "200"]) == 0
     assert "no twin at" in capsys.readouterr().out
+
+
+def test_train_names_the_corpus_sources_not_installed(tmp_path, monkeypatch, capsys):
+    from engram_offload.model import corpus
+
+    missing = corpus.Source("debian-faq", "prose", tmp_path / "not-installed", ("*.en.html",), "debian-faq", "GPL-2+")
+    monkeypatch.setattr(corpus, "SOURCES", (corpus.SOURCES[0], missing))  # the standard library, and one missing
+    assert main(["train", "--out", str(tmp_path / "m"), *TINY_TRAIN]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"corpus sources not installed, left out: debian-faq (prose, {tmp_path / 'not-installed'})"
+                                        ": apt-get install debian-faq installs them"]

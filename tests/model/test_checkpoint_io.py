@@ -12,7 +12,7 @@ from engram_offload.engram.checkpoint import CheckpointIndex
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.layer import EngramLayer
 from engram_offload.engram.rows import dequantize_fp8_blocks, dequantize_fp8_ue8m0
-from engram_offload.model.checkpoint_io import quantize_fp8_blocks
+from engram_offload.model.checkpoint_io import quantize_fp8_blocks, twin_dir
 from engram_offload.serving.store import open_table
 from engram_offload.table.convert import convert_checkpoint
 
@@ -47,8 +47,11 @@ def test_shipped_model_is_in_the_released_layout(model_dir):
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == 2
-    size = sum(f.stat().st_size for f in model_dir.iterdir())
-    assert size < 20e6
+    twin = twin_dir(model_dir)
+    size = sum(f.stat().st_size for folder in (model_dir, twin) for f in folder.iterdir())
+    assert size < 20e6  # the model and its twin without Engram, shipped together
+    assert json.loads((twin / "config.json").read_text())["text_config"]["engram_in_model"] is False
+    assert (model_dir / "seen_ngrams.npy").is_file() and (model_dir / "written_rows.npy").is_file()
     dtypes = {}
     for shard in shards:
         with safe_open(str(model_dir / shard), "pt") as f:

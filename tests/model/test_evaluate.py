@@ -98,3 +98,15 @@ def test_eval_command_writes_the_json_it_prints(tmp_path, capsys):
     out = tmp_path / "eval.json"
     printed = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--json-out", str(out)], capsys))
     assert json.loads(out.read_text()) == printed
+
+
+def test_the_shipped_model_beats_its_twin_and_its_lesion_on_every_kind_installed(capsys):
+    """On held-out files of each kind of text installed here (code alone on a bare machine), the
+    model with its table beats the twin trained without one and the model with its gate at 0."""
+    record = json.loads(_run(["eval", "--json", "--max-tokens", "9000"], capsys))
+    assert record["twin"] is not None, "the twin without Engram ships beside the model"
+    for kind, row in record["by_kind"].items():
+        assert row["engram"]["tokens"] == row["twin"]["tokens"] == row["lesion"]["tokens"] > 1000, kind
+        assert row["engram"]["perplexity"] < row["twin"]["perplexity"], kind
+        assert row["engram"]["perplexity"] < row["lesion"]["perplexity"], kind
+    assert record["twin_over_engram"] > 1 and record["lesion_over_engram"] > 1

@@ -30,17 +30,18 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser(
         "train", help="train the small Engram language model on the CPU",
-        description="Train a small EngramLM (V4.1 Engram layers with hyper-connection branches) on "
-        "CPython's standard library (and Python's docs, when installed), seeded, and save it in the "
-        "released DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
+        description="Train a small EngramLM (V4.1 Engram layers with hyper-connection branches), or with "
+        "--no-engram its twin without Engram, on the code, documentation and prose this machine has "
+        "installed (the sources not installed are named), seeded, and save it in the released "
+        "DeepSeek-V4.1 on-disk format (fp8 rows with ue8m0 scales).",
     )
     tr.add_argument("--out", required=True, help="folder to write the checkpoint into")
     tr.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same bytes; default 0)")
-    tr.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 300)")
+    tr.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 2,000)")
     tr.add_argument("--batch", type=positive_int, default=None, help="windows per step (default 16)")
     tr.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default 128)")
     tr.add_argument("--max-train-tokens", type=positive_int, default=None,
-                    help="tokenize at most this many training tokens (default 1,000,000)")
+                    help="tokenize at most this many training tokens, shared by kind and source (default 4,000,000)")
     tr.add_argument("--corpus", action="append", metavar="DIR", help="a folder of .py/.txt/.rst files (repeatable; "
                     "default: every installed source: the standard library, python3.11-doc, man pages, licence "
                     "texts, copyright files, debian-reference-en, debian-faq, doc-debian; missing ones are named)")
@@ -52,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--table-init", choices=("normal", "zero"), default=None,
                     help="what a row no training n-gram writes holds (default normal: random, std 0.1)")
     tr.add_argument("--prime-start", type=positive_int, default=None,
-                    help="table rows per head start at the first prime above this (default 7,500)")
+                    help="table rows per head start at the first prime above this (default 20,000)")
     tr.add_argument("--threads", type=THREADS, default=1, help="torch CPU threads (default 1: reproducible)")
     tr.add_argument("--plot", help="loss-curve PNG (default: OUT-loss.png beside the folder)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -130,8 +131,8 @@ def _reading_parent() -> argparse.ArgumentParser:
     deprecated_alias(p, "--model", p.add_argument(
         "--checkpoint", metavar="DIR", help="a trained model's folder (default: the model shipped in the package)"))
     p.add_argument("--corpus", action="append", metavar="DIR",
-                   help="a folder of .py/.txt/.rst files (repeatable; default: the standard library "
-                   "and, if installed, python3.11-doc)")
+                   help="a folder of .py/.txt/.rst files (repeatable; kinds by suffix: .py code, .rst "
+                   "documentation, .txt prose; default: every installed source the model was trained on)")
     p.add_argument("--all-files", action="store_true",
                    help="every file of the checkpoint's training corpus, not only its held-out ones (another "
                    "corpus is always read whole)")
@@ -161,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ])  # --max-train-tokens only caps what the corpus gives: not an allocation of its own
     torch.set_num_threads(args.threads)
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
-    result = train(s, out, progress=not args.no_progress, log=log)
+    result = train(s, out, progress=not args.no_progress, log=log, warn=lambda msg: print(msg, file=sys.stderr))
     plot_losses(result.history, plot)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     last = result.history[-1]
@@ -352,10 +353,10 @@ def cmd_scan(args: argparse.Namespace) -> int:
     print(f"{summary['tokens']:,} tokens, {summary['reads']:,} reads of {summary['rows_read']:,} rows "
           f"(of {summary['table_rows']:,}); mean gate {summary['mean_gate']:.3f}")
     print(f"{summary['rows_serving_one_ngram']:.1%} of the rows read served a single n-gram (the rest collide)")
-    if "unseen_ngram_reads" in summary:
-        for n, share, gate, other in zip(range(2, 2 + len(summary["unseen_ngram_reads"])),
-                                         summary["unseen_ngram_reads"], summary["mean_gate_unseen_ngrams"],
-                                         summary["mean_gate_seen_ngrams"]):
+    unseen = _unseen_summary(result)
+    if unseen:
+        for n, share, gate, other in zip(range(2, 2 + len(unseen["unseen_ngram_reads"])), unseen["unseen_ngram_reads"],
+                                         unseen["mean_gate_unseen_ngrams"], unseen["mean_gate_seen_ngrams"]):
             print(f"{share:.2%} of the {n}-gram reads were of {n}-grams no training window held: mean gate "
                   f"{gate:.3f} there, {other:.3f} on seen {n}-grams")
     if "unwritten_reads" in summary:

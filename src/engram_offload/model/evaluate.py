@@ -75,7 +75,7 @@ def evaluate(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None
     total, count = 0.0, 0
     for chunk in batches(pieces, batch):
         inputs, targets = chunk[:, :-1], model.to_model_ids(chunk[:, 1:])
-        row_ids = model.row_ids(inputs) if model.has_engram else None
+        row_ids = model.row_ids(inputs)
         if before_batch is not None:
             before_batch(inputs, row_ids)
         logits = model(inputs, rows_for, row_ids=row_ids)  # [B, T, K]

@@ -39,7 +39,7 @@ __all__ = ["TrainSettings", "TrainResult", "train", "model_vocabulary", "plot_lo
 @dataclass
 class TrainSettings:
     seed: int = 0
-    steps: int = 300
+    steps: int = 2_000
     batch: int = 16
     seq_len: int = 128
     hidden: int = 64
@@ -50,14 +50,14 @@ class TrainSettings:
     engram_heads: int = 4
     head_dim: int = 32
     hc_mult: int = 2
-    prime_start: int = 7_500
+    prime_start: int = 20_000
     vocab: int = 2_048  # model tokens, the unknown token included
     lr: float = 3e-3
     table_lr: float = 1e-2
     warmup: int = 30
     table_init_std: float = 0.1
-    max_train_tokens: int = 1_000_000
-    eval_every: int = 50
+    max_train_tokens: int = 4_000_000
+    eval_every: int = 200
     eval_windows: int = 32
     corpus: list[str] | None = field(default=None)  # None: every installed source of corpus.SOURCES
     engram: bool = True  # False: the twin without Engram (same backbone, data and steps)
@@ -95,8 +95,10 @@ def _lr_factor(step: int, s: TrainSettings) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print) -> TrainResult:
-    """Train with ``settings`` and save the model into ``out`` (released V4.1 format)."""
+def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, log=print, warn=None) -> TrainResult:
+    """Train with ``settings`` and save the model into ``out`` (released V4.1 format). ``log``
+    gets the progress lines; ``warn`` (default ``log``) the line naming the corpus sources not
+    installed."""
     s = settings
     if s.table_init not in ("normal", "zero"):
         raise ValueError(f"table_init must be 'normal' or 'zero', got {s.table_init!r}")
@@ -104,7 +106,7 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
         raise ValueError(f"row_dropout must be in [0, 1), got {s.row_dropout}")
     torch.manual_seed(s.seed)
     if s.corpus is None and (missing := find_sources()[1]):
-        log(missing_sources_message(missing))
+        (warn or log)(missing_sources_message(missing))
     files = corpus_files(s.corpus)
     train_files, held_files = split(files)
     if not train_files or not held_files:
