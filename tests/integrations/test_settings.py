@@ -205,3 +205,11 @@ def test_open_store_takes_every_setting(table):
         assert any(level.get("admission") for level in levels)
     finally:
         store.close()
+
+
+def test_open_store_hands_the_direct_tiers_options_and_the_tier_itself(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "direct", "queue_depth": 8}), None)
+    try:
+        assert store.tier.name == "direct" and store.tier.queue_depth == 8
+    finally:
+        store.close()
