@@ -135,6 +135,7 @@ def test_open_store_through_a_row_server(table):
     try:
         client = open_store(parse_settings({"table": str(table), "tier": "mmap", "row_server": str(sock)}), (0, 6))
         assert isinstance(client, RowClient) and client.columns == (0, 6)
+        assert client.verify == "sample"  # its rows are checked against this table file
         client.close()
         with pytest.raises(ValueError, match="reads the table on the mmap tier, not direct"):
             open_store(parse_settings({"table": str(table), "tier": "direct", "row_server": str(sock)}), None)
@@ -213,3 +214,10 @@ def test_open_store_hands_the_direct_tiers_options_and_the_tier_itself(table):
         assert store.tier.name == "direct" and store.tier.queue_depth == 8
     finally:
         store.close()
+
+
+def test_the_store_key_leaves_out_only_what_does_not_change_the_store():
+    plain = parse_settings({"table": "t"})
+    assert parse_settings({"table": "t", "log_every": 5, "wait_timeout_s": 3}).store_key() == plain.store_key()
+    assert plain.store_key() == tuple(getattr(plain, k) for k in KEYS if k not in ("log_every", "wait_timeout_s"))
+    assert parse_settings({"table": "t", "policy": "lfu"}).store_key() != plain.store_key()
