@@ -221,3 +221,8 @@ def test_the_store_key_leaves_out_only_what_does_not_change_the_store():
     assert parse_settings({"table": "t", "log_every": 5, "wait_timeout_s": 3}).store_key() == plain.store_key()
     assert plain.store_key() == tuple(getattr(plain, k) for k in KEYS if k not in ("log_every", "wait_timeout_s"))
     assert parse_settings({"table": "t", "policy": "lfu"}).store_key() != plain.store_key()
+
+
+def test_open_store_takes_a_staging_size(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "mmap", "staging_bytes": "1MiB"}), None)
+    store.close()
