@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engram_offload.integrations.settings import (
+    KEYS,
     OffloadSettings,
     check_graph_mode,
     check_layout,
@@ -134,6 +135,7 @@ def test_open_store_through_a_row_server(table):
     try:
         client = open_store(parse_settings({"table": str(table), "tier": "mmap", "row_server": str(sock)}), (0, 6))
         assert isinstance(client, RowClient) and client.columns == (0, 6)
+        assert client.verify == "sample"  # its rows are checked against this table file
         client.close()
         with pytest.raises(ValueError, match="reads the table on the mmap tier, not direct"):
             open_store(parse_settings({"table": str(table), "tier": "direct", "row_server": str(sock)}), None)
@@ -141,3 +143,86 @@ def test_open_store_through_a_row_server(table):
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({}, "engram_offload needs 'table': a table file from `engram-offload convert` or a pool URL"),
+    (["t"], "engram_offload settings must be a JSON object, got list"),
+    ({"table": "t", "b": 1, "a": 2}, "unknown engram_offload setting(s) 'a', 'b': the keys are " + ", ".join(KEYS)),
+    ({"table": "t", "tier": "remote"}, "the remote tier needs 'pool' (the pool's redis:// URL) or a pool URL as 'table'"),
+    ({"table": "redis://h:1/ab", "tier": "remote", "verify_reads": False},
+     "the remote tier checks every row against its pool checksum: drop verify_reads"),
+    ({"table": "t", "tier": "shared", "fast_cache_bytes": 4096},
+     "the shared tier holds the whole table in memory the GPU reads in place: drop cache_bytes and fast_cache_bytes"),
+    ({"table": "t", "tier": "direct", "fallback": "/f.table"},
+     "pool and fallback are the remote tier's settings, not the direct tier's: set tier to remote or drop them"),
+    ({"table": "t", "log_every": True}, "engram_offload setting 'log_every' must be an integer >= 0, got True"),
+    ({"table": "t", "tier": "direct", "queue_depth": 2.0},
+     "engram_offload setting 'queue_depth' must be an integer >= 1, got 2.0"),
+    ({"table": "t", "wait_timeout_s": True},
+     "engram_offload setting 'wait_timeout_s' must be a number of seconds > 0, got True"),
+])
+def test_each_refusal_says_exactly_what_to_change(raw, message):
+    with pytest.raises(ValueError) as err:
+        parse_settings(raw)
+    assert str(err.value) == message
+
+
+def test_the_smallest_values_allowed_are_taken():
+    s = parse_settings({"table": "t", "tier": "direct", "queue_depth": 1, "log_every": 0, "wait_timeout_s": 0.5})
+    assert (s.queue_depth, s.log_every, s.wait_timeout_s) == (1, 0, 0.5)
+    assert parse_settings({"table": "t", "log_every": 1}).log_every == 1
+
+
+def test_the_graph_mode_refusal_names_the_row_server_or_the_tier():
+    fix = "start with --enforce-eager"
+    tail = f"reads rows on the host, which a FULL CUDA graph cannot replay: {fix}, or use a tier the GPU reads " \
+           "in place (memory, pinned, shared)"
+    for raw, where in (({"table": "t", "tier": "direct"}, "the direct tier"),
+                       ({"table": "t", "tier": "pinned", "row_server": "/run/rows.sock"},
+                        "the row server at /run/rows.sock")):
+        with pytest.raises(ValueError) as err:
+            check_graph_mode(parse_settings(raw), True, fix)
+        assert str(err.value) == f"{where} {tail}"
+
+
+def test_the_layout_refusal_names_both_models_first_primes():
+    other = CONFIG.replace(prime_starts=(101, 101, 101))
+    ours, theirs = CONFIG.primes[CONFIG.layer_ids[0]][0], other.primes[other.layer_ids[0]][0]
+    with pytest.raises(ValueError) as err:
+        check_layout(CONFIG, "t.table", **layout_of(other))
+    assert str(err.value) == (f"the table t.table was converted from another model (layer {CONFIG.layer_ids[0]}'s "
+                              f"head primes differ (first heads {tuple(ours[:2])} vs {tuple(theirs[:2])})): convert "
+                              "this checkpoint's table with `engram-offload convert CHECKPOINT TABLE`")
+
+
+def test_open_store_takes_every_setting(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "mmap", "cache_bytes": 100 * 264,
+                                       "fast_cache_bytes": 50 * 264, "policy": "lfu", "admission": True}), None)
+    try:
+        assert store.tier.name == "mmap"
+        levels = store.stats()["levels"]
+        assert [level.get("policy") for level in levels if level["level"] != "tier"] == ["lfu", "lfu"]
+        assert any(level.get("admission") for level in levels)
+    finally:
+        store.close()
+
+
+def test_open_store_hands_the_direct_tiers_options_and_the_tier_itself(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "direct", "queue_depth": 8}), None)
+    try:
+        assert store.tier.name == "direct" and store.tier.queue_depth == 8
+    finally:
+        store.close()
+
+
+def test_the_store_key_leaves_out_only_what_does_not_change_the_store():
+    plain = parse_settings({"table": "t"})
+    assert parse_settings({"table": "t", "log_every": 5, "wait_timeout_s": 3}).store_key() == plain.store_key()
+    assert plain.store_key() == tuple(getattr(plain, k) for k in KEYS if k not in ("log_every", "wait_timeout_s"))
+    assert parse_settings({"table": "t", "policy": "lfu"}).store_key() != plain.store_key()
+
+
+def test_open_store_takes_a_staging_size(table):
+    store = open_store(parse_settings({"table": str(table), "tier": "mmap", "staging_bytes": "1MiB"}), None)
+    store.close()

@@ -9,6 +9,7 @@ import errno
 import mmap
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -290,7 +291,7 @@ def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
     assert not sock.exists()
 
 
-@pytest.mark.parametrize("stop,options", [(signal.SIGTERM, True), (signal.SIGINT, False)])
+@pytest.mark.parametrize("stop,options", [(signal.SIGTERM, "all"), (signal.SIGINT, "none"), (signal.SIGTERM, "cache")])
 def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop, options):
     """``main`` in this process: a client in a thread checks what it serves, then signals this
     process; the handler closes the server and ``main`` returns 0."""
@@ -317,7 +318,8 @@ def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir,
     try:
         given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
                  "--max-connections", "3"]
-        code = server_module.main([str(path), str(sock), *(given if options else [])])
+        given = {"all": given, "none": [], "cache": ["--cache", "1MiB"]}[options]
+        code = server_module.main([str(path), str(sock), *given])
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
@@ -326,7 +328,11 @@ def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir,
     assert capsys.readouterr().out == f"serving {path} on {sock}\n"
     assert np.array_equal(seen["rows"], expected[[2, 9]])
     stats = seen["stats"]
-    if options:
+    if options == "cache":  # the default policy, the size in words
+        with open_table(path, "direct", cache_bytes=1 << 20) as same:
+            assert stats["levels"][0]["capacity_rows"] == same.stats()["levels"][0]["capacity_rows"]
+        assert stats["levels"][0]["policy"] == "lru"
+    elif options == "all":
         assert seen["tier"] == "mmap"
         assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
         assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
@@ -350,8 +356,8 @@ def test_a_held_lock_names_the_holders_pid_uid_and_command_line(table, socket_di
     path, _ = table
     sock = socket_dir / "rows.sock"
     padding = "x" * 150  # the command line is cut at 120 characters
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"{sock}.lock", padding], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"{sock}.lock", padding, b"\xff"],  # not UTF-8
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         command = f"{sys.executable} -c {HOLDER} {sock}.lock {padding}".strip()[:120]
@@ -424,4 +430,14 @@ def test_main_help_names_the_command_and_its_options(capsys):
     said = capsys.readouterr().out
     assert said.startswith("usage: engram-offload-rowserver [-h]")
     words = " ".join(said.split())
-    assert server_module.main.__doc__.split("``")[1] in words and "DRAM row cache size, e.g. 4GiB" in words
+    assert server_module.main.__doc__.split("``")[1] in words
+    assert " --cache CACHE DRAM row cache size, e.g. 4GiB --policy POLICY " in words
+
+
+def test_the_descriptor_limit_named_is_the_soft_one(monkeypatch):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+    try:
+        assert server_module._descriptor_limit() == soft - 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
