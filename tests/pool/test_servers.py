@@ -362,3 +362,20 @@ def test_stop_kills_a_server_that_ignores_sigterm_and_a_missing_folder_is_no_err
 def test_the_pid_in_info_server():
     assert servers._info_pid(b"# Server\r\nredis_version:7.0\r\nodd:\xff\r\nprocess_id:4242\r\n") == 4242
     assert servers._info_pid(b"# Server\r\nredis_version:7.0\r\n") is None
+
+
+def test_a_cluster_node_needs_its_bus_port_free_and_a_plain_one_does_not(tmp_path):
+    skip_without_redis()
+    port = free_port_base(1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + OFFSET))
+        held.listen(1)
+        with pytest.raises(PortTakenError, match=(rf"^port {port + OFFSET} on 127.0.0.1 is taken by another process: "
+                                                  "choose another --port$")):
+            RedisNode(port, tmp_path / "cluster", True).start()
+        plain = RedisNode(port, tmp_path / "deeper" / "plain", False)  # its folder and the one above are made
+        try:
+            plain.start()
+            assert plain.process.poll() is None and (plain.directory / f"redis-{port}.log").exists()
+        finally:
+            plain.stop()
