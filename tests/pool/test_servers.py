@@ -131,7 +131,7 @@ def test_servers_started_with_die_with_parent_die_with_the_thread_that_started_t
     thread.join()
     [pool] = pools
     try:
-        assert pool.nodes[0].process.wait(timeout=30) == -signal.SIGKILL
+        assert pool.nodes[0].process.wait(timeout=10) == -signal.SIGKILL  # at once; 10 s on a loaded machine
     finally:
         pool.stop()
 
@@ -172,6 +172,8 @@ def test_a_cluster_splits_the_slots_evenly_in_port_order(tmp_path):
         ports = [n.port for n in pool.nodes]
         assert ports == list(range(ports[0], ports[0] + 3))
         assert pool.url == "redis://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        assert pool.directory == tmp_path and [n.directory for n in pool.nodes] == [tmp_path / f"node-{p}" for p in ports]
+        assert not any(n.die_with_parent for n in pool.nodes)
         conn = pool.nodes[0].connect(5.0)
         try:
             slots = sorted((int(s[0]), int(s[1]), int(s[2][1])) for s in conn.call("CLUSTER", "SLOTS"))
@@ -301,3 +303,79 @@ def test_a_meet_the_first_node_refuses_is_an_error_naming_the_node(tmp_path):
             servers._form_cluster(pool)
     finally:
         pool.stop()
+
+
+def test_two_nodes_are_a_cluster_on_the_port_given(tmp_path):
+    skip_without_redis()
+    port = free_port_base(2)
+    with start_local_pool(2, port, tmp_path) as pool:
+        assert pool.cluster is True and [n.port for n in pool.nodes] == [port, port + 1]
+        conn = pool.nodes[1].connect(5.0)
+        try:
+            slots = sorted((int(s[0]), int(s[1]), int(s[2][1])) for s in conn.call("CLUSTER", "SLOTS"))
+        finally:
+            conn.close()
+        assert slots == [(0, 8191, port), (8192, 16383, port + 1)]
+    with start_local_pool(port=None, directory=tmp_path / "one") as pool:
+        assert len(pool.nodes) == 1 and pool.cluster is False
+
+
+def test_a_taken_port_is_retried_on_other_ports_only_when_none_was_given(monkeypatch):
+    """Without a port, a ``PortTakenError`` (a port taken between the pick and the bind) starts
+    over on other ports, 20 times at most; with a port it is the error at once."""
+    calls: list[int] = []
+
+    def taken_until(succeed_at: int):
+        def start(nodes, port, directory, password, die_with_parent):
+            calls.append(port)
+            if len(calls) < succeed_at:
+                raise PortTakenError(f"port {port} taken")
+            return "started"
+        return start
+
+    monkeypatch.setattr(servers, "redis_server_missing", lambda: None)
+    monkeypatch.setattr(servers, "_start", taken_until(3))
+    assert start_local_pool(1, None) == "started" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(PortTakenError, match="^port 7005 taken$"):
+        start_local_pool(1, 7005)
+    assert calls == [7005]
+    calls.clear()
+    monkeypatch.setattr(servers, "_start", taken_until(10 ** 6))
+    with pytest.raises(PortTakenError):
+        start_local_pool(1, None)
+    assert len(calls) == servers.PORT_TRIES == 20
+
+
+def test_stop_kills_a_server_that_ignores_sigterm_and_a_missing_folder_is_no_error(tmp_path):
+    """A stopped process (SIGSTOP) keeps SIGTERM pending: after 5 s ``stop`` sends SIGKILL."""
+    skip_without_redis()
+    pool = start_local_pool(1, None)
+    pool.nodes[0].process.send_signal(signal.SIGSTOP)
+    done = threading.Thread(target=pool.stop, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive() and pool.nodes[0].process.returncode == -signal.SIGKILL
+    LocalPool([], False, tmp_path / "gone", own_directory=True).stop()  # its folder is gone already
+
+
+def test_the_pid_in_info_server():
+    assert servers._info_pid(b"# Server\r\nredis_version:7.0\r\nodd:\xff\r\nprocess_id:4242\r\n") == 4242
+    assert servers._info_pid(b"# Server\r\nredis_version:7.0\r\n") is None
+
+
+def test_a_cluster_node_needs_its_bus_port_free_and_a_plain_one_does_not(tmp_path):
+    skip_without_redis()
+    port = free_port_base(1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + OFFSET))
+        held.listen(1)
+        with pytest.raises(PortTakenError, match=(rf"^port {port + OFFSET} on 127.0.0.1 is taken by another process: "
+                                                  "choose another --port$")):
+            RedisNode(port, tmp_path / "cluster", True).start()
+        plain = RedisNode(port, tmp_path / "deeper" / "plain", False)  # its folder and the one above are made
+        try:
+            plain.start()
+            assert plain.process.poll() is None and (plain.directory / f"redis-{port}.log").exists()
+        finally:
+            plain.stop()
