@@ -65,6 +65,7 @@ class ModelPredictor:
         ends = [starts[i + 1] + width - STRIDE if i + 1 < len(starts) else n for i in range(len(starts))]
         firsts = [0] + ends[:-1]
         windows = torch.from_numpy(np.stack([tokens[s: s + width] for s in starts]))  # [W, width]
+        vocab = model.vocab_ids.numpy()  # [K]: the DeepSeek id of model id k + 1
         with torch.no_grad():
             for b in range(0, len(starts), BATCH):
                 top = model(windows[b: b + BATCH]).argmax(-1)  # [w, width] model ids
@@ -73,5 +74,5 @@ class ModelPredictor:
                     ids = row[lo - starts[i]: hi - starts[i]]
                     known = ids != UNKNOWN
                     out = predicted[lo:hi]
-                    out[known] = model.vocab_ids.numpy()[ids[known] - 1]
+                    out[known] = vocab[ids[known] - 1]
         return predicted

@@ -514,10 +514,17 @@ class Prefetcher:
                 self._idle[urgent_only] = False
             waiting = self._urgent if self._urgent else self._background
             step = self._pick(waiting)
-            p, last = step.take_part()
-            if last:
-                waiting.remove(step)
+            p = self._hand_out(step, waiting)
             return step, p
+
+    @staticmethod
+    def _hand_out(step: Step, waiting: deque[Step]) -> int:
+        """The next part of ``step`` (queued in ``waiting``), taking the step off the queue once
+        its last part is handed out; the queue's lock is held."""
+        p, last = step.take_part()
+        if last:
+            waiting.remove(step)
+        return p
 
     def _pick(self, waiting: deque[Step]) -> Step:
         """The step whose part is fetched next: the first queued, or with ``first_layer_first``
@@ -570,11 +577,7 @@ class Prefetcher:
             with self._wake[False]:  # the queue's lock: workers take parts under it too
                 if step._handed_out > p or step.skipping or self._idle[False] or self._idle[True]:
                     break
-                q, last = step.take_part()
-                if last:
-                    for waiting in (self._urgent, self._background):
-                        if step in waiting:
-                            waiting.remove(step)
+                q = self._hand_out(step, self._urgent if step in self._urgent else self._background)
             if t0 is None:
                 t0 = time.perf_counter()
             self._fetch_part(step, q)
