@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -131,6 +132,17 @@ def host_read(config, path, layer_id, rank, world, tier="direct", sync=None, **o
                           ids_stream=stream)
 
 
+@contextmanager
+def closed_after(lookup):
+    """``lookup`` for the block; then its reader (a host-read lookup's) and its store closed."""
+    try:
+        yield lookup
+    finally:
+        if isinstance(lookup, HostReadLookup):
+            lookup.close()
+        lookup.store.close()
+
+
 def out_buffer(config, shard, tokens, packed):
     if packed:
         return torch.full((tokens, shard.part * config.row_bytes), 0xAB, dtype=torch.uint8)
@@ -151,17 +163,13 @@ def test_rows_equal_decode_rows(table, padded_table, packed, backend, case):
             lookup = host_read(config, path, layer_id, rank, world, tier="mmap")
         else:
             lookup = host_read(config, path, layer_id, rank, world, cache_bytes=64 * config.row_bytes)
-        try:
+        with closed_after(lookup):
             for step, tokens in enumerate((5, 2)):
                 ids = step_ids(config, layer_id, tokens, seed=step)
                 out = out_buffer(config, lookup.shard, tokens, packed)
                 lookup.lookup(ids, out, background=step == 1)
                 lookup.finish()
                 assert same_bits(out, expected_rows(config, raw, layer_id, rank, world, ids, packed))
-        finally:
-            lookup.store.close()
-            if isinstance(lookup, HostReadLookup):
-                lookup.close()
 
 
 def test_scale_bytes_0_and_255(table):
@@ -228,12 +236,9 @@ def test_host_read_order_under_tracing(table):
     sync = TracingSync()
     layer_id = CONFIG.layer_ids[1]
     lookup = host_read(CONFIG, path, layer_id, 1, 2, sync=sync)
-    try:
+    with closed_after(lookup):
         for ids, out in run_steps(lookup, CONFIG, layer_id, steps=5):  # the 2 slots are reused twice
             assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, False))
-    finally:
-        lookup.close()
-        lookup.store.close()
     # each step: ids copied (main), rows read (host), flag, rows copied and written (main)
     assert sync.log[:4] == ["engine_prefetch:copy", "host:read", "main:copy", "main:write_rows"]
     assert all(src.is_pinned() or src.device.type == "cpu" for _, src in sync.copies)
@@ -242,37 +247,28 @@ def test_host_read_order_under_tracing(table):
 def test_tracing_catches_a_missing_flag_wait(table):
     path, _ = table
     lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=_NoDeviceWaits())
-    try:
+    with closed_after(lookup):
         with pytest.raises(OrderingError):
             run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
-    finally:
-        lookup.close()
-        lookup.store.close()
 
 
 def test_tracing_catches_a_read_before_the_ids_copy(table):
     path, _ = table
     lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=_WorkerNeverWaits())
-    try:
+    with closed_after(lookup):
         with pytest.raises(PrefetchError) as err:
             run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=1)
         assert isinstance(err.value.__cause__, OrderingError) and "before its writer copy" in str(err.value)
-    finally:
-        lookup.close()
-        lookup.store.close()
 
 
 def test_tracing_catches_a_slot_reused_before_its_consumer(table):
     path, _ = table
     lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=TracingSync())
     lookup._consumed = _Forgetful(lookup._consumed)
-    try:
+    with closed_after(lookup):
         with pytest.raises(PrefetchError) as err:  # the worker's write into the reused slot
             run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=3)
         assert isinstance(err.value.__cause__, OrderingError)
-    finally:
-        lookup.close()
-        lookup.store.close()
 
 
 def test_a_failing_read_raises_at_finish_and_frees_the_slot(table):

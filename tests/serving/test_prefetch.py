@@ -33,6 +33,16 @@ def hasher():
     return NgramHasher(CONFIG, token_map)
 
 
+def part_owner(ids: np.ndarray, steps: dict) -> tuple[str, int]:
+    """The name (of ``steps``: name -> Step) and part number of the step part whose distinct
+    ids a fetch read; ("?", -1) for none."""
+    for name, step in steps.items():
+        for k, (lo, hi, _) in enumerate(step.parts):
+            if np.array_equal(step.dedup.unique[lo:hi], ids):
+                return name, k
+    return "?", -1
+
+
 def expected_rows(store, hasher, tokens: np.ndarray, layer_pos: int) -> torch.Tensor:
     ids = hasher.table_ids(hasher.hash_all(tokens))[:, :, layer_pos]  # [B, T, C]
     return store.gather(ids, torch.float32)
@@ -301,14 +311,9 @@ def test_urgent_steps_overtake_steps_fetched_ahead(table, hasher):
             pf.end_step(step)
             assert step.error is None and len(step.parts) == 2
 
-        def owner(ids):
-            for name, step in (("ahead", ahead), ("later", later), ("now", now), ("busy", busy)):
-                for lo, hi, _ in step.parts:
-                    if np.array_equal(step.dedup.unique[lo:hi], ids):
-                        return name
-            return "?"
-
-        assert [owner(c) for c in calls] == ["ahead", "busy", "busy", "now", "now", "ahead", "later", "later"]
+        steps = {"ahead": ahead, "later": later, "now": now, "busy": busy}
+        assert [part_owner(c, steps)[0] for c in calls] == ["ahead", "busy", "busy", "now", "now", "ahead", "later",
+                                                              "later"]
 
 
 def test_an_idle_general_worker_serves_urgent_steps_alone(table, hasher):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_prefetch import part_owner
 
 from engram_offload import open_table, write_table
 from engram_offload.engram.config import EngramConfig
@@ -61,12 +64,20 @@ def test_drafts_right_or_wrong_never_change_a_steps_rows(table, seed, kinds):
             pf.end_step(step)
 
 
-def test_right_drafts_make_the_next_steps_rows_hits(table):
-    tokens = np.random.default_rng(1).integers(0, VOCAB, size=(len(SEQS), 8))
+@contextmanager
+def _after_prefill(table, seed: int):
+    """Tokens of the sequences, the hasher, a cached ``direct`` store, a plain ``mmap`` one and
+    a Prefetcher whose sequences have prefilled their first 3 tokens."""
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, size=(len(SEQS), 8))
     hasher = _hasher()
     with open_table(table, "direct", cache_bytes=CONFIG.num_rows * CONFIG.row_bytes) as store, \
             open_table(table, "mmap") as plain, Prefetcher(store, hasher) as pf:
         pf.end_step(pf.begin_step(SEQS, [tokens[i, :3] for i in range(len(SEQS))]))
+        yield tokens, hasher, store, plain, pf
+
+
+def test_right_drafts_make_the_next_steps_rows_hits(table):
+    with _after_prefill(table, 1) as (tokens, hasher, store, plain, pf):
         for t in range(3, 7):  # steps 3 and 5 draft the true next token; 4 and 6 are measured
             before = _tier_rows(store)
             drafts = list(tokens[:, t + 1: t + 2]) if t % 2 else None
@@ -83,11 +94,7 @@ def test_right_drafts_make_the_next_steps_rows_hits(table):
 
 
 def test_wrong_drafts_cost_reads_and_no_hits(table):
-    tokens = np.random.default_rng(2).integers(0, VOCAB, size=(len(SEQS), 8))
-    hasher = _hasher()
-    with open_table(table, "direct", cache_bytes=CONFIG.num_rows * CONFIG.row_bytes) as store, \
-            open_table(table, "mmap") as plain, Prefetcher(store, hasher) as pf:
-        pf.end_step(pf.begin_step(SEQS, [tokens[i, :3] for i in range(len(SEQS))]))
+    with _after_prefill(table, 2) as (tokens, hasher, store, plain, pf):
         before = _tier_rows(store)
         pf.end_step(pf.begin_step(SEQS, tokens[:, 3], drafts=[[999], [998], [997]]))  # tokens not in the sequences
         assert pf.wait_drafts(timeout=30)
@@ -139,14 +146,7 @@ def test_drafts_are_fetched_before_windows_fetched_further_ahead(table):
         gate.set()
         assert pf.wait_drafts(10) and ahead.wait_done(10) and later.wait_done(10)
 
-        def owner(ids):
-            for name, step in (("ahead", ahead), ("later", later), ("now", now), ("draft", draft)):
-                for lo, hi, _ in step.parts:
-                    if np.array_equal(step.dedup.unique[lo:hi], ids):
-                        return name
-            return "?"
-
-        order = [owner(c) for c in calls]
+        order = [part_owner(c, {"ahead": ahead, "later": later, "now": now, "draft": draft})[0] for c in calls]
         assert order[0] == "ahead" and order.count("draft") == 1
         rest = [o for o in order[1:] if o != "now"]
         assert rest == ["draft", "ahead", "later", "later"]

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import torch
-from test_prefetch import CONFIG, VOCAB, table  # noqa: F401  (table: the Prefetcher tests' fixture)
+from test_prefetch import CONFIG, VOCAB, part_owner, table  # noqa: F401  (table: the Prefetcher tests' fixture)
 
 from engram_offload import open_table
 from engram_offload.engram.hashing import NgramHasher
@@ -55,14 +55,8 @@ def _order(table, first_layer_first: bool | None, tier: str = "mmap") -> list[st
             pf.end_step(step)
             assert step.error is None and len(step.parts) == 2
 
-        def owner(ids):
-            for name, step in (("ahead", ahead), ("a", a), ("b", b)):
-                for k, (lo, hi, _) in enumerate(step.parts):
-                    if np.array_equal(step.dedup.unique[lo:hi], ids):
-                        return f"{name}{k}"
-            return "?"
-
-        return [owner(c) for c in calls]
+        owners = [part_owner(c, {"ahead": ahead, "a": a, "b": b}) for c in calls]
+        return [f"{name}{k}" if k >= 0 else name for name, k in owners]
 
 
 def test_the_first_layers_part_of_a_later_step_goes_first(table):

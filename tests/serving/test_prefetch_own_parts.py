@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from test_prefetch import CONFIG, VOCAB, expected_rows, table  # noqa: F401  (table: the Prefetcher tests' fixture)
+from test_prefetch import CONFIG, VOCAB, expected_rows, part_owner, table  # noqa: F401  (table: the Prefetcher tests' fixture)
 from test_prefetch_first_layer import held_workers
 
 from engram_offload import open_table
@@ -16,7 +16,7 @@ from engram_offload.serving.prefetch import Prefetcher
 
 
 def _parts_fetched(calls: list[np.ndarray], step) -> int:
-    return sum(any(np.array_equal(step.dedup.unique[lo:hi], ids) for lo, hi, _ in step.parts) for ids in calls)
+    return sum(part_owner(ids, {"step": step})[0] == "step" for ids in calls)
 
 
 @contextmanager
