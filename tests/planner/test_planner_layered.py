@@ -18,6 +18,7 @@ from engram_offload.planner.placement import (
     step_stall_us,
 )
 from engram_offload.planner.plan import curve_for
+from engram_offload.planner.recommend import recommend
 
 GiB = 2**30
 
@@ -101,3 +102,16 @@ def test_the_plan_lists_per_layer_placements_beside_whole_table_ones():
     assert {r["name"] for r in d["placements"]} == {"hbm", "dram", "nvme", "remote"}
     ranked = {r["name"] for r in d["recommendation"]["ranking"]}
     assert "1=dram/14=nvme" in ranked  # weighed for the recommendation too
+
+
+def test_the_reasons_for_a_mix_without_nvme_name_its_hbm_and_no_cache():
+    model, gpu = get_model("deepseek-v4.1-flash"), get_gpu("b300")
+    w = _workload(model, batch=256)
+    mixed = evaluate_layered(model, gpu, ("hbm", "dram"), 2, w)
+    assert mixed.cache_hit_rate is None  # no layer behind a cache
+    text = " ".join(recommend(model, gpu, [mixed], w).reasons)
+    assert "layer 1 on hbm (47.2 GiB HBM per GPU" in text and "layer 14 on dram (47.2 GiB DRAM per GPU" in text
+    assert "+ table 47.2 GiB" in text  # the hbm layer's share in the memory sentence
+    assert "DRAM cache" not in text and "IOPS" not in text
+    with_nvme = evaluate_layered(model, gpu, ("dram", "nvme"), 2, _workload(model, cache_bytes=40 * GiB, batch=256))
+    assert "DRAM cache per GPU gives a" in " ".join(recommend(model, gpu, [with_nvme], w).reasons)

@@ -308,7 +308,8 @@ def _print_layered(console: Any, plan: Plan) -> None:
     for r in sorted(best.values(), key=lambda r: -r.tokens_per_s_per_gpu):
         t.add_row(r.name, str(r.tp), str(r.batch), f"{r.predicted_stall_us:,.0f}", f"{r.interactivity:.0f}",
                   f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.host_bytes_per_gpu / GiB:,.1f}",
-                  f"{sum(x['hbm_bytes_per_gpu'] for x in r.layers) / GiB:,.1f}", f"{(r.cache_hit_rate or 0):.0%}")
+                  f"{sum(x['hbm_bytes_per_gpu'] for x in r.layers) / GiB:,.1f}",
+                  "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}")
         for x in r.layers:
             t.add_row(f"  layer {x['layer']} on {x['placement']}", "", "", f"{x['stall_us']:,.0f}", "", "",
                       f"{x['dram_bytes_per_gpu'] / GiB:,.1f}", f"{x['hbm_bytes_per_gpu'] / GiB:,.1f}", "")

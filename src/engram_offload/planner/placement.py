@@ -389,9 +389,8 @@ def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp:
         # the cache asked for is the nvme layers' own: only the DRAM it really holds is checked (below)
         r.why_not = [why for why in r.why_not if not (why.startswith("a ") and " cache exceeds the " in why)]
         r.cache_bytes_per_gpu *= on_nvme
-    else:  # hbm and dram layers only: no cache
+    else:  # hbm and dram layers only: no cache, no hit rate
         _memory(model, gpu, tp, "hbm", w, a, r, hbm_share=share["hbm"])
-        r.cache_hit_rate = 1.0
     dram_share = e.table_bytes * share["dram"] / tp
     r.host_bytes_per_gpu = r.cache_bytes_per_gpu + dram_share
     dram_cap = a.dram_usable_fraction * gpu.host_dram_per_gpu

@@ -131,7 +131,7 @@ def _where_the_table_fits(model: ModelSpec, w: Workload, rec: Recommendation) ->
 def _memory(c: PlacementResult, w: Workload) -> str:
     return (
         f"{c.name} at TP={c.tp}: weights {_fmt_bytes(c.weight_bytes_per_gpu)}"
-        + (f" + table {_fmt_bytes(c.table_hbm_bytes_per_gpu)}" if c.name == "hbm" else "")
+        + (f" + table {_fmt_bytes(c.table_hbm_bytes_per_gpu)}" if c.table_hbm_bytes_per_gpu else "")
         + f" per GPU leave {_fmt_bytes(c.hbm_free_bytes)} for KV cache, "
         f"{c.max_concurrent_seqs:,} sequences of {w.context:,} tokens per replica."
     )
@@ -157,10 +157,12 @@ def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[st
             )
     if c.layers:
         out.append("Per layer: " + "; ".join(
-            f"layer {x['layer']} on {x['placement']} ({_fmt_bytes(x['dram_bytes_per_gpu'])} DRAM per GPU, "
-            f"{x['stall_us']:,.0f} us stall)" for x in c.layers) + ": the early layer's rows are in DRAM before its "
-            "short window ends, the later layers' have milliseconds to come from NVMe.")
-    if c.name == "nvme" or c.layers:
+            f"layer {x['layer']} on {x['placement']} ("
+            + (f"{_fmt_bytes(x['hbm_bytes_per_gpu'])} HBM" if x["placement"] == "hbm"
+               else f"{_fmt_bytes(x['dram_bytes_per_gpu'])} DRAM")
+            + f" per GPU, {x['stall_us']:,.0f} us stall)" for x in c.layers)
+            + ": each layer's rows need only arrive before that layer runs, so a later layer's window is longer.")
+    if c.name == "nvme" or any(x["placement"] == "nvme" for x in c.layers):
         out.append(
             f"A {_fmt_bytes(c.cache_bytes_per_gpu)} DRAM cache per GPU gives a "
             f"{(c.cache_hit_rate or 0):.0%} hit rate ({w.curve_label}); misses need "
