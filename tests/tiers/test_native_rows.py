@@ -5,8 +5,11 @@ the same rows and the same counts."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -230,3 +233,66 @@ def test_the_reader_reads_more_pages_than_its_queue_depth(reader):
     got = r.read_rows(ids, out, header.layout, header.page_sums)
     np.testing.assert_array_equal(out, expected[ids])
     assert got == uring.RowsRead(header.layout.num_pages, header.layout.num_pages, 0, -1)
+
+
+def read_every_page(r, header):
+    ids = np.arange(0, header.layout.num_rows, 5)
+    out = np.empty((len(ids), header.layout.row_bytes), np.uint8)
+    got = r.read_rows(ids, out, header.layout, header.page_sums)
+    return ids, out, got
+
+
+@pytest.mark.parametrize("queue_depth, huge", [(8, False), (64, True), (128, True)])
+def test_page_slots_of_256_kib_or_more_lie_on_huge_pages_and_stay_registered(table_copy, queue_depth, huge):
+    path, expected = table_copy
+    header = read_header(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with uring.UringReader(fd, queue_depth) as r:
+            assert not r.fixed_pages and not r.huge_pages  # nothing allocated before the first read
+            ids, out, got = read_every_page(r, header)
+            np.testing.assert_array_equal(out, expected[ids])
+            assert got.pages_checked == header.layout.num_pages and got.bad_page == -1
+            assert r.queue_depth * header.layout.page_bytes >= (256 << 10) or not huge
+            assert (r.huge_pages, r.fixed_pages) == (huge, True)
+    finally:
+        os.close(fd)
+
+
+# Run in a child process without CAP_IPC_LOCK (root's ignores RLIMIT_MEMLOCK): a ring of 128
+# page slots (512 KiB, one 2 MiB huge page) under a memory-lock limit of `limit` KiB.
+MEMLOCK_CHILD = """
+import os, resource, sys
+import numpy as np
+from engram_offload.table import read_header
+from engram_offload.tiers import uring
+path, limit = sys.argv[1], int(sys.argv[2])
+header = read_header(path)
+fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit << 10, limit << 10))
+ids = np.arange(0, header.layout.num_rows, 3)
+out = np.empty((len(ids), header.layout.row_bytes), np.uint8)
+with uring.UringReader(fd, 128) as r:
+    got = r.read_rows(ids, out, header.layout, header.page_sums)
+    print(int(r.huge_pages), int(r.fixed_pages), got.bad_page)
+np.save(sys.stdout.buffer, out)
+"""
+
+
+# 1 MiB: the 4 KiB pages fit, a 2 MiB huge page does not (the kernel may have given 4 KiB pages
+# anyway: then the huge advice stands); 256 KiB: neither fits, reads are plain.
+@pytest.mark.parametrize("limit_kib, huge, fixed", [(8192, True, True), (1024, None, True), (256, False, False)])
+def test_a_memory_lock_limit_takes_the_huge_page_then_the_registration_never_the_rows(
+        table_copy, limit_kib, huge, fixed):
+    path, expected = table_copy  # the child opens it before it gives up root
+    run = subprocess.run([sys.executable, "-c", MEMLOCK_CHILD, str(path), str(limit_kib)], capture_output=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr.decode()
+    first, _, rest = run.stdout.partition(b"\n")
+    got_huge, got_fixed, bad_page = (int(v) for v in first.split())
+    assert (got_fixed, bad_page) == (fixed, -1) and huge in (None, got_huge)
+    ids = np.arange(0, read_header(path).layout.num_rows, 3)
+    np.testing.assert_array_equal(np.load(io.BytesIO(rest)), expected[ids])

@@ -55,10 +55,14 @@
  *       test hook flipping a byte of the first `damage` pages read.
  *
  *       The page slots are registered with the ring (IORING_REGISTER_BUFFERS)
- *       where RLIMIT_MEMLOCK allows, and read with READ_FIXED (Ring.fixed_pages).
+ *       where RLIMIT_MEMLOCK allows, and read with READ_FIXED (Ring.fixed_pages);
+ *       from 256 KiB of slots up they lie on transparent huge pages where the
+ *       huge page can be registered (Ring.huge_pages).  Each page is checked as
+ *       its read completes, while the page of the next completion is loaded.
  *
  *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
- *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken, Ring.fixed_pages
+ *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken, Ring.fixed_pages,
+ *   Ring.huge_pages
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -179,6 +183,7 @@ typedef struct {
     char *pages;       /* read_rows: one page-aligned buffer per slot (allocated on first use) */
     size_t page_bytes; /* the size of each */
     int pages_fixed;   /* `pages` is registered with the ring: reads into it use READ_FIXED */
+    int pages_huge;    /* `pages` was allocated on transparent huge pages (MADV_HUGEPAGE) */
     uint64_t transient[MAX_ERRNO / 64]; /* bit e: retry a read failing with errno e */
 } ring_t;
 
@@ -399,6 +404,16 @@ static void batch_fail(batch_t *b, const slot_t *s, int err, int eof)
     b->err_tries = s->tries > b->retries ? b->retries : s->tries;
 }
 
+/* Starts loading the page in `slot` into the cache.  A page the device has just written is
+ * in no cache: the check of the page before it costs the time this load takes, instead of
+ * the check of this one waiting on each of its lines in turn. */
+static inline __attribute__((always_inline)) void prefetch_slot(const batch_t *b, unsigned slot)
+{
+    const char *page = b->slot_bufs + (size_t)slot * (size_t)b->length;
+    for (int64_t off = 0; off < b->length; off += 64)
+        __builtin_prefetch(page + off, 0, 3);
+}
+
 static void batch_run(ring_t *r, batch_t *b)
 {
     int64_t next = 0;        /* next request not yet issued */
@@ -416,6 +431,8 @@ static void batch_run(ring_t *r, batch_t *b)
             slot_t *s = &r->slots[slot];
             int resubmit = 0, again = 0;
             head++;
+            if (b->slot_bufs && head != tail)
+                prefetch_slot(b, (unsigned)r->cqes[head & r->cq_mask].user_data);
             inflight--;
 
             if (res > 0) {
@@ -904,27 +921,53 @@ static int64_t rows_plan(rows_t *c, int64_t n, int64_t data_offset, int64_t page
     return m;
 }
 
-/* The ring's page slots (one page per read in flight), page-aligned for O_DIRECT, and
- * registered with the ring where the kernel allows (RLIMIT_MEMLOCK may not: then plain
- * reads). */
-static char *ring_pages(ring_t *r, int64_t page_bytes)
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+/* Slots of at least this many bytes go on transparent huge pages. */
+#define HUGE_SLOTS_MIN ((size_t)256 << 10)
+
+/* Allocates `bytes` of page slots, on a transparent huge page when `huge` (aligned to it and
+ * rounded up to whole huge pages: a check of a slot then takes no TLB miss, which in a
+ * virtual machine costs a two-level page walk), and registers them with the ring.
+ * Returns 0, or -1 (no memory); r->pages_fixed says whether the registration took. */
+static int ring_pages_alloc(ring_t *r, size_t bytes, int huge)
 {
     struct iovec iov;
+    size_t align = huge ? HUGE_PAGE_BYTES : 4096;
+    size_t len = huge ? (bytes + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1) : bytes;
+    if (posix_memalign((void **)&r->pages, align, len)) {
+        r->pages = NULL;
+        return -1;
+    }
+    /* Advice only: the kernel may still use 4 KiB pages (THP off, no free huge page). */
+    r->pages_huge = huge && madvise(r->pages, len, MADV_HUGEPAGE) == 0;
+    iov.iov_base = r->pages;
+    iov.iov_len = bytes;
+    r->pages_fixed = sys_io_uring_register(r->ring_fd, IORING_REGISTER_BUFFERS, &iov, 1) == 0;
+    return 0;
+}
+
+/* The ring's page slots (one page per read in flight), page-aligned for O_DIRECT, and
+ * registered with the ring where the kernel allows.  A huge page pins 2 MiB: when
+ * RLIMIT_MEMLOCK refuses that, 4 KiB pages are registered instead; when it refuses those
+ * too, reads are plain (not READ_FIXED). */
+static char *ring_pages(ring_t *r, int64_t page_bytes)
+{
+    size_t bytes = (size_t)r->queue_depth * (size_t)page_bytes;
     if (r->pages && r->page_bytes == (size_t)page_bytes)
         return r->pages;
     if (r->pages_fixed)
         sys_io_uring_register(r->ring_fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
     free(r->pages);
     r->pages = NULL;
-    r->pages_fixed = 0;
-    if (posix_memalign((void **)&r->pages, 4096, (size_t)r->queue_depth * (size_t)page_bytes))
+    r->pages_fixed = r->pages_huge = 0;
+    if (bytes >= HUGE_SLOTS_MIN && ring_pages_alloc(r, bytes, 1) == 0 && !r->pages_fixed) {
+        free(r->pages); /* the huge page could not be pinned: try 4 KiB pages */
         r->pages = NULL;
-    r->page_bytes = r->pages ? (size_t)page_bytes : 0;
-    if (r->pages) {
-        iov.iov_base = r->pages;
-        iov.iov_len = r->page_bytes * r->queue_depth;
-        r->pages_fixed = sys_io_uring_register(r->ring_fd, IORING_REGISTER_BUFFERS, &iov, 1) == 0;
+        r->pages_huge = 0;
     }
+    if (!r->pages)
+        ring_pages_alloc(r, bytes, 0);
+    r->page_bytes = r->pages ? (size_t)page_bytes : 0;
     return r->pages;
 }
 
@@ -1071,6 +1114,11 @@ static PyObject *Ring_get_fixed_pages(RingObject *self, void *closure)
     return PyBool_FromLong(self->open && self->ring.pages_fixed);
 }
 
+static PyObject *Ring_get_huge_pages(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(self->open && self->ring.pages && self->ring.pages_huge);
+}
+
 static PyObject *Ring_get_broken(RingObject *self, void *closure)
 {
     return PyBool_FromLong(self->open && self->ring.broken);
@@ -1098,6 +1146,8 @@ static PyGetSetDef Ring_getset[] = {
     {"n_retries", (getter)Ring_get_n_retries, NULL, "reads reissued by read()", NULL},
     {"fixed_pages", (getter)Ring_get_fixed_pages, NULL,
      "read_rows reads into page slots registered with the ring (READ_FIXED)", NULL},
+    {"huge_pages", (getter)Ring_get_huge_pages, NULL,
+     "read_rows's page slots lie on memory advised for transparent huge pages", NULL},
     {"broken", (getter)Ring_get_broken, NULL, "io_uring_enter failed: make a new Ring", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

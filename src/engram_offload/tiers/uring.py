@@ -168,6 +168,19 @@ class UringReader:
         return int(self._ring.n_retries)
 
     @property
+    def fixed_pages(self) -> bool:
+        """Whether :meth:`read_rows` reads into page slots registered with the ring
+        (``READ_FIXED``: the kernel pins no page per read); False until its first call."""
+        return bool(self._ring.fixed_pages)
+
+    @property
+    def huge_pages(self) -> bool:
+        """Whether :meth:`read_rows`'s page slots lie on memory advised for transparent huge
+        pages (queue depths whose slots take 256 KiB or more, where the huge page could be
+        registered); False until its first call."""
+        return bool(self._ring.huge_pages)
+
+    @property
     def broken(self) -> bool:
         """Whether the ring itself failed (``io_uring_enter``); only :meth:`close` is left."""
         return bool(self._ring.broken)
