@@ -37,3 +37,17 @@ def test_the_help_says_where_the_results_go():
     run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "default engram-bench/hashing.json" in " ".join(run.stdout.split())
+
+
+def test_one_caller_runs_are_compared_with_the_fio_runs_on_either_side():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tier_script", BENCHMARKS / "bench_tier.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fio = [{"iops": 100.0, "cpu_us_per_read": 2.0}, {"iops": 140.0, "cpu_us_per_read": 1.0},
+           {"iops": 60.0, "cpu_us_per_read": 3.0}]
+    ours = [{"reads_per_s": 108.0, "cpu_us_per_read": 1.8}, {"reads_per_s": 90.0, "cpu_us_per_read": 2.4}]
+    ratios = module.bracketed_ratios(ours, fio)
+    assert [round(r["reads"], 6) for r in ratios] == [0.9, 0.9]  # 108 / mean(100, 140), 90 / mean(140, 60)
+    assert [round(r["cpu"], 6) for r in ratios] == [1.2, 1.2]  # 1.8 / mean(2, 1), 2.4 / mean(1, 3)
