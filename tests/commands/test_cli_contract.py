@@ -142,3 +142,39 @@ def test_sizes_are_printed_in_the_binary_unit_they_fill(tmp_path, capsys):
     table_line = next(line for line in out.splitlines() if line.startswith("table"))
     assert re.search(r"\(\d+\.\d (KiB|MiB)\)$", table_line), table_line  # not "(0.00 GiB)"
     assert "0.00 GiB" not in out
+
+
+def _hints() -> list[tuple[str, str]]:
+    """(file, text after "engram-offload ") of every string in the package's sources that
+    tells the user a command to run."""
+    import ast
+    from pathlib import Path
+
+    import engram_offload
+
+    found = []
+    for path in Path(engram_offload.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):  # an f-string: its literal parts, a value as X
+                text = "".join(v.value if isinstance(v, ast.Constant) else "X" for v in node.values)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+            else:
+                continue
+            found += [(path.name, hint) for hint in re.findall(r"engram-offload ([a-z][^;)\n]*)", text)]
+    return found
+
+
+def test_every_command_a_message_tells_the_user_to_run_takes_the_options_it_names():
+    parsers = dict(COMMANDS)
+    checked = 0
+    for where, hint in _hints():
+        words = hint.split()
+        name = next((n for n in sorted(parsers, key=len, reverse=True) if words[:len(n.split())] == n.split()), None)
+        if name is None:
+            continue  # prose that names the tool, not a command line
+        shown = {s for a in _options(parsers[name]) if a.help != argparse.SUPPRESS for s in a.option_strings}
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", hint):
+            assert flag in shown, f"{where}: 'engram-offload {hint}' names {flag}, which '{name}' does not show"
+            checked += 1
+    assert checked >= 3

@@ -52,7 +52,7 @@ def test_a_version_that_is_not_an_integer_is_unreadable(playout, version):
                                          (2, " (row checksums not bound to the rows' places)"), (4, "")])
 def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
     expected = (f"pool table x was published with pool layout version {version}{why}; this engram-offload reads "
-                f"version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish TABLE --redis URL "
+                f"version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish TABLE --pool URL "
                 "(it replaces the old layout's keys)")
     assert layout_version_problem("pool table x", version) == expected
     record = _with_version(playout.header_record(), version)

@@ -212,7 +212,7 @@ def layout_version_problem(where: str, version: int | None) -> str:
     """Why a table stored with pool layout ``version`` (not this one) cannot be read."""
     return (f"{where} was published with pool layout version {version}{_OLD_LAYOUTS.get(version or 0, '')}; "
             f"this engram-offload reads version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish "
-            "TABLE --redis URL (it replaces the old layout's keys)")
+            "TABLE --pool URL (it replaces the old layout's keys)")
 
 
 def header_from_record(record: bytes, where: str, *, any_version: bool = False) -> tuple[TableHeader, int]:

@@ -194,7 +194,7 @@ class RemoteTier(Tier):
         if problems:
             raise PoolError(
                 f"table {fp} in the pool at {self.pool_url} is not completely published: "
-                f"{'; '.join(problems)}; run engram-offload pool publish TABLE --redis {self.pool_url}"
+                f"{'; '.join(problems)}; run engram-offload pool publish TABLE --pool {self.pool_url}"
             )
         problems = check_extent_digests(self._client, playout, _extents_to_verify(playout, verify_extents))
         if problems:
