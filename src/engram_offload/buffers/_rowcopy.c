@@ -18,8 +18,20 @@
 
 #include "int_arrays.h"
 
-#define AHEAD 8               /* rows looked ahead when prefetching source rows */
+#define AHEAD 8               /* rows looked ahead when prefetching source and destination rows */
 #define NOGIL_MIN_IDS 16384   /* release the GIL from this many rows on */
+
+/* Starts loading the lines of a row (its last one too, when the row is not line-aligned),
+ * for reading or (`write`) for writing.  Inlined: a call to a function that only
+ * prefetches is dropped by gcc as having no effect. */
+static inline __attribute__((always_inline)) void prefetch_row(const char *row, Py_ssize_t rb, int write) {
+    for (Py_ssize_t off = 0; off < rb; off += 64) {
+        if (write) __builtin_prefetch(row + off, 1);
+        else __builtin_prefetch(row + off, 0);
+    }
+    if (write) __builtin_prefetch(row + rb - 1, 1);
+    else __builtin_prefetch(row + rb - 1, 0);
+}
 
 /* One side of move_rows: a buffer and its byte offsets (NULL: i * row_bytes). */
 typedef struct {
@@ -99,10 +111,10 @@ static PyObject *move_rows(PyObject *module, PyObject *args) {
         const int64_t *dof = dst.have_offsets ? (const int64_t *)dst.offsets.buf : NULL;
         PyThreadState *ts = k >= NOGIL_MIN_IDS ? PyEval_SaveThread() : NULL;
         for (Py_ssize_t i = 0; i < k; i++) {
-            if (so && i + AHEAD < k) {
-                const char *p = s + so[i + AHEAD];
-                for (Py_ssize_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off);
-            }
+            if (so && i + AHEAD < k)
+                prefetch_row(s + so[i + AHEAD], rb, 0);
+            if (dof && i + AHEAD < k) /* a cache's slots: a store into a line not in cache waits for it */
+                prefetch_row(d + dof[i + AHEAD], rb, 1);
             memcpy(d + (dof ? dof[i] : i * rb), s + (so ? so[i] : i * rb), (size_t)rb);
         }
         if (ts) PyEval_RestoreThread(ts);
