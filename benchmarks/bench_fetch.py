@@ -4,7 +4,8 @@ and fio's 4 KiB random reads at queue depth 128 on the same file, in one run.
     nice python benchmarks/bench_fetch.py --table T --seconds 5 --repeats 3
 
 Each repeat runs ``fio --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=128``
-(the file's pages evicted first), then ``run_tier_bench(T, "direct", prefetcher=True,
+(the file's pages evicted first; once more after the last repeat, so that each repeat sits
+between two fio runs), then ``run_tier_bench(T, "direct", prefetcher=True,
 cold=True, cache_bytes=10% of the table)``: real-text decode steps (the same corpus,
 tokenized once) through the Prefetcher from one caller with its run-ahead, a cold phase then
 a warm phase that measures the CPU of a hit row (see ``engram_offload.bench.prefetch_bench``).
@@ -31,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench_tier import fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
+from bench_tier import bracketed_ratios, fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
 
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
@@ -75,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
     runs: dict[str, list] = {"fio": [], "prefetcher": []}
-    for rep in range(args.repeats):
-        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
+    for rep in range(args.repeats + 1):  # fio before every repeat and after the last
         fio = fio_randread(table, args.seconds, args.fio_queue_depth)
         if fio is None:
             print("fio not found (apt-get install fio): the ratios need it", file=sys.stderr)
             return 1
         runs["fio"].append(fio)
+        if rep == args.repeats:
+            break
+        print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         runs["prefetcher"].append(run_tier_bench(
             table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
             cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {f"fio_{k}": median_of(runs["fio"], k) for k in ("iops", "cpu_us_per_read")}
     med.update({k: median_of(runs["prefetcher"], k) for k in FIGURES})
     med["warm_hit_rate"] = statistics.median(r["warm"]["hit_rate"] for r in runs["prefetcher"])
+    bracketed = bracketed_ratios(runs["prefetcher"], runs["fio"], "misses_per_s", "cpu_us_per_miss")
+    fetch_bracketed = bracketed_ratios(runs["prefetcher"], runs["fio"], "misses_per_s", "fetch_cpu_us_per_miss")
     ratios = {
         "misses_per_s_vs_fio_iops": med["misses_per_s"] / med["fio_iops"],
         "cpu_us_per_miss_vs_fio_cpu_us_per_read": med["cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
@@ -97,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         # caller's hashing, dedup and step handling
         "fetch_cpu_us_per_miss_vs_fio_cpu_us_per_read": med["fetch_cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
         "fetch_cpu_us_per_hit": med["fetch_cpu_us_per_hit"],
-        # each repeat's ratio to the fio run just before it: steadier when the machine's load changes
-        "misses_per_s_vs_fio_iops_paired_median": statistics.median(
-            r["misses_per_s"] / f["iops"] for r, f in zip(runs["prefetcher"], runs["fio"])),
-        "cpu_us_per_miss_vs_fio_paired_median": statistics.median(
-            r["cpu_us_per_miss"] / f["cpu_us_per_read"] for r, f in zip(runs["prefetcher"], runs["fio"])),
+        # each repeat against the mean of the fio runs just before and just after it: steadier
+        # when the drive's rate or the machine's load drifts
+        "misses_per_s_vs_fio_iops_paired_median": statistics.median(r["reads"] for r in bracketed),
+        "cpu_us_per_miss_vs_fio_paired_median": statistics.median(r["cpu"] for r in bracketed),
+        "fetch_cpu_us_per_miss_vs_fio_paired_median": statistics.median(r["cpu"] for r in fetch_bracketed),
     }
     result = {
         "benchmark": "bench_fetch",

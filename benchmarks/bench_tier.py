@@ -227,15 +227,17 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
         targets={"one_call_vs_fio_min": 0.9, "one_call_cpu_vs_fio_max": 1.2})
 
 
-def bracketed_ratios(ours: list[dict], fio: list[dict]) -> list[dict]:
+def bracketed_ratios(ours: list[dict], fio: list[dict], rate: str = "reads_per_s",
+                     cpu: str = "cpu_us_per_read") -> list[dict]:
     """Each run of ``ours`` (repeat k) against the mean of fio's runs k and k + 1 (the one
-    before it and the one after): ``{"reads": reads/s ratio, "cpu": CPU a read ratio}``."""
+    before it and the one after; the last alone when there is no later one): ``{"reads": its
+    ``rate`` over fio's reads/s, "cpu": its ``cpu`` over fio's CPU a read}``."""
     out = []
     for k, run in enumerate(ours):
         around = fio[k:k + 2]
-        iops = statistics.fmean(f["iops"] for f in around)
-        cpu = statistics.fmean(f["cpu_us_per_read"] for f in around)
-        out.append({"reads": run["reads_per_s"] / iops, "cpu": run["cpu_us_per_read"] / cpu})
+        fio_iops = statistics.fmean(f["iops"] for f in around)
+        fio_cpu = statistics.fmean(f["cpu_us_per_read"] for f in around)
+        out.append({"reads": run[rate] / fio_iops, "cpu": run[cpu] / fio_cpu})
     return out
 
 
