@@ -84,6 +84,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "integrations/settings": (["integrations/settings.py"], ["tests/integrations/test_settings.py"]),
     "integrations/lookup": (["integrations/lookup.py"], ["tests/integrations/test_lookup.py"]),
     "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_engine.py"]),
+    "integrations/sglang": (["integrations/sglang.py"], ["tests/integrations/test_sglang_rows.py"]),
 }
 
 # module -> [tool.mutmut] settings of its own. A prefetch mutant that stops the workers leaves

@@ -75,14 +75,19 @@ def test_scale_byte_0_is_sglangs_not_vllms(table):
     assert got.abs().sum() > 0
 
 
+CONVERT = "convert this checkpoint's table with `engram-offload convert CHECKPOINT TABLE`"
+
+
 def test_layer_check(table):
     path, _ = table
     bounds = [0, *np.cumsum(CONFIG.head_sizes(14)).tolist()]
     plugin.check_column_bounds(CONFIG, 14, bounds, str(path))
-    with pytest.raises(ValueError, match="no Engram layer 15"):
+    with pytest.raises(ValueError) as missing:
         plugin.check_column_bounds(CONFIG, 15, bounds, str(path))
-    with pytest.raises(ValueError, match="layer 14's heads differ"):
+    assert str(missing.value) == f"the table {path} has no Engram layer 15 (it has [1, 14]): {CONVERT}"
+    with pytest.raises(ValueError) as other:
         plugin.check_column_bounds(CONFIG, 14, [b + 1 for b in bounds], str(path))
+    assert str(other.value) == f"the table {path} was converted from another model (layer 14's heads differ): {CONVERT}"
 
 
 def test_checkpoint_rows_checked(table):
@@ -95,8 +100,62 @@ def test_checkpoint_rows_checked(table):
         rows.check_checkpoint(layer[:, 256:].contiguous().view(torch.float8_e8m0fnu), False)
         other = layer.clone()
         other[:, 256:] ^= 2
-        with pytest.raises(ValueError, match="does not hold this checkpoint's rows"):
+        with pytest.raises(ValueError) as differs:
             rows.check_checkpoint(other[:, 256:].contiguous().view(torch.float8_e8m0fnu), False)
+        assert str(differs.value) == f"the Engram table does not hold this checkpoint's rows (layer 14): {CONVERT}"
+
+
+@pytest.mark.parametrize("start, count", [(100, 900), (7, 1), (0, 2)])
+def test_the_checkpoint_check_reads_the_shards_first_and_last_rows(table, start, count):
+    """A checkpoint that differs in the shard's last row alone (or its only row) is refused;
+    one that differs only outside the shard is not."""
+    path, raw = table
+    n = CONFIG.rows_per_layer[14]
+    layer = torch.from_numpy(raw[CONFIG.layer_row_bases[1]: CONFIG.layer_row_bases[1] + n].copy())
+    with open_table(path, "memory") as store:
+        rows = plugin.OwnedRows(store, CONFIG, 14, start, count)
+        for row in (start + count, start - 1):  # just outside: not the shard's
+            if 0 <= row < n:
+                outside = layer.clone()
+                outside[row, :256] ^= 1
+                rows.check_checkpoint(outside[:, :256].contiguous().view(torch.float8_e4m3fn), True)
+        last = layer.clone()
+        last[start + count - 1, :256] ^= 1
+        with pytest.raises(ValueError, match="does not hold this checkpoint's rows"):
+            rows.check_checkpoint(last[:, :256].contiguous().view(torch.float8_e4m3fn), True)
+
+
+def test_the_checkpoint_check_reads_a_few_rows_of_the_table(table):
+    path, raw = table
+    n = CONFIG.rows_per_layer[14]
+    layer = torch.from_numpy(raw[CONFIG.layer_row_bases[1]: CONFIG.layer_row_bases[1] + n].copy())
+    with open_table(path, "memory") as store:
+        plugin.OwnedRows(store, CONFIG, 14, 0, n).check_checkpoint(layer[:, 256:].contiguous().view(torch.float8_e8m0fnu),
+                                                                     False)
+        assert store.stats()["store"]["rows_requested"] == plugin.CHECKED_ROWS  # not the whole shard
+
+
+def test_the_weight_loaders_check_the_checkpoints_values_and_scales_and_keep_nothing(table):
+    path, raw = table
+    n = CONFIG.rows_per_layer[14]
+    layer = torch.from_numpy(raw[CONFIG.layer_row_bases[1]: CONFIG.layer_row_bases[1] + n].copy())
+    values, scales = layer[:, :256].contiguous(), layer[:, 256:].contiguous()
+    with open_table(path, "memory") as store:
+        rows = plugin.OwnedRows(store, CONFIG, 14, 10, 500)
+        param = torch.nn.Parameter(torch.empty(0, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
+        plugin._checking_loader(rows, True)(param, values.view(torch.float8_e4m3fn))
+        plugin._checking_loader(rows, False)(param, scales.view(torch.float8_e8m0fnu))
+        assert param.numel() == 0  # nothing kept
+        with pytest.raises(ValueError, match="does not hold this checkpoint's rows"):  # scales read as values
+            plugin._checking_loader(rows, True)(param, scales.repeat(1, 32).view(torch.float8_e4m3fn))
+
+
+def test_a_rank_that_owns_no_row_checks_nothing(table):
+    path, raw = table
+    with open_table(path, "memory") as store:
+        rows = plugin.OwnedRows(store, CONFIG, 14, 50, 0)
+        rows.check_checkpoint(torch.zeros((0, 256), dtype=torch.uint8).view(torch.float8_e4m3fn), True)
+        assert torch.equal(rows.owned_rows(torch.tensor([49, 50, 51])), torch.zeros((3, 256), dtype=torch.bfloat16))
 
 
 def test_register_reads_the_environment(monkeypatch, caplog):
@@ -113,3 +172,30 @@ def test_register_reads_the_environment(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, "engram_offload.integrations.sglang"):
             plugin.register()  # a warning, nothing patched
         assert "SGLang is not installed; nothing to do" in caplog.text
+
+
+def fake_distribution(folder, name: str, version: str) -> None:
+    """An installed distribution as importlib.metadata finds it (a dist-info folder on sys.path)."""
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_an_sglang_version_not_tested_is_left_alone_with_one_warning(monkeypatch, caplog, tmp_path):
+    fake_distribution(tmp_path, "sglang", "0.5.22")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(plugin.ENV, '{"table": "/t.table", "tier": "direct"}')
+    with caplog.at_level(logging.WARNING, "engram_offload.integrations.sglang"):
+        plugin.register()  # returns before importing any of SGLang (there is none here)
+    assert [r.getMessage() for r in caplog.records] == [
+        "engram-offload: SGLang 0.5.22 is not a tested version (0.5.23); the plugin does nothing"]
+
+
+def test_without_sglang_the_warning_names_the_variable(monkeypatch, caplog):
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    monkeypatch.setenv(plugin.ENV, '{"table": "/t.table", "tier": "direct"}')
+    with caplog.at_level(logging.WARNING, "engram_offload.integrations.sglang"):
+        plugin.register()
+    assert [r.getMessage() for r in caplog.records] == [
+        "engram-offload: ENGRAM_OFFLOAD_CONFIG is set but SGLang is not installed; nothing to do"]
