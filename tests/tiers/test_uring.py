@@ -303,3 +303,29 @@ def test_threads_share_one_reader(data_file: tuple[str, bytes], buffered_fd: int
         for t in threads:
             t.join()
     assert not errors, errors
+
+
+@native
+def test_a_descriptor_number_reused_for_another_file_reads_that_file(data_file: tuple[str, bytes], tmp_path) -> None:
+    """The ring registers the file it reads: a number closed and given to another file (the
+    same number, another file) must read the new file, never the one registered before."""
+    other = tmp_path / "other.bin"
+    other_payload = bytes(reversed(data_file[1]))
+    other.write_bytes(other_payload)
+    fd = os.open(data_file[0], os.O_RDONLY)
+    offsets, lengths = np.array([0, 70_000], np.int64), np.array([5000, 300], np.int64)
+    dest_offsets = np.array([0, 5000], np.int64)
+    try:
+        with uring.UringReader(fd, 8) as reader:
+            for path, payload in ((data_file[0], data_file[1]), (str(other), other_payload),
+                                  (data_file[0], data_file[1])):
+                replacement = os.open(path, os.O_RDONLY)
+                os.dup2(replacement, fd)  # fd now names `path`'s file
+                os.close(replacement)
+                dest = np.zeros(5300, np.uint8)
+                reader.read(offsets, lengths, dest, dest_offsets)
+                assert reader.fixed_file
+                assert dest[:5000].tobytes() == payload[:5000]
+                assert dest[5000:].tobytes() == payload[70_000:70_300]
+    finally:
+        os.close(fd)

@@ -62,7 +62,8 @@
  *
  *   Ring.close(), Ring.queue_depth, Ring.setup_flags, Ring.features,
  *   Ring.n_enter, Ring.n_retries (reads reissued), Ring.broken, Ring.fixed_pages,
- *   Ring.huge_pages
+ *   Ring.huge_pages, Ring.fixed_file (the descriptor read is registered with the ring,
+ *   again whenever it names another file than the one registered)
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -74,6 +75,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -184,6 +186,10 @@ typedef struct {
     size_t page_bytes; /* the size of each */
     int pages_fixed;   /* `pages` is registered with the ring: reads into it use READ_FIXED */
     int pages_huge;    /* `pages` was allocated on transparent huge pages (MADV_HUGEPAGE) */
+    int file_registered; /* file_fd (the file dev/ino) is registered with the ring as file 0 */
+    int file_fd;
+    dev_t file_dev;
+    ino_t file_ino;
     uint64_t transient[MAX_ERRNO / 64]; /* bit e: retry a read failing with errno e */
 } ring_t;
 
@@ -328,6 +334,7 @@ struct batch {
     const int64_t *dest_offsets;
     char *slot_bufs;    /* instead of dest: read into slot_bufs + slot * length */
     int fixed;          /* slot_bufs is the ring's registered buffer 0 */
+    int fixed_file;     /* fd is the ring's registered file 0 */
     done_fn on_done;    /* optional */
     void *ctx;          /* on_done's state */
     int retries;
@@ -367,13 +374,39 @@ static inline void prep_read(ring_t *r, const batch_t *b, unsigned slot)
     memset(sqe, 0, sizeof(*sqe));
     /* A registered buffer (index 0) spares the kernel pinning the pages of every read. */
     sqe->opcode = b->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ;
-    sqe->fd = b->fd;
+    /* A registered file spares the kernel looking the descriptor up for every read. */
+    sqe->fd = b->fixed_file ? 0 : b->fd;
+    sqe->flags = b->fixed_file ? IOSQE_FIXED_FILE : 0;
     sqe->off = (uint64_t)(b->offsets[i] + s->done);
     sqe->addr = (uint64_t)(uintptr_t)(s->buf + s->done);
     sqe->len = (uint32_t)(batch_len(b, i) - s->done);
     sqe->user_data = slot;
     /* Publish the SQE before the tail moves. */
     __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+}
+
+/* Registers `fd` with the ring as its file 0 (once: again only when the descriptor now
+ * names another file, e.g. a number closed and reused).  Returns 1 when reads may use the
+ * registered file, 0 for plain descriptors (registration refused, or fstat failed: the
+ * read then fails with the descriptor's own error). */
+static int ring_file(ring_t *r, int fd)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return 0;
+    if (r->file_registered && r->file_fd == fd && r->file_dev == st.st_dev && r->file_ino == st.st_ino)
+        return 1;
+    if (r->file_registered) {
+        sys_io_uring_register(r->ring_fd, IORING_UNREGISTER_FILES, NULL, 0);
+        r->file_registered = 0;
+    }
+    if (sys_io_uring_register(r->ring_fd, IORING_REGISTER_FILES, &fd, 1) != 0)
+        return 0;
+    r->file_registered = 1;
+    r->file_fd = fd;
+    r->file_dev = st.st_dev;
+    r->file_ino = st.st_ino;
+    return 1;
 }
 
 /* Validates every request; returns the first bad index or -1. */
@@ -734,6 +767,7 @@ static PyObject *Ring_read(RingObject *self, PyObject *args, PyObject *kwds)
 
     memset(&b, 0, sizeof(b));
     b.fd = fd;
+    b.fixed_file = ring_file(&self->ring, fd);
     b.retries = retries;
 
     if (get_int64_buffer(offsets_obj, &offs, "offsets") < 0)
@@ -1048,6 +1082,7 @@ static PyObject *Ring_read_rows(RingObject *self, PyObject *args, PyObject *kwds
     c.damage = damage;
 
     b.fd = fd;
+    b.fixed_file = ring_file(&self->ring, fd);
     b.retries = retries < 0 ? 0 : retries;
     b.length = page_bytes;
     b.n = rows_plan(&c, n, data_offset, page_bytes, &offsets, &mem);
@@ -1114,6 +1149,11 @@ static PyObject *Ring_get_fixed_pages(RingObject *self, void *closure)
     return PyBool_FromLong(self->open && self->ring.pages_fixed);
 }
 
+static PyObject *Ring_get_fixed_file(RingObject *self, void *closure)
+{
+    return PyBool_FromLong(self->open && self->ring.file_registered);
+}
+
 static PyObject *Ring_get_huge_pages(RingObject *self, void *closure)
 {
     return PyBool_FromLong(self->open && self->ring.pages && self->ring.pages_huge);
@@ -1146,6 +1186,8 @@ static PyGetSetDef Ring_getset[] = {
     {"n_retries", (getter)Ring_get_n_retries, NULL, "reads reissued by read()", NULL},
     {"fixed_pages", (getter)Ring_get_fixed_pages, NULL,
      "read_rows reads into page slots registered with the ring (READ_FIXED)", NULL},
+    {"fixed_file", (getter)Ring_get_fixed_file, NULL,
+     "the file last read is registered with the ring (reads name it by index)", NULL},
     {"huge_pages", (getter)Ring_get_huge_pages, NULL,
      "read_rows's page slots lie on memory advised for transparent huge pages", NULL},
     {"broken", (getter)Ring_get_broken, NULL, "io_uring_enter failed: make a new Ring", NULL},

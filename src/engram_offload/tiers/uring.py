@@ -174,6 +174,12 @@ class UringReader:
         return bool(self._ring.fixed_pages)
 
     @property
+    def fixed_file(self) -> bool:
+        """Whether the file read last is registered with the ring (the kernel looks up no
+        descriptor per read; registered again when the descriptor names another file)."""
+        return bool(self._ring.fixed_file)
+
+    @property
     def huge_pages(self) -> bool:
         """Whether :meth:`read_rows`'s page slots lie on memory advised for transparent huge
         pages (queue depths whose slots take 256 KiB or more, where the huge page could be
