@@ -106,6 +106,8 @@ def test_a_segment_left_half_written_without_its_head_is_cleaned(table, shm_dir)
 STUCK_LOADER = textwrap.dedent("""
     import sys, time
     from engram_offload.table import read_header
+    from engram_offload.tiers import shared
+
     def stuck(header, dense, *args, **kwargs):
         dense[: len(dense) // 2] = 7  # half the rows, then the process is killed
         print("loading", flush=True)
@@ -137,6 +139,8 @@ def test_a_loader_killed_mid_load_leaves_a_segment_the_next_process_reloads(tabl
 SLOW_LOADER = textwrap.dedent("""
     import sys, time
     from engram_offload.table import read_header
+    from engram_offload.tiers import shared
+
     steps, every = int(sys.argv[3]), float(sys.argv[4])
 
     def slow(header, dense, *args, on_chunk, **kwargs):  # progress `steps` times, then none
