@@ -465,3 +465,49 @@ def test_odd_options_get_one_line_naming_them(public_table, shm_dir, options, er
         SharedTier(read_header(path), **{"shm_dir": shm_dir, **options})
     assert words in one_line(caught.value)
     assert not uid_folder(shm_dir).exists() or not segments(shm_dir)  # nothing loaded
+
+
+# ---------------------------------------------------------- replacing a damaged segment, in this process
+def truncate_segment(segment: Path, size: int) -> None:
+    segment.chmod(0o600)
+    os.truncate(segment, size)
+    segment.chmod(0o400)
+
+
+def test_a_replaced_segments_warning_names_why_and_points_at_the_callers_line(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    total = DATA_OFFSET + expected.nbytes
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    truncate_segment(segment, DATA_OFFSET + 1000)  # caught by the head's check, under the lock
+    with pytest.warns(RuntimeWarning) as seen:
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert tier.replaced == f"was {DATA_OFFSET + 1000:,} bytes, {total:,} expected (truncated or damaged)"
+    assert [w.filename for w in seen] == [__file__]
+    assert str(seen[0].message) == (f"the shared segment {segment} {tier.replaced}: replaced by a fresh load of "
+                                    f"{path} (processes still attached to the old one keep it)")
+    change_byte(segment, row_offset(100))  # caught by the page check, after the lock
+    with pytest.warns(RuntimeWarning, match=r"at data page 4 ") as seen:
+        SharedTier(header, shm_dir=shm_dir).close()
+    assert [w.filename for w in seen] == [__file__]
+
+
+def test_a_head_that_names_another_size_is_replaced(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    segment.chmod(0o600)
+    fd = os.open(segment, os.O_RDWR)
+    try:  # the head's data bytes (its fifth field) made larger; the file keeps its size
+        os.pwrite(fd, struct.pack("<Q", expected.nbytes + 4096), HEAD.size - 24)
+    finally:
+        os.close(fd)
+    segment.chmod(0o400)
+    with pytest.warns(RuntimeWarning, match="holds"):
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert tier.replaced == f"says it holds {expected.nbytes + 4096:,} bytes of rows, {expected.nbytes:,} " \
+                                    "expected (damaged)"

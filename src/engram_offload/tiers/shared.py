@@ -274,7 +274,7 @@ class SharedTier(MemoryTier):
                 with election(self._folder, self._name, lock_timeout):
                     if self._folder.holds(self._name, fd):  # not already replaced by another process
                         self._folder.unlink(self._name)
-                        self._replaced(problem)
+                        self._replaced(problem, stacklevel=4)  # _attach, __init__, the caller
                 with contextlib.suppress(BufferError):
                     mm.close()
             except BaseException:
@@ -285,11 +285,13 @@ class SharedTier(MemoryTier):
                         "was loaded: something of this uid (or root) writes to it; find it (fuser -v), then open "
                         "the table again")
 
-    def _replaced(self, problem: str) -> None:
+    def _replaced(self, problem: str, stacklevel: int) -> None:
+        """Record and warn why the segment was replaced; ``stacklevel`` leads the warning to the
+        line that opened the tier (``_replaced`` is 1, its caller 2, ...)."""
         self.replaced = problem
         warnings.warn(f"the shared segment {self.segment} {problem}: replaced by a fresh load of "
                       f"{self.header.path} (processes still attached to the old one keep it)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=stacklevel)
 
     def _open_or_load(self, header: TableHeader, progress: bool | None, check_memory: bool) -> int:
         """Under the election: the segment's descriptor, shared-locked; loaded here when
@@ -346,9 +348,12 @@ class SharedTier(MemoryTier):
             raise TierError(f"the shared segment {self.segment} holds {what}, fingerprint {head.fingerprint:016x}, "
                             f"not {self.header.path} (fingerprint {self.fingerprint:016x}): pick another segment "
                             f"name, or {fix}")
-        if head.nbytes != _data_bytes(self.header) or size < self._total:
+        nbytes = _data_bytes(self.header)
+        if head.nbytes != nbytes or size < self._total:
             self._folder.unlink(self._name)
-            self._replaced(f"was {size:,} bytes, {self._total:,} expected (truncated or damaged)")
+            self._replaced(f"was {size:,} bytes, {self._total:,} expected (truncated or damaged)" if size < self._total
+                           else f"says it holds {head.nbytes:,} bytes of rows, {nbytes:,} expected (damaged)",
+                           stacklevel=6)  # _usable, _open_or_load, _attach, __init__, the caller
             os.close(fd)
             return None
         return fd
