@@ -757,3 +757,38 @@ def test_a_table_whose_path_is_cut_inside_a_character_in_the_head_opens_and_atta
     with SharedTier(header, shm_dir=shm_dir) as first, SharedTier(header, shm_dir=shm_dir) as second:
         assert first.loaded and not second.loaded
         assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 8))))
+
+
+def test_a_segment_found_damaged_at_each_of_three_loads_is_an_error_naming_the_cause(public_table, shm_dir,
+                                                                                     monkeypatch):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        segment = tier.segment
+    change_byte(segment, row_offset(7))
+    damaged = segment.read_bytes()
+    opened, plants = SharedTier._open_or_load, []
+
+    def planted(self, *args):  # something of this uid puts the damaged copy back each time it is removed
+        if not segment.exists():
+            fd = os.open(segment, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, damaged)
+            os.fchmod(fd, 0o400)
+            os.close(fd)
+            plants.append(segment)
+        return opened(self, *args)
+
+    monkeypatch.setattr(SharedTier, "_open_or_load", planted)
+    with pytest.warns(RuntimeWarning, match="at data page 0 ") as seen:
+        with pytest.raises(TierError) as caught:
+            SharedTier(header, shm_dir=shm_dir)
+    assert one_line(caught.value) == (
+        f"the shared segment {segment} was damaged again each of 3 times it was loaded: something of this uid (or "
+        "root) writes to it; find it (fuser -v), then open the table again")
+    assert len(seen) == 3 and len(plants) == 2
+
+
+def test_the_defaults_and_a_segment_name_of_200_bytes(public_table, shm_dir):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir, segment="é" * 100) as tier:  # 200 bytes: the most a name may have
+        assert tier.segment.name == "é" * 100
+        assert tier.stats()["sample_pages"] == 1 and tier.stats()["verify_reads"] is False
