@@ -475,6 +475,13 @@ def truncate_segment(segment: Path, size: int) -> None:
     segment.chmod(0o400)
 
 
+def outside_the_package(filename: str) -> bool:
+    """Whether a warning points outside engram_offload (at the line that opened the tier)."""
+    import engram_offload
+
+    return not Path(filename).resolve().is_relative_to(Path(engram_offload.__file__).resolve().parent)
+
+
 def test_a_replaced_segments_warning_names_why_and_points_at_the_callers_line(public_table, shm_dir):
     path, expected = public_table
     header = read_header(path)
@@ -486,13 +493,13 @@ def test_a_replaced_segments_warning_names_why_and_points_at_the_callers_line(pu
         with SharedTier(header, shm_dir=shm_dir) as tier:
             assert tier.loaded and np.array_equal(all_rows(tier), expected)
             assert tier.replaced == f"was {DATA_OFFSET + 1000:,} bytes, {total:,} expected (truncated or damaged)"
-    assert [w.filename for w in seen] == [__file__]
+    assert [outside_the_package(w.filename) for w in seen] == [True]
     assert str(seen[0].message) == (f"the shared segment {segment} {tier.replaced}: replaced by a fresh load of "
                                     f"{path} (processes still attached to the old one keep it)")
     change_byte(segment, row_offset(100))  # caught by the page check, after the lock
     with pytest.warns(RuntimeWarning, match=r"at data page 4 ") as seen:
         SharedTier(header, shm_dir=shm_dir).close()
-    assert [w.filename for w in seen] == [__file__]
+    assert [outside_the_package(w.filename) for w in seen] == [True]
 
 
 def test_a_head_that_names_another_size_is_replaced(public_table, shm_dir):
