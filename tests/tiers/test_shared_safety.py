@@ -14,6 +14,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -465,3 +466,336 @@ def test_odd_options_get_one_line_naming_them(public_table, shm_dir, options, er
         SharedTier(read_header(path), **{"shm_dir": shm_dir, **options})
     assert words in one_line(caught.value)
     assert not uid_folder(shm_dir).exists() or not segments(shm_dir)  # nothing loaded
+
+
+# ---------------------------------------------------------- replacing a damaged segment, in this process
+def truncate_segment(segment: Path, size: int) -> None:
+    segment.chmod(0o600)
+    os.truncate(segment, size)
+    segment.chmod(0o400)
+
+
+def outside_the_package(filename: str) -> bool:
+    """Whether a warning points outside engram_offload (at the line that opened the tier)."""
+    import engram_offload
+
+    return not Path(filename).resolve().is_relative_to(Path(engram_offload.__file__).resolve().parent)
+
+
+def test_a_replaced_segments_warning_names_why_and_points_at_the_callers_line(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    total = DATA_OFFSET + expected.nbytes
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    truncate_segment(segment, DATA_OFFSET + 1000)  # caught by the head's check, under the lock
+    with pytest.warns(RuntimeWarning) as seen:
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert tier.replaced == f"was {DATA_OFFSET + 1000:,} bytes, {total:,} expected (truncated or damaged)"
+    assert [outside_the_package(w.filename) for w in seen] == [True]
+    assert str(seen[0].message) == (f"the shared segment {segment} {tier.replaced}: replaced by a fresh load of "
+                                    f"{path} (processes still attached to the old one keep it)")
+    change_byte(segment, row_offset(100))  # caught by the page check, after the lock
+    with pytest.warns(RuntimeWarning, match=r"at data page 4 ") as seen:
+        SharedTier(header, shm_dir=shm_dir).close()
+    assert [outside_the_package(w.filename) for w in seen] == [True]
+
+
+def test_a_head_that_names_another_size_is_replaced(public_table, shm_dir):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    segment.chmod(0o600)
+    fd = os.open(segment, os.O_RDWR)
+    try:  # the head's data bytes (its fifth field) made larger; the file keeps its size
+        os.pwrite(fd, struct.pack("<Q", expected.nbytes + 4096), HEAD.size - 24)
+    finally:
+        os.close(fd)
+    segment.chmod(0o400)
+    with pytest.warns(RuntimeWarning, match="holds"):
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert tier.replaced == f"says it holds {expected.nbytes + 4096:,} bytes of rows, {expected.nbytes:,} " \
+                                    "expected (damaged)"
+
+
+AGAIN = "close the store and open the table again (a fresh open replaces a damaged segment)"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_segment_truncated_under_a_reader_in_this_process_gives_one_line(public_table, shm_dir, monkeypatch, native):
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "" if native else "1")
+    path, expected = public_table
+    header = read_header(path)
+    total = DATA_OFFSET + expected.nbytes
+    with SharedTier(header, shm_dir=shm_dir, sample_pages=0) as tier:
+        assert np.array_equal(all_rows(tier), expected)
+        truncate_segment(tier.segment, DATA_OFFSET)
+        with pytest.raises(TierError) as caught:
+            read(tier, [5])
+        assert one_line(caught.value) == (f"the shared segment {tier.segment} shrank to {DATA_OFFSET:,} bytes "
+                                          f"({total:,} expected) after {path} was loaded into it: {AGAIN}")
+        monkeypatch.setattr(tier, "_check_unchanged", lambda: None)  # truncated after the size check
+        with pytest.raises(TierError, match="shrank during a read .SIGBUS caught." if native
+                           else "ended early during a read"):
+            read(tier, [5])
+        tier.sample_pages = 1  # the sampled page's check meets the truncation first
+        with pytest.raises(TierError, match="shrank during a read" if native else "ended early during a read"):
+            read(tier, [5])
+
+
+def test_a_changed_page_is_named_in_one_line_with_what_to_do(public_table, shm_dir):
+    path, _ = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir, verify_reads=True) as tier:
+        change_byte(tier.segment, row_offset(1234))
+        with pytest.raises(ChecksumError) as caught:
+            read(tier, [1234])
+        assert one_line(caught.value) == (
+            f"the shared segment {tier.segment} differs from {path} at data page 49 (rows 1,225..1,249): it was "
+            f"changed after it was loaded; {AGAIN}")
+
+
+# ------------------------------------------------------ one segment name, two versions or two tables
+def test_a_named_segment_of_an_older_version_is_replaced_unless_in_use(tmp_path, shm_dir):
+    path, other = tmp_path / "t.table", tmp_path / "other.table"
+    old = read_header(make_random_table(path, CONFIG, seed=1, block_size=16384))
+    held = SharedTier(old, segment="engram-model", shm_dir=shm_dir)
+    new = read_header(make_random_table(path, CONFIG, seed=2, block_size=16384))  # rewritten in place
+    with pytest.raises(TierError) as caught:
+        SharedTier(new, segment="engram-model", shm_dir=shm_dir)
+    assert one_line(caught.value) == (
+        f"the shared segment {held.segment} holds an older version of this table, fingerprint "
+        f"{old.fingerprint():016x}, not {path} (fingerprint {new.fingerprint():016x}): pick another segment "
+        "name, or close the processes using it")
+    held.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unused older version goes without a word
+        with SharedTier(new, segment="engram-model", shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), np.concatenate(list(random_rows(CONFIG, 2))))
+    with SharedTier(read_header(make_random_table(other, CONFIG, seed=3, block_size=16384)), shm_dir=shm_dir,
+                    segment="engram-other") as in_use:
+        with pytest.raises(TierError) as caught:
+            SharedTier(new, segment="engram-other", shm_dir=shm_dir)
+    assert one_line(caught.value) == (
+        f"the shared segment {in_use.segment} holds another table ({other}), fingerprint "
+        f"{in_use.fingerprint:016x}, not {path} (fingerprint {new.fingerprint():016x}): pick another segment name, "
+        "or remove the stale one with engram_offload.tiers.shared.remove_segment (or rm) when no process uses it")
+
+
+def test_the_same_version_under_another_name_stays_when_it_loads_again(public_table, shm_dir):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir, segment="engram-model"):
+        pass
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        assert tier.loaded
+        assert segments(shm_dir) == {"engram-model", segment_name(header)}
+
+
+# ------------------------------------------------------------ races, made to happen at one point
+def test_a_segment_modified_or_cut_short_while_it_is_checked_is_replaced(public_table, shm_dir, monkeypatch):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir):
+        pass
+    check = SharedTier._check_all_pages
+    segment = uid_folder(shm_dir) / segment_name(header)
+
+    def touched(self, fd, mm):
+        problem = check(self, fd, mm)
+        if not self.replaced:
+            before = segment.stat()
+            os.utime(segment, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+        return problem
+
+    monkeypatch.setattr(SharedTier, "_check_all_pages", touched)
+    with pytest.warns(RuntimeWarning, match="was modified while it was checked: replaced"):
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and tier.replaced == "was modified while it was checked"
+            assert np.array_equal(all_rows(tier), expected)
+
+    def cut(self, fd, mm):  # after the head's check and the mapping, before the pages'
+        truncate_segment(segment, DATA_OFFSET)
+        return check(self, fd, mm)
+
+    monkeypatch.setattr(SharedTier, "_check_all_pages", cut)
+    with pytest.warns(RuntimeWarning, match=rf"ended early \({DATA_OFFSET:,} bytes; SIGBUS caught\): replaced"):
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert 0 < tier.attach_check_seconds <= tier.load_seconds
+
+
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+class LockHolder:
+    """Another process of this uid holding an exclusive ``flock`` on ``path`` until the block ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> LockHolder:
+        assert self.process.stdout.readline().strip() == "held"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def test_a_segment_a_remover_holds_or_that_vanishes_after_loading_is_named(public_table, shm_dir, monkeypatch):
+    from engram_offload.tiers import shared
+
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        segment = tier.segment
+    with LockHolder(segment):  # as remove_segment or an old version's cleaner holds it
+        with pytest.raises(TierError) as caught:
+            SharedTier(header, shm_dir=shm_dir)
+    assert one_line(caught.value) == (f"the shared segment {segment} is locked by a process removing it: open the "
+                                      "table again")
+    load = shared._load
+
+    def load_then_vanish(header, folder, name, *args):
+        load(header, folder, name, *args)
+        folder.unlink(name)
+
+    segment.unlink()
+    monkeypatch.setattr(shared, "_load", load_then_vanish)
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=shm_dir)
+    assert one_line(caught.value) == (f"the shared segment {segment} vanished right after it was loaded: another "
+                                      "process of this uid removes segments; open the table again")
+
+
+def test_replacing_a_damaged_segment_waits_for_the_lock_no_longer_than_lock_timeout(public_table, shm_dir,
+                                                                                   monkeypatch):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        segment = tier.segment
+    change_byte(segment, row_offset(7))
+    lock = segment.with_name(segment.name + ".lock")
+    check = SharedTier._check_all_pages
+    holders = []
+
+    def then_locked(self, fd, mm):  # another process takes the lock between the check and the replacement
+        holders.append(LockHolder(lock).__enter__())
+        return check(self, fd, mm)
+
+    monkeypatch.setattr(SharedTier, "_check_all_pages", then_locked)
+    try:
+        with pytest.raises(TierError, match=f"the lock {lock}"):
+            SharedTier(header, shm_dir=shm_dir, lock_timeout=0.2)
+    finally:
+        for holder in holders:
+            holder.__exit__()
+    assert len(holders) == 1 and segment.exists()  # not replaced: it waited, then gave up
+
+
+# ------------------------------------------------------------------------- the folder's free space
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(size)``: a tmpfs of ``size`` bytes, open to all (unmounted afterwards)."""
+    mounts = []
+
+    def mount(size: int) -> Path:
+        where = tmp_path / f"tmpfs-{len(mounts)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@needs_root
+def test_a_folder_with_room_for_exactly_the_segment_loads_it_and_a_page_less_is_refused(tmp_path, small_tmpfs):
+    from engram_offload.units import format_bytes
+
+    config = tiny_config("bf16", 256)  # 3,304 rows of 512 bytes: whole pages
+    path = make_random_table(tmp_path / "t.table", config, seed=1, block_size=65536)
+    header = read_header(path)
+    need = DATA_OFFSET + config.num_rows * config.row_bytes
+    assert need % 4096 == 0
+    with SharedTier(header, shm_dir=small_tmpfs(need)) as tier:
+        assert tier.loaded and np.array_equal(all_rows(tier), np.concatenate(list(random_rows(config, 1))))
+    small = small_tmpfs(need - 4096)
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=small)
+    name = segment_name(header)
+    assert one_line(caught.value) == (
+        f"{path}: the shared tier needs {format_bytes(need)} in {uid_folder(small)} and {format_bytes(need - 4096)} "
+        "is free there; no other segments of this uid are there; or enlarge it (mount -o remount,size=...), or "
+        "use the mmap or direct tier")
+    with pytest.raises(TierError) as caught:
+        SharedTier(header, shm_dir=small, check_memory=False)  # not checked first: the allocation fails
+    assert one_line(caught.value) == (f"cannot create the shared segment {uid_folder(small) / name} ({need:,} bytes): "
+                                      "No space left on device; no other segments of this uid are there")
+    assert segments(small) == set()
+
+
+def test_a_table_whose_path_is_cut_inside_a_character_in_the_head_opens_and_attaches(tmp_path, shm_dir):
+    from engram_offload.tiers.segments import MAX_PATH
+
+    folder = tmp_path
+    while len(str(folder).encode()) < MAX_PATH - 130:  # folders named in two-byte characters
+        folder = folder / ("é" * 50)
+    pad = MAX_PATH - 22 - len(str(folder).encode())  # then the head's last byte is an é's first
+    folder = folder / ("x" * pad + "é" * 15)
+    folder.mkdir(parents=True)
+    path = folder / "t.table"  # made beside, then moved: the writer's temporary name would be too long there
+    make_random_table(tmp_path / "t.table", CONFIG, seed=8, block_size=16384).rename(path)
+    assert str(path).encode()[MAX_PATH - 1] >= 0x80  # the head keeps the first byte of a character only
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first, SharedTier(header, shm_dir=shm_dir) as second:
+        assert first.loaded and not second.loaded
+        assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 8))))
+
+
+def test_a_segment_found_damaged_at_each_of_three_loads_is_an_error_naming_the_cause(public_table, shm_dir,
+                                                                                     monkeypatch):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir) as tier:
+        segment = tier.segment
+    change_byte(segment, row_offset(7))
+    damaged = segment.read_bytes()
+    opened, plants = SharedTier._open_or_load, []
+
+    def planted(self, *args):  # something of this uid puts the damaged copy back each time it is removed
+        if not segment.exists():
+            fd = os.open(segment, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, damaged)
+            os.fchmod(fd, 0o400)
+            os.close(fd)
+            plants.append(segment)
+        return opened(self, *args)
+
+    monkeypatch.setattr(SharedTier, "_open_or_load", planted)
+    with pytest.warns(RuntimeWarning, match="at data page 0 ") as seen:
+        with pytest.raises(TierError) as caught:
+            SharedTier(header, shm_dir=shm_dir)
+    assert one_line(caught.value) == (
+        f"the shared segment {segment} was damaged again each of 3 times it was loaded: something of this uid (or "
+        "root) writes to it; find it (fuser -v), then open the table again")
+    assert len(seen) == 3 and len(plants) == 2
+
+
+def test_the_defaults_and_a_segment_name_of_200_bytes(public_table, shm_dir):
+    header = read_header(public_table[0])
+    with SharedTier(header, shm_dir=shm_dir, segment="é" * 100) as tier:  # 200 bytes: the most a name may have
+        assert tier.segment.name == "é" * 100
+        assert tier.stats()["sample_pages"] == 1 and tier.stats()["verify_reads"] is False

@@ -56,6 +56,7 @@ import mmap
 import os
 import random
 import struct
+import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,7 @@ ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after 
 CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
 CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
 REPLACE_ATTEMPTS = 3  # loads of a segment found damaged each time, then an error
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def segment_name(header: TableHeader) -> str:
@@ -118,6 +120,14 @@ def _address_of(mm: mmap.mmap) -> int:
 
 def _data_bytes(header: TableHeader) -> int:
     return header.layout.num_rows * header.layout.row_bytes
+
+
+def _outside_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for its caller's first caller outside this package."""
+    frame, level = sys._getframe(2), 2  # the caller of warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object) -> Path:
@@ -286,10 +296,11 @@ class SharedTier(MemoryTier):
                         "the table again")
 
     def _replaced(self, problem: str) -> None:
+        """Record and warn why the segment was replaced, at the first caller outside this package."""
         self.replaced = problem
         warnings.warn(f"the shared segment {self.segment} {problem}: replaced by a fresh load of "
                       f"{self.header.path} (processes still attached to the old one keep it)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=_outside_stacklevel())
 
     def _open_or_load(self, header: TableHeader, progress: bool | None, check_memory: bool) -> int:
         """Under the election: the segment's descriptor, shared-locked; loaded here when
@@ -346,9 +357,11 @@ class SharedTier(MemoryTier):
             raise TierError(f"the shared segment {self.segment} holds {what}, fingerprint {head.fingerprint:016x}, "
                             f"not {self.header.path} (fingerprint {self.fingerprint:016x}): pick another segment "
                             f"name, or {fix}")
-        if head.nbytes != _data_bytes(self.header) or size < self._total:
+        nbytes = _data_bytes(self.header)
+        if head.nbytes != nbytes or size < self._total:
             self._folder.unlink(self._name)
-            self._replaced(f"was {size:,} bytes, {self._total:,} expected (truncated or damaged)")
+            self._replaced(f"was {size:,} bytes, {self._total:,} expected (truncated or damaged)" if size < self._total
+                           else f"says it holds {head.nbytes:,} bytes of rows, {nbytes:,} expected (damaged)")
             os.close(fd)
             return None
         return fd
