@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -368,3 +369,140 @@ def test_counters_and_the_periodic_log_line(table, caplog):
     assert 0 < stats["hit_rate"] < 1 and stats["columns"] == [0, 12]
     lookup.close()
     store.close()
+
+
+# ---------------------------------------------------------------------- buffers, stats and stuck reads
+TINY = v41_config(n_heads=3, max_ngram_size=3)  # 6 columns a layer
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("plugin") / "tiny.table", TINY, seed=5)
+
+
+def test_a_rank_needs_a_column_of_its_own_even_at_the_edge():
+    with pytest.raises(ValueError, match=r"^6 Engram columns over 4 tensor-parallel ranks leave the last rank "
+                                         r"without columns \(as vLLM refuses\): use fewer ranks$"):
+        LayerShard.of(TINY, 1, 0, 4)  # parts of 2: the last rank would start at column 6 of 6
+    last = LayerShard.of(TINY, 1, 2, 3)  # 3 ranks of 2 columns: the last has its 2
+    assert (last.part, last.c0, last.c1) == (2, 4, 6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("backend", ["memory", "direct"])
+def test_a_single_row_lookup_is_written(tiny_table, packed, backend):
+    """One token on a rank of one column: a lookup of one row is not skipped as empty."""
+    path, raw = tiny_table
+    make = addressable if backend == "memory" else host_read
+    for rank in range(6):
+        with closed_after(make(TINY, path, 14, rank, 6)) as lookup:
+            ids = step_ids(TINY, 14, 2, seed=rank)[1:]  # [1, 6]
+            out = out_buffer(TINY, lookup.shard, 1, packed)
+            lookup.lookup(ids, out)
+            assert same_bits(out, expected_rows(TINY, raw, 14, rank, 6, ids, packed))
+
+
+def strided_out(config, shard, tokens, packed):
+    """An ``out`` that is a view into a wider buffer (not one block), and that buffer."""
+    if packed:
+        wide = torch.full((tokens, 2 * shard.part * config.row_bytes), 0xAB, dtype=torch.uint8)
+        return wide[:, :shard.part * config.row_bytes], wide
+    wide = torch.full((tokens, shard.part, 2 * config.head_dim), 7.0, dtype=torch.bfloat16)
+    return wide[..., :config.head_dim], wide
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("backend", ["memory", "direct"])
+def test_a_strided_out_buffer_gets_the_rows_and_nothing_beside_them(table, packed, backend):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    make = addressable if backend == "memory" else host_read
+    with closed_after(make(CONFIG, path, layer_id, 1, 2)) as lookup:
+        for step in range(3):  # the host-read slots are reused
+            ids = step_ids(CONFIG, layer_id, 3, seed=step)
+            out, wide = strided_out(CONFIG, lookup.shard, 3, packed)
+            assert not out.is_contiguous()
+            lookup.lookup(ids, out)
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, packed))
+            beside = wide[:, out.shape[1]:] if packed else wide[..., CONFIG.head_dim:]
+            assert torch.all(beside == (0xAB if packed else 7.0))
+
+
+def test_finish_writes_into_the_buffer_it_is_given(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 2)) as lookup:
+        ids = step_ids(CONFIG, layer_id, 3, seed=2)
+        started = out_buffer(CONFIG, lookup.shard, 3, False)
+        given = out_buffer(CONFIG, lookup.shard, 3, False)
+        lookup.lookup(ids, started, background=True)
+        lookup.finish(given)
+        assert same_bits(given, expected_rows(CONFIG, raw, layer_id, 0, 2, ids, False))
+        assert torch.all(started == 7.0)
+
+
+class _Gone:
+    """A real store whose counters can no longer be read (a row server gone)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def read_raw(self, ids):
+        return self.store.read_raw(ids)
+
+    def stats(self):
+        raise ConnectionError("the row server is gone")
+
+    def close(self):
+        self.store.close()
+
+
+def test_stats_name_the_layer_the_backend_the_table_and_every_counter(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[1]
+    with closed_after(addressable(CONFIG, path, layer_id, 1, 2)) as lookup:  # describe and log_every left out
+        with caplog.at_level(logging.INFO, "engram_offload.integrations"):
+            run_steps(lookup, CONFIG, layer_id, steps=2)
+        assert caplog.records == []  # no periodic line by default
+        store = lookup.store.stats()
+        assert lookup.stats() == {"layer": layer_id, "backend": "addressable", "table": "", "columns": [12, 24],
+                                  "lookups": 2, "rows": 2 * 3 * 12, "stall_s": 0.0, "max_stall_s": 0.0,
+                                  "failures": 0, "hit_rate": store["store"]["hit_rate"], "store": store}
+        lookup.store = _Gone(lookup.store)
+        gone = lookup.stats()
+        assert gone["store"] == {} and gone["hit_rate"] is None and gone["lookups"] == 2
+
+
+def test_the_stall_counters_add_up_each_wait(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 1)) as lookup:
+        t0 = time.perf_counter()
+        run_steps(lookup, CONFIG, layer_id, steps=3)
+        elapsed = time.perf_counter() - t0
+        stats = lookup.stats()
+    assert stats["backend"] == "host-read"
+    assert 0 < stats["max_stall_s"] < stats["stall_s"] < elapsed  # three waits, each longer than none
+
+
+def test_a_read_still_stuck_when_its_slot_comes_round_again_times_out(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    real = open_table(path, "direct", columns=shard.columns)
+    paused = _Paused(real)
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), slots=1,
+                            timeout_s=0.25, describe="v41.table", ids_stream="engine_prefetch")
+    ids = step_ids(CONFIG, layer_id, 2, seed=0)
+    lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
+    with pytest.raises(TimeoutError, match=r"took over 0.25 s \(v41.table\)"):
+        lookup.finish()
+    with pytest.raises(TimeoutError, match=r"^the host read of Engram layer 1's rows is still running after 0.5 s "
+                                           r"\(v41.table\): check the tier$"):
+        lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False))  # the one slot is still being read
+    paused.go.set()
+    out = out_buffer(CONFIG, shard, 2, False)
+    lookup.lookup(ids, out)  # the stuck read ends: its slot is used again
+    assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    lookup.close()
+    real.close()
