@@ -318,14 +318,22 @@ class _Paused:
         return self.store.stats()
 
 
-def test_a_stuck_read_times_out(table):
-    path, raw = table
-    layer_id = CONFIG.layer_ids[0]
+def paused_lookup(path, layer_id, **options):
+    """A traced host-read lookup of rank 0 of 1 over a real store whose reads wait for ``go``;
+    returns it, the paused store and the real one."""
     shard = LayerShard.of(CONFIG, layer_id, 0, 1)
     real = open_table(path, "direct", columns=shard.columns)
     paused = _Paused(real)
-    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), timeout_s=0.2,
-                            ids_stream="engine_prefetch")
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(),
+                            ids_stream="engine_prefetch", **options)
+    return lookup, paused, real
+
+
+def test_a_stuck_read_times_out(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup, paused, real = paused_lookup(path, layer_id, timeout_s=0.2)
+    shard = lookup.shard
     ids = step_ids(CONFIG, layer_id, 2, seed=0)
     lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
     with pytest.raises(TimeoutError, match="over 0.2 s"):
@@ -488,11 +496,8 @@ def test_the_stall_counters_add_up_each_wait(table):
 def test_a_read_still_stuck_when_its_slot_comes_round_again_times_out(table):
     path, raw = table
     layer_id = CONFIG.layer_ids[0]
-    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
-    real = open_table(path, "direct", columns=shard.columns)
-    paused = _Paused(real)
-    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), slots=1,
-                            timeout_s=0.25, describe="v41.table", ids_stream="engine_prefetch")
+    lookup, paused, real = paused_lookup(path, layer_id, slots=1, timeout_s=0.25, describe="v41.table")
+    shard = lookup.shard
     ids = step_ids(CONFIG, layer_id, 2, seed=0)
     lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
     with pytest.raises(TimeoutError, match=r"took over 0.25 s \(v41.table\)"):
