@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,6 +288,10 @@ def test_a_failing_read_raises_at_finish_and_frees_the_slot(table):
         lookup.finish()
     assert torch.all(out == 7.0)  # nothing written into the engine's buffer
     assert lookup.counters.failures == 1
+    lookup.lookup(ids, out, background=True)
+    with pytest.raises(PrefetchError, match="store is closed"):
+        lookup.finish()
+    assert lookup.counters.failures == 2
     lookup.store = open_table(path, "direct", columns=lookup.shard.columns)  # the tier is back
     for ids, out in run_steps(lookup, CONFIG, layer_id, steps=2):
         assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
@@ -305,26 +312,28 @@ def test_a_failing_read_raises_at_the_next_lookup(table):
 
 
 class _Paused:
-    """A real store whose reads wait for ``go`` (an injected pause)."""
+    """A real store whose reads (with ``first_only``, its first read) wait for ``go`` (an injected pause)."""
 
-    def __init__(self, store):
-        self.store, self.go = store, threading.Event()
+    def __init__(self, store, first_only=False):
+        self.store, self.go, self.first_only, self.reads = store, threading.Event(), first_only, 0
 
     def read_raw(self, ids):
-        assert self.go.wait(30), "the test never let the read go"
+        self.reads += 1
+        if self.reads == 1 or not self.first_only:
+            assert self.go.wait(30), "the test never let the read go"
         return self.store.read_raw(ids)
 
     def stats(self):
         return self.store.stats()
 
 
-def paused_lookup(path, layer_id, **options):
-    """A traced host-read lookup of rank 0 of 1 over a real store whose reads wait for ``go``;
-    returns it, the paused store and the real one."""
+def paused_lookup(path, layer_id, first_only=False, sync=None, **options):
+    """A host-read lookup (traced unless ``sync`` is given) of rank 0 of 1 over a real store whose
+    reads wait for ``go``; returns it, the paused store and the real one."""
     shard = LayerShard.of(CONFIG, layer_id, 0, 1)
     real = open_table(path, "direct", columns=shard.columns)
-    paused = _Paused(real)
-    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(),
+    paused = _Paused(real, first_only)
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=sync or TracingSync(),
                             ids_stream="engine_prefetch", **options)
     return lookup, paused, real
 
@@ -506,8 +515,121 @@ def test_a_read_still_stuck_when_its_slot_comes_round_again_times_out(table):
                                            r"\(v41.table\): check the tier$"):
         lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False))  # the one slot is still being read
     paused.go.set()
-    out = out_buffer(CONFIG, shard, 2, False)
-    lookup.lookup(ids, out)  # the stuck read ends: its slot is used again
-    assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    for step in range(2):  # the stuck read ends: its slot is used again, and again
+        ids = step_ids(CONFIG, layer_id, 2, seed=step)
+        out = out_buffer(CONFIG, shard, 2, False)
+        lookup.lookup(ids, out)
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
     lookup.close()
     real.close()
+
+
+def test_a_stuck_read_holds_each_step_until_the_ring_comes_round_to_its_slot(table):
+    """The reader reads one step after another: while a read is stuck every later step's finish
+    times out, until the step that would reuse the stuck read's slot, which waits for it in lookup."""
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    # not traced: the trace runs the stuck read under its lock, so every later step would wait there
+    lookup, paused, real = paused_lookup(path, layer_id, first_only=True, sync=ImmediateSync(), slots=4,
+                                         timeout_s=0.25)
+    shard = lookup.shard
+    ids = step_ids(CONFIG, layer_id, 2, seed=0)
+    for _ in range(4):  # slots 0 (its read stuck), 1, 2 and 3 (their reads behind it)
+        lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
+        with pytest.raises(TimeoutError, match="took over 0.25 s"):
+            lookup.finish()
+    with pytest.raises(TimeoutError, match="still running after 0.5 s"):
+        lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False))  # slot 0 again
+    paused.go.set()
+    for step in range(1, 6):  # slots 1, 2, 3, 0, 1: each waits for its abandoned read
+        ids = step_ids(CONFIG, layer_id, 2, seed=step)
+        out = out_buffer(CONFIG, shard, 2, False)
+        lookup.lookup(ids, out)
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    lookup.close()
+    real.close()
+
+
+def test_a_lookup_the_engine_never_finished_is_finished_by_the_next(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 2, sync=TracingSync())) as lookup:
+        first, second = step_ids(CONFIG, layer_id, 3, seed=0), step_ids(CONFIG, layer_id, 3, seed=1)
+        out_first, out_second = (out_buffer(CONFIG, lookup.shard, 3, False) for _ in range(2))
+        lookup.lookup(first, out_first, background=True)
+        lookup.lookup(second, out_second, background=True)  # no finish in between
+        assert same_bits(out_first, expected_rows(CONFIG, raw, layer_id, 0, 2, first, False))
+        lookup.finish()
+        assert same_bits(out_second, expected_rows(CONFIG, raw, layer_id, 0, 2, second, False))
+        assert lookup.stats()["lookups"] == 2
+
+
+def test_the_host_read_defaults_and_refusals(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    store = open_table(path, "direct", columns=shard.columns)
+    for max_tokens, slots in ((0, 2), (8, 0)):
+        with pytest.raises(ValueError, match=rf"^a host-read lookup needs max_tokens >= 1 and slots >= 1, got "
+                                             rf"{max_tokens}, {slots}$"):
+            HostReadLookup(shard, store, CONFIG, max_tokens=max_tokens, device="cpu", sync=ImmediateSync(),
+                           slots=slots)
+    lookup = HostReadLookup(shard, store, CONFIG, max_tokens=1, device="cpu", sync=ImmediateSync(), slots=1)
+    with closed_after(lookup):
+        assert (lookup.timeout_s, lookup.describe, lookup.log_every, len(lookup._ids)) == (60.0, "", 0, 1)
+        ids = step_ids(CONFIG, layer_id, 2, seed=0)
+        for step in range(2):  # one token, the most allowed, through the one slot twice
+            out = out_buffer(CONFIG, shard, 1, False)
+            lookup.lookup(ids[step:step + 1], out)
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids[step:step + 1], False))
+        with pytest.raises(ValueError, match=r"^Engram ids must be \[T, 24\], got \(1, 10\)$"):
+            lookup.lookup(ids[:1, :10], out)
+    with pytest.raises(ValueError, match=r"^the Engram lookup of layer 1 is closed$"):
+        lookup.lookup(ids[:1], out)
+
+
+def test_two_lookups_of_one_layer_under_one_trace_keep_their_buffers_apart(table):
+    """Two ranks' lookups of the same layer (and one of another layer) in one process share a
+    trace: each names its own staging buffers."""
+    path, raw = table
+    sync = TracingSync()
+    cases = [(CONFIG.layer_ids[0], 0), (CONFIG.layer_ids[0], 1), (CONFIG.layer_ids[1], 0)]
+    lookups = [host_read(CONFIG, path, layer_id, rank, 2, sync=sync) for layer_id, rank in cases]
+    try:
+        for step in range(3):
+            started = []
+            for lookup, (layer_id, _) in zip(lookups, cases):
+                ids = step_ids(CONFIG, layer_id, 3, seed=step)
+                out = out_buffer(CONFIG, lookup.shard, 3, False)
+                lookup.lookup(ids, out, background=True)
+                started.append((ids, out))
+            for lookup, (layer_id, rank), (ids, out) in zip(lookups, cases, started):
+                lookup.finish()
+                assert same_bits(out, expected_rows(CONFIG, raw, layer_id, rank, 2, ids, False))
+    finally:
+        for lookup in lookups:
+            lookup.close()
+            lookup.store.close()
+
+
+def test_a_lookup_left_open_does_not_keep_the_process_alive(table, tmp_path):
+    """An engine that exits without closing its lookups still exits (the reader is a daemon thread)."""
+    path, _ = table
+    script = (
+        "import sys, torch\n"
+        "from engram_offload.gpu.sync import ImmediateSync\n"
+        "from engram_offload.integrations.lookup import HostReadLookup, LayerShard\n"
+        "from engram_offload.serving.store import open_table\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from engram_tables import v41_config\n"
+        "config = v41_config()\n"
+        "shard = LayerShard.of(config, 1, 0, 1)\n"
+        "store = open_table(sys.argv[1], 'direct', columns=shard.columns)\n"
+        "lookup = HostReadLookup(shard, store, config, max_tokens=2, device='cpu', sync=ImmediateSync())\n"
+        "out = torch.empty((1, shard.part, config.head_dim), dtype=torch.bfloat16)\n"
+        "lookup.lookup(torch.zeros((1, config.cols_per_layer), dtype=torch.int32), out)\n"
+        "print('served', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "served\n", done.stderr
