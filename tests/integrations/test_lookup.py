@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -197,6 +198,12 @@ def test_out_buffer_checked(table):
     ids = step_ids(CONFIG, CONFIG.layer_ids[0], 2, seed=0)
     with pytest.raises(ValueError, match=r"bf16 \[2, 12, 256\]"):
         lookup.lookup(ids, torch.empty((2, 24, 256), dtype=torch.bfloat16))
+    wrong = [torch.empty((2, 24 * 264), dtype=torch.uint8),  # packed rows of every column, not the rank's
+             torch.empty((2, 12 * 264), dtype=torch.bfloat16)]  # the packed shape in bf16
+    for out in wrong:
+        with pytest.raises(ValueError, match=r"^Engram rows of layer 1 go into bf16 \[2, 12, 256\] or uint8 "
+                                             rf"\[2, 3168\], got {out.dtype} {re.escape(str(tuple(out.shape)))}$"):
+            lookup.lookup(ids, out)
     lookup.store.close()
 
 
@@ -284,7 +291,8 @@ def test_a_failing_read_raises_at_finish_and_frees_the_slot(table):
     out = out_buffer(CONFIG, lookup.shard, 3, False)
     store.close()  # every read now fails
     lookup.lookup(ids, out, background=True)
-    with pytest.raises(PrefetchError, match="store is closed"):
+    with pytest.raises(PrefetchError, match=r"^reading Engram layer 1's rows failed \(\): ValueError: this store "
+                                            r"is closed: open the table again$"):
         lookup.finish()
     assert torch.all(out == 7.0)  # nothing written into the engine's buffer
     assert lookup.counters.failures == 1
@@ -379,8 +387,10 @@ def test_counters_and_the_periodic_log_line(table, caplog):
     with caplog.at_level(logging.INFO, "engram_offload.integrations"):
         run_steps(lookup, CONFIG, layer_id, steps=4)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and lines[0].startswith("engram-offload layer 1 (host-read, v41.table on direct): 2 lookups, "
-                                                   "72 rows, hit rate ")
+    assert len(lines) == 2
+    assert re.fullmatch(r"engram-offload layer 1 \(host-read, v41.table on direct\): 2 lookups, 72 rows, "
+                        r"hit rate 0\.\d{3}, stall \d+\.\d ms total, \d+\.\d ms max", lines[0]), lines[0]
+    assert float(lines[0].split("hit rate ")[1][:5]) > 0
     stats = lookup.stats()
     assert stats["lookups"] == 4 and stats["rows"] == 4 * 3 * 12 and stats["failures"] == 0
     assert 0 < stats["hit_rate"] < 1 and stats["columns"] == [0, 12]
@@ -613,3 +623,46 @@ def test_a_lookup_left_open_does_not_keep_the_process_alive(table, tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "served\n", done.stderr
+
+
+def test_owned_ids_run_from_vocab_start_to_before_vocab_end():
+    layer_id = CONFIG.layer_ids[1]
+    for rank in range(4):
+        shard = LayerShard.of(CONFIG, layer_id, rank, 4)
+        ids = torch.full((4, CONFIG.cols_per_layer), -1, dtype=torch.int32)
+        edges = (shard.vocab_start - 1, shard.vocab_start, shard.vocab_end - 1, shard.vocab_end)
+        ids[:, shard.c0] = torch.tensor(edges)
+        flat, owned = flat_ids(shard, ids)
+        assert flat.dtype == torch.int64 and owned.dtype == torch.bool
+        assert owned[:, 0].tolist() == [False, True, True, False]
+        base = CONFIG.layer_row_bases[1]
+        assert flat[:, 0].tolist() == [0, base + shard.vocab_start, base + shard.vocab_end - 1, 0]
+
+
+def test_the_log_line_of_a_store_without_a_hit_rate(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    store = _Gone(open_table(path, "memory", columns=shard.columns))
+    lookup = AddressableLookup(shard, store, DeviceTable(store.store.tier.rows, "cpu"), CONFIG,
+                               describe="v41.table in memory", log_every=1)
+    lookup.counters.stall_s, lookup.counters.max_stall_s = 1.25, 0.75  # an addressable lookup never stalls
+    with closed_after(lookup), caplog.at_level(logging.INFO, "engram_offload.integrations"):
+        run_steps(lookup, CONFIG, layer_id, steps=1, tokens=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "engram-offload layer 1 (addressable, v41.table in memory): 1 lookups, 48 rows, hit rate n/a, "
+        "stall 1250.0 ms total, 750.0 ms max"]
+
+
+def test_close_waits_for_a_stuck_read_no_longer_than_the_timeout(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup, paused, real = paused_lookup(path, layer_id, sync=ImmediateSync(), timeout_s=0.25)
+    lookup.lookup(step_ids(CONFIG, layer_id, 2, seed=0), out_buffer(CONFIG, lookup.shard, 2, False),
+                  background=True)
+    lookup.close()  # the read is still stuck: close gives up on it after timeout_s
+    assert lookup.closed and lookup._worker.is_alive()
+    paused.go.set()
+    lookup._worker.join(30)
+    assert not lookup._worker.is_alive()  # the worker ends after the read it was on
+    real.close()
