@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,6 +198,12 @@ def test_out_buffer_checked(table):
     ids = step_ids(CONFIG, CONFIG.layer_ids[0], 2, seed=0)
     with pytest.raises(ValueError, match=r"bf16 \[2, 12, 256\]"):
         lookup.lookup(ids, torch.empty((2, 24, 256), dtype=torch.bfloat16))
+    wrong = [torch.empty((2, 24 * 264), dtype=torch.uint8),  # packed rows of every column, not the rank's
+             torch.empty((2, 12 * 264), dtype=torch.bfloat16)]  # the packed shape in bf16
+    for out in wrong:
+        with pytest.raises(ValueError, match=r"^Engram rows of layer 1 go into bf16 \[2, 12, 256\] or uint8 "
+                                             rf"\[2, 3168\], got {out.dtype} {re.escape(str(tuple(out.shape)))}$"):
+            lookup.lookup(ids, out)
     lookup.store.close()
 
 
@@ -280,10 +291,15 @@ def test_a_failing_read_raises_at_finish_and_frees_the_slot(table):
     out = out_buffer(CONFIG, lookup.shard, 3, False)
     store.close()  # every read now fails
     lookup.lookup(ids, out, background=True)
-    with pytest.raises(PrefetchError, match="store is closed"):
+    with pytest.raises(PrefetchError, match=r"^reading Engram layer 1's rows failed \(\): ValueError: this store "
+                                            r"is closed: open the table again$"):
         lookup.finish()
     assert torch.all(out == 7.0)  # nothing written into the engine's buffer
     assert lookup.counters.failures == 1
+    lookup.lookup(ids, out, background=True)
+    with pytest.raises(PrefetchError, match="store is closed"):
+        lookup.finish()
+    assert lookup.counters.failures == 2
     lookup.store = open_table(path, "direct", columns=lookup.shard.columns)  # the tier is back
     for ids, out in run_steps(lookup, CONFIG, layer_id, steps=2):
         assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
@@ -304,27 +320,37 @@ def test_a_failing_read_raises_at_the_next_lookup(table):
 
 
 class _Paused:
-    """A real store whose reads wait for ``go`` (an injected pause)."""
+    """A real store whose reads (with ``first_only``, its first read) wait for ``go`` (an injected pause)."""
 
-    def __init__(self, store):
-        self.store, self.go = store, threading.Event()
+    def __init__(self, store, first_only=False):
+        self.store, self.go, self.first_only, self.reads = store, threading.Event(), first_only, 0
 
     def read_raw(self, ids):
-        assert self.go.wait(30), "the test never let the read go"
+        self.reads += 1
+        if self.reads == 1 or not self.first_only:
+            assert self.go.wait(30), "the test never let the read go"
         return self.store.read_raw(ids)
 
     def stats(self):
         return self.store.stats()
 
 
+def paused_lookup(path, layer_id, first_only=False, sync=None, **options):
+    """A host-read lookup (traced unless ``sync`` is given) of rank 0 of 1 over a real store whose
+    reads wait for ``go``; returns it, the paused store and the real one."""
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    real = open_table(path, "direct", columns=shard.columns)
+    paused = _Paused(real, first_only)
+    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=sync or TracingSync(),
+                            ids_stream="engine_prefetch", **options)
+    return lookup, paused, real
+
+
 def test_a_stuck_read_times_out(table):
     path, raw = table
     layer_id = CONFIG.layer_ids[0]
-    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
-    real = open_table(path, "direct", columns=shard.columns)
-    paused = _Paused(real)
-    lookup = HostReadLookup(shard, paused, CONFIG, max_tokens=4, device="cpu", sync=TracingSync(), timeout_s=0.2,
-                            ids_stream="engine_prefetch")
+    lookup, paused, real = paused_lookup(path, layer_id, timeout_s=0.2)
+    shard = lookup.shard
     ids = step_ids(CONFIG, layer_id, 2, seed=0)
     lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
     with pytest.raises(TimeoutError, match="over 0.2 s"):
@@ -361,10 +387,282 @@ def test_counters_and_the_periodic_log_line(table, caplog):
     with caplog.at_level(logging.INFO, "engram_offload.integrations"):
         run_steps(lookup, CONFIG, layer_id, steps=4)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and lines[0].startswith("engram-offload layer 1 (host-read, v41.table on direct): 2 lookups, "
-                                                   "72 rows, hit rate ")
+    assert len(lines) == 2
+    assert re.fullmatch(r"engram-offload layer 1 \(host-read, v41.table on direct\): 2 lookups, 72 rows, "
+                        r"hit rate 0\.\d{3}, stall \d+\.\d ms total, \d+\.\d ms max", lines[0]), lines[0]
+    assert float(lines[0].split("hit rate ")[1][:5]) > 0
     stats = lookup.stats()
     assert stats["lookups"] == 4 and stats["rows"] == 4 * 3 * 12 and stats["failures"] == 0
     assert 0 < stats["hit_rate"] < 1 and stats["columns"] == [0, 12]
     lookup.close()
     store.close()
+
+
+# ---------------------------------------------------------------------- buffers, stats and stuck reads
+TINY = v41_config(n_heads=3, max_ngram_size=3)  # 6 columns a layer
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    return write_v41_table(tmp_path_factory.mktemp("plugin") / "tiny.table", TINY, seed=5)
+
+
+def test_a_rank_needs_a_column_of_its_own_even_at_the_edge():
+    with pytest.raises(ValueError, match=r"^6 Engram columns over 4 tensor-parallel ranks leave the last rank "
+                                         r"without columns \(as vLLM refuses\): use fewer ranks$"):
+        LayerShard.of(TINY, 1, 0, 4)  # parts of 2: the last rank would start at column 6 of 6
+    last = LayerShard.of(TINY, 1, 2, 3)  # 3 ranks of 2 columns: the last has its 2
+    assert (last.part, last.c0, last.c1) == (2, 4, 6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("backend", ["memory", "direct"])
+def test_a_single_row_lookup_is_written(tiny_table, packed, backend):
+    """One token on a rank of one column: a lookup of one row is not skipped as empty."""
+    path, raw = tiny_table
+    make = addressable if backend == "memory" else host_read
+    for rank in range(6):
+        with closed_after(make(TINY, path, 14, rank, 6)) as lookup:
+            ids = step_ids(TINY, 14, 2, seed=rank)[1:]  # [1, 6]
+            out = out_buffer(TINY, lookup.shard, 1, packed)
+            lookup.lookup(ids, out)
+            assert same_bits(out, expected_rows(TINY, raw, 14, rank, 6, ids, packed))
+
+
+def strided_out(config, shard, tokens, packed):
+    """An ``out`` that is a view into a wider buffer (not one block), and that buffer."""
+    if packed:
+        wide = torch.full((tokens, 2 * shard.part * config.row_bytes), 0xAB, dtype=torch.uint8)
+        return wide[:, :shard.part * config.row_bytes], wide
+    wide = torch.full((tokens, shard.part, 2 * config.head_dim), 7.0, dtype=torch.bfloat16)
+    return wide[..., :config.head_dim], wide
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("backend", ["memory", "direct"])
+def test_a_strided_out_buffer_gets_the_rows_and_nothing_beside_them(table, packed, backend):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    make = addressable if backend == "memory" else host_read
+    with closed_after(make(CONFIG, path, layer_id, 1, 2)) as lookup:
+        for step in range(3):  # the host-read slots are reused
+            ids = step_ids(CONFIG, layer_id, 3, seed=step)
+            out, wide = strided_out(CONFIG, lookup.shard, 3, packed)
+            assert not out.is_contiguous()
+            lookup.lookup(ids, out)
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, packed))
+            beside = wide[:, out.shape[1]:] if packed else wide[..., CONFIG.head_dim:]
+            assert torch.all(beside == (0xAB if packed else 7.0))
+
+
+def test_finish_writes_into_the_buffer_it_is_given(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 2)) as lookup:
+        ids = step_ids(CONFIG, layer_id, 3, seed=2)
+        started = out_buffer(CONFIG, lookup.shard, 3, False)
+        given = out_buffer(CONFIG, lookup.shard, 3, False)
+        lookup.lookup(ids, started, background=True)
+        lookup.finish(given)
+        assert same_bits(given, expected_rows(CONFIG, raw, layer_id, 0, 2, ids, False))
+        assert torch.all(started == 7.0)
+
+
+class _Gone:
+    """A real store whose counters can no longer be read (a row server gone)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def read_raw(self, ids):
+        return self.store.read_raw(ids)
+
+    def stats(self):
+        raise ConnectionError("the row server is gone")
+
+    def close(self):
+        self.store.close()
+
+
+def test_stats_name_the_layer_the_backend_the_table_and_every_counter(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[1]
+    with closed_after(addressable(CONFIG, path, layer_id, 1, 2)) as lookup:  # describe and log_every left out
+        with caplog.at_level(logging.INFO, "engram_offload.integrations"):
+            run_steps(lookup, CONFIG, layer_id, steps=2)
+        assert caplog.records == []  # no periodic line by default
+        store = lookup.store.stats()
+        assert lookup.stats() == {"layer": layer_id, "backend": "addressable", "table": "", "columns": [12, 24],
+                                  "lookups": 2, "rows": 2 * 3 * 12, "stall_s": 0.0, "max_stall_s": 0.0,
+                                  "failures": 0, "hit_rate": store["store"]["hit_rate"], "store": store}
+        lookup.store = _Gone(lookup.store)
+        gone = lookup.stats()
+        assert gone["store"] == {} and gone["hit_rate"] is None and gone["lookups"] == 2
+
+
+def test_the_stall_counters_add_up_each_wait(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 1)) as lookup:
+        t0 = time.perf_counter()
+        run_steps(lookup, CONFIG, layer_id, steps=3)
+        elapsed = time.perf_counter() - t0
+        stats = lookup.stats()
+    assert stats["backend"] == "host-read"
+    assert 0 < stats["max_stall_s"] < stats["stall_s"] < elapsed  # three waits, each longer than none
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_stuck_read_holds_each_step_until_the_ring_comes_round_to_its_slot(table, slots):
+    """The reader reads one step after another: while a read is stuck every later step's finish
+    times out, until the step that would reuse the stuck read's slot, which waits for it in lookup."""
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    # not traced: the trace runs the stuck read under its lock, so every later step would wait there
+    lookup, paused, real = paused_lookup(path, layer_id, first_only=True, sync=ImmediateSync(), slots=slots,
+                                         timeout_s=0.25, describe="v41.table")
+    shard = lookup.shard
+    ids = step_ids(CONFIG, layer_id, 2, seed=0)
+    for _ in range(slots):  # slot 0 (its read stuck), then the others (their reads behind it)
+        lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False), background=True)
+        with pytest.raises(TimeoutError, match=r"took over 0.25 s \(v41.table\)"):
+            lookup.finish()
+    with pytest.raises(TimeoutError, match=r"^the host read of Engram layer 1's rows is still running after 0.5 s "
+                                           r"\(v41.table\): check the tier$"):
+        lookup.lookup(ids, out_buffer(CONFIG, shard, 2, False))  # slot 0 again
+    paused.go.set()
+    for step in range(1, slots + 2):  # every slot in turn (its abandoned read ended first), one twice
+        ids = step_ids(CONFIG, layer_id, 2, seed=step)
+        out = out_buffer(CONFIG, shard, 2, False)
+        lookup.lookup(ids, out)
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    lookup.close()
+    real.close()
+
+
+def test_a_lookup_the_engine_never_finished_is_finished_by_the_next(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(host_read(CONFIG, path, layer_id, 0, 2, sync=TracingSync())) as lookup:
+        first, second = step_ids(CONFIG, layer_id, 3, seed=0), step_ids(CONFIG, layer_id, 3, seed=1)
+        out_first, out_second = (out_buffer(CONFIG, lookup.shard, 3, False) for _ in range(2))
+        lookup.lookup(first, out_first, background=True)
+        lookup.lookup(second, out_second, background=True)  # no finish in between
+        assert same_bits(out_first, expected_rows(CONFIG, raw, layer_id, 0, 2, first, False))
+        lookup.finish()
+        assert same_bits(out_second, expected_rows(CONFIG, raw, layer_id, 0, 2, second, False))
+        assert lookup.stats()["lookups"] == 2
+
+
+def test_the_host_read_defaults_and_refusals(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    store = open_table(path, "direct", columns=shard.columns)
+    for max_tokens, slots in ((0, 2), (8, 0)):
+        with pytest.raises(ValueError, match=rf"^a host-read lookup needs max_tokens >= 1 and slots >= 1, got "
+                                             rf"{max_tokens}, {slots}$"):
+            HostReadLookup(shard, store, CONFIG, max_tokens=max_tokens, device="cpu", sync=ImmediateSync(),
+                           slots=slots)
+    lookup = HostReadLookup(shard, store, CONFIG, max_tokens=1, device="cpu", sync=ImmediateSync(), slots=1)
+    with closed_after(lookup):
+        assert (lookup.timeout_s, lookup.describe, lookup.log_every, len(lookup._ids)) == (60.0, "", 0, 1)
+        ids = step_ids(CONFIG, layer_id, 2, seed=0)
+        for step in range(2):  # one token, the most allowed, through the one slot twice
+            out = out_buffer(CONFIG, shard, 1, False)
+            lookup.lookup(ids[step:step + 1], out)
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids[step:step + 1], False))
+        with pytest.raises(ValueError, match=r"^Engram ids must be \[T, 24\], got \(1, 10\)$"):
+            lookup.lookup(ids[:1, :10], out)
+    with pytest.raises(ValueError, match=r"^the Engram lookup of layer 1 is closed$"):
+        lookup.lookup(ids[:1], out)
+
+
+def test_two_lookups_of_one_layer_under_one_trace_keep_their_buffers_apart(table):
+    """Two ranks' lookups of the same layer (and one of another layer) in one process share a
+    trace: each names its own staging buffers."""
+    path, raw = table
+    sync = TracingSync()
+    cases = [(CONFIG.layer_ids[0], 0), (CONFIG.layer_ids[0], 1), (CONFIG.layer_ids[1], 0)]
+    lookups = [host_read(CONFIG, path, layer_id, rank, 2, sync=sync) for layer_id, rank in cases]
+    try:
+        for step in range(3):
+            started = []
+            for lookup, (layer_id, _) in zip(lookups, cases):
+                ids = step_ids(CONFIG, layer_id, 3, seed=step)
+                out = out_buffer(CONFIG, lookup.shard, 3, False)
+                lookup.lookup(ids, out, background=True)
+                started.append((ids, out))
+            for lookup, (layer_id, rank), (ids, out) in zip(lookups, cases, started):
+                lookup.finish()
+                assert same_bits(out, expected_rows(CONFIG, raw, layer_id, rank, 2, ids, False))
+    finally:
+        for lookup in lookups:
+            lookup.close()
+            lookup.store.close()
+
+
+def test_a_lookup_left_open_does_not_keep_the_process_alive(table, tmp_path):
+    """An engine that exits without closing its lookups still exits (the reader is a daemon thread)."""
+    path, _ = table
+    script = (
+        "import sys, torch\n"
+        "from engram_offload.gpu.sync import ImmediateSync\n"
+        "from engram_offload.integrations.lookup import HostReadLookup, LayerShard\n"
+        "from engram_offload.serving.store import open_table\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from engram_tables import v41_config\n"
+        "config = v41_config()\n"
+        "shard = LayerShard.of(config, 1, 0, 1)\n"
+        "store = open_table(sys.argv[1], 'direct', columns=shard.columns)\n"
+        "lookup = HostReadLookup(shard, store, config, max_tokens=2, device='cpu', sync=ImmediateSync())\n"
+        "out = torch.empty((1, shard.part, config.head_dim), dtype=torch.bfloat16)\n"
+        "lookup.lookup(torch.zeros((1, config.cols_per_layer), dtype=torch.int32), out)\n"
+        "print('served', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "served\n", done.stderr
+
+
+def test_owned_ids_run_from_vocab_start_to_before_vocab_end():
+    layer_id = CONFIG.layer_ids[1]
+    for rank in range(4):
+        shard = LayerShard.of(CONFIG, layer_id, rank, 4)
+        ids = torch.full((4, CONFIG.cols_per_layer), -1, dtype=torch.int32)
+        edges = (shard.vocab_start - 1, shard.vocab_start, shard.vocab_end - 1, shard.vocab_end)
+        ids[:, shard.c0] = torch.tensor(edges)
+        flat, owned = flat_ids(shard, ids)
+        assert flat.dtype == torch.int64 and owned.dtype == torch.bool
+        assert owned[:, 0].tolist() == [False, True, True, False]
+        base = CONFIG.layer_row_bases[1]
+        assert flat[:, 0].tolist() == [0, base + shard.vocab_start, base + shard.vocab_end - 1, 0]
+
+
+def test_the_log_line_of_a_store_without_a_hit_rate(table, caplog):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    store = _Gone(open_table(path, "memory", columns=shard.columns))
+    lookup = AddressableLookup(shard, store, DeviceTable(store.store.tier.rows, "cpu"), CONFIG,
+                               describe="v41.table in memory", log_every=1)
+    lookup.counters.stall_s, lookup.counters.max_stall_s = 1.25, 0.75  # an addressable lookup never stalls
+    with closed_after(lookup), caplog.at_level(logging.INFO, "engram_offload.integrations"):
+        run_steps(lookup, CONFIG, layer_id, steps=1, tokens=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "engram-offload layer 1 (addressable, v41.table in memory): 1 lookups, 48 rows, hit rate n/a, "
+        "stall 1250.0 ms total, 750.0 ms max"]
+
+
+def test_close_waits_for_a_stuck_read_no_longer_than_the_timeout(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup, paused, real = paused_lookup(path, layer_id, sync=ImmediateSync(), timeout_s=0.25)
+    lookup.lookup(step_ids(CONFIG, layer_id, 2, seed=0), out_buffer(CONFIG, lookup.shard, 2, False),
+                  background=True)
+    lookup.close()  # the read is still stuck: close gives up on it after timeout_s
+    assert lookup.closed and lookup._worker.is_alive()
+    paused.go.set()
+    lookup._worker.join(30)
+    assert not lookup._worker.is_alive()  # the worker ends after the read it was on
+    real.close()
