@@ -201,9 +201,10 @@ class Peer:
     """A peer on a Unix socket of this process that speaks as a row server would, or would not:
     it accepts one connection, sends ``hello`` (a message and the descriptors to pass with it),
     then answers each request with the next of ``replies`` (then it closes the connection).
-    The descriptors are its own: it closes them once sent."""
+    The descriptors are its own: it closes them once sent. A ``hello`` or reply of None is
+    never said: the peer goes on to wait for the client's next request or its close."""
 
-    def __init__(self, sock, hello: bytes, fds: list[int] = (), replies: list[bytes] = ()) -> None:
+    def __init__(self, sock, hello: bytes | None, fds: list[int] = (), replies: list[bytes | None] = ()) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(str(sock))
         self.listener.listen(1)
@@ -211,16 +212,18 @@ class Peer:
         self.thread = threading.Thread(target=self._speak, args=(hello, list(fds), list(replies)), daemon=True)
         self.thread.start()
 
-    def _speak(self, hello: bytes, fds: list[int], replies: list[bytes]) -> None:
+    def _speak(self, hello: bytes | None, fds: list[int], replies: list[bytes | None]) -> None:
         conn, _ = self.listener.accept()
         with conn:
             conn.settimeout(30)
-            socket.send_fds(conn, [hello], fds)
+            if hello is not None:
+                socket.send_fds(conn, [hello], fds)
             for fd in fds:
                 os.close(fd)
             for reply in replies:
                 self.requests.append(conn.recv(p.MAX_MESSAGE))
-                conn.send(reply)
+                if reply is not None:
+                    conn.send(reply)
             self.requests.append(conn.recv(p.MAX_MESSAGE))  # the client's next request, or its close (b"")
 
     def close(self) -> None:
@@ -363,3 +366,33 @@ def test_the_hello_and_the_replies_are_taken_as_the_server_says(table, socket_di
     finally:
         peer.close()
     assert [r[:4] for r in peer.requests] == [p.FETCH, p.FETCH, p.STATS, p.STATS]
+
+
+def test_a_peer_that_does_not_answer_in_time_is_named_and_dropped(table, socket_dir):
+    """No hello within ``timeout_s``, and no answer to a request: each is named with what was
+    waited for; the unanswered connection is dropped, and every request after says so."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    peer = Peer(sock, None)
+    try:
+        with pytest.raises(TierError, match=rf"^the row server at {sock} \(pid {os.getpid()}\) did not say hello "
+                                            r"within 0.25 s: is it stopped or wedged\? restart it \(RowClient "
+                                            r"timeout_s= sets the wait\)$"):
+            RowClient(sock, timeout_s=0.25)
+    finally:
+        peer.close()
+    sock.unlink()
+    hello, fd = hello_of(path)
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd], [None])
+    try:
+        client = RowClient(sock, timeout_s=0.25)
+        said = (rf"^the row server at {sock} did not answer a stats request within 0.25 s \(stopped or wedged\?\): "
+                r"the connection was dropped; restart the server and reconnect \(timeout_s= sets the wait\)$")
+        with pytest.raises(TierError, match=said):
+            client.stats()
+        assert client._sock.fileno() == -1  # a late reply cannot be taken for the next request's
+        with pytest.raises(TierError, match=said):
+            client.read_raw([1])
+        client.close()
+    finally:
+        peer.close()
