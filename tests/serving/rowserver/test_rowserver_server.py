@@ -6,6 +6,7 @@ refusals and its log. The server process (``start_row_server``, ``main``) has it
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
 import re
@@ -580,3 +581,26 @@ def test_accept_errors_the_server_goes_past_and_those_it_raises(table, socket_di
         with pytest.raises(OSError, match=r"^\[Errno 9\] Bad file descriptor$"):
             server.serve_forever()
         server.close()
+
+
+def test_the_lock_holder_is_the_flock_of_that_file_whatever_is_listed_before_it(socket_dir, monkeypatch):
+    """``/proc/locks`` lists every lock of the machine: a POSIX lock of the same file, an flock of
+    another file and a short line come before the holder's; a pid that has gone is named alone."""
+    lock = socket_dir / "rows.sock.lock"
+    lock.write_bytes(b"")
+    info = os.stat(lock)
+    where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    other = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino + 1}"
+    gone = 1 << 22  # above any pid_max: no such process
+
+    def listing(pid: int):
+        lines = [f"1: POSIX  ADVISORY  WRITE 7 {where} 0 EOF", f"2: FLOCK  ADVISORY  WRITE 8 {other} 0 EOF",
+                 "3: FLOCK  ADVISORY  WRITE", f"4: FLOCK  ADVISORY  WRITE {pid} {where} 0 EOF",
+                 f"5: FLOCK  ADVISORY  WRITE 9 {where} 0 EOF"]
+        return lambda *args, **kwargs: io.StringIO("".join(line + "\n" for line in lines))
+
+    command = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    monkeypatch.setattr(server_module, "open", listing(os.getpid()), raising=False)
+    assert server_module._lock_holder(info) == f"pid {os.getpid()} (uid {os.geteuid()}: {command[:120]})"
+    monkeypatch.setattr(server_module, "open", listing(gone), raising=False)
+    assert server_module._lock_holder(info) == f"pid {gone}"
