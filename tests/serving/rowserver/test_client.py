@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.errors import ChecksumError, TierError
+from engram_offload.errors import ChecksumError, EngramError, TierError
 from engram_offload.serving.rowserver import RowClient, start_row_server
 from engram_offload.serving.rowserver import protocol as p
 from engram_offload.serving.rowserver import server as server_module
@@ -396,3 +396,30 @@ def test_a_peer_that_does_not_answer_in_time_is_named_and_dropped(table, socket_
         client.close()
     finally:
         peer.close()
+
+
+def test_start_row_server_says_why_its_server_exits_and_gives_it_no_terminal(table, socket_dir, capfd):
+    """The server's stderr comes back in the error (its last 4,000 characters); its stdin is
+    /dev/null and its stdout goes nowhere; a server not answering in time is named."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with pytest.raises(EngramError, match=r"^the row server exited \(1\): engram-offload row server: max_rows and "
+                                          rf"max_connections must be >= 1, got {server_module.DEFAULT_MAX_ROWS} and "
+                                          r"0$"):
+        start_row_server(path, sock, max_connections=0)
+    missing = socket_dir / ("x" * 250) / ("y" * 250) / ("z" * 4000)  # a message longer than 4,000 characters
+    assert server_module.main([str(missing), str(sock)]) == 1
+    said = capfd.readouterr().err
+    assert len(said) > 4000
+    with pytest.raises(EngramError) as err:
+        start_row_server(missing, sock)
+    assert str(err.value) == f"the row server exited (1): {said[-4000:].strip()}"
+    with pytest.raises(EngramError, match=rf"^the row server did not answer at {sock} within 0 s$"):
+        start_row_server(path, sock, timeout=0)
+    server = start_row_server(path, sock)
+    try:
+        assert os.readlink(f"/proc/{server.pid}/fd/0") == os.devnull
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert capfd.readouterr().out == ""  # it said "serving ..." before its hello, to /dev/null
