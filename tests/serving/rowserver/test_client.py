@@ -5,14 +5,19 @@ damaged copy of the table file."""
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
+import socket
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from engram_offload.errors import ChecksumError, TierError
+from engram_offload.errors import ChecksumError, EngramError, TierError
 from engram_offload.serving.rowserver import RowClient, start_row_server
+from engram_offload.serving.rowserver import protocol as p
+from engram_offload.serving.rowserver import server as server_module
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows, read_header
 
@@ -189,3 +194,232 @@ def test_start_row_server_hands_its_options_to_the_server_process(table, socket_
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------- what a peer says at connect and after
+class Peer:
+    """A peer on a Unix socket of this process that speaks as a row server would, or would not:
+    it accepts one connection, sends ``hello`` (a message and the descriptors to pass with it),
+    then answers each request with the next of ``replies`` (then it closes the connection).
+    The descriptors are its own: it closes them once sent. A ``hello`` or reply of None is
+    never said: the peer goes on to wait for the client's next request or its close."""
+
+    def __init__(self, sock, hello: bytes | None, fds: list[int] = (), replies: list[bytes | None] = ()) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(sock))
+        self.listener.listen(1)
+        self.requests: list[bytes] = []
+        self.thread = threading.Thread(target=self._speak, args=(hello, list(fds), list(replies)), daemon=True)
+        self.thread.start()
+
+    def _speak(self, hello: bytes | None, fds: list[int], replies: list[bytes | None]) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(30)
+            if hello is not None:
+                socket.send_fds(conn, [hello], fds)
+            for fd in fds:
+                os.close(fd)
+            for reply in replies:
+                self.requests.append(conn.recv(p.MAX_MESSAGE))
+                if reply is not None:
+                    conn.send(reply)
+            self.requests.append(conn.recv(p.MAX_MESSAGE))  # the client's next request, or its close (b"")
+
+    def close(self) -> None:
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+        self.listener.close()
+
+
+def hello_of(path, max_rows: int = 8, **changes) -> tuple[dict, int]:
+    """The hello a server of ``path`` says, changed by ``changes``, and a memfd of its buffer."""
+    header = read_header(path)
+    rows_offset, nbytes = p.buffer_layout(max_rows, header.layout.row_bytes)
+    hello = {"config": header.config.to_dict(), "num_rows": header.layout.num_rows,
+             "row_bytes": header.layout.row_bytes, "max_rows": max_rows, "rows_offset": rows_offset,
+             "buffer_bytes": nbytes, "tier": "direct", "table": str(path), "fingerprint": header.fingerprint()}
+    hello.update(changes)
+    fd = os.memfd_create("test-rows")
+    os.ftruncate(fd, nbytes)
+    return hello, fd
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_bad_options_and_no_server_are_refused_before_any_request(table, socket_dir):
+    sock = socket_dir / "rows.sock"
+    for timeout in (0, -1.5):
+        with pytest.raises(ValueError, match=rf"^timeout_s must be > 0, got {timeout}$"):
+            RowClient(sock, timeout_s=timeout)
+    with pytest.raises(ValueError, match=r"^verify must be one of sample, all, none, got 'some'$"):
+        RowClient(sock, verify="some")
+    before = open_descriptors()
+    with pytest.raises(TierError, match=rf"^no row server answers at {sock} \(No such file or directory\): start one "
+                                        r"with start_row_server\(table, socket\)$"):
+        RowClient(sock)
+    assert open_descriptors() == before  # the client's socket closed again
+    with serving(table[0], sock), RowClient(sock, timeout_s=0.5, verify="all") as client:  # any wait above 0
+        assert client.timeout_s == 0.5 and client._sock.gettimeout() == 0.5
+        assert client.verify == "none"  # nothing to check against without the table file
+        assert client.stats()["client"] == {"round_trips": 1, "max_rows": server_module.DEFAULT_MAX_ROWS,
+                                            "verify": "none", "rows_verified": 0}
+
+
+@pytest.mark.parametrize("said,fds,words", [
+    (p.encode(p.ERROR, payload={"type": "TierError", "message": "busy"}), 1, "refused the connection: busy$"),
+    (p.encode(p.ERROR, payload=["busy"]), 1, r"is not an engram-offload row server \(it said b'EROR'\)$"),
+    (b"", 0, r"is not an engram-offload row server \(it said b''\)$"),
+    (b"nonsense", 1, r"is not an engram-offload row server \(it said b'\?'\)$"),
+    (p.encode(p.HELLO, payload={"max_rows": 8}), 0, r"is not an engram-offload row server \(it said b'HELO'\)$"),
+    (p.encode(p.HELLO, payload=[8]), 1, r"is not an engram-offload row server \(it said b'HELO'\)$"),
+    (p.encode(p.HELLO, payload={"max_rows": 8}), 1, r"is not an engram-offload row server \(its hello lacks the "
+                                                    r"buffer's layout\)$")])
+def test_a_peer_that_is_no_row_server_is_named_and_its_descriptors_closed(table, socket_dir, said, fds, words):
+    sock = socket_dir / "rows.sock"
+    before = open_descriptors()
+    sent = [os.memfd_create("test-rows") for _ in range(fds)]
+    peer = Peer(sock, said, sent)
+    try:
+        with pytest.raises(TierError, match=rf"^(the row server at )?{sock} {words}" if "refused" not in words else
+                           rf"^the row server at {sock} {words}"):
+            RowClient(sock)
+    finally:
+        peer.close()
+    assert open_descriptors() == before  # the client's socket and every descriptor passed to it closed
+
+
+@pytest.mark.parametrize("change,size", [({"buffer_bytes": 4096}, None), ({}, 4096),
+                                         ({"rows_offset": 4096, "buffer_bytes": 4096}, None)])
+def test_a_buffer_short_of_its_layout_is_refused(table, socket_dir, change, size):
+    """A buffer smaller than the hello says, or a hello whose buffer is smaller than its
+    layout: both sizes are named (the second was named as the buffer's own size only)."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    before = open_descriptors()
+    hello, fd = hello_of(path, **change)
+    sent = os.fstat(fd).st_size
+    if size is not None:
+        os.ftruncate(fd, size)
+    needed = max(8 * 8, hello["rows_offset"] + 8 * hello["row_bytes"])
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd])
+    try:
+        with pytest.raises(TierError, match=rf"^the row server at {sock} sent a {size or sent:,}-byte buffer \(its "
+                                            rf"hello says {hello['buffer_bytes']:,}\) for a layout of {needed:,} "
+                                            r"bytes: restart it \(an older or foreign server\?\)$"):
+            RowClient(sock)
+    finally:
+        peer.close()
+    assert open_descriptors() == before
+
+
+def test_a_server_of_another_table_is_refused_by_name(table, socket_dir, tmp_path):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9, block_size=16384)
+    for table_file, change in ((other, {}), (path, {"row_bytes": read_header(path).layout.row_bytes - 1})):
+        before = open_descriptors()
+        hello, fd = hello_of(path, **change)
+        peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd])
+        try:
+            with pytest.raises(TierError, match=rf"^the row server at {sock} serves {path}, not {table_file} \(their "
+                                                r"headers or checksums differ\): start a server for this table on "
+                                                r"another socket$"):
+                RowClient(sock, table=table_file)
+        finally:
+            peer.close()
+            sock.unlink()
+        assert open_descriptors() == before
+
+
+def test_the_hello_and_the_replies_are_taken_as_the_server_says(table, socket_dir):
+    """A peer that says hello as a server would, then answers: its tier, an error of a type the
+    client does not raise as such, an error of one it does, then it closes the connection."""
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    hello, fd = hello_of(path, tier="mmap", table="elsewhere.table")
+    replies = [p.encode(p.ERROR, payload={"type": "KeyError", "message": "no such key"}),
+               p.encode(p.ERROR, payload={"type": "IndexError", "message": "row 9 is out of range"}),
+               p.encode(p.OK, payload={"store": {}})]
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd], replies)
+    try:
+        client = RowClient(sock)
+        assert (client.tier, client.table, client.max_rows, client.num_rows) == \
+            ("mmap", "elsewhere.table", 8, read_header(path).layout.num_rows)
+        assert repr(client) == f"RowClient({str(sock)!r}, table='elsewhere.table', rows={client.num_rows:,})"
+        with pytest.raises(TierError, match=r"^the row server failed: KeyError: no such key$"):
+            client.read_raw([1])
+        with pytest.raises(IndexError, match=r"^row 9 is out of range$"):
+            client.read_raw([9])
+        assert client.stats() == {"store": {}, "client": {"round_trips": 3, "max_rows": 8, "verify": "none",
+                                                          "rows_verified": 0}}
+        with pytest.raises(TierError, match=rf"^the row server at {sock} closed the connection: restart it and "
+                                            r"reconnect$"):
+            client.stats()
+        client.close()
+        assert client.closed and client._buffer.closed
+        client.close()  # twice: nothing more to do
+        with pytest.raises(ValueError, match=r"^this row client is closed: connect again$"):
+            client.stats()
+    finally:
+        peer.close()
+    assert [r[:4] for r in peer.requests] == [p.FETCH, p.FETCH, p.STATS, p.STATS]
+
+
+def test_a_peer_that_does_not_answer_in_time_is_named_and_dropped(table, socket_dir):
+    """No hello within ``timeout_s``, and no answer to a request: each is named with what was
+    waited for; the unanswered connection is dropped, and every request after says so."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    peer = Peer(sock, None)
+    try:
+        with pytest.raises(TierError, match=rf"^the row server at {sock} \(pid {os.getpid()}\) did not say hello "
+                                            r"within 0.25 s: is it stopped or wedged\? restart it \(RowClient "
+                                            r"timeout_s= sets the wait\)$"):
+            RowClient(sock, timeout_s=0.25)
+    finally:
+        peer.close()
+    sock.unlink()
+    hello, fd = hello_of(path)
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd], [None])
+    try:
+        client = RowClient(sock, timeout_s=0.25)
+        said = (rf"^the row server at {sock} did not answer a stats request within 0.25 s \(stopped or wedged\?\): "
+                r"the connection was dropped; restart the server and reconnect \(timeout_s= sets the wait\)$")
+        with pytest.raises(TierError, match=said):
+            client.stats()
+        assert client._sock.fileno() == -1  # a late reply cannot be taken for the next request's
+        with pytest.raises(TierError, match=said):
+            client.read_raw([1])
+        client.close()
+    finally:
+        peer.close()
+
+
+def test_start_row_server_says_why_its_server_exits_and_gives_it_no_terminal(table, socket_dir, capfd):
+    """The server's stderr comes back in the error (its last 4,000 characters); its stdin is
+    /dev/null and its stdout goes nowhere; a server not answering in time is named."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with pytest.raises(EngramError, match=r"^the row server exited \(1\): engram-offload row server: max_rows and "
+                                          rf"max_connections must be >= 1, got {server_module.DEFAULT_MAX_ROWS} and "
+                                          r"0$"):
+        start_row_server(path, sock, max_connections=0)
+    missing = socket_dir / ("x" * 250) / ("y" * 250) / ("z" * 4000)  # a message longer than 4,000 characters
+    assert server_module.main([str(missing), str(sock)]) == 1
+    said = capfd.readouterr().err
+    assert len(said) > 4000
+    with pytest.raises(EngramError) as err:
+        start_row_server(missing, sock)
+    assert str(err.value) == f"the row server exited (1): {said[-4000:].strip()}"
+    with pytest.raises(EngramError, match=rf"^the row server did not answer at {sock} within 0 s$"):
+        start_row_server(path, sock, timeout=0)
+    server = start_row_server(path, sock)
+    try:
+        assert os.readlink(f"/proc/{server.pid}/fd/0") == os.devnull
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert capfd.readouterr().out == ""  # it said "serving ..." before its hello, to /dev/null

@@ -6,10 +6,12 @@ refusals and its log. The server process (``start_row_server``, ``main``) has it
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
 import re
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -441,3 +443,164 @@ def test_the_descriptor_limit_named_is_the_soft_one(monkeypatch):
         assert server_module._descriptor_limit() == soft - 1
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ---------------------------------------------------------------------- accept() failing, in this process
+NOW = "now"  # a scripted failure raised at once, with no connection waiting
+
+
+class ScriptedListener:
+    """The server's listening socket with ``accept`` failures scripted: each call takes the next
+    entry of ``script``: an errno to raise (a blocking call first waits until a connection is
+    waiting, as a real accept that fails for want of a descriptor still has one in its backlog),
+    ``(NOW, errno)`` to raise at once, or None for the real accept; past the script every call is
+    real. ``calls`` records each call as (the listener blocking?, the server's spare descriptor)."""
+
+    def __init__(self, server: RowServer, script: list) -> None:
+        self.server, self.real, self.script = server, server._listener, list(script)
+        self.calls: list[tuple[bool, int]] = []
+        self.called = threading.Condition()
+        server._listener = self  # type: ignore[assignment]
+
+    def wait_calls(self, n: int) -> None:
+        """Return once accept has been called ``n`` times."""
+        with self.called:
+            assert self.called.wait_for(lambda: len(self.calls) >= n, timeout=30)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        blocking = self.real.getblocking()
+        with self.called:
+            self.calls.append((blocking, self.server._spare))
+            self.called.notify_all()
+        entry = self.script.pop(0) if self.script else None
+        if isinstance(entry, tuple):
+            entry = entry[1]
+        elif entry is not None and blocking:
+            select.select([self.real], [], [])
+        if entry is not None:
+            raise OSError(entry, os.strerror(entry))
+        return self.real.accept()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def _scripted(table, sock: Path, script: list):
+    box: list[ScriptedListener] = []
+    return serving(table[0], sock, before=lambda server: box.append(ScriptedListener(server, script))), box
+
+
+def test_accept_short_of_descriptors_refuses_with_the_spare_or_serves_when_one_was_freed(table, socket_dir):
+    """accept() fails for want of a descriptor: the spare is given up (-1 while the connection
+    is accepted), the connection refused naming the limit, the spare taken again; a descriptor
+    freed meanwhile serves the connection; one gone meanwhile, or whose second accept fails,
+    is left for the next accept, which serves it. (``calls`` past those checked may still grow:
+    the server goes back to accept once a connection is served.)"""
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    E = errno.EMFILE
+    runs = [([E, E, None], "refused"), ([errno.ENFILE, None], "served"), ([errno.ENOBUFS, errno.ECONNABORTED], "left"),
+            ([errno.ENOMEM, E, errno.ECONNABORTED], "second accept failed")]
+    for script, outcome in runs:
+        server_context, box = _scripted(table, sock, script)
+        with server_context as server:
+            listener = box[0]
+            spare = server._spare
+            assert spare >= 0
+            if outcome == "refused":
+                with pytest.raises(TierError, match=rf"refused the connection: the row server is out of file "
+                                                    rf"descriptors \(ulimit -n {limit}, 64 connections allowed\): "
+                                                    r"close idle clients, or raise its limit$"):
+                    RowClient(sock)
+                with RowClient(sock) as client:  # the spare taken again: the next one is served
+                    assert client.stats()["server"]["refused"] == 1
+                assert listener.calls[:3] == [(True, spare), (False, spare), (False, -1)]
+                assert listener.calls[3][0] and listener.calls[3][1] >= 0
+            else:
+                with RowClient(sock) as client:
+                    assert np.array_equal(client.read_raw([5, 7]).numpy(), expected[[5, 7]])
+                    assert client.stats()["server"]["refused"] == 0
+                want = {"served": [(True, spare), (False, spare)],
+                        "left": [(True, spare), (False, spare), (True, spare)],
+                        "second accept failed": [(True, spare), (False, spare), (False, -1)]}[outcome]
+                assert listener.calls[:len(want)] == want
+                if outcome == "second accept failed":  # the spare taken again, then the real accept
+                    assert listener.calls[3][0] and listener.calls[3][1] >= 0
+            assert listener.real.getblocking()
+            assert os.fstat(server._spare).st_rdev == os.stat(os.devnull).st_rdev
+
+
+def test_without_a_spare_descriptor_the_server_waits_for_one_and_goes_on(table, socket_dir, monkeypatch):
+    """The spare cannot be taken again after a refusal (-1), nor at the next failed accept (the
+    server waits and goes back to accept); the one after takes it and serves the connection. A
+    failure with no connection waiting goes back to accept."""
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    E = errno.EMFILE
+    opened = os.open
+    refusals = [2]
+
+    def open_short(name: str, flags: int, *args: int) -> int:
+        if name == os.devnull and refusals[0] > 0:
+            refusals[0] -= 1
+            raise OSError(E, os.strerror(E))
+        return opened(name, flags, *args)
+
+    server_context, box = _scripted(table, sock, [(NOW, E), E, E, None, E, E, None])
+    with server_context as server:
+        listener = box[0]
+        spare = server._spare
+        monkeypatch.setattr(server_module.os, "open", open_short)
+        listener.wait_calls(2)  # the failure with no connection waiting is over: select() found none
+        with pytest.raises(TierError, match="refused the connection: the row server is out of file descriptors"):
+            RowClient(sock)
+        with RowClient(sock) as client:
+            assert np.array_equal(client.read_raw([3]).numpy(), expected[[3]])
+            assert client.stats()["server"]["refused"] == 1
+        monkeypatch.undo()
+        assert refusals == [0]
+        # no connection at the first failure: select() found none and accept was not tried again
+        assert listener.calls[:7] == [(True, spare), (True, spare), (False, spare), (False, -1),
+                                      (True, -1), (True, -1), (False, listener.calls[6][1])]
+        assert listener.calls[6][1] >= 0
+        assert os.fstat(server._spare).st_rdev == os.stat(os.devnull).st_rdev
+
+
+def test_accept_errors_the_server_goes_past_and_those_it_raises(table, socket_dir):
+    path, expected = table
+    sock = socket_dir / "rows.sock"
+    server_context, box = _scripted(table, sock, [errno.ECONNABORTED, errno.EINTR, errno.EPROTO])
+    with server_context:
+        with RowClient(sock) as client:
+            assert np.array_equal(client.read_raw([2]).numpy(), expected[[2]])
+        assert len(box[0].calls) >= 4
+    with open_table(path, "direct") as store:
+        server = RowServer(store, sock)
+        ScriptedListener(server, [(NOW, errno.EBADF)])
+        with pytest.raises(OSError, match=r"^\[Errno 9\] Bad file descriptor$"):
+            server.serve_forever()
+        server.close()
+
+
+def test_the_lock_holder_is_the_flock_of_that_file_whatever_is_listed_before_it(socket_dir, monkeypatch):
+    """``/proc/locks`` lists every lock of the machine: a POSIX lock of the same file, an flock of
+    another file and a short line come before the holder's; a pid that has gone is named alone."""
+    lock = socket_dir / "rows.sock.lock"
+    lock.write_bytes(b"")
+    info = os.stat(lock)
+    where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    other = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino + 1}"
+    gone = 1 << 22  # above any pid_max: no such process
+
+    def listing(pid: int):
+        lines = [f"1: POSIX  ADVISORY  WRITE 7 {where} 0 EOF", f"2: FLOCK  ADVISORY  WRITE 8 {other} 0 EOF",
+                 "3: FLOCK  ADVISORY  WRITE", f"4: FLOCK  ADVISORY  WRITE {pid} {where} 0 EOF",
+                 f"5: FLOCK  ADVISORY  WRITE 9 {where} 0 EOF"]
+        return lambda *args, **kwargs: io.StringIO("".join(line + "\n" for line in lines))
+
+    command = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    monkeypatch.setattr(server_module, "open", listing(os.getpid()), raising=False)
+    assert server_module._lock_holder(info) == f"pid {os.getpid()} (uid {os.geteuid()}: {command[:120]})"
+    monkeypatch.setattr(server_module, "open", listing(gone), raising=False)
+    assert server_module._lock_holder(info) == f"pid {gone}"

@@ -381,9 +381,10 @@ def _map_buffer(fd: int, hello: dict[str, Any], socket_path: str) -> mmap.mmap:
         needed = max(int(hello["max_rows"]) * 8, rows_offset + int(hello["max_rows"]) * int(hello["row_bytes"]))
     except (KeyError, TypeError, ValueError):
         raise TierError(f"{socket_path} is not an engram-offload row server (its hello lacks the buffer's layout)") from None
-    if os.fstat(fd).st_size < nbytes or nbytes < needed:
-        raise TierError(f"the row server at {socket_path} sent a {os.fstat(fd).st_size:,}-byte buffer for a layout of "
-                        f"{needed:,} bytes: restart it (an older or foreign server?)")
+    size = os.fstat(fd).st_size
+    if size < nbytes or nbytes < needed:
+        raise TierError(f"the row server at {socket_path} sent a {size:,}-byte buffer (its hello says {nbytes:,}) for "
+                        f"a layout of {needed:,} bytes: restart it (an older or foreign server?)")
     return mmap.mmap(fd, nbytes)
 
 
