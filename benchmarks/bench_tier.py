@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="engram-bench/tier.json",
                    help="the results JSON (default engram-bench/tier.json; benchmarks/results/tier.json is the committed record: write there only to update it)")
     p.add_argument("--one-caller", action="store_true", help="run only (d): one caller, pipelined vs one call vs fio")
+    p.add_argument("--caller-batch", type=int, default=ONE_CALLER_BATCH,
+                   help=f"(d): rows a call (default {ONE_CALLER_BATCH:,}, bench-tier's; a larger call shows the rate "
+                        "without a call's start and end)")
     p.add_argument("--pipeline-rows", type=int, default=None,
                    help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS, 256)")
     args = p.parse_args(argv)
@@ -205,7 +208,7 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         for name, rows in (reads if rep % 2 == 0 else reads[::-1]):
-            runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=ONE_CALLER_BATCH, queue_depth=q,
+            runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=args.caller_batch, queue_depth=q,
                                              cold=True, engine="uring", pipeline_rows=rows))
         fio = fio_randread(table, s, q)
         if fio:
@@ -222,7 +225,7 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
             med[f"{name}_cpu_vs_fio_each"] = [round(r["cpu"], 3) for r in ratios]
     return write_result(
         "bench_tier --one-caller", table, args, argv, load_start, med, runs,
-        params={"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": ONE_CALLER_BATCH,
+        params={"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": args.caller_batch,
                 "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS, "fio": "before the first repeat and after each"},
         targets={"one_call_vs_fio_min": 0.9, "one_call_cpu_vs_fio_max": 1.2})
 
