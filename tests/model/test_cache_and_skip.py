@@ -32,6 +32,73 @@ def test_simulate_counts_hits_and_gate_share():
     assert result["gate_share"] == pytest.approx((0.5 + 0.1 + 0.5) / gates.sum())
 
 
+class _Recorded(GateLFUPolicy):
+    """A gate policy that logs every call the simulation makes (slots as lists)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.calls: list[tuple] = []
+
+    def touch(self, slots):
+        self.calls.append(("touch", slots.tolist()))
+        super().touch(slots)
+
+    def insert(self, slots, frequency=None):
+        self.calls.append(("insert", slots.tolist()))
+        super().insert(slots, frequency)
+
+    def remove(self, slots):
+        self.calls.append(("remove", slots.tolist()))
+        super().remove(slots)
+
+    def victims(self, count, evictable):
+        got = super().victims(count, evictable)
+        self.calls.append(("victims", count, evictable.tolist(), got.tolist()))
+        return got
+
+    def credit(self, slots, gate_mass):
+        self.calls.append(("credit", slots.tolist(), np.round(gate_mass, 6).tolist()))
+        super().credit(slots, gate_mass)
+
+
+def test_simulate_drives_the_policy_as_the_row_cache_does():
+    """Steps of 3 reads into 2 slots: each step's distinct rows looked up once, a hit's slot never
+    a victim in its step, more misses than slots fill what fits, the mean gate credited per slot."""
+    ids = np.array([5, 5, 7, 7, 9, 9, 11, 12, 13, 12], np.int64)
+    gates = np.array([0.2, 0.4, 0.6, 0.5, 0.1, 0.3, 0.7, 0.8, 0.9, 0.25], np.float32)
+    policy = _Recorded(2)
+    result = simulate(ids, gates, 20, policy, step_reads=3)
+    assert policy.calls == [
+        ("insert", [0, 1]), ("credit", [0, 1], [0.3, 0.6]),  # 5 and 7 miss; 5's two reads: mean gate
+        ("touch", [1]),  # 7 hits
+        ("victims", 1, [True, False], [0]), ("remove", [0]),  # 9 misses: 5 goes, 7 (hit) may not
+        ("insert", [0]), ("credit", [0], [0.2]), ("credit", [1], [0.5]),
+        ("victims", 2, [True, True], [0, 1]), ("remove", [0, 1]),  # three misses, two slots
+        ("insert", [1, 0]), ("credit", [1, 0], [0.7, 0.8]),
+        ("touch", [0]), ("credit", [0], [0.25]),  # the short last step: 12 hits
+    ]
+    assert result["hit_rate"] == pytest.approx(2 / 10)
+    assert result["gate_share"] == pytest.approx((0.5 + 0.25) / float(gates.sum()), rel=1e-6)
+
+
+def test_simulate_of_no_reads_or_no_gate_is_zero():
+    assert simulate(np.zeros(0, np.int64), np.zeros(0, np.float32), 4, LRUPolicy(2), 3) == \
+        {"hit_rate": 0.0, "gate_share": 0.0}
+    ids = np.array([1, 1, 1, 2], np.int64)
+    assert simulate(ids, np.zeros(4, np.float32), 4, LRUPolicy(1), 2) == {"hit_rate": 0.25, "gate_share": 0.0}
+
+
+def test_compare_policies_sizes_each_cache_as_a_share_of_the_table():
+    ids = np.array([1, 2, 1, 2, 3, 1], np.int64)
+    gates = np.array([0.5, 0.1, 0.5, 0.1, 0.9, 0.5], np.float32)
+    rows = compare_policies(ids, gates, 10, 2, {"lru": LRUPolicy, "gate": GateLFUPolicy}, fractions=(0.01, 0.36))
+    assert [(r["fraction"], r["capacity_rows"], r["policy"]) for r in rows] == [
+        (0.01, 1, "lru"), (0.01, 1, "gate"), (0.36, 4, "lru"), (0.36, 4, "gate")]  # at least one row; 3.6 rounds up
+    assert rows[1] == {"fraction": 0.01, "capacity_rows": 1, "policy": "gate",
+                       **simulate(ids, gates, 10, GateLFUPolicy(1), 2)}
+    assert [r["fraction"] for r in compare_policies(ids, gates, 10, 2, {"lru": LRUPolicy})] == [0.01, 0.05, 0.10, 0.20]
+
+
 def test_an_unbounded_cache_hits_every_repeat(model, held_out_pieces):
     from engram_offload.model.scan import scan
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -134,17 +136,19 @@ def test_each_row_keeps_its_most_read_ngram_its_share_and_its_distinct_ngrams(mo
     assert (got.examples[unread] == -1).all() and (got.example_share[unread] == 0).all()
     assert (got.distinct_ngrams[unread] == 0).all() and (got.mean_gates[unread] == 0).all()
     assert got.config_rows == model.config.num_rows
+    assert [a.dtype for a in (got.counts, got.examples, got.distinct_ngrams, got.gate_sums, got.example_share)] == \
+        [np.int64] * 3 + [np.float64] * 2
 
 
 def test_the_trace_is_in_serving_order_with_each_reads_gate(model, held_out_pieces):
     """Batch after batch; in a batch, position after position, its windows side by side."""
     c = model.config
-    pieces = [p for p in held_out_pieces if p.size == 65][:3]
-    got = scan(model, pieces, batch=2)
+    pieces = [p for p in held_out_pieces if p.size == 65][:17]
+    got = scan(model, pieces)  # 16 windows a batch
     ids, gates = [], []
     bases = np.array(c.layer_row_bases)
     with torch.no_grad():
-        for chunk in (pieces[:2], pieces[2:]):
+        for chunk in (pieces[:16], pieces[16:]):
             inputs = torch.from_numpy(np.stack(chunk)[:, :-1])
             model(inputs)
             g = np.stack([model.gates()[i].mean(-1).numpy() for i in c.layer_ids], axis=2)  # [B, T, L]
@@ -212,8 +216,53 @@ def test_top_rows_keep_rows_read_min_reads_times_and_show_an_ngram_once_per_laye
 def test_rank_correlation_of_too_few_or_constant_values_is_nan():
     assert np.isnan(rank_correlation(np.array([1.0]), np.array([2.0])))
     assert rank_correlation(np.array([1.0, 2]), np.array([5.0, 3])) == pytest.approx(-1.0)
-    assert np.isnan(rank_correlation(np.array([1.0, 2, 3]), np.array([4.0, 4, 4])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division of zero by zero behind the NaN
+        assert np.isnan(rank_correlation(np.array([1.0, 2, 3]), np.array([4.0, 4, 4])))
     # ties in the middle of a run: ranks [1, 2.5, 2.5, 4, 5]
     x, y = np.array([1.0, 3, 3, 4, 9]), np.array([1.0, 2, 3, 4, 5])
     assert rank_correlation(x, y) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4, 5], y)[0, 1])
     assert rank_correlation(np.array([2, 1, 3]), np.array([1, 2, 3])) == pytest.approx(0.5)  # integers too
+
+
+def test_a_scan_reads_its_rows_through_rows_for(model, held_out_pieces, scanned):
+    from engram_offload.model.checkpoint_io import load_model, shipped_model_dir
+
+    bare = load_model(shipped_model_dir(), table=False)  # no table of its own: every row comes from rows_for
+    layers = model.engram_layers()
+    got = scan(bare, held_out_pieces, lambda layer, ids: layers[layer].lookup(ids))
+    assert np.array_equal(got.counts, scanned.counts) and np.array_equal(got.trace_gates, scanned.trace_gates)
+    assert got.evaluation == scanned.evaluation
+
+
+def test_top_rows_show_twenty_rows_read_three_times_or_more_by_default(model, scanned):
+    tokenizer = load_tokenizer()
+    default = top_rows(model, scanned, tokenizer)
+    assert [len(v) for v in default.values()] == [20, 20, 20]
+    assert default == top_rows(model, scanned, tokenizer, top=20, min_reads=3)
+    assert min(r["reads"] for r in default["by_mean_gate"]) == 3  # rows read 3 times are among them
+
+
+def test_a_row_at_a_layers_or_heads_first_row_is_described_as_that_layers_or_heads(model):
+    """Rows on the boundaries of the flat row space, an example holding token 0 (the
+    tokenizer's begin-of-sentence, decoded as it is) and a row without an example."""
+    from engram_offload.model.evaluate import EvalResult
+    from engram_offload.model.scan import ScanResult
+
+    c = model.config
+    n, rows = c.max_ngram_size, c.num_rows
+    second = c.layer_row_bases[1]  # layer 2's first row: its head 0 of order 2
+    head1 = c.head_offsets(c.layer_ids[0])[1]  # layer 1's order-2 head 1
+    counts, examples = np.zeros(rows, np.int64), np.full((rows, n), -1, np.int64)
+    counts[[second, head1, 7]] = [9, 8, 7]
+    examples[second, -2:] = [0, 5]
+    examples[head1, -2:] = [11, 12]
+    result = ScanResult(rows, counts, counts * 0.5, examples, (counts > 0) * 1.0, (counts > 0).astype(np.int64),
+                        np.zeros(0, np.int64), np.zeros(0, np.float32), EvalResult(1, 1.0, np.e))
+    tokenizer = load_tokenizer()
+    got = top_rows(model, result, tokenizer, top=5, min_reads=1)["by_reads"]
+    assert [(r["row"], r["layer"], r["order"], r["head"]) for r in got] == [
+        (second, c.layer_ids[1], 2, 0), (head1, c.layer_ids[0], 2, 1), (7, c.layer_ids[0], 2, 0)]
+    assert got[0]["ngram_tokens"] == [0, 5] and got[0]["ngram"] == tokenizer.decode([0, 5], skip_special_tokens=False)
+    assert got[0]["ngram"] != tokenizer.decode([0, 5], skip_special_tokens=True)
+    assert (got[2]["ngram_tokens"], got[2]["ngram"]) == ([], "")
