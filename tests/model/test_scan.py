@@ -266,3 +266,15 @@ def test_a_row_at_a_layers_or_heads_first_row_is_described_as_that_layers_or_hea
     assert got[0]["ngram_tokens"] == [0, 5] and got[0]["ngram"] == tokenizer.decode([0, 5], skip_special_tokens=False)
     assert got[0]["ngram"] != tokenizer.decode([0, 5], skip_special_tokens=True)
     assert (got[2]["ngram_tokens"], got[2]["ngram"]) == ([], "")
+
+
+def test_plot_scan_writes_a_png_of_the_figure_size(scanned, tmp_path):
+    import struct
+
+    from engram_offload.model.scan import plot_scan
+
+    path = plot_scan(scanned, str(tmp_path / "scan.png"), 0.25)
+    assert path == tmp_path / "scan.png"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (770, 495)  # 7 x 4.5 inches at 110 dpi
