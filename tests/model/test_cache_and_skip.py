@@ -81,6 +81,23 @@ def test_simulate_drives_the_policy_as_the_row_cache_does():
     assert result["gate_share"] == pytest.approx((0.5 + 0.25) / float(gates.sum()), rel=1e-6)
 
 
+def test_simulate_evicts_only_filled_slots_and_forgets_an_evicted_row():
+    """Three slots, one still free when two rows miss: one victim among the two filled slots (the
+    free one is no victim); the evicted row read again is a miss."""
+    ids = np.array([1, 2, 3, 4, 1, 1], np.int64)
+    gates = np.array([0.1, 0.9, 0.8, 0.7, 0.2, 0.4], np.float32)
+    policy = _Recorded(3)
+    result = simulate(ids, gates, 8, policy, step_reads=2)
+    assert policy.calls == [
+        ("insert", [0, 1]), ("credit", [0, 1], [0.1, 0.9]),
+        ("victims", 1, [True, True, False], [0]), ("remove", [0]),  # row 1 (least gate) goes
+        ("insert", [0, 2]), ("credit", [0, 2], [0.8, 0.7]),
+        ("victims", 1, [True, True, True], [2]), ("remove", [2]),  # row 1 again: a miss
+        ("insert", [2]), ("credit", [2], [0.3]),
+    ]
+    assert result == {"hit_rate": 0.0, "gate_share": 0.0}
+
+
 def test_simulate_of_no_reads_or_no_gate_is_zero():
     assert simulate(np.zeros(0, np.int64), np.zeros(0, np.float32), 4, LRUPolicy(2), 3) == \
         {"hit_rate": 0.0, "gate_share": 0.0}
