@@ -84,15 +84,15 @@ def test_simulate_drives_the_policy_as_the_row_cache_does():
 def test_simulate_evicts_only_filled_slots_and_forgets_an_evicted_row():
     """Three slots, one still free when two rows miss: one victim among the two filled slots (the
     free one is no victim); the evicted row read again is a miss."""
-    ids = np.array([1, 2, 3, 4, 1, 1], np.int64)
+    ids = np.array([0, 2, 3, 4, 0, 0], np.int64)  # row 0 is a row like any other
     gates = np.array([0.1, 0.9, 0.8, 0.7, 0.2, 0.4], np.float32)
     policy = _Recorded(3)
     result = simulate(ids, gates, 8, policy, step_reads=2)
     assert policy.calls == [
         ("insert", [0, 1]), ("credit", [0, 1], [0.1, 0.9]),
-        ("victims", 1, [True, True, False], [0]), ("remove", [0]),  # row 1 (least gate) goes
+        ("victims", 1, [True, True, False], [0]), ("remove", [0]),  # row 0 (least gate) goes
         ("insert", [0, 2]), ("credit", [0, 2], [0.8, 0.7]),
-        ("victims", 1, [True, True, True], [2]), ("remove", [2]),  # row 1 again: a miss
+        ("victims", 1, [True, True, True], [2]), ("remove", [2]),  # row 0 again: a miss
         ("insert", [2]), ("credit", [2], [0.3]),
     ]
     assert result == {"hit_rate": 0.0, "gate_share": 0.0}
