@@ -89,7 +89,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "model/scan": (["model/scan.py"], ["tests/model/test_scan.py"]),
     "model/ngrams": (["model/ngrams.py"], [f"tests/model/test_scan.py::test_{name}" for name in (
         "seen_ngrams_round_trip", "reads_of_unseen_ngrams_are_told_from_seen_ones",
-        "with_an_empty_filter_every_read_is_unseen_and_each_order_has_its_share")]),
+        "with_an_empty_filter_every_read_is_unseen_and_each_order_has_its_share",
+        "the_shipped_filter_knows_the_ngrams_of_common_python")]),
     # cache_sim's own tests on small traces, not the two that scan the trained model first
     "model/cache_sim": (["model/cache_sim.py"], [
         *(f"tests/model/test_cache_and_skip.py::test_{name}" for name in (

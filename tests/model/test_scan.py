@@ -94,6 +94,7 @@ def test_seen_ngrams_round_trip(model, tmp_path):
     seen.save(tmp_path)
     loaded = SeenNgrams.load(tmp_path)
     assert loaded is not None and loaded.contains(keys[:2]).all() and not loaded.contains(keys[2]).any()
+    assert loaded.bits.dtype == np.bool_ and loaded.bits.shape == seen.bits.shape  # one byte a bit, not eight
     assert SeenNgrams.load(tmp_path / "none") is None
 
 
@@ -278,3 +279,21 @@ def test_plot_scan_writes_a_png_of_the_figure_size(scanned, tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", data[16:24]) == (770, 495)  # 7 x 4.5 inches at 110 dpi
+
+
+def test_the_shipped_filter_knows_the_ngrams_of_common_python(model):
+    """The keys and their bit positions are those the shipped filter was written with: every
+    2- and 3-gram of a few everyday lines of Python is in it (about 11% of its bits are set, so
+    a key hashed any other way passes all three bits by chance about once in 700)."""
+    from engram_offload.model.checkpoint_io import shipped_model_dir
+    from engram_offload.model.ngrams import SeenNgrams, ngram_keys
+
+    text = "import os\nimport sys\n\n\nclass Foo:\n    def __init__(self, name):\n        self.name = name\n"
+    ids = np.array(load_tokenizer().encode(text, add_special_tokens=False).ids, np.int64)
+    keys = ngram_keys(model.hasher, ids[None])
+    assert keys.dtype == np.uint64 and keys.shape == (1, ids.size, model.config.max_ngram_size - 1)
+    shipped = SeenNgrams.load(shipped_model_dir())
+    assert shipped is not None and 0.05 < shipped.bits.mean() < 0.2
+    assert shipped.contains(keys).all()
+    # the order sits in the key's low three bits: 2 for 2-grams, 3 for 3-grams
+    assert (keys[..., 0] % 8 == 2).all() and (keys[..., 1] % 8 == 3).all()
