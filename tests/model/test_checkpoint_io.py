@@ -142,6 +142,11 @@ def test_saving_the_twin_again_writes_the_same_files(model_dir, tmp_path):
     for f in twin_dir(model_dir).iterdir():
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     assert not (out / "written_rows.npy").exists()
+    # over a model already there, or into folders still to be made; the record's keys sorted
+    again = save_model(twin, {}, out, extra={"z": 1, "a": {"y": 2, "b": 3}})
+    assert (again / "training.json").read_text() == json.dumps({"a": {"b": 3, "y": 2}, "z": 1}, indent=2) + "\n"
+    nested = save_model(twin, {}, tmp_path / "new" / "twin")
+    assert (nested / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
 def test_load_model_defaults_to_the_shipped_model_and_refuses_a_foreign_checkpoint(model_dir, tmp_path):
@@ -163,3 +168,13 @@ def test_load_model_defaults_to_the_shipped_model_and_refuses_a_foreign_checkpoi
     (foreign / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"{foreign} has no vocab_ids tensor: is it an EngramLM checkpoint"):
         load_model(foreign)
+    lacking = tmp_path / "lacking"  # a backbone tensor missing: refused, not left at its initial value
+    shutil.copytree(twin_dir(model_dir), lacking)
+    tensors = load_file(str(lacking / "model.safetensors"))
+    del tensors["norm.weight"]
+    save_file(tensors, str(lacking / "model.safetensors"), metadata={"format": "pt"})
+    index = json.loads((lacking / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["norm.weight"]
+    (lacking / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"does not match the model: missing \['norm.weight'\], unexpected \[\]"):
+        load_model(lacking)
