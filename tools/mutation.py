@@ -97,7 +97,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "simulate_counts_hits_and_gate_share", "simulate_drives_the_policy_as_the_row_cache_does",
             "simulate_evicts_only_filled_slots_and_forgets_an_evicted_row", "simulate_of_no_reads_or_no_gate_is_zero",
             "compare_policies_sizes_each_cache_as_a_share_of_the_table"))]),
-    "model/skip": (["model/skip.py"], ["tests/model/test_cache_and_skip.py::test_skip_is_off_by_default_and_saves_reads_when_asked"]),
+    "model/skip": (["model/skip.py"], [f"tests/model/test_cache_and_skip.py::test_{name}" for name in (
+        "skip_is_off_by_default_and_saves_reads_when_asked", "skip_eval_reports_its_point_and_reads_rows_through_rows_for",
+        "skip_curve_starts_with_every_read_and_matches_each_point_with_random_skips")]),
     "model/checkpoint_io": (["model/checkpoint_io.py"], ["tests/model/test_checkpoint_io.py"]),
     "model/corpus": (["model/corpus.py"], ["tests/model/test_corpus_reading.py", "tests/model/test_corpus_sources.py"]),
     "tiers/shared": (["tiers/shared.py"], ["tests/tiers/test_shared_tier.py", "tests/tiers/test_shared_safety.py"]),

@@ -153,3 +153,36 @@ def test_cache_sim_command_writes_the_json_it_prints(tmp_path, capsys):
     assert json.loads(out.read_text()) == printed
     assert printed["reads"] > 0 and {r["policy"] for r in printed["results"]} == {"lru", "lfu-aging", "gate-lfu"}
     assert not list(tmp_path.glob("*.tmp"))  # written atomically: no temporary left behind
+
+
+def test_skip_eval_reports_its_point_and_reads_rows_through_rows_for(model, held_out_pieces):
+    from engram_offload.model.checkpoint_io import load_model, shipped_model_dir
+    from engram_offload.model.evaluate import evaluate
+
+    pieces = held_out_pieces[:20]
+    full = evaluate(model, pieces)
+    point = skip_eval(model, pieces, 0.0)
+    assert point == {"threshold": 0.0, "random_rate": None, "reads_saved": 0.0, "perplexity": full.perplexity,
+                     "nll": full.nll, "tokens": full.tokens}
+    assert skip_eval(model, pieces, 2.0) == skip_eval(model, pieces, 2.0, batch=16)  # 16 windows a batch
+    assert skip_eval(model, pieces, 2.0)["reads_saved"] != skip_eval(model, pieces, 2.0, batch=17)["reads_saved"]
+    random = skip_eval(model, pieces, 0.0, random_rate=0.3)
+    assert random == skip_eval(model, pieces, 0.0, random_rate=0.3, seed=0) != skip_eval(model, pieces, 0.0,
+                                                                                          random_rate=0.3, seed=1)
+    assert random["random_rate"] == 0.3
+    bare = load_model(shipped_model_dir(), table=False)  # every row from rows_for
+    layers = model.engram_layers()
+    assert skip_eval(bare, pieces, 0.5, lambda layer, ids: layers[layer].lookup(ids), batch=4) == \
+        skip_eval(model, pieces, 0.5, batch=4)
+
+
+def test_skip_curve_starts_with_every_read_and_matches_each_point_with_random_skips(model, held_out_pieces):
+    from engram_offload.model.skip import skip_curve
+
+    pieces = held_out_pieces[:40]  # three batches: the later ones skip what the first read
+    curve, baseline = skip_curve(model, pieces, [0.0001, 2.0])
+    assert [p["threshold"] for p in curve] == [0.0, 0.0001, 2.0]
+    assert curve[0] == skip_eval(model, pieces, 0.0) and curve[2] == skip_eval(model, pieces, 2.0)
+    saved = [p["reads_saved"] for p in curve[1:] if p["reads_saved"] > 0]
+    assert saved and [b["random_rate"] for b in baseline] == saved
+    assert baseline[-1] == skip_eval(model, pieces, 0.0, random_rate=saved[-1])
