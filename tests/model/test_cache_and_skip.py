@@ -186,3 +186,9 @@ def test_skip_curve_starts_with_every_read_and_matches_each_point_with_random_sk
     saved = [p["reads_saved"] for p in curve[1:] if p["reads_saved"] > 0]
     assert saved and [b["random_rate"] for b in baseline] == saved
     assert baseline[-1] == skip_eval(model, pieces, 0.0, random_rate=saved[-1])
+    # a model without its table: the curve and its baseline read every row through rows_for
+    from engram_offload.model.checkpoint_io import load_model, shipped_model_dir
+
+    bare, layers = load_model(shipped_model_dir(), table=False), model.engram_layers()
+    bare_curve, bare_baseline = skip_curve(bare, pieces, [2.0], lambda layer, ids: layers[layer].lookup(ids))
+    assert bare_curve == [curve[0], curve[2]] and bare_baseline == [baseline[-1]]
