@@ -76,6 +76,32 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "bench/modeled": (["bench/modeled.py"], ["tests/bench/test_modeled.py"]),
     "bench/drafts": (["bench/drafts.py"], ["tests/bench/test_drafts.py"]),
     "model/drafts": (["model/drafts.py"], ["tests/model/test_model_drafts.py"]),
+    # the model modules run the shipped trained model; the eval command's tests (10 to 15 s each,
+    # the whole corpus) are left to the full suite: evaluate runs its fast tests and the scan's
+    "model/evaluate": (["model/evaluate.py"], [
+        *(f"tests/model/test_evaluate.py::test_{name}" for name in (
+            "tiers_give_bit_identical_logits", "table_is_worth_something_on_held_out_text",
+            "gate_zero_leaves_the_hidden_state_unchanged", "windows_overlap_by_one_token_and_keep_the_tail",
+            "batches_group_equal_lengths_longest_first", "store_rows_reads_each_layer_at_its_base",
+            "evaluate_is_the_mean_cross_entropy_of_every_target", "compare_lesions_every_gate_and_combines_the_kinds",
+            "combined_weights_each_result_by_its_tokens")),
+        "tests/model/test_scan.py"]),
+    "model/scan": (["model/scan.py"], ["tests/model/test_scan.py"]),
+    "model/ngrams": (["model/ngrams.py"], [f"tests/model/test_scan.py::test_{name}" for name in (
+        "seen_ngrams_round_trip", "reads_of_unseen_ngrams_are_told_from_seen_ones",
+        "with_an_empty_filter_every_read_is_unseen_and_each_order_has_its_share",
+        "the_shipped_filter_knows_the_ngrams_of_common_python")]),
+    # cache_sim's own tests on small traces, not the two that scan the trained model first
+    "model/cache_sim": (["model/cache_sim.py"], [
+        *(f"tests/model/test_cache_and_skip.py::test_{name}" for name in (
+            "simulate_counts_hits_and_gate_share", "simulate_drives_the_policy_as_the_row_cache_does",
+            "simulate_evicts_only_filled_slots_and_forgets_an_evicted_row", "simulate_of_no_reads_or_no_gate_is_zero",
+            "compare_policies_sizes_each_cache_as_a_share_of_the_table"))]),
+    "model/skip": (["model/skip.py"], [f"tests/model/test_cache_and_skip.py::test_{name}" for name in (
+        "skip_is_off_by_default_and_saves_reads_when_asked", "skip_eval_reports_its_point_and_reads_rows_through_rows_for",
+        "skip_curve_starts_with_every_read_and_matches_each_point_with_random_skips")]),
+    "model/checkpoint_io": (["model/checkpoint_io.py"], ["tests/model/test_checkpoint_io.py"]),
+    "model/corpus": (["model/corpus.py"], ["tests/model/test_corpus_reading.py", "tests/model/test_corpus_sources.py"]),
     "tiers/shared": (["tiers/shared.py"], ["tests/tiers/test_shared_tier.py", "tests/tiers/test_shared_safety.py"]),
     "engram/checkpoint": (["engram/checkpoint.py"], ["tests/engram/test_checkpoint.py",
                                                      "tests/engram/test_released_checkpoint.py",

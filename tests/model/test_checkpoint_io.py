@@ -95,3 +95,86 @@ def test_load_model_rebuilds_every_weight(model_dir, table):
         head = f.get_tensor("head.weight")
     assert torch.equal(model.head.weight.detach(), head.float())
     assert all(e.has_table == table for e in model.engram_layers().values())
+
+
+def test_saving_the_shipped_model_again_writes_the_same_files(model_dir, tmp_path):
+    """Load, then save with the same tables, training record and written rows: the backbone
+    shard, the index, the config and the records come back byte for byte; the Engram shard holds
+    the same tensors, whose values dequantize the same (a block whose largest value sits on a
+    power-of-two boundary may take the other of two exact scales)."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from engram_offload.model.checkpoint_io import load_model, save_model, written_rows
+
+    model = load_model(model_dir)
+    tables = {i: dequantize_fp8_ue8m0(e.embed.weight, e.embed.scale) for i, e in model.engram_layers().items()}
+    extra = json.loads((model_dir / "training.json").read_text())
+    written = written_rows(model_dir)
+    assert written is not None and written.dtype == bool and written.all()  # training wrote every row
+    assert written.size == EngramConfig.from_hf_config(model_dir).num_rows
+    out = save_model(model, tables, tmp_path / "m", extra=extra, written=torch.from_numpy(written))
+    assert out == tmp_path / "m"
+    for name in ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                 "training.json", "written_rows.npy"):
+        assert (out / name).read_bytes() == (model_dir / name).read_bytes(), name
+    assert np.array_equal(written_rows(out), written) and written_rows(tmp_path) is None
+    shipped, saved = (load_file(str(d / "model-00002-of-00002.safetensors")) for d in (model_dir, out))
+    assert {k: (v.dtype, v.shape) for k, v in saved.items()} == {k: (v.dtype, v.shape) for k, v in shipped.items()}
+    for layer in model.engram_layers():
+        p = f"layers.{layer}.engram."
+        for weight, scale, dequantize in (("embed.weight", "embed.scale", dequantize_fp8_ue8m0),
+                                          ("wkv.weight", "wkv.scale", dequantize_fp8_blocks)):
+            got = dequantize(saved[p + weight], saved[p + scale].view(torch.uint8))
+            assert torch.equal(got, dequantize(shipped[p + weight], shipped[p + scale].view(torch.uint8))), p + weight
+        for name in ("q_weight", "k_weight"):
+            assert torch.equal(saved[p + name], shipped[p + name])
+    assert torch.equal(load_model(out)(torch.arange(3, 40)[None]), model(torch.arange(3, 40)[None]))
+
+
+def test_saving_the_twin_again_writes_the_same_files(model_dir, tmp_path):
+    from engram_offload.model.checkpoint_io import load_model, save_model
+
+    twin = load_model(twin_dir(model_dir))
+    assert not twin.has_engram and twin.engram_layers() == {}
+    out = save_model(twin, {}, tmp_path / "t", extra=json.loads((twin_dir(model_dir) / "training.json").read_text()))
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in twin_dir(model_dir).iterdir())
+    for f in twin_dir(model_dir).iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not (out / "written_rows.npy").exists()
+    # over a model already there, or into folders still to be made; the record's keys sorted
+    again = save_model(twin, {}, out, extra={"z": 1, "a": {"y": 2, "b": 3}})
+    assert (again / "training.json").read_text() == json.dumps({"a": {"b": 3, "y": 2}, "z": 1}, indent=2) + "\n"
+    nested = save_model(twin, {}, tmp_path / "new" / "twin")
+    assert (nested / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_load_model_defaults_to_the_shipped_model_and_refuses_a_foreign_checkpoint(model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engram_offload.model.checkpoint_io import load_model
+
+    default = load_model()
+    assert torch.equal(default.head.weight, load_model(model_dir).head.weight) and default.has_engram
+    foreign = tmp_path / "foreign"
+    shutil.copytree(twin_dir(model_dir), foreign)
+    tensors = load_file(str(foreign / "model.safetensors"))
+    del tensors["vocab_ids"]
+    save_file(tensors, str(foreign / "model.safetensors"), metadata={"format": "pt"})
+    index = json.loads((foreign / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["vocab_ids"]
+    (foreign / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"{foreign} has no vocab_ids tensor: is it an EngramLM checkpoint"):
+        load_model(foreign)
+    lacking = tmp_path / "lacking"  # a backbone tensor missing: refused, not left at its initial value
+    shutil.copytree(twin_dir(model_dir), lacking)
+    tensors = load_file(str(lacking / "model.safetensors"))
+    del tensors["norm.weight"]
+    save_file(tensors, str(lacking / "model.safetensors"), metadata={"format": "pt"})
+    index = json.loads((lacking / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["norm.weight"]
+    (lacking / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"does not match the model: missing \['norm.weight'\], unexpected \[\]"):
+        load_model(lacking)

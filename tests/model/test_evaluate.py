@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tiers.tier_cases import direct_io_refused
 
 from engram_offload.commands import model as model_commands
-from engram_offload.model.checkpoint_io import load_model
-from engram_offload.model.evaluate import batches, evaluate, store_rows
+from engram_offload.model.checkpoint_io import load_model, shipped_model_dir, twin_dir
+from engram_offload.model.evaluate import EvalResult, batches, combined, compare, evaluate, store_rows, windows
 from engram_offload.model.serving import served_table
 
 
@@ -110,3 +113,106 @@ def test_the_shipped_model_beats_its_twin_and_its_lesion_on_every_kind_installed
         assert row["engram"]["perplexity"] < row["twin"]["perplexity"], kind
         assert row["engram"]["perplexity"] < row["lesion"]["perplexity"], kind
     assert record["twin_over_engram"] > 1 and record["lesion_over_engram"] > 1
+
+
+def test_windows_overlap_by_one_token_and_keep_the_tail():
+    ten, nine = np.arange(10), np.arange(100, 109)
+    got = windows([ten, np.arange(1), np.arange(0), nine], 4)
+    # each window's last token is the next one's first; a tail of two tokens is a window, of one is not
+    assert [w.tolist() for w in got] == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9],
+                                         [100, 101, 102, 103, 104], [104, 105, 106, 107, 108]]
+    assert windows([np.arange(2)], 4)[0].tolist() == [0, 1]
+
+
+def test_batches_group_equal_lengths_longest_first():
+    pieces = [np.full(3, 1), np.full(5, 2), np.full(5, 3), np.full(3, 4), np.full(5, 5)]
+    got = [b.tolist() for b in batches(pieces, 2)]
+    assert got == [[[2] * 5, [3] * 5], [[5] * 5], [[1] * 3, [4] * 3]]
+
+
+def test_store_rows_reads_each_layer_at_its_base(model):
+    c = model.config
+    asked: list[np.ndarray] = []
+
+    class Store:
+        def gather(self, ids: np.ndarray) -> torch.Tensor:
+            asked.append(ids)
+            return torch.zeros(*ids.shape, c.head_dim)
+
+    rows_for = store_rows(Store(), model)
+    ids = torch.tensor([[[0, 1, 2]]])
+    for layer, base in zip(c.layer_ids, c.layer_row_bases):
+        assert rows_for(layer, ids).shape == (1, 1, 3, c.head_dim)
+        assert asked[-1].tolist() == [[[base, base + 1, base + 2]]]
+    assert len(set(c.layer_row_bases)) == len(c.layer_ids) > 1  # the layers' bases differ
+
+
+def test_evaluate_is_the_mean_cross_entropy_of_every_target(model, held_out_pieces):
+    """Every window's every target counts once, whatever the batching; the hooks see each batch."""
+    full = [p for p in held_out_pieces if p.size == 65]
+    pieces = full[:5] + [full[5][:9], full[6][:9], full[7][:2]]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for p in pieces:
+            chunk = torch.from_numpy(p[None])
+            logits = model(chunk[:, :-1])
+            total += float(F.cross_entropy(logits[0], model.to_model_ids(chunk[0, 1:]), reduction="sum"))
+            count += p.size - 1
+    seen: list[tuple] = []
+    result = evaluate(model, pieces, batch=2, on_batch=lambda i, r, lg: seen.append((i.shape, r.shape, lg.shape)))
+    assert result.tokens == count == 5 * 64 + 2 * 8 + 1
+    assert result.nll == pytest.approx(total / count, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(result.nll), rel=1e-12)
+    c = model.config
+    L, C, K = len(c.layer_ids), c.cols_per_layer, model.vocab_size
+    assert seen == [((2, 64), (2, 64, L, C), (2, 64, K))] * 2 + [((1, 64), (1, 64, L, C), (1, 64, K)),
+                                                                ((2, 8), (2, 8, L, C), (2, 8, K)),
+                                                                ((1, 1), (1, 1, L, C), (1, 1, K))]
+    assert evaluate(model, pieces, batch=16).nll == pytest.approx(result.nll, rel=1e-5)
+
+    def lesion(inputs: torch.Tensor, row_ids: torch.Tensor) -> None:  # before each forward
+        assert torch.equal(row_ids, model.row_ids(inputs))
+        model.set_gate_scale(0.0)
+
+    try:
+        lesioned = evaluate(model, pieces, before_batch=lesion)
+        model.set_gate_scale(0.0)
+        assert lesioned == evaluate(model, pieces)
+    finally:
+        model.set_gate_scale(None)
+    assert lesioned.nll != result.nll
+    with pytest.raises(ValueError, match="no window of two or more tokens"):
+        evaluate(model, windows([np.arange(1)], 8))
+
+
+def test_combined_weights_each_result_by_its_tokens():
+    got = combined([EvalResult(10, 1.0, math.e), EvalResult(30, 2.0, math.e ** 2)])
+    assert got == EvalResult(40, 1.75, math.exp(1.75))
+    assert combined([EvalResult(1, 2.0, math.e ** 2)]) == EvalResult(1, 2.0, math.exp(2.0))
+    assert combined([]) == EvalResult(0, 0.0, 1.0)
+    assert got.to_dict() == {"tokens": 40, "nll": 1.75, "perplexity": math.exp(1.75)}
+
+
+def test_compare_lesions_every_gate_and_combines_the_kinds(model, held_out_pieces):
+    kinds = {"first": held_out_pieces[:3], "second": held_out_pieces[3:7]}
+    twin = load_model(twin_dir(shipped_model_dir()))
+    got = compare(model, twin, kinds)
+    assert list(got) == ["first", "second", "all"]
+    assert all(layer.gate_scale is None for layer in model.engram_layers().values())  # the lesion is undone
+    for kind, pieces in kinds.items():
+        assert got[kind]["engram"] == evaluate(model, pieces)
+        assert got[kind]["twin"] == evaluate(twin, pieces)
+        model.set_gate_scale(0.0)
+        try:
+            assert got[kind]["lesion"] == evaluate(model, pieces)
+        finally:
+            model.set_gate_scale(None)
+        assert len({got[kind][name].nll for name in ("engram", "lesion", "twin")}) == 3
+    for name in ("engram", "lesion", "twin"):
+        assert got["all"][name] == combined([got["first"][name], got["second"][name]])
+    # a model without its table reads every row, its lesion's too, through rows_for
+    bare = load_model(shipped_model_dir(), table=False)
+    layers = model.engram_layers()
+    alone = compare(bare, None, {"first": kinds["first"]}, lambda layer, ids: layers[layer].lookup(ids))
+    assert list(alone["first"]) == list(alone["all"]) == ["engram", "lesion"]
+    assert alone["all"]["engram"] == got["first"]["engram"] and alone["all"]["lesion"] == got["first"]["lesion"]
