@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -217,7 +218,8 @@ def test_a_segment_name_must_be_a_plain_file_name(table, shm_dir, name):
 # --------------------------------------------------------------------------- process_pss
 MAPPER = textwrap.dedent("""
     import mmap, os, sys
-    anon = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # then the segment twice, below it
+    anon = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,  # then the segment twice, below it
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)  # "rwxp": no dash in its permissions
     anon.write(b"x" * (1 << 20))
     fd = os.open(sys.argv[1], os.O_RDONLY)
     maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for _ in range(2)]
@@ -289,8 +291,16 @@ def test_stats_name_the_segment_its_size_and_how_reads_are_checked(table, shm_di
                                              "verify_reads", "attach_check_seconds")} == {
             "segment": str(uid_folder(shm_dir) / segment_name(header)), "loaded_here": True, "segment_bytes": total,
             "replaced": None, "sample_pages": 2, "verify_reads": False, "attach_check_seconds": 0.0}
+    started = time.perf_counter()
     with SharedTier(header, shm_dir=shm_dir, verify_reads=True) as tier:
-        assert tier.stats()["verify_reads"] is True and tier.stats()["loaded_here"] is False
+        opened = time.perf_counter() - started
+        stats = tier.stats()
+        assert stats["verify_reads"] is True and stats["loaded_here"] is False and stats["huge_pages"] is False
+        assert stats["verified_on_load"] is True and 0 < stats["attach_check_seconds"] <= stats["load_seconds"] <= opened
+        assert np.array_equal(read(tier, [7]), table[1][[7]])
+        assert tier.stats()["bytes_read"] == header.layout.row_bytes
+    with SharedTier(header, shm_dir=shm_dir, sample_pages=0) as tier:
+        assert np.array_equal(read(tier, [7]), table[1][[7]])  # a first read of one row: its spans made for it
 
 
 def test_sampled_reads_check_the_distinct_pages_of_a_few_rows_and_count_the_bytes(table, shm_dir):
@@ -305,6 +315,9 @@ def test_sampled_reads_check_the_distinct_pages_of_a_few_rows_and_count_the_byte
         spread = np.arange(0, 40 * rpp, 4 * rpp)  # ten rows, ten pages: at most three checked
         assert np.array_equal(read(tier, spread), expected[spread])
         assert 2 <= tier.stats()["pages_checked"] <= 4 and tier.stats()["bytes_read"] == (rpp + 10) * rb
+    with SharedTier(header, shm_dir=shm_dir, sample_pages=2) as two:
+        assert np.array_equal(read(two, first_page), expected[first_page])
+        assert two.stats()["pages_checked"] == 1  # two samples, one page
     with SharedTier(header, shm_dir=shm_dir, sample_pages=1) as one, \
             SharedTier(header, shm_dir=shm_dir, sample_pages=0) as none:
         for _ in range(2):

@@ -61,6 +61,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import torch
@@ -124,7 +125,8 @@ def _data_bytes(header: TableHeader) -> int:
 
 def _outside_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel`` for its caller's first caller outside this package."""
-    frame, level = sys._getframe(2), 2  # the caller of warn's caller
+    frame: FrameType | None = sys._getframe(2)  # the caller of warn's caller
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
