@@ -278,6 +278,10 @@ def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seed
     ("redis://u:pw@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
     ("redis://127.0.0.1:7x1", "pool address 'redis://127.0.0.1:7x1' lacks a port number: use redis://host:port (a "
                               "password with '/', '@' or ':' is written percent-encoded)"),
+    ("redis://127.0.0.1:70 01", "pool address 'redis://127.0.0.1:70 01' lacks a port number: use redis://host:port (a "
+                                "password with '/', '@' or ':' is written percent-encoded)"),
+    # a password with an unencoded '@' and ':': the address is what follows the last '@'
+    ("redis://u:a@b:c@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
     ("redis://127.0.0.1:0", "pool address 'redis://127.0.0.1:0': port 0 is out of range (1-65535)"),
     ("redis://127.0.0.1:65536", "pool address 'redis://127.0.0.1:65536': port 65536 is out of range (1-65535)"),
     ("http://127.0.0.1:7001", "pool address 'http://127.0.0.1:7001' is not a redis:// URL "
