@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import signal
+import socket
+import threading
 import time
 
+import numpy as np
 import pytest
 
-from engram_offload.pool.client import PoolClient, PoolError, key_slot, parse_pool_url, redact
+from engram_offload.pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
 
-from redis_servers import fresh_pool, migrate_slot, redis_single  # noqa: F401 (fixtures)
+from redis_servers import fresh_pool, migrate_slot, redis_cluster, redis_single  # noqa: F401 (fixtures)
 
 
 def test_an_error_reply_names_a_bytes_key_as_text(redis_single):  # noqa: F811
@@ -32,6 +35,7 @@ def test_scan_finds_the_keys_of_every_node(fresh_pool):  # noqa: F811
     pool = fresh_pool(3)
     with PoolClient(pool.url) as client:
         assert client.cluster is True and len(client.nodes) == 3
+        assert client.owner.dtype == np.int32 and set(client.owner.tolist()) == {0, 1, 2}
         keys = [f"engram-scan:{i}".encode() for i in range(60)]
         assert {client.node_of(k) for k in keys} == {0, 1, 2}  # spread over the three nodes
         client.execute([("SET", k, b"v") for k in keys])
@@ -43,10 +47,11 @@ def test_a_node_that_died_fails_each_node_naming_it(fresh_pool):  # noqa: F811
     pool = fresh_pool(1)
     with PoolClient(pool.url) as client:
         assert client.each_node("PING") == [b"PONG"]
+        broken = client._conns[f"127.0.0.1:{pool.nodes[0].port}"]
         pool.nodes[0].kill()
         with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
             client.each_node("PING")
-        assert not client._conns  # the broken connection is dropped
+        assert not client._conns and broken.sock.fileno() == -1  # the broken connection is dropped and closed
         with pytest.raises(PoolError, match=f"^cannot connect to 127.0.0.1:{pool.nodes[0].port}: "):
             client.each_node("PING")  # no connection to be had now
 
@@ -55,10 +60,11 @@ def test_a_node_that_died_fails_a_command_naming_it(fresh_pool):  # noqa: F811
     pool = fresh_pool(1)
     with PoolClient(pool.url) as client:
         assert client.call("SET", "engram-test:k", b"v") == b"OK"
+        broken = client._conns[f"127.0.0.1:{pool.nodes[0].port}"]
         pool.nodes[0].kill()
         with pytest.raises(PoolError, match=f"^pool node 127.0.0.1:{pool.nodes[0].port} failed: "):
             client.call("GET", "engram-test:k")
-        assert not client._conns
+        assert not client._conns and broken.sock.fileno() == -1
 
 
 def test_a_stopped_node_times_out_within_the_bound(fresh_pool):  # noqa: F811
@@ -72,6 +78,61 @@ def test_a_stopped_node_times_out_within_the_bound(fresh_pool):  # noqa: F811
                 client.call("GET", "engram-test:k")
         finally:
             pool.nodes[0].process.send_signal(signal.SIGCONT)
+
+
+def test_the_slot_map_comes_from_the_first_seed_that_answers(redis_cluster):  # noqa: F811
+    """A seed that refuses and one that accepts but never answers (within the client's
+    timeout) are passed over; with no seed answering, the message lists why for each."""
+    refusing = socket.socket()  # bound, not listening: connections are refused
+    refusing.bind(("127.0.0.1", 0))
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    try:
+        r, s = refusing.getsockname()[1], silent.getsockname()[1]
+        with pytest.raises(PoolError, match=(rf"^no pool node answers \(cannot connect to 127.0.0.1:{r}: [^;]*refused; "
+                                             rf"127.0.0.1:{s}: timed out\): is the pool running\?$")):
+            PoolClient(f"redis://127.0.0.1:{r},127.0.0.1:{s}", timeout=0.5)
+        with PoolClient(f"redis://127.0.0.1:{r},127.0.0.1:{s},127.0.0.1:{redis_cluster.nodes[0].port}",
+                        timeout=0.5) as client:
+            assert client.cluster is True and sorted(client.nodes) == [("127.0.0.1", n.port) for n in redis_cluster.nodes]
+    finally:
+        refusing.close()
+        silent.close()
+
+
+def test_a_peer_that_is_no_redis_server_or_hangs_up_is_a_connection_error_naming_it():
+    """A listener that answers like an HTTP server, then one that reads the command and hangs
+    up: each is a ``ConnectionError`` saying so, and a connection that got garbage fails again
+    as one (its reader reset), never with an error of another kind."""
+    http = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for reply in (http, b""):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(reply)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        garbled = NodeConnection("127.0.0.1", port, 5.0)
+        with pytest.raises(ConnectionError) as caught:
+            garbled.call("PING")
+        assert str(caught.value) == (f"127.0.0.1:{port} does not speak the Redis protocol (it sent {http[:40]!r}): "
+                                     "is that port a Redis server's?")
+        with pytest.raises(ConnectionError):
+            garbled.call("PING")  # the peer is gone: a reset, or nothing read
+        garbled.close()
+        silent = NodeConnection("127.0.0.1", port, 5.0)
+        with pytest.raises(ConnectionError, match=rf"^127.0.0.1:{port} closed the connection$"):
+            silent.call("PING")
+        silent.close()
+        server.join(5.0)
+        assert not server.is_alive()
+    finally:
+        listener.close()
 
 
 # ---------------------------------------------------------------------- a slot being migrated (ASK)
@@ -155,7 +216,9 @@ def test_keys_of_a_slot_being_migrated_are_read_where_they_are(fresh_pool):  # n
 def test_a_plain_server_is_one_node_and_never_one_of_several(redis_single):  # noqa: F811
     with PoolClient(redis_single.url) as client:
         assert client.cluster is False and client.nodes == [("127.0.0.1", redis_single.nodes[0].port)]
+        assert client.timeout == 5.0  # the default
         assert client.owner.min() == client.owner.max() == 0
+        assert client.owner.dtype == np.int32 and client.owner.shape == (16384,)  # the remote tier indexes by it
     port = redis_single.nodes[0].port
     with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} is a plain Redis server, not a cluster node: give one "
                                          r"plain server, or the nodes of a Redis Cluster$")):
@@ -202,6 +265,7 @@ A, B = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
     ("redis://alice:s3cret@127.0.0.1:7001", [A], None, ("alice", "s3cret")),
     ("redis://:s3cret@127.0.0.1:7001", [A], None, (None, "s3cret")),
     ("redis://127.0.0.1:1,127.0.0.1:65535", [("127.0.0.1", 1), ("127.0.0.1", 65535)], None, None),
+    ("redis://[::1]:7001,[::1]:7002", [("::1", 7001), ("::1", 7002)], None, None),  # the port after the last colon
 ])
 def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seeds, fp, auth):
     monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
@@ -214,6 +278,10 @@ def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seed
     ("redis://u:pw@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
     ("redis://127.0.0.1:7x1", "pool address 'redis://127.0.0.1:7x1' lacks a port number: use redis://host:port (a "
                               "password with '/', '@' or ':' is written percent-encoded)"),
+    ("redis://127.0.0.1:70 01", "pool address 'redis://127.0.0.1:70 01' lacks a port number: use redis://host:port (a "
+                                "password with '/', '@' or ':' is written percent-encoded)"),
+    # a password with an unencoded '@' and ':': the address is what follows the last '@'
+    ("redis://u:a@b:c@127.0.0.1", "pool address 'redis://u:***@127.0.0.1' lacks a host and port: use redis://host:port"),
     ("redis://127.0.0.1:0", "pool address 'redis://127.0.0.1:0': port 0 is out of range (1-65535)"),
     ("redis://127.0.0.1:65536", "pool address 'redis://127.0.0.1:65536': port 65536 is out of range (1-65535)"),
     ("http://127.0.0.1:7001", "pool address 'http://127.0.0.1:7001' is not a redis:// URL "
@@ -239,9 +307,18 @@ def test_the_password_comes_from_the_environment_unless_the_url_has_one(monkeypa
     ("redis://127.0.0.1:7001", "redis://127.0.0.1:7001"),
     (["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002"], "redis://:***@127.0.0.1:7001,127.0.0.1:7002"),
     ("redis://:x@127.0.0.1:7001,redis://:y@127.0.0.1:7002", "redis://:***@127.0.0.1:7001,redis://:***@127.0.0.1:7002"),
+    ("redis://127.0.0.1:7001,u:pw@127.0.0.1:7002", "redis://127.0.0.1:7001,u:***@127.0.0.1:7002"),  # no scheme
+    ("redis://u:p://w@127.0.0.1:7001", "redis://u:***@127.0.0.1:7001"),  # a '://' in the password
 ])
 def test_redact_hides_every_password(url, shown):
     assert redact(url) == shown
+
+
+def test_a_bad_url_with_a_scheme_in_its_password_never_shows_the_password(monkeypatch):
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    with pytest.raises(ValueError) as caught:
+        parse_pool_url("redis://u:p://w@127.0.0.1:7001")
+    assert str(caught.value) == "pool address 'redis://u:***@127.0.0.1:7001' lacks a host and port: use redis://host:port"
 
 
 # ---------------------------------------------------------------------- redirections, scripted
@@ -299,6 +376,12 @@ def test_an_ask_goes_to_the_node_named_with_the_clients_credentials_and_timeout(
             client.call("EVAL", SCRIPTED, 0)
         assert (_evals(a), _evals(b)) == (3, 3)  # three tries, each asked on
 
+        _set_reply(a, f"!ASK 1 127.0.0.1:{b.port}")
+        _set_reply(b, f"!ASK 1 127.0.0.1:{a.port}")  # the importing node hands the slot on: the map is re-read
+        with pytest.raises(PoolError, match=r"^keys keep moving between nodes \(last: local r = "):
+            client.call("EVAL", SCRIPTED, 0)
+        assert (_evals(a), _evals(b)) == (3, 3)
+
         _set_reply(b, "served by the importing node")
         b.process.send_signal(signal.SIGSTOP)
         try:
@@ -336,6 +419,45 @@ def test_an_ask_naming_no_port_fails_naming_it(redis_single):  # noqa: F811
         with pytest.raises(PoolError, match=r"^pool node nowhere \(asked to serve a migrating slot\) failed: "):
             client.call("EVAL", SCRIPTED, 0)
     _set_reply(redis_single.nodes[0], "")
+
+
+def test_an_ask_naming_an_ipv6_address_takes_the_port_after_its_last_colon(redis_single):  # noqa: F811
+    """The server binds 127.0.0.1 only: its port on ::1 refuses, and the message names the
+    address the ASK gave, parsed as host ::1 and that port."""
+    port = redis_single.nodes[0].port
+    _set_reply(redis_single.nodes[0], f"!ASK 1 ::1:{port}")
+    with PoolClient(redis_single.url) as client:
+        with pytest.raises(PoolError, match=(rf"^pool node ::1:{port} \(asked to serve a migrating slot\) failed: "
+                                             rf"cannot connect to ::1:{port}: ")):
+            client.call("EVAL", SCRIPTED, 0)
+    _set_reply(redis_single.nodes[0], "")
+
+
+def test_a_cluster_slots_refused_names_the_node_and_the_reply(redis_single, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    port = redis_single.nodes[0].port
+    with PoolClient(redis_single.url) as client:
+        assert client.call("ACL", "SETUSER", "carol", "on", ">pw3", "~*", "+@all", "-cluster") == b"OK"
+    with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port}: CLUSTER SLOTS failed: NOPERM .*no permissions "
+                                         r"to run the 'cluster\|slots' command$")):
+        PoolClient(f"redis://carol:pw3@127.0.0.1:{port}")
+
+
+def test_keys_of_every_argument_type_go_to_the_node_that_owns_them(redis_cluster):  # noqa: F811
+    """A key is hashed as Redis receives it: an integer as its digits, a bytes-like one as its bytes."""
+    ints = list(range(1000, 1012))
+    arrays = [bytearray(b"engram-type:%d" % i) for i in range(12)]
+    views = [memoryview(b"engram-type-view:%d" % i) for i in range(12)]
+    with PoolClient(redis_cluster.url) as client:
+        assert {client.node_of(str(k)) for k in ints} == {client.node_of(bytes(k)) for k in arrays + views} == {0, 1, 2}
+        keys = [*ints, *arrays, *views]
+        values = [b"v%d" % n for n in range(len(keys))]
+        assert client.execute([("SET", k, v) for k, v in zip(keys, values)]) == [b"OK"] * len(keys)
+        assert client.execute([("GET", k) for k in keys]) == values
+        assert client.execute([("GET", str(k)) for k in ints]) == values[:12]
+        assert client.execute([("GET", bytes(k)) for k in arrays + views]) == values[12:]
+        assert client.call("GET", 1000) == b"v0" and client.call("GET", bytearray(b"engram-type:0")) == b"v12"
+        client.execute([("DEL", k) for k in keys])
 
 
 def test_credentials_name_their_user_and_a_refusal_says_so(fresh_pool, monkeypatch):  # noqa: F811

@@ -106,7 +106,7 @@ def test_pools_started_together_on_free_ports_all_come_up():
             pool.stop()
 
 
-def test_a_taken_port_is_an_error_never_a_success(fresh_pool, tmp_path):
+def test_a_taken_port_is_an_error_never_a_success(fresh_pool, tmp_path):  # noqa: F811
     """Another Redis already answers on the port: the old start took its PONG for the new
     server's, and pool serve printed success while its own server had died."""
     other = fresh_pool(1)
@@ -177,7 +177,7 @@ def test_a_password_file_others_can_read_is_refused(tmp_path):
     assert _serve_password(secret) == "hunter2"
 
 
-def test_the_password_is_never_printed(fresh_pool, table, capsys):
+def test_the_password_is_never_printed(fresh_pool, table, capsys):  # noqa: F811
     pool = fresh_pool(1)
     with PoolClient(pool.url) as client:
         client.each_node("CONFIG", "SET", "requirepass", "s3cret")
@@ -229,7 +229,7 @@ def test_a_port_that_is_not_redis_says_so():
         listener.close()
 
 
-def test_pool_status_lists_the_tables_beside_foreign_keys(fresh_pool, table):
+def test_pool_status_lists_the_tables_beside_foreign_keys(fresh_pool, table):  # noqa: F811
     pool = fresh_pool(1)
     publish_table(table, pool.url, extent_rows=500, progress=False)
     with PoolClient(pool.url) as client:
@@ -242,7 +242,7 @@ def test_pool_status_lists_the_tables_beside_foreign_keys(fresh_pool, table):
     assert pool_cli(["pool", "status", "--pool", pool.url]) == 0
 
 
-def test_publish_refuses_a_pool_that_evicts(fresh_pool, table):
+def test_publish_refuses_a_pool_that_evicts(fresh_pool, table):  # noqa: F811
     pool = fresh_pool(1)
     with PoolClient(pool.url) as client:
         client.each_node("CONFIG", "SET", "maxmemory", str(64 << 20))

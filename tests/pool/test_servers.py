@@ -4,6 +4,7 @@ node's start, failure and stop, a cluster over every slot, messages that say wha
 from __future__ import annotations
 
 import io
+import os
 import random
 import re
 import signal
@@ -47,7 +48,12 @@ def only(base: int, nodes: int = 1) -> dict:
     return {"low": base, "high": base + nodes + OFFSET + 1}
 
 
-def test_without_redis_server_the_message_says_how_to_install(monkeypatch):
+def test_without_redis_server_the_message_says_how_to_install(monkeypatch, tmp_path):
+    found = tmp_path / "redis-server"  # any executable of that name on PATH will do
+    found.write_text("#!/bin/sh\n")
+    found.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert redis_server_missing() is None
     monkeypatch.setenv("PATH", "")
     said = "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)"
     assert redis_server_missing() == said
@@ -60,6 +66,13 @@ def test_without_redis_server_the_message_says_how_to_install(monkeypatch):
 def test_the_ephemeral_range_is_the_kernels_or_else_linuxs_default(monkeypatch):
     kernel = tuple(map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()))
     assert ephemeral_ports() == kernel
+    def kernel_file(path, *args, **kwargs):  # a kernel whose range is not Linux's default
+        if path != "/proc/sys/net/ipv4/ip_local_port_range":
+            raise FileNotFoundError(path)
+        return io.StringIO("40000\t50999\n")
+
+    monkeypatch.setattr(servers, "open", kernel_file, raising=False)
+    assert ephemeral_ports() == (40000, 50999)
     monkeypatch.setattr(servers, "open", lambda *a, **k: io.StringIO("not numbers"), raising=False)
     assert ephemeral_ports() == (32768, 60999)
 
@@ -87,6 +100,10 @@ def test_free_ports_and_their_bus_ports_lie_between_1024_and_65535_outside_the_e
         assert rng.picks == 400, (base, nodes)
     for seed in range(20):  # a range that is too small still yields its first port
         assert free_port_base(1, 5000, 5000, random.Random(seed)) == 5000
+    monkeypatch.setattr(servers, "ephemeral_ports", lambda: (1, 65535))  # nothing usable: the default range is named
+    with pytest.raises(PoolError, match=(r"^found no 1 free ports \(and their bus ports\) between 10000 and 65535 "
+                                         r"outside the ephemeral range 1-65535: give --port$")):
+        free_port_base(1)
 
 
 def test_a_port_or_bus_port_in_use_is_not_picked(monkeypatch):
@@ -212,6 +229,17 @@ def test_a_server_that_exits_at_start_says_why(tmp_path):
     with pytest.raises(PoolError, match=rf"(?s)^redis-server on port {port} exited at start: .*no-such-directive") as e:
         node.start()
     assert type(e.value) is PoolError
+
+
+def test_a_start_message_is_its_last_2000_characters_not_utf8_ones_replaced(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "redis-server"  # exits at once: 2,500 'a's, then a byte that is not UTF-8
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nhead -c 2500 /dev/zero | tr '\\0' a >&2\nprintf 'bad \\377 line\\n' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    port = free_port_base(1)
+    with pytest.raises(PoolError, match=f"^redis-server on port {port} exited at start: a{{1990}}bad \ufffd line$"):
+        RedisNode(port, tmp_path / "node", False).start()
 
 
 def test_a_port_taken_between_the_check_and_the_bind_is_a_port_taken_error(tmp_path, monkeypatch):

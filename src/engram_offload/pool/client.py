@@ -60,6 +60,12 @@ def _shown(arg: Arg) -> str:
     return str(arg)
 
 
+def _key(arg: Arg) -> str | bytes:
+    """A command's key as Redis receives it, for ``key_slot``: bytes-like ones as their bytes,
+    others (``str``, ``int``) as their text."""
+    return bytes(arg) if isinstance(arg, (bytes, bytearray, memoryview)) else str(arg)
+
+
 def encode_command(*args: Arg) -> bytes:
     """One command as a RESP array of bulk strings."""
     parts = [b"*%d\r\n" % len(args)]
@@ -123,7 +129,8 @@ def redact(url: str | Sequence[str]) -> str:
 
 
 def _redact_part(part: str) -> str:
-    scheme, sep, rest = part.rpartition("://")
+    # the scheme ends at the first "://" (a password may hold one, unencoded)
+    scheme, sep, rest = part.partition("://") if "://" in part else ("", "", part)
     userinfo, at, hostpart = rest.rpartition("@")
     if not at or ":" not in userinfo:
         return part
@@ -275,7 +282,7 @@ class PoolClient:
         pipelined per node; replies in order. ``MOVED`` re-reads the slot map and retries;
         ``ASK`` (the key's slot is migrating and the key has moved) sends the command to the
         node named, after ``ASKING``."""
-        keys = [c[1] if isinstance(c[1], bytes) else str(c[1]) for c in commands] if keys is None else keys
+        keys = [_key(c[1]) for c in commands] if keys is None else keys
         replies: list = [None] * len(commands)
         todo = list(range(len(commands)))
         for _attempt in range(3):
