@@ -423,3 +423,15 @@ def test_start_row_server_says_why_its_server_exits_and_gives_it_no_terminal(tab
         server.terminate()
         server.wait(timeout=30)
     assert capfd.readouterr().out == ""  # it said "serving ..." before its hello, to /dev/null
+
+
+def test_a_connection_the_server_ended_is_named_with_its_error_on_the_next_request(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock) as server:
+        client = RowClient(sock)
+        server.close()  # it shuts down every connection: the client's next send fails
+        with pytest.raises(TierError, match=rf"^the row server at {sock} closed the connection \(\[Errno 32\] Broken "
+                                            r"pipe\): restart it and reconnect$"):
+            client.read_raw([1])
+        client.close()
