@@ -450,3 +450,15 @@ def test_a_buffer_of_exactly_its_layout_is_taken(table, socket_dir):
             assert (client.row_bytes, client.max_rows, len(client._buffer)) == (1, 8, 64)
     finally:
         peer.close()
+
+
+def test_a_server_of_an_untrusted_uid_is_named_with_its_pid_and_uid(table, socket_dir, monkeypatch):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock):
+        monkeypatch.setattr(p, "trusted_uid", lambda uid: False)  # as if this uid were another's
+        with pytest.raises(TierError, match=rf"^the row server at {sock} \(pid {os.getpid()}\) runs as uid "
+                                            rf"{os.geteuid()}, neither yours \({os.geteuid()}\) nor root: another "
+                                            r"user holds the socket path; put the socket in a folder only you can "
+                                            r"write$"):
+            RowClient(sock)
