@@ -292,7 +292,8 @@ def test_a_peer_that_is_no_row_server_is_named_and_its_descriptors_closed(table,
 
 
 @pytest.mark.parametrize("change,size", [({"buffer_bytes": 4096}, None), ({}, 4096),
-                                         ({"rows_offset": 4096, "buffer_bytes": 4096}, None)])
+                                         ({"rows_offset": 4096, "buffer_bytes": 4096}, None),
+                                         ({"rows_offset": 0, "row_bytes": 1, "buffer_bytes": 63}, 63)])
 def test_a_buffer_short_of_its_layout_is_refused(table, socket_dir, change, size):
     """A buffer smaller than the hello says, or a hello whose buffer is smaller than its
     layout: both sizes are named (the second was named as the buffer's own size only)."""
@@ -303,7 +304,7 @@ def test_a_buffer_short_of_its_layout_is_refused(table, socket_dir, change, size
     sent = os.fstat(fd).st_size
     if size is not None:
         os.ftruncate(fd, size)
-    needed = max(8 * 8, hello["rows_offset"] + 8 * hello["row_bytes"])
+    needed = max(8 * 8, hello["rows_offset"] + 8 * hello["row_bytes"])  # the ids, or the rows past them
     peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd])
     try:
         with pytest.raises(TierError, match=rf"^the row server at {sock} sent a {size or sent:,}-byte buffer \(its "
@@ -423,3 +424,41 @@ def test_start_row_server_says_why_its_server_exits_and_gives_it_no_terminal(tab
         server.terminate()
         server.wait(timeout=30)
     assert capfd.readouterr().out == ""  # it said "serving ..." before its hello, to /dev/null
+
+
+def test_a_connection_the_server_ended_is_named_with_its_error_on_the_next_request(table, socket_dir):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock) as server:
+        client = RowClient(sock)
+        server.close()  # it shuts down every connection: the client's next send fails
+        with pytest.raises(TierError, match=rf"^the row server at {sock} closed the connection \(\[Errno 32\] Broken "
+                                            r"pipe\): restart it and reconnect$"):
+            client.read_raw([1])
+        client.close()
+
+
+def test_a_buffer_of_exactly_its_layout_is_taken(table, socket_dir):
+    """8 ids of 8 bytes and 8 rows of 1 byte from offset 0: 64 bytes are enough (the ids)."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    hello, fd = hello_of(path, rows_offset=0, row_bytes=1, buffer_bytes=64)
+    os.ftruncate(fd, 64)
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd])
+    try:
+        with RowClient(sock) as client:
+            assert (client.row_bytes, client.max_rows, len(client._buffer)) == (1, 8, 64)
+    finally:
+        peer.close()
+
+
+def test_a_server_of_an_untrusted_uid_is_named_with_its_pid_and_uid(table, socket_dir, monkeypatch):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    with serving(path, sock):
+        monkeypatch.setattr(p, "trusted_uid", lambda uid: False)  # as if this uid were another's
+        with pytest.raises(TierError, match=rf"^the row server at {sock} \(pid {os.getpid()}\) runs as uid "
+                                            rf"{os.geteuid()}, neither yours \({os.geteuid()}\) nor root: another "
+                                            r"user holds the socket path; put the socket in a folder only you can "
+                                            r"write$"):
+            RowClient(sock)
