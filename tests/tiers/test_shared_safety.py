@@ -767,6 +767,38 @@ def test_a_table_whose_path_is_cut_inside_a_character_in_the_head_opens_and_atta
         assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 8))))
 
 
+def test_a_table_whose_path_is_not_utf8_opens_and_attaches(tmp_path, shm_dir):
+    folder = tmp_path / os.fsdecode(b"tables-\xff\xfe")  # a byte name no UTF-8 decoder accepts
+    folder.mkdir()
+    path = make_random_table(folder / "t.table", CONFIG, seed=9, block_size=16384)
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first, SharedTier(header, shm_dir=shm_dir) as second:
+        assert first.loaded and not second.loaded and second.replaced is None
+        assert np.array_equal(all_rows(second), np.concatenate(list(random_rows(CONFIG, 9))))
+
+
+def test_a_segment_truncated_between_its_head_check_and_its_mapping_is_replaced(public_table, shm_dir, monkeypatch):
+    path, expected = public_table
+    header = read_header(path)
+    with SharedTier(header, shm_dir=shm_dir) as first:
+        segment = first.segment
+    total = DATA_OFFSET + expected.nbytes
+    opened = SharedTier._open_or_load
+
+    def then_cut(self, *args):  # the head and size checked under the lock; cut before the mapping
+        fd = opened(self, *args)
+        if not self.loaded:
+            truncate_segment(segment, DATA_OFFSET + 1000)
+        return fd
+
+    monkeypatch.setattr(SharedTier, "_open_or_load", then_cut)
+    with pytest.warns(RuntimeWarning, match="was truncated to .* before it was mapped: replaced"):
+        with SharedTier(header, shm_dir=shm_dir) as tier:
+            assert tier.loaded and np.array_equal(all_rows(tier), expected)
+            assert tier.replaced == (f"was truncated to {DATA_OFFSET + 1000:,} bytes ({total:,} expected) "
+                                     "before it was mapped")
+
+
 def test_a_segment_found_damaged_at_each_of_three_loads_is_an_error_naming_the_cause(public_table, shm_dir,
                                                                                      monkeypatch):
     header = read_header(public_table[0])

@@ -272,23 +272,24 @@ class SharedTier(MemoryTier):
             with election(self._folder, self._name, lock_timeout):
                 fd = self._open_or_load(header, progress, check_memory)
             try:
-                mm = mmap.mmap(fd, self._total, prot=mmap.PROT_READ)
-                self._mtime_ns = os.fstat(fd).st_mtime_ns
-                if self.loaded:
-                    return fd, mm
-                checked = time.perf_counter()
-                problem = self._check_all_pages(fd, mm)
-                if problem is None and os.fstat(fd).st_mtime_ns != self._mtime_ns:
-                    problem = "was modified while it was checked"
-                self.attach_check_seconds += time.perf_counter() - checked
-                if problem is None:
-                    return fd, mm
+                mm, problem = self._map(fd)
+                if mm is not None:
+                    if self.loaded:
+                        return fd, mm
+                    checked = time.perf_counter()
+                    problem = self._check_all_pages(fd, mm)
+                    if problem is None and os.fstat(fd).st_mtime_ns != self._mtime_ns:
+                        problem = "was modified while it was checked"
+                    self.attach_check_seconds += time.perf_counter() - checked
+                    if problem is None:
+                        return fd, mm
                 with election(self._folder, self._name, lock_timeout):
                     if self._folder.holds(self._name, fd):  # not already replaced by another process
                         self._folder.unlink(self._name)
-                        self._replaced(problem)
-                with contextlib.suppress(BufferError):
-                    mm.close()
+                        self._replaced(str(problem))
+                if mm is not None:
+                    with contextlib.suppress(BufferError):
+                        mm.close()
             except BaseException:
                 os.close(fd)
                 raise
@@ -296,6 +297,16 @@ class SharedTier(MemoryTier):
         raise TierError(f"the shared segment {self.segment} was damaged again each of {REPLACE_ATTEMPTS} times it "
                         "was loaded: something of this uid (or root) writes to it; find it (fuser -v), then open "
                         "the table again")
+
+    def _map(self, fd: int) -> tuple[mmap.mmap | None, str | None]:
+        """The segment's read-only mapping; or None and why, for one cut short since its size was checked."""
+        try:
+            mm = mmap.mmap(fd, self._total, prot=mmap.PROT_READ)
+        except ValueError:  # shorter than the mapping: truncated after _usable's check
+            return None, (f"was truncated to {os.fstat(fd).st_size:,} bytes ({self._total:,} expected) "
+                          "before it was mapped")
+        self._mtime_ns = os.fstat(fd).st_mtime_ns
+        return mm, None
 
     def _replaced(self, problem: str) -> None:
         """Record and warn why the segment was replaced, at the first caller outside this package."""
@@ -308,7 +319,7 @@ class SharedTier(MemoryTier):
         """Under the election: the segment's descriptor, shared-locked; loaded here when
         absent, half-loaded, truncated or an unused older version of this table."""
         folder, name = self._folder, self._name
-        source = str(header.path.resolve()).encode()[:MAX_PATH]
+        source = os.fsencode(header.path.resolve())[:MAX_PATH]  # any bytes the file system allows
         found, fd = folder.open(name, os.O_RDONLY), None
         if found is not None:
             try:
