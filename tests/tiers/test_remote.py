@@ -184,7 +184,8 @@ def test_a_row_altered_in_the_pool_raises_naming_it_or_comes_from_the_fallback(t
         with PoolClient(pool.url) as client:
             node = client.address(client.node_of(key))
         for ids in ([row], np.arange(row - 30, row + 30), np.arange(header.layout.num_rows)):  # one row, merged ranges
-            with pytest.raises(TierError, match=f"pool node {node}: row {row} of extent {key} failed its checksum"):
+            with pytest.raises(TierError, match=f"pool node {node}: row {row} of extent {key} failed its checksum.*"
+                                                r"publish the table again\), and no fallback tier is configured$"):
                 read(bare, ids)
             assert np.array_equal(read(guarded, ids), expected[ids])
         assert bare.stats()["checksum_rereads"] == 3 and bare.stats()["checksum_failures"] == 3
@@ -227,6 +228,128 @@ def test_a_transient_bad_row_is_read_again_and_served(tables, fresh_pool):
         assert fetches == [1, 1]  # the request, then the one bad row again
         stats = remote.stats()
         assert stats["checksum_rereads"] == 1 and stats.get("checksum_failures", 0) == 0
+
+
+def test_bad_rows_on_several_nodes_are_read_again_each_from_its_node(tables, fresh_pool):
+    """Transiently bad rows of extents on two nodes, the lower row id on the later node: the
+    re-read asks each node for its own rows and puts every row back in its place."""
+    pool = fresh_pool(3)
+    path, expected = tables[("bf16", 80)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=0) as remote:
+        playout, (addresses, node_of) = remote.pool_layout, remote._topology
+        assert len(addresses) == 3
+        low = next(e for e in range(len(playout.keys)) if node_of[e] > 0)  # its node is not the first
+        high = next(e for e in range(low + 1, len(playout.keys)) if node_of[e] < node_of[low])
+        flips = [(playout.keys[e], 4 * remote.stride + 9) for e in (low, high)]
+        olds = [flip_in_pool(pool.url, key, offset) for key, offset in flips]
+        real_fetch, fetches = remote._fetch, []
+
+        def fetch_then_restore(jobs):
+            got = real_fetch(jobs)
+            if not fetches:  # the bad bytes came back once; the pool is whole again for the re-read
+                for (key, offset), old in zip(flips, olds):
+                    restore_in_pool(pool.url, key, offset, old)
+            fetches.append(sorted(job.address for job in jobs))
+            return got
+
+        remote._fetch = fetch_then_restore
+        ids = np.arange(remote.num_rows)
+        assert np.array_equal(read(remote, ids), expected)
+        assert fetches[1] == sorted([addresses[node_of[low]], addresses[node_of[high]]])  # one job a node
+        stats = remote.stats()
+        assert stats["checksum_rereads"] == 2 and stats.get("checksum_failures", 0) == 0
+
+
+def bare_tier(stride: int = 16) -> RemoteTier:
+    """A remote tier with no pool behind it, for its reply handling alone."""
+    tier = RemoteTier.__new__(RemoteTier)
+    tier.stride = stride
+    return tier
+
+
+def job_of(runs: int, nbytes: int = 0):
+    from engram_offload.tiers.remote import _Job
+
+    pieces = np.array([piece for i in range(runs) for piece in (b"<key %d>" % i, b"<range %d>" % i)], object)
+    return _Job("127.0.0.1:1", np.arange(runs), b"".join(pieces.tolist()), nbytes, None, pieces)
+
+
+@pytest.mark.parametrize("replies, why", [
+    ([b"x" * 16, "ERR boom"], "error reply 'ERR boom'"),
+    ([None], "got nothing for a range of whole rows: the extent is missing or foreign (the node lost its data? "
+             "publish the table again)"),
+    ([b""], "got nothing for a range of whole rows"),
+    ([b"x" * 16, b"x" * 20], "got 20 bytes for a range of whole rows"),
+    ([b"x" * 16, b"x" * 32], "48 bytes for 64"),
+], ids=["error", "nil", "empty", "part-row", "short"])
+def test_a_nodes_bad_replies_are_named_by_the_first_bad_one(replies, why):
+    import hiredis
+
+    replies = [hiredis.ReplyError(r) if isinstance(r, str) else r for r in replies]
+    assert bare_tier()._diagnose(job_of(len(replies), nbytes=64), replies).startswith(why)
+
+
+class AskedNode:
+    """A node that answers ASKING and the re-sent reads, recording what it was sent."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.sent, self.asked = fail, [], []
+
+    def send(self, data: bytes) -> None:
+        if self.fail:
+            raise ConnectionRefusedError("refused")
+        self.sent.append(data)
+
+    def read_replies(self, n):
+        self.asked.append(n)
+        return [b"+OK" if i % 2 == 0 else b"rows of %d" % i for i in range(n)]
+
+
+def test_ask_redirects_are_followed_node_by_node_and_others_left_as_they_are():
+    import hiredis
+
+    from engram_offload.tiers.remote import _ASKING
+
+    tier, forgotten = bare_tier(), []
+    nodes = {"127.0.0.1:3": AskedNode(fail=True), "127.0.0.1:2": AskedNode()}
+    tier._connection = nodes.__getitem__
+    tier._forget = forgotten.append
+    job = job_of(5)
+    replies = [b"row 0", hiredis.ReplyError("ASK 10 127.0.0.1:3"), hiredis.ReplyError("MOVED 11 127.0.0.1:2"),
+               hiredis.ReplyError("ASK 12 127.0.0.1:2"), hiredis.ReplyError("ASK 12 127.0.0.1:2")]
+    got = tier._follow_asks(job, replies)
+    asked = nodes["127.0.0.1:2"]
+    assert asked.sent == [_ASKING + b"<key 3><range 3>" + _ASKING + b"<key 4><range 4>"]
+    assert asked.asked == [4]  # ASKING's reply and the read's, for each run
+    assert forgotten == ["127.0.0.1:3"]  # its stream state is unknown after a failure
+    assert got[:3] == replies[:3] and got[3:] == [b"rows of 1", b"rows of 3"]  # a failed node leaves the ASK
+    assert tier._follow_asks(job, replies[:1] + replies[2:3]) == [replies[0], replies[2]]  # no ASK: as they were
+
+
+def test_open_pool_table_needs_a_fingerprint_and_reads_the_head_within_the_tiers_timeout(tables, redis_single,
+                                                                                        monkeypatch):
+    import engram_offload.tiers.remote as remote_module
+
+    with pytest.raises(ValueError) as caught:
+        open_pool_table(redis_single.url)
+    assert str(caught.value) == (f"{redis_single.url!r} names no table: use redis://host:port[,host:port...]/"
+                                 "FINGERPRINT (fingerprints: engram-offload pool status)")
+    path, expected = tables[("int8", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    url = f"{redis_single.url}/{fingerprint(read_header(path))}"
+    timeouts = []
+
+    class Recording(PoolClient):
+        def __init__(self, urls, timeout=5.0):
+            timeouts.append(timeout)
+            super().__init__(urls, timeout=timeout)
+
+    monkeypatch.setattr(remote_module, "PoolClient", Recording)
+    with open_pool_table(url) as default, open_pool_table(url, timeout_s=0.75, retries=4) as tuned:
+        assert timeouts == [2.0, 2.0, 0.75, 0.75]  # the head's read, then the tier's own client
+        assert (default.timeout_s, default.retries) == (2.0, 2) and (tuned.timeout_s, tuned.retries) == (0.75, 4)
+        assert np.array_equal(read(tuned, [0, 5, 700]), expected[[0, 5, 700]])
 
 
 def as_old_layout(url: str, path, version: int) -> None:
