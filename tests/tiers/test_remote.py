@@ -261,6 +261,27 @@ def test_bad_rows_on_several_nodes_are_read_again_each_from_its_node(tables, fre
         assert stats["checksum_rereads"] == 2 and stats.get("checksum_failures", 0) == 0
 
 
+def test_repeated_ids_are_read_once_and_stats_name_the_pool(tables, redis_single):
+    path, expected = tables[("int8", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    with RemoteTier(header, pool=redis_single.url) as bare, \
+            RemoteTier(header, pool=redis_single.url, fallback=path) as guarded:
+        sparse = [0, 0, *range(100, 1700, 100)]  # 17 rows far apart, one twice: too few neighbours to merge
+        for ids, ranges, rows in (([3, 3], 1, 1), ([3, 3, 500], 2, 2), ([500, 3], 2, 2), ([7], 1, 1),
+                                  ([5, 3], 1, 3), (sparse, 17, 17)):  # 3 and 5: one range, the row between too
+            before = bare.stats()
+            assert np.array_equal(read(bare, ids), expected[ids])
+            after = bare.stats()
+            assert after["reads"] - before.get("reads", 0) == ranges  # no row twice
+            assert after["bytes_read"] - before.get("bytes_read", 0) == rows * bare.stride
+        stats = bare.stats()
+        assert {key: stats[key] for key in ("pool", "nodes", "fingerprint", "extent_rows", "fallback")} == {
+            "pool": redis_single.url, "nodes": 1, "fingerprint": fingerprint(header), "extent_rows": EXTENT_ROWS,
+            "fallback": None}
+        assert guarded.stats()["fallback"] == guarded._fallback.name == "mmap"
+
+
 def bare_tier(stride: int = 16) -> RemoteTier:
     """A remote tier with no pool behind it, for its reply handling alone."""
     tier = RemoteTier.__new__(RemoteTier)
