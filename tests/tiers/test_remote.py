@@ -282,6 +282,87 @@ def test_repeated_ids_are_read_once_and_stats_name_the_pool(tables, redis_single
         assert guarded.stats()["fallback"] == guarded._fallback.name == "mmap"
 
 
+def test_neighbouring_rows_merge_into_one_range_only_when_that_saves_a_sixteenth(tables, redis_single):
+    """merge_gap_bytes of two rows: rows at most 3 apart in one extent share a range, but only
+    when the merges save at least 1/16 of the commands; a merged range reads the rows between."""
+    path, expected = tables[("int8", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    with RemoteTier(header, pool=redis_single.url) as probe:
+        stride = probe.stride
+    far = [int(i) for i in range(300, 300 + 15 * 200, 200)]  # 15 rows of 15 extents, far apart
+    with RemoteTier(header, pool=redis_single.url, merge_gap_bytes=2 * stride) as remote:
+        for ids, ranges, rows in (
+                ([0, 3], 1, 4), ([0, 4], 2, 2),  # 3 apart: merged; 4 apart: not
+                ([96, 97], 2, 2),  # neighbours across an extent's end: never one range
+                ([5, 200, 201], 2, 3),  # the merge of two rows that are not the first ones
+                ([0, 1, *far[:14]], 15, 16),  # 16 ids, one merge: it saves 1/16, done
+                ([0, 1, *far], 17, 17)):  # 17 ids, one merge: less than 1/16, not done
+            before = remote.stats()
+            assert np.array_equal(read(remote, ids), expected[ids])
+            after = remote.stats()
+            assert (after["reads"] - before.get("reads", 0), after["bytes_read"] - before.get("bytes_read", 0)) \
+                == (ranges, rows * stride), ids
+
+
+def test_a_node_that_fails_once_is_read_again_and_every_nodes_rows_land_in_place(tables, fresh_pool):
+    pool = fresh_pool(3)
+    path, expected = tables[("bf16", 80)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, retry_backoff_s=0) as remote:
+        addresses, _ = remote._topology
+        real_fetch, calls = remote._fetch, []
+
+        def second_node_fails_once(jobs):
+            done, failures = real_fetch(jobs)
+            calls.append([job.address for job in jobs])
+            if len(calls) == 1:  # the first request: the middle node's answer is lost
+                failures += [(job, "injected") for job, _, _ in done if job.address == addresses[1]]
+                done = [item for item in done if item[0].address != addresses[1]]
+            return done, failures
+
+        remote._fetch = second_node_fails_once
+        rng = np.random.default_rng(5)
+        for ids in (np.arange(remote.num_rows), np.sort(rng.choice(remote.num_rows, 400, replace=False))):
+            calls.clear()
+            assert np.array_equal(read(remote, ids), expected[ids])
+            assert calls[1] == [addresses[1]]  # only the failed node is asked again
+        stats = remote.stats()
+        assert stats["retries"] == 2 and stats.get("checksum_rereads", 0) == 0  # no row landed out of place
+
+
+def test_an_extent_moved_to_another_node_is_read_there_after_one_retry_with_every_row_in_place(tables, fresh_pool):
+    """A reshard finished under the tier: the old owner answers MOVED, the node's request fails,
+    and its runs are asked again of their new owners, landing where each run belongs (the
+    owner's remaining runs are no longer back to back in the data)."""
+    pool = fresh_pool(3)
+    path, expected = tables[("bf16", 80)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, retries=1, retry_backoff_s=0) as remote:
+        playout, (addresses, node_of) = remote.pool_layout, remote._topology
+        owned = [e for e in range(len(playout.keys)) if node_of[e] == node_of[0]]
+        moved = owned[len(owned) // 2]  # between other extents of its node
+        slot = key_slot(playout.keys[moved])
+        source, target, _, dst_id = migrate_slot(pool, slot)
+        conn = source.connect(5.0)
+        try:
+            for key in conn.call("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                assert conn.call("MIGRATE", "127.0.0.1", target.port, key, 0, 5000) == b"OK"
+        finally:
+            conn.close()
+        for node in pool.nodes:  # every node told the new owner, as redis-cli --cluster reshard does
+            conn = node.connect(5.0)
+            try:
+                assert conn.call("CLUSTER", "SETSLOT", slot, "NODE", dst_id) == b"OK"
+            finally:
+                conn.close()
+        ids = np.arange(remote.num_rows)
+        assert np.array_equal(read(remote, ids), expected)
+        stats = remote.stats()
+        assert stats["retries"] == 1 and stats.get("checksum_rereads", 0) == 0
+        assert np.array_equal(read(remote, ids), expected) and remote.stats()["retries"] == 1  # the new map kept
+
+
 def bare_tier(stride: int = 16) -> RemoteTier:
     """A remote tier with no pool behind it, for its reply handling alone."""
     tier = RemoteTier.__new__(RemoteTier)
