@@ -363,6 +363,49 @@ def test_an_extent_moved_to_another_node_is_read_there_after_one_retry_with_ever
         assert np.array_equal(read(remote, ids), expected) and remote.stats()["retries"] == 1  # the new map kept
 
 
+def test_a_node_marked_down_skips_only_its_own_rows_and_a_thread_keeps_one_connection_a_node(tables, fresh_pool):
+    pool = fresh_pool(3)
+    path, expected = tables[("int8", 64)]
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=pool.url, fallback=path, down_s=600) as remote:
+        addresses, node_of = remote._topology
+        ids = np.arange(remote.num_rows)
+        for _ in range(3):
+            assert np.array_equal(read(remote, ids), expected)
+        assert sorted(conn.address for conn in remote._conns) == sorted(addresses)  # reused, read after read
+        remote._mark_down(addresses[0])  # the first node's job is skipped; the others are still sent
+        assert np.array_equal(read(remote, ids), expected)
+        stats = remote.stats()
+        on_first = int(sum(remote.pool_layout.counts[node_of == 0]))
+        assert stats["down_skips"] == 1 and stats["fallback_rows"] == on_first
+        assert stats.get("checksum_rereads", 0) == 0  # no other node's rows went missing
+        worker = threading.Thread(target=read, args=(remote, ids))
+        worker.start()
+        worker.join(30)
+        assert len(remote._conns) == 3 + 2  # the other thread's own, to the two nodes up
+
+
+def test_a_node_address_is_split_at_its_last_colon(monkeypatch):
+    import engram_offload.tiers.remote as remote_module
+
+    tier, made = bare_tier(), []
+    tier._local, tier._conns_lock, tier._conns, tier.timeout_s = threading.local(), threading.Lock(), [], 0.5
+
+    class Client:
+        auth = ("user", "secret")
+
+    class Recorded:
+        def __init__(self, *args):
+            made.append(args)
+
+    tier._client = Client()
+    monkeypatch.setattr(remote_module, "NodeConnection", Recorded)
+    first = tier._connection("::1:6379")
+    assert tier._connection("::1:6379") is first and tier._conns == [first]
+    tier._connection("127.0.0.1:7000")
+    assert made == [("::1", 6379, 0.5, ("user", "secret")), ("127.0.0.1", 7000, 0.5, ("user", "secret"))]
+
+
 def bare_tier(stride: int = 16) -> RemoteTier:
     """A remote tier with no pool behind it, for its reply handling alone."""
     tier = RemoteTier.__new__(RemoteTier)
