@@ -828,8 +828,8 @@ def test_rows_of_an_extent_whose_slot_is_migrating_are_read_where_they_are(table
     publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     with RemoteTier(read_header(path), pool=pool.url, retries=0) as remote, \
             open_tier("memory", read_header(path)) as memory:
-        playout = remote.pool_layout
-        moved = 3
+        playout, (addresses, node_of) = remote.pool_layout, remote._topology
+        moved = next(e for e in range(3, len(playout.keys)) if node_of[e] == len(addresses) - 1)  # the last job's
         slot = key_slot(playout.keys[moved])
         source, target, _, _ = migrate_slot(pool, slot)
         conn = source.connect(5.0)
