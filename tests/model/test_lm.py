@@ -53,3 +53,26 @@ def test_ids_are_int64_the_id_map_is_not_saved_and_the_head_has_no_bias(config, 
     assert "vocab_ids" in model.state_dict() and "model_id_of" not in model.state_dict()  # rebuilt from vocab_ids
     assert torch.equal(model.to_model_ids(torch.tensor([[3, 65, 66, 0]])), torch.tensor([[1, 63, 0, 0]]))
     assert model.head.bias is None and model.head.weight.shape == (64, 32)
+
+
+def test_gate_scales_go_to_every_layer_or_one_each_and_gates_need_a_forward(config, token_map):
+    two = dataclasses.replace(config, layer_ids=(0, 1))
+    torch.manual_seed(1)
+    model = EngramLM(two, VOCAB, token_map, 2, 2)
+    with pytest.raises(RuntimeError) as caught:
+        model.gates()
+    assert str(caught.value) == "Engram layer 0 has no gates yet: run a forward before reading gates()"
+    model.set_gate_scale(0.5)
+    assert [layer.gate_scale for layer in model.engram_layers().values()] == [0.5, 0.5]
+    half = torch.tensor(0.25)
+    model.set_gate_scale({1: half})  # a layer the dict leaves out is as trained
+    assert [layer.gate_scale for layer in model.engram_layers().values()] == [None, half]
+    ids = torch.tensor([[5, 9, 17, 40, 3, 9]])
+    model.set_gate_scale(None)
+    model(ids)
+    trained = model.gates()
+    assert sorted(trained) == [0, 1] and all(g.shape == (1, 6, 2) for g in trained.values())
+    model.set_gate_scale({1: half})
+    model(ids)
+    scaled = model.gates()
+    assert torch.equal(scaled[0], trained[0]) and torch.allclose(scaled[1], trained[1] * 0.25)
