@@ -847,3 +847,123 @@ def test_rows_of_an_extent_whose_slot_is_migrating_are_read_where_they_are(table
     with RemoteTier(read_header(path), pool=pool.url, verify_extents="all") as reopened, \
             open_tier("memory", read_header(path)) as memory:  # opening reads the moved extent whole too
         assert np.array_equal(read(reopened, ids), read(memory, ids))
+
+
+# ----------------------------------------------------------------- options, opening and a node's failures
+def test_options_a_remote_tier_cannot_use_are_refused_before_it_connects(tables):
+    header = read_header(tables[("int8", 64)][0])
+    nowhere = "redis://127.0.0.1:1"  # nothing listens there: each refusal comes first
+    for options, message in (
+            (dict(verify_extents="some"), "verify_extents must be one of sample, all, none, got 'some'"),
+            (dict(retries=-1), "retries must be >= 0 and timeout_s > 0, got -1 and 2.0"),
+            (dict(timeout_s=0), "retries must be >= 0 and timeout_s > 0, got 2 and 0"),
+            (dict(retries=-1, timeout_s=0.5), "retries must be >= 0 and timeout_s > 0, got -1 and 0.5")):
+        with pytest.raises(ValueError) as caught:
+            RemoteTier(header, pool=nowhere, **options)
+        assert str(caught.value) == message
+
+
+def test_the_extents_checked_at_open_none_all_or_a_sample_of_whole_extents(tables, monkeypatch):
+    import engram_offload.tiers.remote as remote_module
+    from engram_offload.tiers.remote import _extents_to_verify
+
+    playout = PoolLayout(read_header(tables[("int8", 64)][0]), EXTENT_ROWS)
+    every = list(range(playout.num_extents))
+    assert _extents_to_verify(playout, "none") == [] and _extents_to_verify(playout, "all") == every
+    assert _extents_to_verify(playout, "sample") == every  # the table is smaller than the sample
+    full = EXTENT_ROWS * playout.stride
+    real_rng = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda *args: real_rng(11))
+    first = real_rng(11).permutation(playout.num_extents)[:4]
+    assert all(playout.counts[first] == EXTENT_ROWS)  # the first picks are whole extents under this seed
+    for sample_bytes, count in ((3 * full, 3), (3 * full - 1, 2), (1, 1)):  # at least one
+        monkeypatch.setattr(remote_module, "VERIFY_SAMPLE_BYTES", sample_bytes)
+        assert _extents_to_verify(playout, "sample") == sorted(first[:count].tolist())
+
+
+def test_a_table_altered_in_many_extents_is_refused_at_open_naming_three(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, _ = tables[("int8", 64)]
+    header = read_header(path)
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    playout, fp = PoolLayout(header, EXTENT_ROWS), fingerprint(header)
+    for altered, more in ((3, ""), (5, " (and 2 more)")):
+        for extent in range(altered):
+            flip_in_pool(pool.url, playout.keys[extent], 8)
+        with pytest.raises(PoolError) as caught:
+            RemoteTier(header, pool=pool.url, verify_extents="all")
+        named = "; ".join(f"extent {playout.keys[e]} does not match its manifest digest" for e in range(3))
+        assert str(caught.value) == (
+            f"table {fp} in the pool at {pool.url} was altered after it was published: {named}{more}; drop it and "
+            f"publish it again (engram-offload pool drop {fp}; pool publish TABLE)")
+        for extent in range(altered):
+            flip_in_pool(pool.url, playout.keys[extent], 8)  # flipped back
+    with RemoteTier(header, pool=pool.url, verify_extents="all") as whole:
+        assert whole.retry_backoff_s == 0.05 and whole.down_s == 10.0 and whole.retries == 2
+
+
+def test_a_fallback_tier_given_stays_open_and_one_opened_from_a_path_is_closed(tables, redis_single):
+    path, expected = tables[("int8", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    header = read_header(path)
+    with open_tier("mmap", header) as given:
+        with RemoteTier(header, pool=redis_single.url, fallback=given):
+            pass
+        assert not given.closed and np.array_equal(read(given, [4]), expected[[4]])
+        with RemoteTier(header, pool=redis_single.url, fallback=path) as owner:
+            opened = owner._fallback
+        assert opened.closed
+
+
+class FailingNode:
+    """A node connection that fails at send or at read, or answers ``replies``."""
+
+    def __init__(self, send: Exception | None = None, read: Exception | None = None, replies=None) -> None:
+        self.send_error, self.read_error, self.replies = send, read, replies
+
+    def send(self, data: bytes) -> None:
+        if self.send_error is not None:
+            raise self.send_error
+
+    def read_replies(self, n: int) -> list:
+        if self.read_error is not None:
+            raise self.read_error
+        return list(self.replies)
+
+
+def test_each_nodes_failure_is_told_apart_and_timeouts_mark_it_down(tables, redis_single):
+    import hiredis
+
+    from engram_offload.tiers.remote import _Job
+
+    path, _ = tables[("int8", 64)]
+    publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
+    with RemoteTier(read_header(path), pool=redis_single.url, down_s=600) as tier:
+        stride, forgotten = tier.stride, []
+        wrapped = ConnectionError("refused")
+        wrapped.__cause__ = TimeoutError("connect timed out")
+        nodes = {"a:1": FailingNode(send=TimeoutError("send timed out")), "b:1": FailingNode(send=wrapped),
+                 "c:1": FailingNode(read=TimeoutError()), "d:1": FailingNode(read=ConnectionResetError("reset")),
+                 "e:1": FailingNode(replies=[b"r" * stride]), "f:1": FailingNode(replies=[hiredis.ReplyError("ERR no")]),
+                 "g:1": FailingNode(replies=[b"r" * stride]), "h:1": FailingNode(replies=[None])}
+        tier._connection, tier._forget = nodes.__getitem__, forgotten.append
+        jobs = [_Job(address, np.arange(1), b"<request>", stride * (2 if address == "g:1" else 1), None,
+                     np.array([b"<key>", b"<range>"], object)) for address in nodes]
+        done, failures = tier._fetch(jobs)
+        assert [(job.address, replies, blob) for job, replies, blob in done] == [("e:1", [b"r" * stride],
+                                                                                  b"r" * stride)]
+        why = dict((job.address, reason) for job, reason in failures)
+        assert why == {
+            "a:1": "cannot send: send timed out", "b:1": "cannot send: refused",
+            "c:1": "no reply (timed out after 2 s)", "d:1": "no reply (reset)",
+            "g:1": f"{stride} bytes for {2 * stride}", "f:1": "error reply 'ERR no'",
+            "h:1": "got nothing for a range of whole rows: the extent is missing or foreign (the node lost its data? "
+                   "publish the table again)"}
+        assert forgotten == ["a:1", "b:1", "c:1", "d:1"]  # their streams are in an unknown state
+        assert [tier._is_down(address) for address in nodes] == [True, True, True, False, False, False, False, False]
+        assert tier.stats()["timeouts"] == 3
+        done, failures = tier._fetch(jobs[:1] + jobs[4:5])  # a node marked down is not asked again
+        assert [job.address for job, _, _ in done] == ["e:1"]
+        assert [(job.address, reason) for job, reason in failures] == [
+            ("a:1", "marked down for 600 s after it timed out")]
+        assert tier.stats()["down_skips"] == 1 and forgotten == ["a:1", "b:1", "c:1", "d:1"]
