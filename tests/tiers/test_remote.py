@@ -900,6 +900,11 @@ def test_a_table_altered_in_many_extents_is_refused_at_open_naming_three(tables,
             flip_in_pool(pool.url, playout.keys[extent], 8)  # flipped back
     with RemoteTier(header, pool=pool.url, verify_extents="all") as whole:
         assert whole.retry_backoff_s == 0.05 and whole.down_s == 10.0 and whole.retries == 2
+        assert repr(whole) == f"RemoteTier({pool.url!r}, table={fp}, rows={header.layout.num_rows:,})"
+    flip_in_pool(pool.url, playout.keys[1], 8)
+    with RemoteTier(header, pool=pool.url, verify_extents="none", retries=0) as unchecked:  # opens: no extent read
+        with pytest.raises(TierError, match=f"extent {playout.keys[1]} failed its checksum"):
+            read(unchecked, [int(playout.starts[1])])
 
 
 def test_a_fallback_tier_given_stays_open_and_one_opened_from_a_path_is_closed(tables, redis_single):
