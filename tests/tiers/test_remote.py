@@ -905,6 +905,15 @@ def test_a_table_altered_in_many_extents_is_refused_at_open_naming_three(tables,
     with RemoteTier(header, pool=pool.url, verify_extents="none", retries=0) as unchecked:  # opens: no extent read
         with pytest.raises(TierError, match=f"extent {playout.keys[1]} failed its checksum"):
             read(unchecked, [int(playout.starts[1])])
+    with PoolClient(pool.url) as client:
+        for extent in (2, 3):
+            client.call("SET", playout.keys[extent], b"short")
+    with pytest.raises(PoolError) as caught:
+        RemoteTier(header, pool=pool.url)
+    wrong = "; ".join(f"extent {playout.keys[e]} holds 5 bytes, expected {int(playout.counts[e]) * playout.stride:,}"
+                      for e in (2, 3))
+    assert str(caught.value) == (f"table {fp} in the pool at {pool.url} is not completely published: {wrong}; run "
+                                 f"engram-offload pool publish TABLE --pool {pool.url}")
 
 
 def test_a_fallback_tier_given_stays_open_and_one_opened_from_a_path_is_closed(tables, redis_single):
