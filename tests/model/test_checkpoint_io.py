@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,23 +159,21 @@ def test_load_model_defaults_to_the_shipped_model_and_refuses_a_foreign_checkpoi
 
     default = load_model()
     assert torch.equal(default.head.weight, load_model(model_dir).head.weight) and default.has_engram
-    foreign = tmp_path / "foreign"
-    shutil.copytree(twin_dir(model_dir), foreign)
-    tensors = load_file(str(foreign / "model.safetensors"))
-    del tensors["vocab_ids"]
-    save_file(tensors, str(foreign / "model.safetensors"), metadata={"format": "pt"})
-    index = json.loads((foreign / "model.safetensors.index.json").read_text())
-    del index["weight_map"]["vocab_ids"]
-    (foreign / "model.safetensors.index.json").write_text(json.dumps(index))
+    def twin_without(name: str, folder: Path) -> Path:
+        """A copy of the twin checkpoint in ``folder`` without tensor ``name`` (and its index entry)."""
+        shutil.copytree(twin_dir(model_dir), folder)
+        tensors = load_file(str(folder / "model.safetensors"))
+        del tensors[name]
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        del index["weight_map"][name]
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return folder
+
+    foreign = twin_without("vocab_ids", tmp_path / "foreign")
     with pytest.raises(ValueError, match=f"{foreign} has no vocab_ids tensor: is it an EngramLM checkpoint"):
         load_model(foreign)
-    lacking = tmp_path / "lacking"  # a backbone tensor missing: refused, not left at its initial value
-    shutil.copytree(twin_dir(model_dir), lacking)
-    tensors = load_file(str(lacking / "model.safetensors"))
-    del tensors["norm.weight"]
-    save_file(tensors, str(lacking / "model.safetensors"), metadata={"format": "pt"})
-    index = json.loads((lacking / "model.safetensors.index.json").read_text())
-    del index["weight_map"]["norm.weight"]
-    (lacking / "model.safetensors.index.json").write_text(json.dumps(index))
+    # a backbone tensor missing: refused, not left at its initial value
+    lacking = twin_without("norm.weight", tmp_path / "lacking")
     with pytest.raises(ValueError, match=r"does not match the model: missing \['norm.weight'\], unexpected \[\]"):
         load_model(lacking)

@@ -36,6 +36,14 @@ def read(tier, ids) -> np.ndarray:
     return tier.read_rows(np.asarray(ids, np.int64), out).numpy()
 
 
+def read_counted(tier, ids) -> tuple[np.ndarray, int, int]:
+    """The rows of ``ids``, and the ranges and bytes the tier read from the pool for them."""
+    before = tier.stats()
+    rows = read(tier, ids)
+    after = tier.stats()
+    return rows, after["reads"] - before.get("reads", 0), after["bytes_read"] - before.get("bytes_read", 0)
+
+
 def edge_ids(playout: PoolLayout) -> np.ndarray:
     """The first and last row of every extent."""
     return np.concatenate([playout.starts, playout.starts + playout.counts - 1])
@@ -270,11 +278,9 @@ def test_repeated_ids_are_read_once_and_stats_name_the_pool(tables, redis_single
         sparse = [0, 0, *range(100, 1700, 100)]  # 17 rows far apart, one twice: too few neighbours to merge
         for ids, ranges, rows in (([3, 3], 1, 1), ([3, 3, 500], 2, 2), ([500, 3], 2, 2), ([7], 1, 1),
                                   ([5, 3], 1, 3), (sparse, 17, 17)):  # 3 and 5: one range, the row between too
-            before = bare.stats()
-            assert np.array_equal(read(bare, ids), expected[ids])
-            after = bare.stats()
-            assert after["reads"] - before.get("reads", 0) == ranges  # no row twice
-            assert after["bytes_read"] - before.get("bytes_read", 0) == rows * bare.stride
+            got, read_ranges, read_bytes = read_counted(bare, ids)
+            assert np.array_equal(got, expected[ids])
+            assert (read_ranges, read_bytes) == (ranges, rows * bare.stride)  # no row twice
         stats = bare.stats()
         assert {key: stats[key] for key in ("pool", "nodes", "fingerprint", "extent_rows", "fallback")} == {
             "pool": redis_single.url, "nodes": 1, "fingerprint": fingerprint(header), "extent_rows": EXTENT_ROWS,
@@ -298,11 +304,9 @@ def test_neighbouring_rows_merge_into_one_range_only_when_that_saves_a_sixteenth
                 ([5, 200, 201], 2, 3),  # the merge of two rows that are not the first ones
                 ([0, 1, *far[:14]], 15, 16),  # 16 ids, one merge: it saves 1/16, done
                 ([0, 1, *far], 17, 17)):  # 17 ids, one merge: less than 1/16, not done
-            before = remote.stats()
-            assert np.array_equal(read(remote, ids), expected[ids])
-            after = remote.stats()
-            assert (after["reads"] - before.get("reads", 0), after["bytes_read"] - before.get("bytes_read", 0)) \
-                == (ranges, rows * stride), ids
+            got, read_ranges, read_bytes = read_counted(remote, ids)
+            assert np.array_equal(got, expected[ids])
+            assert (read_ranges, read_bytes) == (ranges, rows * stride), ids
 
 
 def test_a_node_that_fails_once_is_read_again_and_every_nodes_rows_land_in_place(tables, fresh_pool):
