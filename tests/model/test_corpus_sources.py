@@ -23,6 +23,8 @@ from engram_offload.model.corpus import (
     roff_text,
 )
 
+from corpus_fakes import CharTokenizer
+
 MAN_PAGE = r'''.\" a comment line
 .TH LS 1 "September 2022" "GNU coreutils 9.1" "User Commands"
 .SH NAME
@@ -34,13 +36,6 @@ lists \fIfiles\fR \(em sorted\e
 \fB\-a\fR, \fB\-\-all\fR
 do not ignore entries starting with .
 '''
-
-
-class WordTokenizer:
-    """One token per character: enough to count a budget without the DeepSeek vocabulary."""
-
-    def encode_batch(self, texts, add_special_tokens=False):
-        return [type("E", (), {"ids": [ord(c) % 1000 for c in t]})() for t in texts]
 
 
 def test_roff_and_html_read_as_plain_text(tmp_path):
@@ -80,7 +75,7 @@ def test_the_budget_is_shared_by_kind_and_source(tmp_path):
         path = tmp_path / name.replace("/", "_")
         path.write_text("x" * size)
         files.append(CorpusFile(path, name, kind))
-    by_kind = kind_sequences(files, WordTokenizer(), 300)
+    by_kind = kind_sequences(files, CharTokenizer(), 300)
     assert list(by_kind) == list(KINDS)
     sizes = {k: [s.size for s in v] for k, v in by_kind.items()}
     assert sizes == {"code": [100], "documentation": [100], "prose": [40, 60]}  # the small source's rest to the other
@@ -107,3 +102,34 @@ def test_held_out_split_covers_every_installed_kind():
     held = [f for f in corpus_files() if f.held_out]
     assert {f.kind for f in held} == set(KINDS)
     assert all(isinstance(f.path, Path) for f in held)
+
+
+def _kind_files(tmp_path, specs):
+    files = []
+    for name, kind, size in specs:
+        path = tmp_path / name.replace("/", "_")
+        path.write_text("x" * size)
+        files.append(CorpusFile(path, name, kind))
+    return files
+
+
+def test_a_kinds_budget_goes_to_its_smaller_source_first_whatever_the_files_order(tmp_path):
+    files = _kind_files(tmp_path, (("d/w.txt", "prose", 500), ("c/z.txt", "prose", 40)))
+    assert [s.size for s in kind_sequences(files, CharTokenizer(), 100)["prose"]] == [40, 60]
+
+
+def test_the_remainder_of_a_budget_goes_to_the_first_kinds_and_no_budget_reads_all(tmp_path):
+    files = _kind_files(tmp_path, (("a/x.py", "code", 500), ("b/y.rst", "documentation", 500),
+                                   ("d/w.txt", "prose", 500), ("e/v.txt", "prose", 16)))
+    sizes = {k: [s.size for s in v] for k, v in kind_sequences(files, CharTokenizer(), 302).items()}
+    assert sizes == {"code": [101], "documentation": [101], "prose": [16, 84]}
+    sizes = {k: [s.size for s in v] for k, v in kind_sequences(files, CharTokenizer()).items()}
+    assert sizes == {"code": [500], "documentation": [500], "prose": [16, 500]}  # min_tokens=16 keeps 16
+
+
+def test_a_budget_too_small_to_share_goes_to_the_last_source(tmp_path):
+    files = _kind_files(tmp_path, (("c/z.txt", "prose", 5), ("d/w.txt", "prose", 500), ("a/x.py", "code", 5)))
+    by_kind = kind_sequences(files, CharTokenizer(), 2, min_tokens=1)  # one token a kind: 1 // 2 for the first source
+    assert {k: [s.size for s in v] for k, v in by_kind.items()} == {"code": [1], "prose": [1]}
+    assert by_kind["prose"][0].tolist() == [ord("x")]
+    assert [s.size for s in kind_sequences(files, CharTokenizer(), min_tokens=1)["code"]] == [5]
