@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.model.corpus import corpus_files, split
+from engram_offload.model.corpus import corpus_files, missing_sources_message, split
 from engram_offload.model.train import TrainSettings, model_vocabulary, plot_losses, train
 
 
@@ -126,3 +126,188 @@ def test_row_dropout_and_a_zero_table_leave_unwritten_rows_at_zero(small_corpus,
     with pytest.raises(ValueError, match="row_dropout"):
         settings.row_dropout = 1.0
         train(settings, tmp_path / "bad", progress=False, log=lambda m: None)
+
+
+def _tiny_config(**changes):
+    from engram_offload.engram.config import EngramConfig
+
+    fields = dict(layer_ids=(1,), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(211, 211), pad_id=2,
+                  hidden_size=32, hc_mult=2, variant="v4.1", row_format="fp8_e4m3_ue8m0", compressed_vocab_size=1000)
+    return EngramConfig(**{**fields, **changes})
+
+
+def test_the_learning_rate_warms_up_then_decays_to_a_tenth_on_a_cosine():
+    from engram_offload.model.train import _lr_factor
+
+    s = TrainSettings(steps=110, warmup=10)
+    assert [_lr_factor(step, s) for step in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert [_lr_factor(step, s) for step in (10, 60, 110)] == pytest.approx([1.0, 0.55, 0.1])
+    assert _lr_factor(35, s) == pytest.approx(0.1 + 0.45 * (1 + np.cos(np.pi / 4)))
+    short = TrainSettings(steps=3, warmup=3)  # no decay steps: the progress counts steps past the warmup
+    assert [_lr_factor(step, short) for step in (2, 3, 4)] == pytest.approx([1.0, 1.0, 0.1])
+
+
+def test_dense_weights_and_table_rows_have_their_own_optimizer_on_one_schedule():
+    from engram_offload.model.train import _lr_factor, _optimizers
+
+    s = TrainSettings(steps=20, warmup=4, lr=3e-3, table_lr=1e-2)
+    model, table = torch.nn.Linear(3, 2), torch.nn.Embedding(10, 4, sparse=True)
+    optimizers, schedules = _optimizers(model, {1: table}, s)
+    dense, rows = optimizers
+    assert type(dense) is torch.optim.AdamW and type(rows) is torch.optim.SparseAdam
+    assert [p for g in dense.param_groups for p in g["params"]] == list(model.parameters())
+    assert [p for g in rows.param_groups for p in g["params"]] == [table.weight]
+    assert dense.param_groups[0]["weight_decay"] == 0.01
+    for step in range(6):
+        assert dense.param_groups[0]["lr"] == pytest.approx(3e-3 * _lr_factor(step, s))
+        assert rows.param_groups[0]["lr"] == pytest.approx(1e-2 * _lr_factor(step, s))
+        for optimizer, schedule in zip(optimizers, schedules):
+            optimizer.step()  # no gradients: nothing moves, the schedule counts the step
+            schedule.step()
+    assert len(_optimizers(model, {}, s)[0]) == 1
+
+
+def test_row_reads_mark_what_training_read_and_drop_a_share_to_rows_of_the_same_head():
+    from engram_offload.model.train import _RowReads
+
+    config = _tiny_config()
+    rows = config.rows_per_layer[1]
+    table = torch.nn.Embedding(rows, 32)
+    ids = torch.tensor(config.head_offsets(1)) + torch.randint(0, min(config.head_sizes(1)), (4, 50, 4))  # [B, T, C]
+    plain = _RowReads(config, {1: table}, 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(plain(1, ids), table(ids)) and not plain.written[1].any()  # not training: nothing marked
+    plain.training = True
+    assert torch.equal(plain(1, ids), table(ids))
+    assert plain.written[1].nonzero().flatten().tolist() == ids.unique().tolist()
+
+    dropping = _RowReads(config, {1: table}, 0.5, torch.Generator().manual_seed(0))
+    dropping.training = True
+    got = dropping(1, ids)
+    same = (got == table(ids)).all(dim=-1)  # [B, T, C]: reads that got their own row
+    assert 0.35 < 1 - same.float().mean() < 0.65
+    assert dropping.written[1].nonzero().flatten().tolist() == ids[same].unique().tolist()
+    offsets, sizes = torch.tensor(config.head_offsets(1)), torch.tensor(config.head_sizes(1))
+    for b, t, c in (~same).nonzero().tolist():  # each dropped read holds a row of its own head
+        matches = (table.weight == got[b, t, c]).all(dim=1).nonzero().flatten()
+        assert ((matches >= offsets[c]) & (matches < offsets[c] + sizes[c])).any()
+    got.sum().backward()
+    assert table.weight.grad is not None and table.weight.grad[~dropping.written[1]].abs().sum() == 0
+    again = _RowReads(config, {1: table}, 0.5, torch.Generator().manual_seed(0))
+    again.training = True
+    assert torch.equal(again(1, ids), got)  # the generator given decides the drops
+
+
+def test_a_batch_is_windows_of_seq_len_plus_one_at_seeded_starts():
+    from engram_offload.model.train import _batch
+
+    stream = torch.arange(100)
+    s = TrainSettings(batch=5, seq_len=8)
+    chunk = _batch(stream, s, torch.Generator().manual_seed(1))
+    assert chunk.shape == (5, 9)
+    assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 9)) for row in chunk)
+    assert torch.equal(_batch(stream, s, torch.Generator().manual_seed(1)), chunk)
+    starts = torch.cat([_batch(stream, s, torch.Generator().manual_seed(i))[:, 0] for i in range(200)])
+    assert int(starts.min()) == 0 and int(starts.max()) == 100 - 8 - 2  # every window fits, next token too
+
+
+def test_a_step_returns_the_batch_loss_before_it_and_clips_the_gradient_to_norm_one():
+    from engram_offload.engram.tokenizer import cached_token_map
+    from engram_offload.model.lm import EngramLM
+    from engram_offload.model.train import _lr_factor, _optimizers, _step
+
+    token_map = cached_token_map()
+    config = _tiny_config(compressed_vocab_size=int(token_map.max()) + 1)
+    torch.manual_seed(0)
+    model = EngramLM(config, torch.arange(3, 66), token_map, 2, 2, table=False, engram=False)
+    s = TrainSettings(steps=10, warmup=2, lr=1e-2)
+    optimizers, schedules = _optimizers(model, {}, s)
+    chunk = torch.randint(3, 66, (2, 17))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(chunk[:, :-1], None).flatten(0, 1),
+                                                     model.to_model_ids(chunk[:, 1:]).reshape(-1))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert _step(model, optimizers, schedules, chunk, None) == pytest.approx(float(expected))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) == pytest.approx(1.0)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * _lr_factor(1, s))
+    first = [g.clone() for g in grads]
+    _step(model, optimizers, schedules, chunk, None)  # gradients start from zero at every step
+    second = [p.grad for p in model.parameters() if p.grad is not None]
+    assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in second])) == pytest.approx(1.0)
+    assert any(not torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_interleave_takes_one_of_each_in_turn():
+    from engram_offload.model.train import _interleave, _jsonable, _stream
+
+    assert _interleave([[1, 2, 3], [4], [5, 6]]) == [1, 4, 5, 2, 6, 3]
+    assert _interleave([]) == [] and _interleave([[], [7]]) == [7]
+    assert _jsonable({"a": (1, 2), "b": [3], "c": 4}) == {"a": [1, 2], "b": [3], "c": 4}
+    assert _stream([np.array([5, 6]), np.array([7])]).tolist() == [5, 6, 1, 7, 1]  # 1: end of text
+
+
+def test_training_records_its_settings_data_and_losses(small_corpus, tmp_path):
+    import json
+
+    lines: list[str] = []
+    settings = tiny(5, small_corpus)
+    result = train(settings, tmp_path / "m", progress=False, log=lines.append)
+    train_files, held = split(corpus_files([small_corpus]))
+    assert lines == [f"tokenizing {len(train_files):,} training files (up to 20,000 tokens, shared by kind and source) "
+                     f"and {len(held):,} held-out files"]
+    assert ["held_out_loss" in r for r in result.history] == [False, True, True]  # every 2 steps and the last
+    meta = json.loads((result.path / "training.json").read_text())
+    assert meta["settings"]["engram_layers"] == [1] and meta["settings"]["corpus"] == [str(small_corpus)]
+    assert meta["train_tokens"] == result.train_tokens and meta["history"] == result.history
+    assert meta["train_files"] == len(train_files) and meta["held_out_files"] == len(held)
+    kinds = meta["train_tokens_by_kind"]
+    assert list(kinds) == ["code"] and kinds["code"] == 20_000
+    assert result.train_tokens == 20_000 + meta["train_tokens"] - kinds["code"]  # with one end-of-text a file
+    assert result.seconds > 0
+
+
+def test_a_corpus_too_small_to_split_and_bad_table_init_are_refused(tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.py").write_text("x = 1\n" * 100)
+    settings = tiny(0, one)
+    train_files, held = split(corpus_files([one]))
+    with pytest.raises(ValueError, match=f"the corpus has {len(train_files)} training and {len(held)} held-out files: "
+                                         "give a corpus of at least a few dozen files"):
+        train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+    settings.table_init = "uniform"
+    with pytest.raises(ValueError, match="table_init must be 'normal' or 'zero', got 'uniform'"):
+        train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+    settings.table_init = "normal"
+    for bad in (-0.1, 1.0):
+        settings.row_dropout = bad
+        with pytest.raises(ValueError, match=rf"row_dropout must be in \[0, 1\), got {bad}"):
+            train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+
+
+def test_missing_sources_are_warned_of_only_when_training_on_every_source(small_corpus, tmp_path, monkeypatch):
+    import engram_offload.model.train as train_module
+    from engram_offload.model.corpus import Source
+
+    gone = Source("gone", "prose", tmp_path / "gone", ("*.txt",), "gone-doc", "GPL-2+")
+    monkeypatch.setattr(train_module, "find_sources", lambda: ([], [gone]))
+    monkeypatch.setattr(train_module, "corpus_files", lambda roots: corpus_files([small_corpus] if roots is None else roots))
+    logged, warned = [], []
+    settings = tiny(0, small_corpus)
+    settings.steps = 1
+    train(settings, tmp_path / "given", progress=False, log=logged.append, warn=warned.append)
+    assert warned == [] and len(logged) == 1
+    settings.corpus = None
+    train(settings, tmp_path / "every", progress=False, log=logged.append, warn=warned.append)
+    assert warned == [missing_sources_message([gone])]
+    train(settings, tmp_path / "log", progress=False, log=logged.append)
+    assert logged[-2] == missing_sources_message([gone])  # without warn, the log says it
+
+
+def test_progress_lines_carry_the_latest_losses(small_corpus, tmp_path, capsys):
+    settings = tiny(0, small_corpus)
+    train(settings, tmp_path / "m", progress=True, log=lambda m: None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("training steps: 3 of 3 (100%)  loss ") and " held-out " in err[-1]
+    assert "nan" not in err[-1]

@@ -137,68 +137,95 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
             nn.init.zeros_(table.weight)
         else:
             nn.init.normal_(table.weight, std=s.table_init_std)
-    written = {i: torch.zeros(config.rows_per_layer[i], dtype=torch.bool) for i in layer_ids}
-    dense = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
-    optimizers: list[torch.optim.Optimizer] = [dense]
-    if tables:
-        optimizers.append(torch.optim.SparseAdam([table.weight for table in tables.values()], lr=s.table_lr))
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in optimizers]
-    drops = torch.Generator().manual_seed(s.seed + 1)  # apart from the batches', so a twin sees the same batches
-    training = [False]
-
-    heads = {i: (torch.tensor(config.head_offsets(i)), torch.tensor(config.head_sizes(i))) for i in layer_ids}
-
-    def rows_for(layer_id: int, ids: torch.Tensor) -> torch.Tensor:
-        rows = tables[layer_id](ids)  # [B, T, C, d]
-        if not training[0]:
-            return rows
-        if s.row_dropout:  # a dropped read gets another row of its head, as an unseen n-gram would
-            dropped = torch.rand(ids.shape, generator=drops) < s.row_dropout  # [B, T, C]
-            offsets, sizes = heads[layer_id]
-            other = (torch.rand(ids.shape, generator=drops) * sizes).long() + offsets
-            written[layer_id][ids[~dropped]] = True
-            return torch.where(dropped.unsqueeze(-1), tables[layer_id](other).detach(), rows)
-        written[layer_id][ids.reshape(-1)] = True
-        return rows
-
+    reads = _RowReads(config, tables, s.row_dropout, torch.Generator().manual_seed(s.seed + 1))
+    optimizers, schedules = _optimizers(model, tables, s)
     seen = SeenNgrams() if tables else None  # the n-grams of every training window
     g = torch.Generator().manual_seed(s.seed)
+    rows_for = reads if tables else None
     history: list[dict[str, float]] = []
     started = time.perf_counter()
     with _progress(progress, s.steps) as bar:
         for step in range(s.steps):
             model.train()
-            training[0] = True
-            starts = torch.randint(0, stream.numel() - s.seq_len - 1, (s.batch,), generator=g)
-            chunk = torch.stack([stream[i: i + s.seq_len + 1] for i in starts.tolist()])  # [B, T+1]
+            reads.training = True
+            chunk = _batch(stream, s, g)  # [B, T+1]
             if seen is not None:
                 seen.add(ngram_keys(model.hasher, chunk[:, :-1]))
-            logits = model(chunk[:, :-1], rows_for if tables else None)
-            loss = F.cross_entropy(logits.flatten(0, 1), model.to_model_ids(chunk[:, 1:]).reshape(-1))
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for o in optimizers:
-                o.step()
-            for schedule in schedules:
-                schedule.step()
-            record = {"step": step + 1, "train_loss": float(loss.detach())}
+            record = {"step": step + 1, "train_loss": _step(model, optimizers, schedules, chunk, rows_for)}
             if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
                 model.eval()
-                training[0] = False
-                record["held_out_loss"] = evaluate(model, held, rows_for if tables else None).nll
+                reads.training = False
+                record["held_out_loss"] = evaluate(model, held, rows_for).nll
             history.append(record)
             bar(step, record)
     seconds = time.perf_counter() - started
     meta = {"settings": _jsonable(asdict(s)), "train_tokens": int(stream.numel()),
             "train_tokens_by_kind": {k: int(sum(x.size for x in v)) for k, v in by_kind.items()},
             "train_files": len(train_files), "held_out_files": len(held_files), "history": history}
-    flat_written = torch.cat([written[i] for i in layer_ids]) if tables else None
+    flat_written = torch.cat([reads.written[i] for i in layer_ids]) if tables else None
     path = save_model(model, {i: tables[i].weight for i in layer_ids}, out, extra=meta, written=flat_written)
     if seen is not None:
         seen.save(path)
     return TrainResult(path, history, int(stream.numel()), seconds)
+
+
+def _optimizers(model: nn.Module, tables: dict[int, nn.Embedding], s: TrainSettings
+                ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR]]:
+    """AdamW (``lr``, weight decay 0.01) for the dense weights, SparseAdam (``table_lr``) for the
+    tables' rows, each on the warmup-then-cosine schedule of ``_lr_factor``."""
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)]
+    if tables:
+        optimizers.append(torch.optim.SparseAdam([table.weight for table in tables.values()], lr=s.table_lr))
+    return optimizers, [torch.optim.lr_scheduler.LambdaLR(o, lambda step: _lr_factor(step, s)) for o in optimizers]
+
+
+class _RowReads:
+    """The model's row reads from the trained tables (``rows_for(layer_id, ids)``): while
+    ``training``, each row read is marked written, and a ``row_dropout`` share of the reads get
+    another row of their head instead (untrained by that read), as an unseen n-gram would."""
+
+    def __init__(self, config: EngramConfig, tables: dict[int, nn.Embedding], row_dropout: float,
+                 generator: torch.Generator) -> None:
+        self.tables, self.row_dropout, self.generator = tables, row_dropout, generator
+        self.training = False
+        self.written = {i: torch.zeros(config.rows_per_layer[i], dtype=torch.bool) for i in tables}
+        self.heads = {i: (torch.tensor(config.head_offsets(i)), torch.tensor(config.head_sizes(i))) for i in tables}
+
+    def __call__(self, layer_id: int, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.tables[layer_id](ids)  # [B, T, C, d]
+        if not self.training:
+            return rows
+        if self.row_dropout:
+            dropped = torch.rand(ids.shape, generator=self.generator) < self.row_dropout  # [B, T, C]
+            offsets, sizes = self.heads[layer_id]  # [C] each
+            other = (torch.rand(ids.shape, generator=self.generator) * sizes).long() + offsets
+            self.written[layer_id][ids[~dropped]] = True
+            return torch.where(dropped.unsqueeze(-1), self.tables[layer_id](other).detach(), rows)
+        self.written[layer_id][ids.reshape(-1)] = True
+        return rows
+
+
+def _batch(stream: torch.Tensor, s: TrainSettings, generator: torch.Generator) -> torch.Tensor:
+    """``s.batch`` windows of ``s.seq_len + 1`` tokens at random starts of ``stream``: ``[B, T+1]``."""
+    starts = torch.randint(0, stream.numel() - s.seq_len - 1, (s.batch,), generator=generator)
+    return torch.stack([stream[i: i + s.seq_len + 1] for i in starts.tolist()])
+
+
+def _step(model: EngramLM, optimizers: list[torch.optim.Optimizer],
+          schedules: list[torch.optim.lr_scheduler.LambdaLR], chunk: torch.Tensor, rows_for: Any) -> float:
+    """One optimizer step on ``chunk`` ``[B, T+1]`` (inputs its first T tokens, targets its last
+    T), gradients clipped to norm 1; the batch's loss before the step."""
+    logits = model(chunk[:, :-1], rows_for)
+    loss = F.cross_entropy(logits.flatten(0, 1), model.to_model_ids(chunk[:, 1:]).reshape(-1))
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for o in optimizers:
+        o.step()
+    for schedule in schedules:
+        schedule.step()
+    return float(loss.detach())
 
 
 def _interleave(lists: list[list[Any]]) -> list[Any]:
