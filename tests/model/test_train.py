@@ -311,3 +311,38 @@ def test_progress_lines_carry_the_latest_losses(small_corpus, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("training steps: 3 of 3 (100%)  loss ") and " held-out " in err[-1]
     assert "nan" not in err[-1]
+
+
+def test_the_loss_figure_draws_both_losses_with_labels_and_its_png_is_770_by_440(tmp_path):
+    import struct
+
+    import matplotlib.pyplot as plt
+
+    from engram_offload.model.train import loss_figure
+
+    history = [{"step": 1, "train_loss": 5.0}, {"step": 2, "train_loss": 4.0, "held_out_loss": 4.5},
+               {"step": 3, "train_loss": 3.5, "held_out_loss": 4.2}]
+    fig = loss_figure(history, "a title")
+    try:
+        (ax,) = fig.axes
+        train_line, held_line = ax.get_lines()
+        assert train_line.get_xdata().tolist() == [1, 2, 3] and train_line.get_ydata().tolist() == [5.0, 4.0, 3.5]
+        assert (train_line.get_linewidth(), train_line.get_alpha(), train_line.get_label()) == (0.8, 0.7,
+                                                                                                 "training batch")
+        assert held_line.get_xdata().tolist() == [2, 3] and held_line.get_ydata().tolist() == [4.5, 4.2]
+        assert (held_line.get_marker(), held_line.get_linestyle(), held_line.get_label()) == ("o", "-",
+                                                                                               "held-out files")
+        assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("step", "cross-entropy (nats/token)", "a title")
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["training batch", "held-out files"]
+        grid = ax.xaxis.get_gridlines()[0]
+        assert grid.get_visible() and grid.get_alpha() == 0.3
+        assert tuple(fig.get_size_inches()) == (7, 4)
+        assert ax.get_position().x0 < 0.125 - 0.01  # laid out tight: narrower margins than matplotlib's default
+    finally:
+        plt.close(fig)
+    assert len(loss_figure(history[:1]).axes[0].get_lines()) == 1  # no held-out loss yet: one line
+    assert loss_figure(history[:1]).axes[0].get_title() == "EngramLM training"
+    plt.close("all")
+    png = plot_losses(history, tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (770, 440)
+    assert plt.get_fignums() == []  # closed
