@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,11 @@ from engram_offload.model.corpus import (
     kind_of_suffix,
     missing_sources_message,
     roff_text,
+    split,
+    text_pieces,
 )
 
-from corpus_fakes import read_bytes
+from corpus_fakes import CharTokenizer, read_bytes
 
 
 def _write(path: Path, text: str = "words\n") -> Path:
@@ -153,3 +157,43 @@ ROFF_ESCAPES = [
 @pytest.mark.parametrize("source,text", ROFF_ESCAPES, ids=[s for s, _ in ROFF_ESCAPES])
 def test_roff_escapes(source, text):
     assert roff_text(source) == text
+
+
+def test_text_reads_as_utf8_whatever_the_locale(tmp_path):
+    """Under an ASCII locale without Python's UTF-8 mode, a file's text (whole, in pieces, and
+    decoded) is still read as UTF-8."""
+    text = "naïve café — 日本語\n" * 50
+    (tmp_path / "doc.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "doc.html").write_text(f"<pre>{text}</pre>", encoding="utf-8")
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from engram_offload.model.corpus import CorpusFile, text_pieces\n"
+        "from corpus_fakes import CharTokenizer\n"
+        "folder = Path(sys.argv[1])\n"
+        "assert sys.flags.utf8_mode == 0, 'UTF-8 mode is on'\n"
+        "print(ascii(CorpusFile(folder / 'doc.txt', 't/doc.txt', 'prose').text()))\n"
+        "print(ascii(''.join(text_pieces(folder / 'doc.txt', CharTokenizer(), 64))))\n"
+        "print(ascii(CorpusFile(folder / 'doc.html', 't/doc.html', 'prose', 'html').text()))\n"
+    )
+    package = Path(corpus.__file__).parents[2]  # the tree the package is imported from here
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C",
+           "PYTHONPATH": os.pathsep.join([str(package), str(Path(__file__).parent)])}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                         encoding="utf-8", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [ascii(text)] * 3
+    assert CorpusFile(tmp_path / "doc.txt", "t/doc.txt", "prose").text() == text  # and here
+    assert "".join(text_pieces(tmp_path / "doc.txt", CharTokenizer(), 64)) == text
+
+
+def test_a_single_file_corpus_takes_the_kind_of_its_suffix(tmp_path):
+    for name, kind in (("guide.rst", "documentation"), ("notes.txt", "prose"), ("m.py", "code")):
+        path = _write(tmp_path / name)
+        assert [(f.name, f.kind) for f in corpus_files([path])] == [(name, kind)]
+
+
+def test_split_holds_out_the_files_whose_name_hash_falls_in_the_held_bucket(tmp_path):
+    files = [CorpusFile(tmp_path / f"{i}.txt", f"t/{i}.txt", "prose") for i in range(400)]
+    training, held = split(files)
+    assert held == [f for f in files if f.held_out] and training == [f for f in files if not f.held_out]
+    assert 400 // corpus.HELD_OUT_EVERY // 2 < len(held) < 400 // corpus.HELD_OUT_EVERY * 2
