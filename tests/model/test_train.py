@@ -346,3 +346,44 @@ def test_the_loss_figure_draws_both_losses_with_labels_and_its_png_is_770_by_440
     png = plot_losses(history, tmp_path / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (770, 440)
     assert plt.get_fignums() == []  # closed
+
+
+def test_the_saved_plot_is_the_figure_of_the_title_given(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    titles = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (titles.append(fig.axes[0].get_title()), save(fig, *a, **k))[1])
+    history = [{"step": 1, "train_loss": 5.0}]
+    plot_losses(history, tmp_path / "a.png", "my run")
+    plot_losses(history, tmp_path / "b.png")
+    assert titles == ["my run", "EngramLM training"]
+
+
+def test_progress_is_a_line_off_a_terminal_a_bar_on_one_and_nothing_when_off(monkeypatch, capsys):
+    import engram_offload.model.train as train_module
+
+    with train_module._progress(False, 5) as off:
+        off(4, {"train_loss": 1.0})
+    assert capsys.readouterr().err == ""
+    with train_module._progress(True, 2000) as lines:
+        lines(1998, {"train_loss": 2.0, "held_out_loss": 3.0})
+        lines(1999, {"train_loss": 1.0})
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "training steps: 2,000 of 2,000 (100%)  loss 1.000  held-out 3.000"
+    monkeypatch.setattr(train_module, "on_terminal", lambda: True)
+    with train_module._progress(True, 5) as bar:
+        assert bar._lines is None
+        bar(0, {"train_loss": 2.5})
+        (task,) = bar._bar.tasks
+        assert (task.description, task.total, task.completed, task.fields["losses"]) == (
+            "train", 5, 1, "loss 2.500  held-out nan")
+        bar(3, {"train_loss": 1.5, "held_out_loss": 1.75})
+        assert (task.completed, task.fields["losses"]) == (4, "loss 1.500  held-out 1.750")
+        columns = [type(c).__name__ for c in bar._bar.columns]
+        assert columns == ["TextColumn", "BarColumn", "MofNCompleteColumn", "TextColumn", "TimeRemainingColumn"]
+        assert bar._bar.columns[0].text_format == "training"
+        assert bar._bar.columns[3].text_format == "{task.fields[losses]}"
+        assert bar._bar.live.is_started
+    assert not bar._bar.live.is_started  # stopped on leaving
