@@ -58,6 +58,10 @@ def test_same_seed_same_bytes(small_corpus, tmp_path):
 def test_model_vocabulary_orders_by_count_then_id():
     seqs = [np.array([5, 5, 9, 9, 3, 7, 7, 7]), np.array([3])]
     assert model_vocabulary(seqs, 4).tolist() == [7, 3, 5]  # 7 x3; 3, 5 and 9 x2: lower ids first
+    assert model_vocabulary([np.array([9, 4, 4])], 10).tolist() == [4, 9]  # ids seen once kept, unseen never
+    assert model_vocabulary([np.array([9, 4, 4])], 10).dtype == torch.int64
+    empty = model_vocabulary([], 4)
+    assert empty.tolist() == [] and empty.dtype == torch.int64
 
 
 def test_held_out_split_is_by_file_and_stable(small_corpus):
@@ -307,7 +311,7 @@ def test_missing_sources_are_warned_of_only_when_training_on_every_source(small_
 
 def test_progress_lines_carry_the_latest_losses(small_corpus, tmp_path, capsys):
     settings = tiny(0, small_corpus)
-    train(settings, tmp_path / "m", progress=True, log=lambda m: None)
+    train(settings, tmp_path / "m", log=lambda m: None)  # progress is on by default
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("training steps: 3 of 3 (100%)  loss ") and " held-out " in err[-1]
     assert "nan" not in err[-1]
@@ -387,3 +391,16 @@ def test_progress_is_a_line_off_a_terminal_a_bar_on_one_and_nothing_when_off(mon
         assert bar._bar.columns[3].text_format == "{task.fields[losses]}"
         assert bar._bar.live.is_started
     assert not bar._bar.live.is_started  # stopped on leaving
+
+
+def test_held_out_files_are_read_up_to_four_windows_of_tokens_each(small_corpus, tmp_path, monkeypatch):
+    import engram_offload.model.train as train_module
+
+    budgets = []
+    real = train_module.kind_sequences
+    monkeypatch.setattr(train_module, "kind_sequences",
+                        lambda files, tokenizer, max_tokens: (budgets.append(max_tokens), real(files, tokenizer, max_tokens))[1])
+    settings = tiny(0, small_corpus)
+    settings.steps = 1
+    train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+    assert budgets == [20_000, 2 * 32 * 4]  # the training budget, then eval_windows * seq_len * 4
