@@ -404,3 +404,53 @@ def test_held_out_files_are_read_up_to_four_windows_of_tokens_each(small_corpus,
     settings.steps = 1
     train(settings, tmp_path / "m", progress=False, log=lambda m: None)
     assert budgets == [20_000, 2 * 32 * 4]  # the training budget, then eval_windows * seq_len * 4
+
+
+def test_a_trained_model_keeps_its_settings_its_batches_and_the_ngrams_it_saw(small_corpus, tmp_path, monkeypatch):
+    """The saved config is the settings'; the twin and the model train on the same batches; the
+    seen n-grams are those of every batch's inputs; unwritten rows keep their initial spread."""
+    import engram_offload.model.train as train_module
+    from engram_offload.model.checkpoint_io import load_model, written_rows
+    from engram_offload.model.ngrams import SeenNgrams
+
+    batches: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] = []
+    real_batch, real_keys = train_module._batch, train_module.ngram_keys
+    monkeypatch.setattr(train_module, "_batch", lambda *a: batches.append(real_batch(*a)) or batches[-1])
+    monkeypatch.setattr(train_module, "ngram_keys", lambda hasher, ids: inputs.append(ids) or real_keys(hasher, ids))
+    result = train(tiny(5, small_corpus), tmp_path / "m", progress=False, log=lambda m: None)
+    assert len(batches) == len(inputs) == 3
+    assert all(torch.equal(chunk[:, :-1], ids) for chunk, ids in zip(batches, inputs))
+    model = load_model(result.path)
+    config = model.config
+    assert (config.hidden_size, config.hc_mult, config.row_format, config.pad_id) == (32, 2, "fp8_e4m3_ue8m0", 2)
+    assert (config.layer_ids, config.n_heads, config.head_dim, config.max_ngram_size, config.prime_starts) == (
+        (1,), 2, 32, 3, (211, 211))
+    seen = SeenNgrams.load(result.path)
+    expected = SeenNgrams()
+    for ids in inputs:
+        expected.add(real_keys(model.hasher, ids))
+    assert seen is not None and np.array_equal(seen.bits, expected.bits)
+    rows = model.engram_layers()[1].lookup(torch.arange(config.rows_per_layer[1]))  # [rows, d]
+    unwritten = rows[~torch.from_numpy(written_rows(result.path))]
+    assert 0.08 < float(unwritten.float().std()) < 0.12  # table_init_std 0.1
+
+    model_batches = list(batches)
+    batches.clear()
+    settings = tiny(5, small_corpus)
+    settings.engram = False
+    train(settings, tmp_path / "t", progress=False, log=lambda m: None)
+    assert len(batches) == 3 and all(torch.equal(a, b) for a, b in zip(batches, model_batches))
+    assert len(inputs) == 3  # the twin has no n-grams to record
+
+
+def test_row_dropout_leaves_a_share_of_the_rows_read_unwritten(small_corpus, tmp_path):
+    from engram_offload.model.checkpoint_io import written_rows
+
+    written = {}
+    for dropout in (0.0, 0.5):
+        settings = tiny(5, small_corpus)
+        settings.row_dropout = dropout
+        written[dropout] = int(written_rows(train(settings, tmp_path / str(dropout), progress=False,
+                                                  log=lambda m: None).path).sum())
+    assert 0.3 * written[0.0] < written[0.5] < 0.8 * written[0.0]
