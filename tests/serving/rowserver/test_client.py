@@ -452,6 +452,29 @@ def test_a_buffer_of_exactly_its_layout_is_taken(table, socket_dir):
         peer.close()
 
 
+def test_the_table_file_describes_the_rows_and_a_hello_without_a_tier_is_direct(table, socket_dir):
+    """With the table file given, its header (not the hello) gives the config and the row count;
+    a buffer longer than its layout (by a part of a row) is taken, its rows view ``max_rows`` long."""
+    path, _ = table
+    header = read_header(path)
+    sock = socket_dir / "rows.sock"
+    hello, fd = hello_of(path, num_rows=header.layout.num_rows + 5,
+                         config={**header.config.to_dict(), "seed": header.config.seed + 1})
+    del hello["tier"]
+    hello["buffer_bytes"] += 3
+    os.ftruncate(fd, hello["buffer_bytes"])
+    peer = Peer(sock, p.encode(p.HELLO, payload=hello), [fd])
+    try:
+        with RowClient(sock, path, verify="none") as client:
+            assert (client.config, client.num_rows) == (header.config, header.layout.num_rows)
+            assert (client.tier, client.device, client.closed, client.columns) == ("direct", torch.device("cpu"),
+                                                                                  False, None)
+            assert client.closed is False
+            assert client._rows.shape == (8, header.layout.row_bytes)
+    finally:
+        peer.close()
+
+
 def test_a_server_of_an_untrusted_uid_is_named_with_its_pid_and_uid(table, socket_dir, monkeypatch):
     path, _ = table
     sock = socket_dir / "rows.sock"
