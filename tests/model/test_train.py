@@ -373,8 +373,12 @@ def test_the_saved_plot_is_the_figure_of_the_title_given(tmp_path, monkeypatch):
 def test_progress_is_a_line_off_a_terminal_a_bar_on_one_and_nothing_when_off(monkeypatch, capsys):
     import engram_offload.model.train as train_module
 
+    import threading
+
+    threads = set(threading.enumerate())
     with train_module._progress(False, 5) as off:
         off(4, {"train_loss": 1.0})
+        assert set(threading.enumerate()) == threads  # no bar refreshing in the background
     assert capsys.readouterr().err == ""
     with train_module._progress(True, 2000) as lines:
         lines(1998, {"train_loss": 2.0, "held_out_loss": 3.0})
@@ -384,8 +388,9 @@ def test_progress_is_a_line_off_a_terminal_a_bar_on_one_and_nothing_when_off(mon
     monkeypatch.setattr(train_module, "on_terminal", lambda: True)
     with train_module._progress(True, 5) as bar:
         assert bar._lines is None
-        bar(0, {"train_loss": 2.5})
         (task,) = bar._bar.tasks
+        assert task.fields["losses"] == ""  # no loss before the first step
+        bar(0, {"train_loss": 2.5})
         assert (task.description, task.total, task.completed, task.fields["losses"]) == (
             "train", 5, 1, "loss 2.500  held-out nan")
         bar(3, {"train_loss": 1.5, "held_out_loss": 1.75})
@@ -459,3 +464,20 @@ def test_row_dropout_leaves_a_share_of_the_rows_read_unwritten(small_corpus, tmp
         written[dropout] = int(written_rows(train(settings, tmp_path / str(dropout), progress=False,
                                                   log=lambda m: None).path).sum())
     assert 0.3 * written[0.0] < written[0.5] < 0.8 * written[0.0]
+
+
+def test_a_model_and_its_twin_start_from_the_same_backbone(small_corpus, tmp_path):
+    """Saved before any step (``steps=0``), the model's backbone shard and its twin's backbone are
+    the same bytes: the Engram layers draw from the seed only after the backbone."""
+    from safetensors.torch import load_file
+
+    settings = tiny(5, small_corpus)
+    settings.steps = 0
+    model = train(settings, tmp_path / "m", progress=False, log=lambda m: None)
+    settings.engram = False
+    twin = train(settings, tmp_path / "t", progress=False, log=lambda m: None)
+    assert model.history == twin.history == []
+    backbone = load_file(model.path / "model-00001-of-00002.safetensors")
+    twin_weights = load_file(twin.path / "model.safetensors")
+    assert backbone.keys() == twin_weights.keys()
+    assert all(torch.equal(backbone[k], twin_weights[k]) for k in backbone)
