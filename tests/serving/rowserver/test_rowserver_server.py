@@ -92,6 +92,30 @@ def test_the_hello_names_the_table_the_tier_and_the_buffers_layout(table, socket
             raw.close()
 
 
+def test_each_connection_is_served_by_a_daemon_thread_named_for_the_server(table, socket_dir):
+    """A connection's thread never keeps the server's process alive, and shows in a thread list;
+    served from a thread that is no daemon, as ``main`` serves from the main thread."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    server = RowServer(open_table(path, "direct", cache_bytes=100 * ROW_BYTES), sock)
+    thread = threading.Thread(target=server.serve_forever, daemon=False)
+    thread.start()
+    try:
+        before = set(threading.enumerate())
+        raws = [Raw(sock), Raw(sock)]
+        try:
+            assert raws[0].ask(p.encode(p.STATS))[0] == p.OK and raws[1].ask(p.encode(p.STATS))[0] == p.OK
+            new = set(threading.enumerate()) - before  # both connections are served by now
+            assert [(t.name, t.daemon) for t in new] == [("engram-rowserver", True)] * 2
+        finally:
+            for raw in raws:
+                raw.close()
+    finally:
+        server.close()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
 def test_every_request_is_answered_and_a_bad_one_leaves_the_connection_serving(table, socket_dir):
     path, expected = table
     sock = socket_dir / "rows.sock"
