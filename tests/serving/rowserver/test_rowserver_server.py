@@ -304,6 +304,30 @@ def test_bad_limits_and_a_file_in_the_sockets_place_are_refused_and_let_the_lock
     with serving(path, sock, max_rows=1, max_connections=1) as server:
         assert (server.max_rows, server.max_connections) == (1, 1)
         assert sock.stat().st_mode & 0o777 == 0o600
+        assert Path(f"{sock}.lock").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_lock_file_that_is_a_symlink_or_another_users_is_refused_word_for_word(table, socket_dir, tmp_path):
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    lock = Path(f"{sock}.lock")
+    lock.symlink_to(tmp_path / "elsewhere")
+    with open_table(path, "direct") as store:
+        with pytest.raises(EngramError) as refused:
+            RowServer(store, sock)
+        assert str(refused.value) == (f"cannot open {lock} (Too many levels of symbolic links): a symlink or another "
+                                      "user's file is in the way; remove it, or put the socket in a folder only you "
+                                      "can write")
+        assert not (tmp_path / "elsewhere").exists()
+        lock.unlink()
+        if os.geteuid() != 0:
+            return  # giving the lock to another uid takes root
+        lock.write_text("")
+        os.chown(lock, 12345, 12345)
+        with pytest.raises(EngramError) as refused:
+            RowServer(store, sock)
+        assert str(refused.value) == (f"{lock} belongs to uid 12345, not to you or root: another user put it there; "
+                                      "remove it, or put the socket in a folder only you can write")
 
 
 def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
