@@ -17,6 +17,7 @@ import torch
 from engram_offload.errors import ChecksumError, EngramError, TierError
 from engram_offload.serving.rowserver import RowClient, start_row_server
 from engram_offload.serving.rowserver import protocol as p
+from engram_offload.serving.rowserver.client import VERIFY_AT_CONNECT
 from engram_offload.serving.rowserver import server as server_module
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows, read_header
@@ -125,6 +126,21 @@ def test_a_wrong_row_is_named_with_how_many_of_those_checked_were_wrong(table, s
                                             r"server for this table$") as err:
             RowClient(sock, table=path, verify="all")  # the connect's probe: every row compared
         assert int(err.value.args[0].split("(2 of ")[1].split(" ")[0]) >= 3
+
+
+def test_the_connect_check_compares_sixteen_distinct_rows_whatever_the_draw(table, socket_dir, monkeypatch):
+    """Whatever the generator draws (a draw of 16 ids with repeats among them), the connect check
+    compares 16 distinct rows, so the sampled check starts with the first fetch after it."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+    generator = np.random.default_rng
+    with serving(path, sock, max_rows=100):
+        for seed in range(40):
+            monkeypatch.setattr(np.random, "default_rng", lambda *args, seed=seed: generator(seed))
+            with RowClient(sock, table=path) as client:
+                assert client.rows_verified == VERIFY_AT_CONNECT, seed
+                client.read_raw(np.arange(100))
+                assert client.rows_verified <= VERIFY_AT_CONNECT + 2, seed
 
 
 def test_a_sampled_fetch_checks_two_draws_of_its_rows_including_the_first(table, socket_dir):

@@ -164,7 +164,8 @@ class RowClient:
             assert header is not None
             try:
                 self._file = _FileRows(header)
-                probe = np.unique(self._rng.integers(0, self._num_rows, VERIFY_AT_CONNECT))
+                count = min(VERIFY_AT_CONNECT, self._num_rows)  # distinct rows: a repeat would leave the count short
+                probe = np.sort(self._rng.choice(self._num_rows, count, replace=False))
                 self._fetch(probe, False, None)  # compared with the file in full
             except BaseException:
                 self.close()
