@@ -118,7 +118,9 @@ def test_a_table_beyond_the_address_space_limit_is_refused_up_front(tmp_path):
 def test_sigint_while_starting_is_one_line_and_130():
     """SIGINT while the command modules load (the injected pause stands for a slow import)."""
     script = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
+        # a suite started as a shell's background job hands its children SIGINT ignored: restore it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from engram_offload.cli import main
         from engram_offload.commands import core
         def slow_register(sub):
