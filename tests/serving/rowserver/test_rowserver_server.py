@@ -402,6 +402,49 @@ sys.stdin.read()  # until the test closes stdin
 """
 
 
+def test_main_says_it_serves_before_serving_even_into_a_pipe(table, socket_dir, monkeypatch):
+    """The "serving" line is flushed before the first connection is served: a supervisor reading
+    the server's stdout through a pipe (block-buffered) sees it at once, not when the server exits."""
+    path, _ = table
+    sock = socket_dir / "rows.sock"
+
+    class Sink(io.RawIOBase):  # what has left the buffer, as a pipe would see it
+        def __init__(self) -> None:
+            self.seen = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            self.seen += bytes(data)
+            return len(data)
+
+    sink = Sink()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(sink, 1 << 16), write_through=False))
+    saved = signal.getsignal(signal.SIGTERM)
+    seen_when_served: list[bytes] = []
+
+    def connect_then_stop() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not sock.exists():
+                assert time.monotonic() < deadline, "main did not serve within 60 s"
+                time.sleep(0.01)
+            with RowClient(sock):
+                seen_when_served.append(bytes(sink.seen))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=connect_then_stop, daemon=True)
+    thread.start()
+    try:
+        assert server_module.main([str(path), str(sock)]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+        thread.join(timeout=30)
+    assert seen_when_served == [f"serving {path} on {sock}\n".encode()]
+
+
 def test_a_held_lock_names_the_holders_pid_uid_and_command_line(table, socket_dir):
     path, _ = table
     sock = socket_dir / "rows.sock"
