@@ -341,40 +341,49 @@ def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
     assert not sock.exists()
 
 
+def serve_with_main(argv: list[str], sock: Path, while_serving, stop: int) -> int:
+    """``main(argv)`` in this process; a thread waits (60 s at most) for ``sock``, calls
+    ``while_serving()``, then sends this process ``stop``. The signal handlers are restored after."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def act_then_stop() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not sock.exists():
+                assert time.monotonic() < deadline, "main did not serve within 60 s"
+                time.sleep(0.01)
+            while_serving()
+        finally:
+            os.kill(os.getpid(), stop)
+
+    thread = threading.Thread(target=act_then_stop, daemon=True)
+    thread.start()
+    try:
+        return server_module.main(argv)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        thread.join(timeout=30)
+
+
 @pytest.mark.parametrize("stop,options", [(signal.SIGTERM, "all"), (signal.SIGINT, "none"), (signal.SIGTERM, "cache")])
 def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop, options):
     """``main`` in this process: a client in a thread checks what it serves, then signals this
     process; the handler closes the server and ``main`` returns 0."""
     path, expected = table
     sock = socket_dir / "rows.sock"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     seen: dict[str, object] = {}
 
-    def check_then_stop() -> None:
-        try:
-            deadline = time.monotonic() + 60
-            while not sock.exists():
-                assert time.monotonic() < deadline, "main did not serve within 60 s"
-                time.sleep(0.01)
-            with RowClient(sock) as client:
-                seen["rows"] = client.read_raw([2, 9]).numpy()
-                seen["stats"] = client.stats()
-                seen["tier"] = client.tier
-        finally:
-            os.kill(os.getpid(), stop)
+    def check() -> None:
+        with RowClient(sock) as client:
+            seen["rows"] = client.read_raw([2, 9]).numpy()
+            seen["stats"] = client.stats()
+            seen["tier"] = client.tier
 
-    thread = threading.Thread(target=check_then_stop, daemon=True)
-    thread.start()
-    try:
-        given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
-                 "--max-connections", "3"]
-        given = {"all": given, "none": [], "cache": ["--cache", "1MiB"]}[options]
-        code = server_module.main([str(path), str(sock), *given])
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        thread.join(timeout=30)
-    assert code == 0
+    given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
+             "--max-connections", "3"]
+    given = {"all": given, "none": [], "cache": ["--cache", "1MiB"]}[options]
+    assert serve_with_main([str(path), str(sock), *given], sock, check, stop) == 0
     assert capsys.readouterr().out == f"serving {path} on {sock}\n"
     assert np.array_equal(seen["rows"], expected[[2, 9]])
     stats = seen["stats"]
@@ -421,27 +430,13 @@ def test_main_says_it_serves_before_serving_even_into_a_pipe(table, socket_dir, 
 
     sink = Sink()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(sink, 1 << 16), write_through=False))
-    saved = signal.getsignal(signal.SIGTERM)
     seen_when_served: list[bytes] = []
 
-    def connect_then_stop() -> None:
-        try:
-            deadline = time.monotonic() + 60
-            while not sock.exists():
-                assert time.monotonic() < deadline, "main did not serve within 60 s"
-                time.sleep(0.01)
-            with RowClient(sock):
-                seen_when_served.append(bytes(sink.seen))
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def connect() -> None:
+        with RowClient(sock):
+            seen_when_served.append(bytes(sink.seen))
 
-    thread = threading.Thread(target=connect_then_stop, daemon=True)
-    thread.start()
-    try:
-        assert server_module.main([str(path), str(sock)]) == 0
-    finally:
-        signal.signal(signal.SIGTERM, saved)
-        thread.join(timeout=30)
+    assert serve_with_main([str(path), str(sock)], sock, connect, signal.SIGTERM) == 0
     assert seen_when_served == [f"serving {path} on {sock}\n".encode()]
 
 
