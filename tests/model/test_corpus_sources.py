@@ -68,13 +68,19 @@ def test_missing_sources_are_named_with_the_package_that_installs_them(tmp_path)
         corpus_files(sources=[gone])
 
 
-def test_the_budget_is_shared_by_kind_and_source(tmp_path):
+def _kind_files(tmp_path, specs) -> list[CorpusFile]:
+    """Files of ``size`` characters each, named and kinded by ``specs``: (name, kind, size)."""
     files = []
-    for name, kind, size in (("a/x.py", "code", 500), ("b/y.rst", "documentation", 500),
-                             ("c/z.txt", "prose", 40), ("d/w.txt", "prose", 500)):
+    for name, kind, size in specs:
         path = tmp_path / name.replace("/", "_")
         path.write_text("x" * size)
         files.append(CorpusFile(path, name, kind))
+    return files
+
+
+def test_the_budget_is_shared_by_kind_and_source(tmp_path):
+    files = _kind_files(tmp_path, (("a/x.py", "code", 500), ("b/y.rst", "documentation", 500),
+                                   ("c/z.txt", "prose", 40), ("d/w.txt", "prose", 500)))
     by_kind = kind_sequences(files, CharTokenizer(), 300)
     assert list(by_kind) == list(KINDS)
     sizes = {k: [s.size for s in v] for k, v in by_kind.items()}
@@ -102,15 +108,6 @@ def test_held_out_split_covers_every_installed_kind():
     held = [f for f in corpus_files() if f.held_out]
     assert {f.kind for f in held} == set(KINDS)
     assert all(isinstance(f.path, Path) for f in held)
-
-
-def _kind_files(tmp_path, specs):
-    files = []
-    for name, kind, size in specs:
-        path = tmp_path / name.replace("/", "_")
-        path.write_text("x" * size)
-        files.append(CorpusFile(path, name, kind))
-    return files
 
 
 def test_a_kinds_budget_goes_to_its_smaller_source_first_whatever_the_files_order(tmp_path):

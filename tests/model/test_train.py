@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +76,11 @@ def test_held_out_split_is_by_file_and_stable(small_corpus):
 
 
 def test_the_twin_without_engram_starts_from_the_same_backbone():
-    from engram_offload.engram.config import EngramConfig
     from engram_offload.engram.tokenizer import cached_token_map
     from engram_offload.model.lm import EngramLM
 
     token_map = cached_token_map()
-    config = EngramConfig(layer_ids=(1,), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(211, 211),
-                          pad_id=2, hidden_size=32, hc_mult=2, variant="v4.1", row_format="fp8_e4m3_ue8m0",
-                          compressed_vocab_size=int(token_map.max()) + 1)
+    config = _tiny_config(compressed_vocab_size=int(token_map.max()) + 1)
     vocab = torch.arange(3, 66)
     torch.manual_seed(3)
     with_engram = EngramLM(config, vocab, token_map, 2, 2, table=False)
@@ -255,10 +255,6 @@ def test_interleave_takes_one_of_each_in_turn():
 
 
 def test_training_records_its_settings_data_and_losses(small_corpus, tmp_path):
-    import json
-
-    import time
-
     lines: list[str] = []
     settings = tiny(5, small_corpus)
     settings.steps, settings.eval_every = 4, 3
@@ -304,7 +300,8 @@ def test_missing_sources_are_warned_of_only_when_training_on_every_source(small_
 
     gone = Source("gone", "prose", tmp_path / "gone", ("*.txt",), "gone-doc", "GPL-2+")
     monkeypatch.setattr(train_module, "find_sources", lambda: ([], [gone]))
-    monkeypatch.setattr(train_module, "corpus_files", lambda roots: corpus_files([small_corpus] if roots is None else roots))
+    monkeypatch.setattr(train_module, "corpus_files",
+                        lambda roots: corpus_files([small_corpus] if roots is None else roots))
     logged, warned = [], []
     settings = tiny(0, small_corpus)
     settings.steps = 1
@@ -376,8 +373,6 @@ def test_the_saved_plot_is_the_figure_of_the_title_given(tmp_path, monkeypatch):
 def test_progress_is_a_line_off_a_terminal_a_bar_on_one_and_nothing_when_off(monkeypatch, capsys):
     import engram_offload.model.train as train_module
 
-    import threading
-
     threads = set(threading.enumerate())
     with train_module._progress(False, 5) as off:
         off(4, {"train_loss": 1.0})
@@ -412,7 +407,8 @@ def test_held_out_files_are_read_up_to_four_windows_of_tokens_each(small_corpus,
     budgets = []
     real = train_module.kind_sequences
     monkeypatch.setattr(train_module, "kind_sequences",
-                        lambda files, tokenizer, max_tokens: (budgets.append(max_tokens), real(files, tokenizer, max_tokens))[1])
+                        lambda files, tokenizer, max_tokens: (budgets.append(max_tokens),
+                                                              real(files, tokenizer, max_tokens))[1])
     settings = tiny(0, small_corpus)
     settings.steps = 1
     train(settings, tmp_path / "m", progress=False, log=lambda m: None)
