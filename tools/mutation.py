@@ -116,7 +116,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                                      "tests/table/test_convert_refusals.py"]),
     "integrations/settings": (["integrations/settings.py"], ["tests/integrations/test_settings.py"]),
     "integrations/lookup": (["integrations/lookup.py"], ["tests/integrations/test_lookup.py"]),
-    "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_engine.py"]),
+    # its engine tests read what vLLM printed in child processes, where mutmut maps no call:
+    # tools/mutation_vllm.py runs each mutant against them (this entry makes the mutants)
+    "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_register.py",
+                                                     "tests/integrations/test_vllm_engine.py"]),
     "integrations/sglang": (["integrations/sglang.py"], ["tests/integrations/test_sglang_rows.py"]),
 }
 
@@ -202,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.module not in MODULES:
         parser.error(f"unknown module {args.module!r}; choose one of: {', '.join(MODULES)}")
+    if args.module == "integrations/vllm" and not args.tests:  # its tests run vLLM in child processes
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import mutation_vllm
+
+        return mutation_vllm.main(["--workers", str(args.workers)])
     sources, tests = MODULES[args.module]
     work = prepare(args.module, sources, args.tests or tests)
     start = time.monotonic()

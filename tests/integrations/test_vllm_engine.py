@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 CONFIG = v41_config()
 WORLD = 4
 RUN_TIMEOUT_S = 600
+SOCKET = "rows.sock"
 
 
 def free_port() -> int:
@@ -60,29 +62,35 @@ def results(process: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    """The checks at TP 1 and ranks 0..3 of a TP-4 gloo group, run concurrently, over one table
-    (memory, direct + cache, and a row server on the mmap tier)."""
-    assert VLLM in TESTED_VERSIONS, f"vLLM {VLLM} is installed; the plugin is tested with {TESTED_VERSIONS}"
-    folder = tmp_path_factory.mktemp("vllm")
+@contextmanager
+def engine_files(folder: Path):
+    """The drivers' spec over one V4.1 table in ``folder`` (memory, direct + cache, and a row
+    server on the mmap tier, stopped on exit) and another model's table."""
     table, _ = write_v41_table(folder / "v41.table", CONFIG, seed=3)
     other = CONFIG.replace(prime_starts=(71, 71, 71))  # another model's layout
     write_table(folder / "other.table", other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
     sockets = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
-    server = start_row_server(table, sockets / "rows.sock", tier="mmap")
-    spec = {"table": str(table), "other_table": str(folder / "other.table"), "socket": str(sockets / "rows.sock"),
-            "server_tier": "mmap", "tokens": 3}
+    server = start_row_server(table, sockets / SOCKET, tier="mmap")
     try:
+        yield {"table": str(table), "other_table": str(folder / "other.table"),
+               "socket": str(sockets / SOCKET), "server_tier": "mmap", "tokens": 3}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """The checks at TP 1 and ranks 0..3 of a TP-4 gloo group, run concurrently, over one table."""
+    assert VLLM in TESTED_VERSIONS, f"vLLM {VLLM} is installed; the plugin is tested with {TESTED_VERSIONS}"
+    folder = tmp_path_factory.mktemp("vllm")
+    with engine_files(folder) as spec:
         port = free_port()
         ranks = [run_driver("rank", dict(spec, rank=r, world=WORLD, port=port), folder, f"rank{r}")
                  for r in range(WORLD)]
         single = run_driver("checks", dict(spec, rank=0, world=1, port=free_port()), folder, "checks")
         yield {"checks": results(single), "ranks": [results(p) for p in ranks]}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
-        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def ok(result):
@@ -160,10 +168,41 @@ def test_wrong_table_and_unknown_key_refused(engine_runs):
     assert "unknown engram_offload setting(s) 'cache'" in engine_runs["checks"]["unknown_key"]
 
 
+def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
+    plugin, spec = ok(engine_runs["checks"]["plugin"]), engine_runs["checks"]["spec"]
+    assert plugin["eager_under_full_graphs"] == "Engram"  # --enforce-eager: no graphs replay a host read
+    assert plugin["other_decode"] == "Engram"
+    assert plugin["specialized_decode"].startswith(  # the latency-specialized decode replays FULL graphs
+        "the direct tier reads rows on the host, which a FULL CUDA graph cannot replay: start vLLM with "
+        "--enforce-eager, or with -cc.cudagraph_mode=PIECEWISE")
+    slot = plugin["slot_bytes"]
+    assert slot == 64 * 24 * CONFIG.row_bytes  # 64 batched tokens of 24 columns
+    assert plugin["staging_short"] == (f"staging_bytes {slot - 1} holds less than one step's rows of layer 1 "
+                                       f"({slot} bytes at 64 tokens): raise it")
+    assert [plugin[f"staging_{n}"] for n in ("one", "three", "many", "default")] == [1, 3, 4, 2]
+    assert plugin["started"] == [
+        f"engram-offload: Engram layer 14 of rank 0/1 on {spec['table']} on memory (addressable backend, "
+        "columns [0, 24) of 24)",
+        f"engram-offload: Engram layer 1 of rank 0/1 on {spec['table']} on {spec['socket']} (host-read backend, "
+        "columns [0, 24) of 24)"]
+    assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
+    assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
+
+
 def check_tiers(tiers, rank, world):
     ok(tiers)
     assert sorted(tiers) == [f"{t}/layer{i}" for t in ("direct+cache", "memory", "row_server") for i in (1, 14)]
+    stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in ("direct+cache", "memory", "row_server")}
+    assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == 3  # a store a tier
+    part = 24 // world
     for name, entry in tiers.items():
+        layer, tier = int(name.split("layer")[1]), name.split("/")[0]
+        assert entry["stats"] == {"layer": layer, "backend": "addressable" if tier == "memory" else "host-read",
+                                  "table": entry["stats"]["table"], "columns": [rank * part, rank * part + part],
+                                  "lookups": 2, "rows": 2 * 3 * part}, name  # two lookups of 3 tokens
+        assert entry["stats"]["table"].endswith({"memory": ".table on memory", "direct+cache": ".table on direct",
+                                                 "row_server": "/" + SOCKET}[tier]), name
+        assert entry["in_plugin_stats"], name
         assert entry["class"] == "OffloadedEngramEmbedding" and entry["base"] == "ParallelEngramEmbedding"
         assert entry["attrs"] == entry["vllm_attrs"], name  # vLLM's split, from vLLM's own constructor
         assert entry["attrs"][4] == world and entry["attrs"][1] == rank * 24 // world

@@ -57,7 +57,7 @@ def init_group(rank, world, port):
         initialize_model_parallel(world, 1)
 
 
-def vllm_config(additional, full_graphs=False):
+def vllm_config(additional, full_graphs=False, eager=False):
     from vllm.config import DeviceConfig, EngramConfig, VllmConfig
     from vllm.config.compilation import CUDAGraphMode
 
@@ -66,6 +66,8 @@ def vllm_config(additional, full_graphs=False):
     cfg.scheduler_config.max_num_batched_tokens = 64
     if full_graphs:
         cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    if eager:  # a ModelConfig needs a model to read: only the flag the plugin reads
+        cfg.model_config = types.SimpleNamespace(enforce_eager=True)
     return cfg
 
 
@@ -79,11 +81,11 @@ def test_layout(E, config):
     return E.EngramLayout(ns)
 
 
-def build_engram(E, layout, index, additional, full_graphs=False):
+def build_engram(E, layout, index, additional, full_graphs=False, eager=False):
     from vllm.config import set_current_vllm_config
 
     hf = types.SimpleNamespace(hidden_size=64, hc_mult=2, rms_norm_eps=1e-6)
-    with set_current_vllm_config(vllm_config(additional, full_graphs)):
+    with set_current_vllm_config(vllm_config(additional, full_graphs, eager)):
         torch.set_default_dtype(torch.bfloat16)
         try:
             return E.Engram(hf, None, layout, index, False, f"model.layers.{layout.layer_ids[index]}.engram")
@@ -139,6 +141,8 @@ def tier_settings(spec):
 
 def compare_tiers(E, spec, layout, raw, config):
     """Per tier and layer: the real Engram built through the plugin, rows against vLLM's kernel."""
+    import engram_offload.integrations.vllm as plugin
+
     out = {}
     for tier, settings in tier_settings(spec).items():
         for index, layer_id in enumerate(layout.layer_ids):
@@ -165,6 +169,10 @@ def compare_tiers(E, spec, layout, raw, config):
                 "nonzero_rows": int((want.abs().sum(-1) > 0).sum()),
                 "params": sorted(n for n, _ in engram.named_parameters()),
             }
+            keys = ("layer", "backend", "table", "columns", "lookups", "rows")
+            entry["stats"] = {k: module.stats()[k] for k in keys}
+            entry["in_plugin_stats"] = entry["stats"] in [{k: s[k] for k in keys} for s in plugin.stats()]
+            entry["store"] = id(module.engram_offload.store)  # one store for a tier's layers
             if module.tp_size == 1:
                 entry["embed_equal"] = bits_equal(engram.embed(ids), want)
             out[f"{tier}/layer{layer_id}"] = entry
@@ -256,6 +264,7 @@ def hasher(E):
 
 def main():
     mode, spec = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    results["spec"] = spec
     from engram_offload.serving.store import open_table
 
     with open_table(spec["table"], "memory") as store:
@@ -333,6 +342,57 @@ def main():
             return "built"
 
         record("unknown_key", unknown_key)
+
+        def plugin_paths():
+            """Graph modes, staging sizes, the start-up line and the module's refusals."""
+            import logging
+
+            import engram_offload.integrations.vllm as plugin
+
+            direct = tier_settings(spec)["direct+cache"]
+
+            def built(additional, full_graphs=False, eager=False, settings=direct):
+                try:
+                    return build_engram(E, layout, 0, {"engram_offload": settings, **additional}, full_graphs, eager)
+                except ValueError as exc:
+                    return str(exc)
+
+            out = {"eager_under_full_graphs": type(built({}, full_graphs=True, eager=True)).__name__,
+                   "specialized_decode": built({"decode_backend": "latency_specialized"}),
+                   "other_decode": type(built({"decode_backend": "default"})).__name__}
+            slot = 64 * 24 * config.row_bytes  # max_num_batched_tokens x the rank's columns x row bytes
+            out["slot_bytes"] = slot
+            for name, size in (("short", slot - 1), ("one", slot), ("three", 3 * slot + 5), ("many", 9 * slot)):
+                engram = built({}, settings=dict(direct, staging_bytes=size))
+                out[f"staging_{name}"] = engram if isinstance(engram, str) else len(engram.embed_tokens.engram_offload._ids)
+            out["staging_default"] = len(built({}).embed_tokens.engram_offload._ids)
+            lines = []
+            handler = logging.Handler(logging.INFO)
+            handler.emit = lambda r: lines.append(r.getMessage())
+            logger = logging.getLogger("engram_offload.integrations.vllm")
+            logger.addHandler(handler)
+            level = logger.level
+            logger.setLevel(logging.INFO)
+            try:
+                module = build_engram(E, layout, 1, {"engram_offload": tier_settings(spec)["memory"]}).embed_tokens
+                build_engram(E, layout, 0, {"engram_offload": tier_settings(spec)["row_server"]})
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            out["started"] = lines
+            try:
+                module._storage()
+                out["storage"] = None
+            except RuntimeError as exc:
+                out["storage"] = str(exc)
+            out["collapse_huge_pages"] = module.collapse_huge_pages()
+            out["stats_count"] = len(plugin.stats()) == len(plugin._modules) > 0
+            methods = E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"]
+            plugin.patch(E)  # again, as when a second register() finds the module imported
+            out["patched_once"] = methods == (E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"])
+            return out
+
+        record("plugin", plugin_paths)
     record("tiers", lambda: compare_tiers(E, spec, layout, raw, config))
     print(json.dumps(results))
 

@@ -1,0 +1,182 @@
+"""The vLLM plugin's entry point and checkpoint check, in this process and without vLLM.
+
+``register`` decides from the version ``importlib.metadata`` reports whether to patch, and
+arranges the patch through an import hook; the hook is exercised on a stand-in module file
+under the Engram module's name. The weight loader's check reads a real table.
+(``test_vllm_engine.py`` runs the same code inside vLLM 0.33.0.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import engram_offload.integrations.vllm as plugin
+from engram_offload.integrations.lookup import LayerShard
+from engram_offload.serving.store import open_table
+
+from engram_tables import v41_config, write_v41_table
+
+STAND_IN = "engram_offload_stand_in_engram"
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """``sys.meta_path`` and ``sys.modules`` restored after the test; ``patch`` records its calls
+    (and whether the module had run its code by then)."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, plugin.ENGRAM_MODULE, raising=False)
+    monkeypatch.delitem(sys.modules, STAND_IN, raising=False)
+    patched: list[tuple[types.ModuleType, bool]] = []
+    monkeypatch.setattr(plugin, "patch", lambda module: patched.append((module, hasattr(module, "Engram"))))
+    return patched
+
+
+def vllm_version(monkeypatch, answer: str | None) -> None:
+    """``importlib.metadata.version('vllm')`` answers ``answer`` (None: not installed)."""
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name.lower() != "vllm":  # distribution names compare case-insensitively
+            return real(name)
+        if answer is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return answer
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def hook_count() -> int:
+    return sum(isinstance(f, plugin._PatchOnImport) for f in sys.meta_path)
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "engram_offload.integrations.vllm"
+            and r.levelno == logging.WARNING]
+
+
+def test_without_vllm_register_warns_and_touches_nothing(monkeypatch, hooks, caplog):
+    vllm_version(monkeypatch, None)
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+    assert warnings_of(caplog) == ["engram-offload: vLLM is not installed; the plugin does nothing"]
+    assert hook_count() == 0 and hooks == []
+
+
+def test_an_untested_vllm_is_named_with_the_tested_ones_and_left_alone(monkeypatch, hooks, caplog):
+    vllm_version(monkeypatch, "0.34.0")
+    monkeypatch.setattr(plugin, "TESTED_VERSIONS", ("0.33.0", "0.33.1"))
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+    assert warnings_of(caplog) == ["engram-offload: vLLM 0.34.0 is not a tested version (0.33.0, 0.33.1); the "
+                                   "plugin does nothing and vLLM keeps its own Engram table"]
+    assert hook_count() == 0 and hooks == []
+
+
+def test_a_tested_vllm_gets_one_import_hook_first_in_line_however_often_registered(monkeypatch, hooks, caplog):
+    vllm_version(monkeypatch, plugin.TESTED_VERSIONS[0])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # vLLM calls every general plugin in every process, maybe more than once
+            plugin.register()
+    assert isinstance(sys.meta_path[0], plugin._PatchOnImport) and hook_count() == 1
+    assert hooks == [] and warnings_of(caplog) == []
+
+
+def test_an_engram_module_already_imported_is_patched_at_once(monkeypatch, hooks):
+    vllm_version(monkeypatch, plugin.TESTED_VERSIONS[0])
+    module = types.ModuleType(plugin.ENGRAM_MODULE)
+    module.Engram = object
+    monkeypatch.setitem(sys.modules, plugin.ENGRAM_MODULE, module)
+    plugin.register()
+    assert hooks == [(module, True)] and hook_count() == 0
+
+
+def test_the_hook_patches_the_engram_module_right_after_it_runs(monkeypatch, hooks, tmp_path):
+    (tmp_path / f"{STAND_IN}.py").write_text("class Engram:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugin, "ENGRAM_MODULE", STAND_IN)
+    vllm_version(monkeypatch, plugin.TESTED_VERSIONS[0])
+    plugin.register()
+    import engram_offload_stand_in_engram as module  # the hook's spec, its loader's exec wrapped
+
+    assert hooks == [(module, True)]  # patched once, after the module's code ran
+    hook = sys.meta_path[0]
+    assert hook.find_spec("json", None) is None  # other modules are left to the other finders
+    monkeypatch.setattr(plugin, "ENGRAM_MODULE", "engram_offload_no_such_module")
+    assert hook.find_spec("engram_offload_no_such_module", None) is None  # no finder finds it: neither does the hook
+
+
+class Reads:
+    """A store that records the ids of each ``read_raw``."""
+
+    def __init__(self, store) -> None:
+        self.store, self.reads = store, []
+
+    def read_raw(self, ids: np.ndarray) -> torch.Tensor:
+        self.reads.append(np.asarray(ids).copy())
+        return self.store.read_raw(ids)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    path, _ = write_v41_table(tmp_path_factory.mktemp("vllm-loader") / "v41.table", v41_config(), seed=5)
+    with open_table(path, "memory") as store:
+        yield store
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (1, 4)])
+def test_the_checking_loader_accepts_the_tables_own_rows_and_names_the_first_that_differs(table, rank, world):
+    config, raw = table.config, table.tier.rows.numpy()
+    layer_id = config.layer_ids[1]
+    shard = LayerShard.of(config, layer_id, rank, world)
+    rows = config.rows_per_layer[layer_id]
+    part = torch.from_numpy(raw[shard.row_base:shard.row_base + rows].copy())  # the checkpoint's tensor of the layer
+    head_dim = config.head_dim
+    store = Reads(table)
+    load_values = plugin._checking_loader(store, shard, head_dim, values=True)
+    load_scales = plugin._checking_loader(store, shard, head_dim, values=False)
+    values = part[:, :head_dim].contiguous().view(torch.float8_e4m3fn)
+    scales = part[:, head_dim:].contiguous().view(torch.float8_e8m0fnu)
+    load_values(None, values)
+    load_scales(None, scales)  # its own rows: accepted, nothing kept
+
+    checked = np.unique(np.linspace(shard.vocab_start, shard.vocab_end - 1, plugin.CHECKED_ROWS).astype(np.int64))
+    assert checked.size == plugin.CHECKED_ROWS  # spread over the rank's rows, both ends included
+    assert [ids.tolist() for ids in store.reads] == [(checked + shard.row_base).tolist()] * 2
+    for which, load, tensor, dtype in (("values", load_values, part[:, :head_dim], torch.float8_e4m3fn),
+                                       ("scales", load_scales, part[:, head_dim:], torch.float8_e8m0fnu)):
+        for row in (checked[0], checked[-1], checked[3]):
+            other = tensor.clone()
+            other[row, -1] ^= 1
+            with pytest.raises(ValueError) as refused:
+                load(None, other.contiguous().view(dtype))
+            assert str(refused.value) == (
+                f"the Engram table does not hold this checkpoint's rows (layer {layer_id}, row {row} of its {which} "
+                "differs): convert this checkpoint's table with `engram-offload convert CHECKPOINT TABLE`")
+        unchecked = int(checked[0]) + 1  # between two checked rows: not read
+        other = tensor.clone()
+        other[unchecked] ^= 1
+        load(None, other.contiguous().view(dtype))
+    both = values.view(torch.uint8).clone()
+    both[checked[2], 0] ^= 1
+    both[checked[5], 0] ^= 1
+    with pytest.raises(ValueError, match=f"row {checked[2]} of its values differs"):  # the first of two
+        load_values(None, both.view(torch.float8_e4m3fn))
+
+
+def test_the_checking_loader_of_a_rank_without_rows_reads_nothing(table):
+    shard = LayerShard.of(table.config, table.config.layer_ids[0], 0, 1)
+    empty = dataclasses.replace(shard, vocab_end=shard.vocab_start)
+
+    class Unread:
+        def read_raw(self, ids):
+            raise AssertionError("a rank without rows read the table")
+
+    plugin._checking_loader(Unread(), empty, table.config.head_dim, values=True)(None, torch.empty(0))
