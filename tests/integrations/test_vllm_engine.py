@@ -187,6 +187,9 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
         "columns [0, 24) of 24)"]
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
+    # the patched _finish_prefetch runs vLLM's wait on the event, then the rows read in the background
+    assert plugin["rows_before_finish"] == 0 and plugin["finish"]["waited"] == ["the step's event"]
+    assert plugin["finish"]["rows_equal"] and plugin["finish"]["nonzero"] > 0
 
 
 def check_tiers(tiers, rank, world):

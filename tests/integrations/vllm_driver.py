@@ -387,6 +387,23 @@ def main():
                 out["storage"] = str(exc)
             out["collapse_huge_pages"] = module.collapse_huge_pages()
             out["stats_count"] = len(plugin.stats()) == len(plugin._modules) > 0
+            # the patched _finish_prefetch, as a GPU layer calls it after a background lookup: vLLM's
+            # own body waits on the event (a CPU has no stream: a stand-in records the wait), then the
+            # host read's rows are copied in
+            engram = built({})
+            ids = step_ids(layout, 0, spec["tokens"], seed=7)
+            rows = torch.zeros((ids.shape[0], engram.embed_tokens.part_n_hash_cols, 256), dtype=torch.bfloat16)
+            engram.embed_tokens.lookup(ids, rows, background=True)
+            out["rows_before_finish"] = int(rows.count_nonzero())
+            waited, stream = [], torch.cuda.current_stream
+            torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(wait_event=waited.append)
+            try:
+                engram._finish_prefetch("the step's event")
+            finally:
+                torch.cuda.current_stream = stream
+            want = torch.empty_like(rows)
+            engram.embed_tokens.lookup(ids, want)
+            out["finish"] = {"waited": waited, "rows_equal": bits_equal(rows, want), "nonzero": int(rows.count_nonzero())}
             methods = E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"]
             plugin.patch(E)  # again, as when a second register() finds the module imported
             out["patched_once"] = methods == (E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"])
