@@ -172,9 +172,10 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
     plugin, spec = ok(engine_runs["checks"]["plugin"]), engine_runs["checks"]["spec"]
     assert plugin["eager_under_full_graphs"] == "Engram"  # --enforce-eager: no graphs replay a host read
     assert plugin["other_decode"] == "Engram"
-    assert plugin["specialized_decode"].startswith(  # the latency-specialized decode replays FULL graphs
-        "the direct tier reads rows on the host, which a FULL CUDA graph cannot replay: start vLLM with "
-        "--enforce-eager, or with -cc.cudagraph_mode=PIECEWISE")
+    for refused in ("specialized_decode", "not_eager_under_full_graphs"):  # that decode replays FULL graphs
+        assert plugin[refused].startswith(
+            "the direct tier reads rows on the host, which a FULL CUDA graph cannot replay: start vLLM with "
+            "--enforce-eager, or with -cc.cudagraph_mode=PIECEWISE"), refused
     slot = plugin["slot_bytes"]
     assert slot == 64 * 24 * CONFIG.row_bytes  # 64 batched tokens of 24 columns
     assert plugin["staging_short"] == (f"staging_bytes {slot - 1} holds less than one step's rows of layer 1 "

@@ -57,7 +57,7 @@ def init_group(rank, world, port):
         initialize_model_parallel(world, 1)
 
 
-def vllm_config(additional, full_graphs=False, eager=False):
+def vllm_config(additional, full_graphs=False, eager=None):
     from vllm.config import DeviceConfig, EngramConfig, VllmConfig
     from vllm.config.compilation import CUDAGraphMode
 
@@ -66,8 +66,8 @@ def vllm_config(additional, full_graphs=False, eager=False):
     cfg.scheduler_config.max_num_batched_tokens = 64
     if full_graphs:
         cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    if eager:  # a ModelConfig needs a model to read: only the flag the plugin reads
-        cfg.model_config = types.SimpleNamespace(enforce_eager=True)
+    if eager is not None:  # a ModelConfig needs a model to read: only the flag the plugin reads
+        cfg.model_config = types.SimpleNamespace(enforce_eager=eager)
     return cfg
 
 
@@ -81,7 +81,7 @@ def test_layout(E, config):
     return E.EngramLayout(ns)
 
 
-def build_engram(E, layout, index, additional, full_graphs=False, eager=False):
+def build_engram(E, layout, index, additional, full_graphs=False, eager=None):
     from vllm.config import set_current_vllm_config
 
     hf = types.SimpleNamespace(hidden_size=64, hc_mult=2, rms_norm_eps=1e-6)
@@ -351,13 +351,14 @@ def main():
 
             direct = tier_settings(spec)["direct+cache"]
 
-            def built(additional, full_graphs=False, eager=False, settings=direct):
+            def built(additional, full_graphs=False, eager=None, settings=direct):
                 try:
                     return build_engram(E, layout, 0, {"engram_offload": settings, **additional}, full_graphs, eager)
                 except ValueError as exc:
                     return str(exc)
 
             out = {"eager_under_full_graphs": type(built({}, full_graphs=True, eager=True)).__name__,
+                   "not_eager_under_full_graphs": built({}, full_graphs=True, eager=False),
                    "specialized_decode": built({"decode_backend": "latency_specialized"}),
                    "other_decode": type(built({"decode_backend": "default"})).__name__}
             slot = 64 * 24 * config.row_bytes  # max_num_batched_tokens x the rank's columns x row bytes
