@@ -164,7 +164,9 @@ def test_checkpoint_rows_checked_and_discarded(engine_runs):
 
 
 def test_wrong_table_and_unknown_key_refused(engine_runs):
-    assert "was converted from another model" in engine_runs["checks"]["wrong_table"]
+    spec = engine_runs["checks"]["spec"]
+    assert engine_runs["checks"]["wrong_table"].startswith(f"the table {spec['other_table']} was converted from "
+                                                           "another model (")
     assert "unknown engram_offload setting(s) 'cache'" in engine_runs["checks"]["unknown_key"]
 
 
@@ -189,6 +191,10 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
     # the patched _finish_prefetch runs vLLM's wait on the event, then the rows read in the background
+    assert plugin["lookup_lines"] == [  # log_every=1: a line a lookup, each backend's
+        f"engram-offload layer 14 (addressable, {spec['table']} on memory)",
+        f"engram-offload layer 14 (host-read, {spec['table']} on direct)"]
+    assert plugin["timeout_memory"] is None and plugin["timeout_direct+cache"] == 0.5
     assert plugin["rows_before_finish"] == 0 and plugin["finish"]["waited"] == ["the step's event"]
     assert plugin["finish"]["rows_equal"] and plugin["finish"]["nonzero"] > 0
 
@@ -206,7 +212,8 @@ def check_tiers(tiers, rank, world):
                                   "lookups": 2, "rows": 2 * 3 * part}, name  # two lookups of 3 tokens
         assert entry["stats"]["table"].endswith({"memory": ".table on memory", "direct+cache": ".table on direct",
                                                  "row_server": "/" + SOCKET}[tier]), name
-        assert entry["in_plugin_stats"], name
+        assert entry["in_plugin_stats"] and entry["store_stats"], name
+        assert entry["store_columns"] == [rank * part, rank * part + part], name  # caches hold the rank's rows
         assert entry["class"] == "OffloadedEngramEmbedding" and entry["base"] == "ParallelEngramEmbedding"
         assert entry["attrs"] == entry["vllm_attrs"], name  # vLLM's split, from vLLM's own constructor
         assert entry["attrs"][4] == world and entry["attrs"][1] == rank * 24 // world

@@ -172,7 +172,10 @@ def compare_tiers(E, spec, layout, raw, config):
             keys = ("layer", "backend", "table", "columns", "lookups", "rows")
             entry["stats"] = {k: module.stats()[k] for k in keys}
             entry["in_plugin_stats"] = entry["stats"] in [{k: s[k] for k in keys} for s in plugin.stats()]
-            entry["store"] = id(module.engram_offload.store)  # one store for a tier's layers
+            store = module.engram_offload.store
+            entry["store"] = id(store)  # one store for a tier's layers
+            entry["store_columns"] = None if store.columns is None else list(store.columns)  # the rank's only
+            entry["store_stats"] = bool(module.stats()["store"])
             if module.tp_size == 1:
                 entry["embed_equal"] = bits_equal(engram.embed(ids), want)
             out[f"{tier}/layer{layer_id}"] = entry
@@ -405,6 +408,25 @@ def main():
             want = torch.empty_like(rows)
             engram.embed_tokens.lookup(ids, want)
             out["finish"] = {"waited": waited, "rows_equal": bits_equal(rows, want), "nonzero": int(rows.count_nonzero())}
+            # log_every and wait_timeout_s reach each backend: a line a lookup, the read's bound
+            lines, logger = [], logging.getLogger("engram_offload.integrations")  # lookup.py's
+            handler = logging.Handler(logging.INFO)
+            handler.emit = lambda r: lines.append(r.getMessage()) if r.name == logger.name else None
+            level = logger.level
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            try:
+                for tier in ("memory", "direct+cache"):
+                    engram = build_engram(E, layout, 1, {"engram_offload": dict(
+                        tier_settings(spec)[tier], log_every=1, wait_timeout_s=0.5)})
+                    ids = step_ids(layout, 1, spec["tokens"], seed=8)
+                    rows = torch.empty((ids.shape[0], engram.embed_tokens.part_n_hash_cols, 256), dtype=torch.bfloat16)
+                    engram.embed_tokens.lookup(ids, rows)
+                    out[f"timeout_{tier}"] = getattr(engram.embed_tokens.engram_offload, "timeout_s", None)
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            out["lookup_lines"] = [line.split(": ")[0] for line in lines]
             methods = E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"]
             plugin.patch(E)  # again, as when a second register() finds the module imported
             out["patched_once"] = methods == (E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"])
