@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from engram_offload.integrations.vllm import TESTED_VERSIONS
+from engram_offload.pool.publish import publish_table
+from engram_offload.pool.servers import redis_server_missing, start_local_pool
 from engram_offload.serving.rowserver import start_row_server
 from engram_offload.table import random_rows
 from engram_offload.table.writer import write_table
@@ -71,10 +73,16 @@ def engine_files(folder: Path):
     write_table(folder / "other.table", other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
     sockets = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
     server = start_row_server(table, sockets / SOCKET, tier="mmap")
+    pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")
     try:
+        pool_table = None
+        if pool is not None:  # the table in a Redis pool too: the remote tier
+            pool_table = f"{pool.url}/{publish_table(table, pool.url, progress=False)['fingerprint']}"
         yield {"table": str(table), "other_table": str(folder / "other.table"),
-               "socket": str(sockets / SOCKET), "server_tier": "mmap", "tokens": 3}
+               "socket": str(sockets / SOCKET), "server_tier": "mmap", "tokens": 3, "pool_table": pool_table}
     finally:
+        if pool is not None:
+            pool.stop()
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
         shutil.rmtree(sockets, ignore_errors=True)
@@ -199,11 +207,12 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
     assert plugin["finish"]["rows_equal"] and plugin["finish"]["nonzero"] > 0
 
 
-def check_tiers(tiers, rank, world):
-    ok(tiers)
-    assert sorted(tiers) == [f"{t}/layer{i}" for t in ("direct+cache", "memory", "row_server") for i in (1, 14)]
-    stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in ("direct+cache", "memory", "row_server")}
-    assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == 3  # a store a tier
+def check_tiers(run, rank, world):
+    tiers = ok(run["tiers"])
+    names = ("direct+cache", "memory", "row_server") + (("pool",) if run["spec"]["pool_table"] else ())
+    assert sorted(tiers) == [f"{t}/layer{i}" for t in sorted(names) for i in (1, 14)]
+    stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in names}
+    assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == len(names)  # one a tier
     part = 24 // world
     for name, entry in tiers.items():
         layer, tier = int(name.split("layer")[1]), name.split("/")[0]
@@ -211,7 +220,7 @@ def check_tiers(tiers, rank, world):
                                   "table": entry["stats"]["table"], "columns": [rank * part, rank * part + part],
                                   "lookups": 2, "rows": 2 * 3 * part}, name  # two lookups of 3 tokens
         assert entry["stats"]["table"].endswith({"memory": ".table on memory", "direct+cache": ".table on direct",
-                                                 "row_server": "/" + SOCKET}[tier]), name
+                                                 "row_server": "/" + SOCKET, "pool": " on remote"}[tier]), name
         assert entry["in_plugin_stats"] and entry["store_stats"], name
         assert entry["store_columns"] == [rank * part, rank * part + part], name  # caches hold the rank's rows
         assert entry["class"] == "OffloadedEngramEmbedding" and entry["base"] == "ParallelEngramEmbedding"
@@ -224,12 +233,12 @@ def check_tiers(tiers, rank, world):
 
 
 def test_rows_bit_equal_to_vllms_kernel_tp1(engine_runs):
-    check_tiers(engine_runs["checks"]["tiers"], 0, 1)
+    check_tiers(engine_runs["checks"], 0, 1)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_rows_bit_equal_to_vllms_kernel_tp4(engine_runs, rank):
-    check_tiers(engine_runs["ranks"][rank]["tiers"], rank, WORLD)
+    check_tiers(engine_runs["ranks"][rank], rank, WORLD)
 
 
 def test_an_untested_vllm_version_is_left_alone():

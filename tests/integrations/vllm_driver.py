@@ -8,7 +8,7 @@ object on its last line: each check's name -> its result.
     python vllm_driver.py checks SPEC.json    # one rank: plugin loading, names, hasher, tiers
     python vllm_driver.py rank SPEC.json      # one rank of a gloo group (SPEC has rank, world)
 
-SPEC: {"table", "other_table", "socket", "server_tier", "port", "rank", "world", "tokens"}.
+SPEC: {"table", "other_table", "socket", "server_tier", "port", "rank", "world", "tokens", "pool_table"}.
 """
 
 from __future__ import annotations
@@ -132,11 +132,14 @@ def bits_equal(a, b):
 
 
 def tier_settings(spec):
-    return {
+    tiers = {
         "memory": {"table": spec["table"], "tier": "memory"},
         "direct+cache": {"table": spec["table"], "tier": "direct", "cache_bytes": 40 * 264},
         "row_server": {"table": spec["table"], "tier": spec["server_tier"], "row_server": spec["socket"]},
     }
+    if spec.get("pool_table"):  # where redis-server runs: the table's copy in a Redis pool
+        tiers["pool"] = {"table": spec["pool_table"], "tier": "remote"}
+    return tiers
 
 
 def compare_tiers(E, spec, layout, raw, config):
