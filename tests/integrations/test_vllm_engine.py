@@ -168,6 +168,7 @@ def test_host_read_tiers_refused_under_full_graphs(engine_runs):
 def test_checkpoint_rows_checked_and_discarded(engine_runs):
     loader = ok(engine_runs["checks"]["loader"])
     assert loader["placeholder_shapes"] == [[0, 256], [0, 8]]
+    assert loader["placeholders"] == [["torch.float8_e4m3fn", "cpu", False], ["torch.uint8", "cpu", False]]
     assert "does not hold this checkpoint's rows" in loader["other_rows_refused"]
 
 
@@ -214,7 +215,9 @@ def check_tiers(run, rank, world):
     stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in names}
     assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == len(names)  # one a tier
     part = 24 // world
+    assert len({entry["class_id"] for entry in tiers.values()}) == 1  # one subclass of vLLM's, made once
     for name, entry in tiers.items():
+        assert entry["more_attrs"] == entry["vllm_more_attrs"], name
         layer, tier = int(name.split("layer")[1]), name.split("/")[0]
         assert entry["stats"] == {"layer": layer, "backend": "addressable" if tier == "memory" else "host-read",
                                   "table": entry["stats"]["table"], "columns": [rank * part, rank * part + part],

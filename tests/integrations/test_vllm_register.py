@@ -20,9 +20,11 @@ import torch
 
 import engram_offload.integrations.vllm as plugin
 from engram_offload.integrations.lookup import LayerShard
+from engram_offload.integrations.settings import parse_settings
 from engram_offload.serving.store import open_table
 
 from engram_tables import v41_config, write_v41_table
+from row_servers import serving
 
 STAND_IN = "engram_offload_stand_in_engram"
 
@@ -125,9 +127,14 @@ class Reads:
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory):
+def table_path(tmp_path_factory):
     path, _ = write_v41_table(tmp_path_factory.mktemp("vllm-loader") / "v41.table", v41_config(), seed=5)
-    with open_table(path, "memory") as store:
+    return path
+
+
+@pytest.fixture(scope="module")
+def table(table_path):
+    with open_table(table_path, "memory") as store:
         yield store
 
 
@@ -180,3 +187,70 @@ def test_the_checking_loader_of_a_rank_without_rows_reads_nothing(table):
             raise AssertionError("a rank without rows read the table")
 
     plugin._checking_loader(Unread(), empty, table.config.head_dim, values=True)(None, torch.empty(0))
+
+
+def layout_of(config) -> types.SimpleNamespace:
+    """The fields of vLLM's ``EngramLayout`` the plugin reads, for a table's own model."""
+    return types.SimpleNamespace(
+        layer_ids=list(config.layer_ids), max_ngram_size=config.max_ngram_size, n_heads=config.n_heads,
+        head_dim=config.head_dim, primes=[config.primes[i] for i in config.layer_ids],
+        num_embeddings=[config.rows_per_layer[i] for i in config.layer_ids])
+
+
+@pytest.fixture
+def stores(monkeypatch):
+    """``_store``'s cache emptied for the test, and every store it opened closed after."""
+    monkeypatch.setattr(plugin, "_stores", {})
+    yield plugin._stores
+    for store, _ in plugin._stores.values():
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """A table of another model's layout (the bucket primes differ)."""
+    from engram_offload.table import random_rows
+    from engram_offload.table.writer import write_table
+
+    other = v41_config().replace(prime_starts=(71, 71, 71))
+    path = tmp_path_factory.mktemp("vllm-other") / "other.table"
+    write_table(path, other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+    return path
+
+
+def test_a_store_a_setting_and_rank_holding_the_ranks_columns(table_path, stores, monkeypatch):
+    opened = []
+    real = plugin.open_store
+    monkeypatch.setattr(plugin, "open_store", lambda settings, columns: opened.append(columns) or real(settings, columns))
+    settings = parse_settings({"table": str(table_path), "tier": "memory"})
+    layout = layout_of(v41_config())
+    first = plugin._store(settings, layout, 1, 4)
+    assert plugin._store(settings, layout, 1, 4)[0] is first[0]  # every layer of the rank: one store
+    assert first[1] == first[0].config == v41_config()
+    assert opened == [(6, 12)]  # the rank's 6 of 24 columns: its caches hold only their rows
+    plugin._store(settings, layout, 0, 1)
+    assert opened == [(6, 12), (0, 24)]
+
+
+def test_a_local_table_of_another_model_is_refused_before_it_is_loaded(other_model, stores, monkeypatch):
+    def open_store(settings, columns):
+        raise AssertionError("the table was opened before its layout was checked")
+
+    monkeypatch.setattr(plugin, "open_store", open_store)
+    settings = parse_settings({"table": str(other_model), "tier": "memory"})
+    with pytest.raises(ValueError, match=f"^the table {other_model} was converted from another model "):
+        plugin._store(settings, layout_of(v41_config()), 0, 1)
+    assert stores == {}
+
+
+def test_a_row_servers_table_of_another_model_is_refused_and_its_client_closed(other_model, stores, tmp_path,
+                                                                             monkeypatch):
+    clients = []
+    real = plugin.open_store
+    monkeypatch.setattr(plugin, "open_store", lambda settings, columns: clients.append(real(settings, columns))
+                        or clients[-1])
+    settings = parse_settings({"table": str(other_model), "tier": "direct", "row_server": str(tmp_path / "rows.sock")})
+    with serving(other_model, tmp_path / "rows.sock"):
+        with pytest.raises(ValueError, match=f"^the table {other_model} was converted from another model "):
+            plugin._store(settings, layout_of(v41_config()), 0, 1)
+    assert len(clients) == 1 and clients[0].closed and stores == {}

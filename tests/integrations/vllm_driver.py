@@ -142,6 +142,15 @@ def tier_settings(spec):
     return tiers
 
 
+# what vLLM's ParallelEngramEmbedding constructor sets and the plugin's module sets alike
+SAME_AS_VLLM = ("num_embeddings", "part_num_embeddings", "dim", "block_size", "dp_shared_memory", "use_thp",
+                "peer_rows", "cpu_offload")
+
+
+def _plain(value):
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+
 def compare_tiers(E, spec, layout, raw, config):
     """Per tier and layer: the real Engram built through the plugin, rows against vLLM's kernel."""
     import engram_offload.integrations.vllm as plugin
@@ -168,6 +177,9 @@ def compare_tiers(E, spec, layout, raw, config):
                           module.tp_size, module.dp_size, module.n_hash_cols],
                 "vllm_attrs": [oracle.part_n_hash_cols, oracle.head_start, oracle.vocab_start_idx,
                                oracle.vocab_end_idx, oracle.tp_size, 1, oracle.n_hash_cols],
+                "more_attrs": {a: _plain(getattr(module, a)) for a in SAME_AS_VLLM},
+                "vllm_more_attrs": {a: _plain(getattr(oracle, a)) for a in SAME_AS_VLLM},
+                "class_id": id(type(module)),  # one class for every layer
                 "bf16_equal": bits_equal(got, want), "packed_equal": bits_equal(packed_got, packed_want),
                 "nonzero_rows": int((want.abs().sum(-1) > 0).sum()),
                 "params": sorted(n for n, _ in engram.named_parameters()),
@@ -327,7 +339,9 @@ def main():
             except ValueError as exc:
                 refused = str(exc)
             return {"own_rows_accepted": True, "other_rows_refused": refused,
-                    "placeholder_shapes": [list(module.weight.shape), list(module.weight_scale_inv.shape)]}
+                    "placeholder_shapes": [list(module.weight.shape), list(module.weight_scale_inv.shape)],
+                    "placeholders": [[str(p.dtype), p.device.type, p.requires_grad]
+                                     for p in (module.weight, module.weight_scale_inv)]}
 
         record("loader", loader)
 
