@@ -214,6 +214,7 @@ def check_tiers(run, rank, world):
     assert sorted(tiers) == [f"{t}/layer{i}" for t in sorted(names) for i in (1, 14)]
     stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in names}
     assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == len(names)  # one a tier
+    assert tiers["memory/layer1"]["device_table"] == tiers["memory/layer14"]["device_table"]  # one registration
     part = 24 // world
     assert len({entry["class_id"] for entry in tiers.values()}) == 1  # one subclass of vLLM's, made once
     for name, entry in tiers.items():

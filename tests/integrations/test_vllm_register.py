@@ -178,15 +178,26 @@ def test_the_checking_loader_accepts_the_tables_own_rows_and_names_the_first_tha
         load_values(None, both.view(torch.float8_e4m3fn))
 
 
-def test_the_checking_loader_of_a_rank_without_rows_reads_nothing(table):
-    shard = LayerShard.of(table.config, table.config.layer_ids[0], 0, 1)
+def test_the_checking_loader_of_a_rank_without_rows_reads_nothing_and_of_one_row_checks_it(table):
+    config = table.config
+    shard = LayerShard.of(config, config.layer_ids[1], 1, 4)  # rows from vocab_start > 0
     empty = dataclasses.replace(shard, vocab_end=shard.vocab_start)
 
     class Unread:
         def read_raw(self, ids):
             raise AssertionError("a rank without rows read the table")
 
-    plugin._checking_loader(Unread(), empty, table.config.head_dim, values=True)(None, torch.empty(0))
+    plugin._checking_loader(Unread(), empty, config.head_dim, values=True)(None, torch.empty(0))
+    one = dataclasses.replace(shard, vocab_end=shard.vocab_start + 1)
+    layer = torch.from_numpy(table.tier.rows.numpy()[shard.row_base:shard.row_base + config.rows_per_layer[one.layer_id]])
+    store = Reads(table)
+    load = plugin._checking_loader(store, one, config.head_dim, values=True)
+    load(None, layer[:, :config.head_dim].contiguous().view(torch.float8_e4m3fn))
+    assert [ids.tolist() for ids in store.reads] == [[one.row_base + one.vocab_start]]
+    other = layer[:, :config.head_dim].clone()
+    other[one.vocab_start, 0] ^= 1
+    with pytest.raises(ValueError, match=f"row {one.vocab_start} of its values differs"):
+        load(None, other.view(torch.float8_e4m3fn))
 
 
 def layout_of(config) -> types.SimpleNamespace:

@@ -189,6 +189,7 @@ def compare_tiers(E, spec, layout, raw, config):
             entry["in_plugin_stats"] = entry["stats"] in [{k: s[k] for k in keys} for s in plugin.stats()]
             store = module.engram_offload.store
             entry["store"] = id(store)  # one store for a tier's layers
+            entry["device_table"] = id(getattr(module.engram_offload, "table", None))  # and one device view
             entry["store_columns"] = None if store.columns is None else list(store.columns)  # the rank's only
             entry["store_stats"] = bool(module.stats()["store"])
             if module.tp_size == 1:
