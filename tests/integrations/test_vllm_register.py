@@ -265,3 +265,15 @@ def test_a_row_servers_table_of_another_model_is_refused_and_its_client_closed(o
         with pytest.raises(ValueError, match=f"^the table {other_model} was converted from another model "):
             plugin._store(settings, layout_of(v41_config()), 0, 1)
     assert len(clients) == 1 and clients[0].closed and stores == {}
+
+
+def test_a_table_with_more_rows_in_a_layer_than_the_checkpoint_declares_is_refused(table_path, stores):
+    config = v41_config()
+    layout = layout_of(config)
+    layout.num_embeddings[1] -= 1  # the checkpoint's layer 14 one row shorter than the table's
+    settings = parse_settings({"table": str(table_path), "tier": "memory"})
+    rows = config.rows_per_layer[14]
+    with pytest.raises(ValueError, match=f"^the table {table_path} was converted from another model \\(layer 14 has "
+                                         f"{rows} rows, the checkpoint {rows - 1}\\)"):
+        plugin._store(settings, layout, 0, 1)
+    assert stores == {}
