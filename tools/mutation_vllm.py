@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.util
 import inspect
 import json
 import os
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1; the TP-4 stage alone runs four drivers)")
     parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # K/N: every N-th mutant from the K-th
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("vLLM is not installed: `make engines` installs vLLM 0.33.0 beside the CPU torch")
     work = scratch()
     names = mutant_names(work)
     k, n = (int(x) for x in args.shard.split("/"))
