@@ -199,6 +199,7 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
         "columns [0, 24) of 24)"]
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
+    assert plugin["device_views"] == {"memory": True, "shared": True}  # two resident stores, a view of each
     # the patched _finish_prefetch runs vLLM's wait on the event, then the rows read in the background
     assert plugin["lookup_lines"] == [  # log_every=1: a line a lookup, each backend's
         f"engram-offload layer 14 (addressable, {spec['table']} on memory)",

@@ -409,6 +409,14 @@ def main():
                 out["storage"] = str(exc)
             out["collapse_huge_pages"] = module.collapse_huge_pages()
             out["stats_count"] = len(plugin.stats()) == len(plugin._modules) > 0
+            # two resident stores of one process (the table in this process, and in shared memory):
+            # each layer reads its own store's rows through its own device view
+            views = {}
+            for tier in ("memory", "shared"):
+                backend = build_engram(E, layout, 0, {"engram_offload": {"table": spec["table"], "tier": tier}}
+                                       ).embed_tokens.engram_offload
+                views[tier] = backend.table.table.data_ptr() == backend.store.tier.rows.data_ptr()
+            out["device_views"] = views
             # the patched _finish_prefetch, as a GPU layer calls it after a background lookup: vLLM's
             # own body waits on the event (a CPU has no stream: a stand-in records the wait), then the
             # host read's rows are copied in
