@@ -47,6 +47,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutation  # noqa: E402  tools/mutation.py: the scratch folder, the module table, mutmut itself
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "integrations/vllm"
 IN_PROCESS_TESTS = ROOT / "tests" / "integrations" / "test_vllm_register.py"
@@ -59,9 +62,6 @@ os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", VLLM_PLUGINS="e
 
 def scratch() -> Path:
     """mutmut's scratch folder with the module's mutants (made once; ``tools/mutation.py``'s layout)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import mutation
-
     work = mutation.SCRATCH / MODULE.replace("/", ".")
     if not (work / "mutants" / "src").is_dir():
         sources, tests = mutation.MODULES[MODULE]
@@ -73,9 +73,6 @@ def scratch() -> Path:
 
 
 def mutant_names(work: Path) -> list[str]:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import mutation
-
     listing = mutation.mutmut(work, "results", "--all", "true")
     names = [m.group(1) for m in map(mutation.LINE.match, listing.stdout.splitlines()) if m]
     if not names:
@@ -113,29 +110,39 @@ class Runner:
                              "(engine_runs), (engine_runs, rank) or nothing")
         self.checks_tests, self.rank_tests, self.own_tests = by_args.values()
 
-    def _fork(self, mode: str, spec: dict[str, Any], name: str, mutant: str) -> tuple[int, Path]:
-        path, out = self.folder / f"{name}.json", self.folder / f"{name}.out"
-        path.write_text(json.dumps(spec))
+    def _child(self, mutant: str, out: Path, err: Path, run: Callable[[], int]) -> int:
+        """Fork a child in a process group of its own that runs ``run()`` with the mutant active,
+        its stdout into ``out`` and stderr into ``err`` (one file when they are equal), and exits
+        with what ``run`` returned (1 if it raised); returns its pid."""
         pid = os.fork()
-        if pid == 0:  # the driver, as `python vllm_driver.py MODE SPEC` with the mutant in its environment
+        if pid == 0:
             code = 1
             try:
                 os.setpgid(0, 0)
                 os.environ["MUTANT_UNDER_TEST"] = mutant
-                with open(out, "w") as stdout, open(self.folder / f"{name}.err", "w") as stderr:
+                with open(out, "w") as stdout, open(err, "w") if err != out else stdout as stderr:
                     os.dup2(stdout.fileno(), 1)
                     os.dup2(stderr.fileno(), 2)
-                    sys.argv = [self.driver.__file__, mode, str(path)]
-                    os.chdir(self.folder)
-                    self.driver.main()
+                    code = run()
                     sys.stdout.flush()
-                    code = 0
             except BaseException:
                 traceback.print_exc()
                 sys.stderr.flush()
             finally:
                 os._exit(code)
-        return pid, out
+        return pid
+
+    def _fork(self, mode: str, spec: dict[str, Any], name: str, mutant: str) -> tuple[int, Path]:
+        path, out = self.folder / f"{name}.json", self.folder / f"{name}.out"
+        path.write_text(json.dumps(spec))
+
+        def drive() -> int:  # as `python vllm_driver.py MODE SPEC`
+            sys.argv = [self.driver.__file__, mode, str(path)]
+            os.chdir(self.folder)
+            self.driver.main()
+            return 0
+
+        return self._child(mutant, out, self.folder / f"{name}.err", drive), out
 
     def _wait(self, children: list[tuple[int, Path]], timeout_s: float,
               parse: bool = True) -> list[dict[str, Any]] | str | None:
@@ -176,19 +183,8 @@ class Runner:
         import pytest
 
         out = self.folder / "pytest.out"
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.setpgid(0, 0)
-                os.environ["MUTANT_UNDER_TEST"] = mutant
-                with open(out, "w") as stdout:
-                    os.dup2(stdout.fileno(), 1)
-                    os.dup2(stdout.fileno(), 2)
-                    code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", str(IN_PROCESS_TESTS)]))
-                    sys.stdout.flush()
-            finally:
-                os._exit(code)
+        pid = self._child(mutant, out, out, lambda: int(pytest.main(["-q", "-x", "-p", "no:cacheprovider",
+                                                                     str(IN_PROCESS_TESTS)])))
         failed = self._wait([(pid, out)], STAGE_TIMEOUT_S["checks"], parse=False)
         if failed is None:
             return None
@@ -301,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(work: Path, names: list[str], done: dict[str, dict[str, Any]], seconds: float) -> int:
-    import mutation
-
     ran = [n for n in names if n in done]
     killed = sum(done[n]["status"] == "killed" for n in ran)
     survivors = [n for n in ran if done[n]["status"] != "killed"]

@@ -43,6 +43,12 @@ def write_v41_table(path: Path, config: EngramConfig, seed: int = 0) -> tuple[Pa
     return write_table(path, config, raw, block_size=16384), raw
 
 
+def write_other_model_table(path: Path) -> Path:
+    """A table of another model's layout: V4.1's shape, other bucket primes (a start of 71)."""
+    other = v41_config().replace(prime_starts=(71, 71, 71))
+    return write_table(path, other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-equal, but any NaN equals any NaN (0 * inf gives a NaN whose sign bit may differ)."""
     if a.shape != b.shape or a.dtype != b.dtype:

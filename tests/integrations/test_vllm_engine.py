@@ -19,17 +19,14 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from engram_offload.integrations.vllm import TESTED_VERSIONS
 from engram_offload.pool.publish import publish_table
 from engram_offload.pool.servers import redis_server_missing, start_local_pool
 from engram_offload.serving.rowserver import start_row_server
-from engram_offload.table import random_rows
-from engram_offload.table.writer import write_table
 
-from engram_tables import v41_config, write_v41_table
+from engram_tables import v41_config, write_other_model_table, write_v41_table
 
 try:
     VLLM = importlib.metadata.version("vllm")
@@ -69,8 +66,7 @@ def engine_files(folder: Path):
     """The drivers' spec over one V4.1 table in ``folder`` (memory, direct + cache, and a row
     server on the mmap tier, stopped on exit) and another model's table."""
     table, _ = write_v41_table(folder / "v41.table", CONFIG, seed=3)
-    other = CONFIG.replace(prime_starts=(71, 71, 71))  # another model's layout
-    write_table(folder / "other.table", other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+    write_other_model_table(folder / "other.table")
     sockets = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
     server = start_row_server(table, sockets / SOCKET, tier="mmap")
     pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")

@@ -23,7 +23,7 @@ from engram_offload.integrations.lookup import LayerShard
 from engram_offload.integrations.settings import parse_settings
 from engram_offload.serving.store import open_table
 
-from engram_tables import v41_config, write_v41_table
+from engram_tables import v41_config, write_other_model_table, write_v41_table
 from row_servers import serving
 
 STAND_IN = "engram_offload_stand_in_engram"
@@ -220,13 +220,7 @@ def stores(monkeypatch):
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory):
     """A table of another model's layout (the bucket primes differ)."""
-    from engram_offload.table import random_rows
-    from engram_offload.table.writer import write_table
-
-    other = v41_config().replace(prime_starts=(71, 71, 71))
-    path = tmp_path_factory.mktemp("vllm-other") / "other.table"
-    write_table(path, other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
-    return path
+    return write_other_model_table(tmp_path_factory.mktemp("vllm-other") / "other.table")
 
 
 def test_a_store_a_setting_and_rank_holding_the_ranks_columns(table_path, stores, monkeypatch):

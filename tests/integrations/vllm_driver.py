@@ -15,15 +15,33 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import sys
 import traceback
 import types
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 results: dict = {}
+
+
+@contextmanager
+def logged(name):
+    """The messages logged at INFO or above by the logger ``name`` itself (not its children)."""
+    lines, logger = [], logging.getLogger(name)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(r.getMessage()) if r.name == name else None
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def record(name, fn):
@@ -184,14 +202,14 @@ def compare_tiers(E, spec, layout, raw, config):
                 "nonzero_rows": int((want.abs().sum(-1) > 0).sum()),
                 "params": sorted(n for n, _ in engram.named_parameters()),
             }
-            keys = ("layer", "backend", "table", "columns", "lookups", "rows")
-            entry["stats"] = {k: module.stats()[k] for k in keys}
+            keys, stats = ("layer", "backend", "table", "columns", "lookups", "rows"), module.stats()
+            entry["stats"] = {k: stats[k] for k in keys}
             entry["in_plugin_stats"] = entry["stats"] in [{k: s[k] for k in keys} for s in plugin.stats()]
             store = module.engram_offload.store
             entry["store"] = id(store)  # one store for a tier's layers
             entry["device_table"] = id(getattr(module.engram_offload, "table", None))  # and one device view
             entry["store_columns"] = None if store.columns is None else list(store.columns)  # the rank's only
-            entry["store_stats"] = bool(module.stats()["store"])
+            entry["store_stats"] = bool(stats["store"])
             if module.tp_size == 1:
                 entry["embed_equal"] = bits_equal(engram.embed(ids), want)
             out[f"{tier}/layer{layer_id}"] = entry
@@ -366,8 +384,6 @@ def main():
 
         def plugin_paths():
             """Graph modes, staging sizes, the start-up line and the module's refusals."""
-            import logging
-
             import engram_offload.integrations.vllm as plugin
 
             direct = tier_settings(spec)["direct+cache"]
@@ -388,19 +404,9 @@ def main():
                 engram = built({}, settings=dict(direct, staging_bytes=size))
                 out[f"staging_{name}"] = engram if isinstance(engram, str) else len(engram.embed_tokens.engram_offload._ids)
             out["staging_default"] = len(built({}).embed_tokens.engram_offload._ids)
-            lines = []
-            handler = logging.Handler(logging.INFO)
-            handler.emit = lambda r: lines.append(r.getMessage())
-            logger = logging.getLogger("engram_offload.integrations.vllm")
-            logger.addHandler(handler)
-            level = logger.level
-            logger.setLevel(logging.INFO)
-            try:
+            with logged("engram_offload.integrations.vllm") as lines:
                 module = build_engram(E, layout, 1, {"engram_offload": tier_settings(spec)["memory"]}).embed_tokens
                 build_engram(E, layout, 0, {"engram_offload": tier_settings(spec)["row_server"]})
-            finally:
-                logger.removeHandler(handler)
-                logger.setLevel(level)
             out["started"] = lines
             try:
                 module._storage()
@@ -436,13 +442,7 @@ def main():
             engram.embed_tokens.lookup(ids, want)
             out["finish"] = {"waited": waited, "rows_equal": bits_equal(rows, want), "nonzero": int(rows.count_nonzero())}
             # log_every and wait_timeout_s reach each backend: a line a lookup, the read's bound
-            lines, logger = [], logging.getLogger("engram_offload.integrations")  # lookup.py's
-            handler = logging.Handler(logging.INFO)
-            handler.emit = lambda r: lines.append(r.getMessage()) if r.name == logger.name else None
-            level = logger.level
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            try:
+            with logged("engram_offload.integrations") as lines:  # lookup.py's
                 for tier in ("memory", "direct+cache"):
                     engram = build_engram(E, layout, 1, {"engram_offload": dict(
                         tier_settings(spec)[tier], log_every=1, wait_timeout_s=0.5)})
@@ -450,9 +450,6 @@ def main():
                     rows = torch.empty((ids.shape[0], engram.embed_tokens.part_n_hash_cols, 256), dtype=torch.bfloat16)
                     engram.embed_tokens.lookup(ids, rows)
                     out[f"timeout_{tier}"] = getattr(engram.embed_tokens.engram_offload, "timeout_s", None)
-            finally:
-                logger.removeHandler(handler)
-                logger.setLevel(level)
             out["lookup_lines"] = [line.split(": ")[0] for line in lines]
             methods = E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"]
             plugin.patch(E)  # again, as when a second register() finds the module imported
