@@ -68,7 +68,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "pool/client": (["pool/client.py"], ["tests/pool"]),
     "pool/layout": (["pool/layout.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
     "pool/publish": (["pool/publish.py"], ["tests/pool", "tests/tiers/test_remote.py"]),
-    "pool/servers": (["pool/servers.py"], ["tests/pool"]),
+    # every pool test starts servers; these are the ones aimed at starting and stopping them
+    "pool/servers": (["pool/servers.py"], ["tests/pool/test_servers.py",
+                                           "tests/pool/test_pool_safety.py::test_pools_started_together_on_free_ports_all_come_up",
+                                           "tests/pool/test_pool_safety.py::test_a_taken_port_is_an_error_never_a_success"]),
     "serving/rowserver/server": (["serving/rowserver/server.py"], ["tests/serving/rowserver"]),
     "serving/rowserver/client": (["serving/rowserver/client.py"], ["tests/serving/rowserver"]),
     "serving/rowserver/protocol": (["serving/rowserver/protocol.py"], ["tests/serving/rowserver"]),
@@ -128,6 +131,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 # in seconds, still far above what a correct run of those tests takes on a loaded machine.
 SETTINGS: dict[str, dict[str, object]] = {
     "serving/prefetch": {"timeout_multiplier": 4.0},
+    # a mutant that reads a live server's pipe or connects without a timeout blocks using no CPU:
+    # mutmut's wall-clock bound (the multiplier times the tests' time) is what ends it
+    "pool/servers": {"timeout_multiplier": 4.0},
+    "serving/rowserver/client": {"timeout_multiplier": 4.0},
 }
 
 KILLED = {"killed", "caught by type check", "timeout", "segfault"}
