@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint mutation engines
+.PHONY: demo test install lint mutation engines engines-sglang test-sglang
 
 $(BIN)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,8 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+	@if [ -f $(SGLANG_VENV)/.installed ]; then $(MAKE) --no-print-directory test-sglang; \
+	else echo "SGLang's own Engram code not run: make engines-sglang installs it"; fi
 
 # vLLM 0.33.0's own code beside the CPU torch, so tests/integrations run the plugin against it
 # (run by .ci/run; without it those tests skip). No CUDA build of torch is pulled: vLLM comes
@@ -35,6 +37,24 @@ $(BIN)/.engines: $(BIN)/.installed tools/engines-cpu.txt
 	touch $@
 
 engines: $(BIN)/.engines
+
+# SGLang 0.5.23's own code in an environment of its own (tools/engines-sglang.txt says why: its
+# torchvision needs torch 2.14.1, a CUDA build that runs on the CPU; several GB). make test runs
+# tests/integrations' SGLang files there when it exists (run by .ci/run; without it they skip).
+SGLANG_VENV ?= .venv-sglang
+$(SGLANG_VENV)/.installed: pyproject.toml setup.py tools/engines-sglang.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/pip install --quiet -r tools/engines-sglang.txt
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install --quiet -e '.[test]' -c tools/engines-sglang.txt
+	touch $@
+
+engines-sglang: $(SGLANG_VENV)/.installed
+
+test-sglang: $(SGLANG_VENV)/.installed
+	CUDA_VISIBLE_DEVICES="" $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/integrations/test_sglang_engine.py tests/integrations/test_sglang_rows.py
 
 # Lint and types over the package (run by .ci/run before the tests).
 lint: $(BIN)/.installed

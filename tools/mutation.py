@@ -123,7 +123,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # tools/mutation_vllm.py runs each mutant against them (this entry makes the mutants)
     "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_register.py",
                                                      "tests/integrations/test_vllm_engine.py"]),
-    "integrations/sglang": (["integrations/sglang.py"], ["tests/integrations/test_sglang_rows.py"]),
+    # run it with SGLang's environment: .venv-sglang/bin/python tools/mutation.py integrations/sglang
+    "integrations/sglang": (["integrations/sglang.py"], ["tests/integrations/test_sglang_rows.py",
+                                                         "tests/integrations/test_sglang_engine.py"]),
 }
 
 # module -> [tool.mutmut] settings of its own. A prefetch mutant that stops the workers leaves

@@ -32,7 +32,8 @@ from ..engram.config import EngramConfig
 from ..serving.store import RowStore
 from .settings import ENGRAM_BLOCK, OffloadSettings, open_store, settings_from_json
 
-__all__ = ["ENV", "OwnedRows", "TARGET", "TESTED_VERSIONS", "check_column_bounds", "register"]
+__all__ = ["ENV", "OwnedRows", "TARGET", "TESTED_VERSIONS", "check_column_bounds", "embedding_class", "refusing_class",
+           "register"]
 
 log = logging.getLogger("engram_offload.integrations.sglang")
 
@@ -43,23 +44,46 @@ CHECKED_ROWS = 8
 
 
 def register() -> None:
-    """SGLang's ``sglang.srt.plugins`` hook: replace ``EngramEmbedding`` when ``ENGRAM_OFFLOAD_CONFIG`` is set."""
+    """SGLang's ``sglang.srt.plugins`` hook: replace ``EngramEmbedding`` when ``ENGRAM_OFFLOAD_CONFIG`` is set.
+
+    A bad setting raises ``ValueError`` in one line. SGLang 0.5.23's ``load_plugins`` logs a
+    plugin's exception and goes on, which would serve SGLang's own table (all of it in GPU
+    memory): so with a tested SGLang the replacement is registered first, as a class whose
+    construction raises that same line, and the model stops loading at its first Engram layer.
+    """
     text = os.environ.get(ENV)
     if not text:
         return
-    settings = settings_from_json(text, ENV)  # a bad setting stops the server here, in one line
     try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
+        settings = settings_from_json(text, ENV)
+    except ValueError as exc:
+        if _sglang_version() in TESTED_VERSIONS:
+            _replace_embedding(refusing_class(str(exc)))
+        raise
+    version = _sglang_version()
+    if version is None:
         log.warning("engram-offload: %s is set but SGLang is not installed; nothing to do", ENV)
         return
     if version not in TESTED_VERSIONS:
         log.warning("engram-offload: SGLang %s is not a tested version (%s); the plugin does nothing", version,
                     ", ".join(TESTED_VERSIONS))
         return
+    _replace_embedding(embedding_class(settings))
+
+
+def _sglang_version() -> str | None:
+    """The installed SGLang's version; None without SGLang."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _replace_embedding(cls: type) -> None:
+    """Register ``cls`` as SGLang's ``EngramEmbedding`` (applied by SGLang's ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(TARGET, embedding_class(settings), HookType.REPLACE)
+    HookRegistry.register(TARGET, cls, HookType.REPLACE)
 
 
 def check_column_bounds(config: EngramConfig, layer_id: int, column_bounds: Sequence[int], where: str) -> None:
@@ -125,6 +149,19 @@ def _checking_loader(rows: OwnedRows, values: bool) -> Any:
         rows.check_checkpoint(loaded, values)
 
     return load
+
+
+def refusing_class(message: str) -> type:
+    """A stand-in for SGLang's ``EngramEmbedding`` whose construction raises ``ValueError(message)``."""
+    from sglang.srt.layers import engram as S
+
+    class RefusedEngramEmbedding(S.EngramEmbedding):  # type: ignore[misc, name-defined]
+        """Refuses to build: ``ENGRAM_OFFLOAD_CONFIG`` is set but not valid."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ValueError(message)
+
+    return RefusedEngramEmbedding
 
 
 def embedding_class(settings: OffloadSettings) -> type:

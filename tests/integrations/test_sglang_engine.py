@@ -1,0 +1,273 @@
+"""SGLang 0.5.23's own Engram code, on a CPU, through the installed plugin.
+
+These tests import SGLang in the test process: SGLang's ``load_plugins`` finds the plugin by its
+entry point and replaces ``EngramEmbedding``; SGLang's ``Engram`` layers are built, loaded and
+run as its model does (its torch paths: no Triton, no GPU). SGLang's own ``EngramEmbedding``,
+loaded with the same checkpoint rows, is the oracle. They run in the SGLang environment
+(``make test-sglang``: SGLang 0.5.23 beside the torch its torchvision was built for) and are
+skipped elsewhere. Not run here: SGLang's all-reduce over TP ranks (each rank's owned rows are
+compared, and their sum is checked against one rank's lookup) and its CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import tempfile
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram_offload.integrations import sglang as plugin
+from engram_offload.pool.publish import publish_table
+from engram_offload.pool.servers import redis_server_missing, start_local_pool
+from engram_offload.serving.rowserver import start_row_server
+
+from engram_tables import same_bits, v41_config, write_other_model_table, write_v41_table
+
+try:
+    SGLANG = importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    SGLANG = None
+
+pytestmark = pytest.mark.skipif(SGLANG not in plugin.TESTED_VERSIONS,
+                                reason=f"SGLang {plugin.TESTED_VERSIONS[0]} is not installed here "
+                                       "(make test-sglang runs these tests beside it)")
+
+CONFIG = v41_config()
+# the model's config.json fields SGLang reads (EngramLayout.from_config, Engram)
+HF_CONFIG = types.SimpleNamespace(
+    engram_layer_ids=list(CONFIG.layer_ids), engram_max_ngram_size=CONFIG.max_ngram_size,
+    engram_n_heads=CONFIG.n_heads, engram_vocab_size=CONFIG.prime_starts[0], engram_head_dim=CONFIG.head_dim,
+    engram_num_embeddings=[CONFIG.rows_per_layer[layer] for layer in CONFIG.layer_ids],
+    hidden_size=CONFIG.hidden_size, hc_mult=CONFIG.hc_mult, rms_norm_eps=1e-6)
+TOKENS = 7
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    """SGLang's modules (imported once), with its own ``EngramEmbedding`` kept as the oracle."""
+    from sglang.srt import plugins
+    from sglang.srt.layers import engram, engram_staging
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.runtime_context import get_parallel
+
+    return types.SimpleNamespace(engram=engram, staging=engram_staging, plugins=plugins, hooks=HookRegistry,
+                                 parallel=get_parallel, original=engram.EngramEmbedding,
+                                 layout=engram.EngramLayout.from_config(HF_CONFIG))
+
+
+def restore(sglang) -> None:
+    """SGLang's own class back in every module that holds the name, no hook left, stores closed."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    sglang.hooks.reset()
+    if sglang.engram.EngramEmbedding is not sglang.original:
+        sglang.hooks.register(plugin.TARGET, sglang.original, HookType.REPLACE)
+        sglang.hooks.apply_hooks()  # propagates to engram_staging and the rest, as it did for ours
+        sglang.hooks.reset()
+    sglang.plugins._plugins_loaded = False
+    for store in plugin._stores.values():
+        store.close()
+    plugin._stores.clear()
+
+
+@contextmanager
+def plugin_loaded(sglang, monkeypatch, settings: dict | str | None):
+    """SGLang's ``load_plugins`` run with ``ENGRAM_OFFLOAD_CONFIG`` set to ``settings``."""
+    restore(sglang)
+    if settings is None:
+        monkeypatch.delenv(plugin.ENV, raising=False)
+    else:
+        monkeypatch.setenv(plugin.ENV, settings if isinstance(settings, str) else json.dumps(settings))
+    monkeypatch.setenv("SGLANG_PLUGINS", "engram_offload")
+    try:
+        sglang.plugins.load_plugins()
+        yield sglang.engram.EngramEmbedding
+    finally:
+        restore(sglang)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """One V4.1 table (as a file, behind a row server, and in a Redis pool where redis-server
+    runs) and another model's table."""
+    folder = tmp_path_factory.mktemp("sglang-engine")
+    table, raw = write_v41_table(folder / "v41.table", CONFIG, seed=9)
+    other = write_other_model_table(folder / "other.table")
+    sockets = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))
+    server = start_row_server(table, sockets / "rows.sock", tier="mmap")
+    pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")
+    try:
+        tiers = {
+            "memory": {"table": str(table), "tier": "memory"},
+            "direct+cache": {"table": str(table), "tier": "direct", "cache_bytes": 40 * CONFIG.row_bytes},
+            "mmap": {"table": str(table), "tier": "mmap"},
+            "shared": {"table": str(table), "tier": "shared"},
+            "row_server": {"table": str(table), "tier": "mmap", "row_server": str(sockets / "rows.sock")},
+        }
+        if pool is not None:
+            fingerprint = publish_table(table, pool.url, progress=False)["fingerprint"]
+            tiers["pool"] = {"table": f"{pool.url}/{fingerprint}", "tier": "remote"}
+        yield types.SimpleNamespace(table=table, raw=raw, other=other, tiers=tiers)
+    finally:
+        if pool is not None:
+            pool.stop()
+        server.terminate()
+        server.wait(timeout=30)
+        for path in sockets.iterdir():
+            path.unlink()
+        sockets.rmdir()
+
+
+def checkpoint_tensors(raw: np.ndarray, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's tensors of one layer: fp8 values ``[rows, 256]`` and e8m0 scales ``[rows, 8]``."""
+    index = CONFIG.layer_ids.index(layer_id)
+    base, n = CONFIG.layer_row_bases[index], CONFIG.rows_per_layer[layer_id]
+    rows = torch.from_numpy(raw[base: base + n].copy())
+    d = CONFIG.head_dim
+    return rows[:, :d].contiguous().view(torch.float8_e4m3fn), rows[:, d:].contiguous().view(torch.float8_e8m0fnu)
+
+
+def build_engram(sglang, layer_id: int, raw: np.ndarray, tp_size: int = 1, tp_rank: int = 0):
+    """SGLang's ``Engram`` layer as its model builds and loads it (bf16 default dtype, weight loaders)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with sglang.parallel().override(tp_size=tp_size, tp_rank=tp_rank):
+            engram = sglang.engram.Engram(HF_CONFIG, layer_id, sglang.layout)
+            values, scales = checkpoint_tensors(raw, layer_id)
+            engram.embed.weight.weight_loader(engram.embed.weight, values)
+            engram.embed.scale.weight_loader(engram.embed.scale, scales)
+            engram.embed.finish_load(f"layer {layer_id}")
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator().manual_seed(layer_id)
+    for param in (engram.wkv.weight, engram.q_weight, engram.k_weight):
+        param.data.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return engram
+
+
+def layer_ids_of(layer_id: int, seed: int) -> torch.Tensor:
+    """Hash ids ``int64 [TOKENS, 24]`` into one layer's table, its first and last rows and the
+    rows with scale bytes 0 and 255 among them."""
+    n = CONFIG.rows_per_layer[layer_id]
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, n, (TOKENS, CONFIG.cols_per_layer)))
+    ids[0, :2] = torch.tensor([0, n - 1])
+    if layer_id == CONFIG.layer_ids[0]:
+        ids[1, :2] = torch.tensor([3, 5])  # scale byte 0, and 255 beside fp8 zeros
+    return ids
+
+
+def test_sglangs_layout_of_the_model_is_the_tables(sglang):
+    """SGLang's prime search and engram-offload's give the same heads, so the same row ids."""
+    for index, layer_id in enumerate(CONFIG.layer_ids):
+        assert list(sglang.layout.column_bounds(index)) == [0, *np.cumsum(CONFIG.head_sizes(layer_id)).tolist()]
+        assert sglang.layout.num_embeddings[index] == CONFIG.rows_per_layer[layer_id]
+
+
+def test_load_plugins_replaces_the_embedding_in_every_module_that_holds_it(sglang, files, monkeypatch):
+    with plugin_loaded(sglang, monkeypatch, None) as cls:
+        assert cls is sglang.original  # without the variable the plugin does nothing
+    with plugin_loaded(sglang, monkeypatch, files.tiers["memory"]) as cls:
+        assert cls is not sglang.original and issubclass(cls, sglang.original)
+        assert cls.__name__ == "OffloadedEngramEmbedding"
+        assert sglang.staging.EngramEmbedding is cls  # SGLang's hook propagation reaches the stager
+    assert sglang.engram.EngramEmbedding is sglang.original and sglang.staging.EngramEmbedding is sglang.original
+
+
+@pytest.mark.parametrize("tier", ["memory", "direct+cache", "mmap", "shared", "row_server", "pool"])
+def test_engram_layers_through_the_plugin_equal_sglangs_own(sglang, files, monkeypatch, tier):
+    """Each layer's output (lookup, wkv and gate) bit-equal to SGLang's own layer on the same
+    checkpoint, and its placeholders hold no row."""
+    if tier not in files.tiers:
+        pytest.skip("redis-server is not installed (the pool tier needs it)")
+    own = {layer_id: build_engram(sglang, layer_id, files.raw) for layer_id in CONFIG.layer_ids}
+    with plugin_loaded(sglang, monkeypatch, files.tiers[tier]):
+        ours = {layer_id: build_engram(sglang, layer_id, files.raw) for layer_id in CONFIG.layer_ids}
+        assert len(plugin._stores) == 1  # one store for the rank's layers
+        for layer_id in CONFIG.layer_ids:
+            embed = ours[layer_id].embed
+            assert embed.weight.numel() == 0 and embed.scale.numel() == 0
+            assert embed.weight.dtype == torch.float8_e4m3fn and embed.scale.dtype == torch.float8_e8m0fnu
+            ids = layer_ids_of(layer_id, seed=layer_id)
+            x = torch.randn((TOKENS, CONFIG.hc_mult, CONFIG.hidden_size), generator=torch.Generator().manual_seed(1))
+            x = x.to(torch.bfloat16)
+            input_ids = torch.arange(TOKENS)
+            assert same_bits(embed(ids), own[layer_id].embed(ids))
+            assert same_bits(ours[layer_id](x, ids, None, input_ids=input_ids),
+                             own[layer_id](x, ids, None, input_ids=input_ids))
+        stats = next(iter(plugin._stores.values())).stats()
+        assert stats["store"]["rows_requested"] > 0
+
+
+@pytest.mark.parametrize("tp_size", [2, 4, 5])
+def test_each_ranks_rows_equal_sglangs_shard_and_the_ranks_add_up(sglang, files, monkeypatch, tp_size):
+    """Per TP rank (5 does not divide the 24 columns: SGLang's equal-row split), the owned rows
+    equal SGLang's own shard's; the ranks' sum, which SGLang's all-reduce forms, is one rank's
+    lookup at TP 1."""
+    layer_id = CONFIG.layer_ids[-1]
+    ids = layer_ids_of(layer_id, seed=tp_size)
+    whole = build_engram(sglang, layer_id, files.raw).embed(ids).float()
+    own = [build_engram(sglang, layer_id, files.raw, tp_size, rank).embed for rank in range(tp_size)]
+    total = torch.zeros_like(whole)
+    with plugin_loaded(sglang, monkeypatch, files.tiers["direct+cache"]) as cls:
+        for rank in range(tp_size):
+            ours = build_engram(sglang, layer_id, files.raw, tp_size, rank).embed
+            assert type(ours) is cls and ours.tp_size == tp_size and ours.rows > 0
+            assert (ours.row_start, ours.rows) == (own[rank].row_start, own[rank].rows)
+            rows = ours._owned_rows(ids)
+            assert same_bits(rows, own[rank]._owned_rows(ids))
+            total += rows.float()
+    finite = torch.isfinite(whole)
+    assert torch.equal(total[finite], whole[finite])
+    assert torch.equal(torch.isnan(total), torch.isnan(whole))
+
+
+def test_a_table_of_another_model_stops_the_first_layer_in_one_line(sglang, files, monkeypatch):
+    with plugin_loaded(sglang, monkeypatch, {"table": str(files.other), "tier": "memory"}):
+        with pytest.raises(ValueError) as refused:
+            build_engram(sglang, CONFIG.layer_ids[0], files.raw)
+    assert str(refused.value) == (
+        f"the table {files.other} was converted from another model (layer 1's heads differ): "
+        "convert this checkpoint's table with `engram-offload convert CHECKPOINT TABLE`")
+
+
+def test_a_checkpoint_other_than_the_tables_is_refused_while_it_loads(sglang, files, monkeypatch):
+    changed = files.raw.copy()
+    index = CONFIG.layer_ids.index(14)
+    changed[CONFIG.layer_row_bases[index] + CONFIG.rows_per_layer[14] - 1, 7] ^= 1  # the layer's last row
+    with plugin_loaded(sglang, monkeypatch, files.tiers["mmap"]):
+        build_engram(sglang, 1, changed)  # layer 1's rows are the table's
+        with pytest.raises(ValueError) as refused:
+            build_engram(sglang, 14, changed)
+    assert str(refused.value) == ("the Engram table does not hold this checkpoint's rows (layer 14): "
+                                  "convert this checkpoint's table with `engram-offload convert CHECKPOINT TABLE`")
+
+
+def test_a_bad_setting_stops_the_model_not_just_the_plugin(sglang, monkeypatch, caplog):
+    """SGLang's ``load_plugins`` logs a plugin's exception and goes on: the layers still refuse
+    to build, with the setting's one line, so SGLang's own table is never loaded instead."""
+    with caplog.at_level(logging.ERROR):
+        with plugin_loaded(sglang, monkeypatch, {"table": "/t.table", "tier": "nvme"}) as cls:
+            assert cls.__name__ == "RefusedEngramEmbedding"
+            assert sglang.staging.EngramEmbedding is cls
+            with pytest.raises(ValueError) as refused:
+                build_engram(sglang, 1, np.zeros((CONFIG.num_rows, CONFIG.row_bytes), dtype=np.uint8))
+    assert "tier 'nvme' is unknown" in str(refused.value)
+    assert "Failed to execute general plugin: engram_offload" in caplog.text  # what SGLang said of it
+    assert "tier 'nvme' is unknown" in caplog.text
+
+
+def test_an_sglang_version_not_tested_is_left_alone(sglang, files, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "TESTED_VERSIONS", ("0.5.22",))
+    with caplog.at_level(logging.WARNING, "engram_offload.integrations.sglang"):
+        with plugin_loaded(sglang, monkeypatch, files.tiers["memory"]) as cls:
+            assert cls is sglang.original
+    assert f"SGLang {SGLANG} is not a tested version (0.5.22); the plugin does nothing" in caplog.text
+
