@@ -16,6 +16,7 @@ Build the C helpers first (``make install``): the native paths are the ones test
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -123,7 +124,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # tools/mutation_vllm.py runs each mutant against them (this entry makes the mutants)
     "integrations/vllm": (["integrations/vllm.py"], ["tests/integrations/test_vllm_register.py",
                                                      "tests/integrations/test_vllm_engine.py"]),
-    # run it with SGLang's environment: .venv-sglang/bin/python tools/mutation.py integrations/sglang
+    # its engine tests import SGLang: run where it is installed (make engines-sglang; main() goes there)
     "integrations/sglang": (["integrations/sglang.py"], ["tests/integrations/test_sglang_rows.py",
                                                          "tests/integrations/test_sglang_engine.py"]),
 }
@@ -201,6 +202,19 @@ def report(work: Path, module: str, seconds: float) -> int:
     return len(survivors)
 
 
+def _in_sglangs_environment(argv: list[str]) -> int:
+    """Run this script again with SGLang's environment (``make engines-sglang``), where the SGLang
+    plugin's engine tests import SGLang in the test process."""
+    python = ROOT / ".venv-sglang" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit("integrations/sglang's engine tests need SGLang: run `make engines-sglang` first")
+    if not python.with_name("mutmut").exists():
+        raise SystemExit("mutmut is not installed beside SGLang: run "
+                         "`.venv-sglang/bin/pip install -e '.[test,dev]' -c tools/engines-sglang.txt`")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.call([str(python), str(Path(__file__).resolve()), *argv], env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("module", nargs="?", help="a module name from --list")
@@ -219,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         import mutation_vllm
 
         return mutation_vllm.main(["--workers", str(args.workers)])
+    if args.module == "integrations/sglang" and importlib.util.find_spec("sglang") is None:
+        return _in_sglangs_environment(argv if argv is not None else sys.argv[1:])
     sources, tests = MODULES[args.module]
     work = prepare(args.module, sources, args.tests or tests)
     start = time.monotonic()
