@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         import mutation_vllm
 
         return mutation_vllm.main(["--workers", str(args.workers)])
-    if args.module == "integrations/sglang" and importlib.util.find_spec("sglang") is None:
+    if args.module == "integrations/sglang" and not args.tests and importlib.util.find_spec("sglang") is None:
         return _in_sglangs_environment(argv if argv is not None else sys.argv[1:])
     sources, tests = MODULES[args.module]
     work = prepare(args.module, sources, args.tests or tests)

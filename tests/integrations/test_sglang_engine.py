@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engram_offload.integrations import sglang as plugin
+from engram_offload.integrations.settings import settings_from_json
 from engram_offload.pool.publish import publish_table
 from engram_offload.pool.servers import redis_server_missing, start_local_pool
 from engram_offload.serving.rowserver import start_row_server
@@ -227,6 +228,37 @@ def test_each_ranks_rows_equal_sglangs_shard_and_the_ranks_add_up(sglang, files,
     finite = torch.isfinite(whole)
     assert torch.equal(total[finite], whole[finite])
     assert torch.equal(torch.isnan(total), torch.isnan(whole))
+
+
+def test_the_plugins_embedding_has_sglangs_attributes_and_holds_no_row(sglang, files, monkeypatch):
+    """Every attribute SGLang's constructor sets (read by its forward, its stager and its model)
+    equals SGLang's own at TP 4; the parameters are empty fp8/e8m0 placeholders, frozen."""
+    own = build_engram(sglang, 14, files.raw, tp_size=4, tp_rank=1).embed
+    with plugin_loaded(sglang, monkeypatch, files.tiers["memory"]):
+        ours = build_engram(sglang, 14, files.raw, tp_size=4, tp_rank=1).embed
+    for name in ("dim", "tp_size", "row_start", "rows", "host_table", "_sort_host_reads", "staged_by_scheduler",
+                 "peer", "shared_host_table_without_ats"):
+        assert getattr(ours, name) == getattr(own, name), name
+    assert (ours.weight.shape, ours.scale.shape) == ((0, CONFIG.head_dim), (0, CONFIG.head_dim // 32))
+    assert (ours.weight.dtype, ours.scale.dtype) == (own.weight.dtype, own.scale.dtype)
+    assert not ours.weight.requires_grad and not ours.scale.requires_grad and not own.weight.requires_grad
+
+
+def test_two_settings_in_one_process_read_two_stores(sglang, files):
+    """One store per setting (and rank): a second table's layers never read the first's store."""
+    restore(sglang)
+    bounds = sglang.layout.column_bounds(0)
+    try:
+        with sglang.parallel().override(tp_size=1, tp_rank=0):
+            built = {}
+            for tier in ("memory", "mmap"):
+                cls = plugin.embedding_class(settings_from_json(json.dumps(files.tiers[tier]), plugin.ENV))
+                built[tier] = cls(CONFIG.rows_per_layer[1], CONFIG.head_dim, 1, bounds)
+        assert len(plugin._stores) == 2
+        assert built["memory"].engram_offload.store is not built["mmap"].engram_offload.store
+        assert [e.engram_offload.store.tier.name for e in built.values()] == ["memory", "mmap"]
+    finally:
+        restore(sglang)
 
 
 def test_a_table_of_another_model_stops_the_first_layer_in_one_line(sglang, files, monkeypatch):
