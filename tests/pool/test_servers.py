@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,55 @@ def test_a_cluster_that_never_becomes_healthy_is_an_error(tmp_path, monkeypatch)
     pool = LocalPool([RedisNode(1, tmp_path, True)], True, tmp_path)
     with pytest.raises(PoolError, match=r"^the local cluster did not become healthy within 0.2 s$"):
         pool.wait_ready(0.2)
+
+
+def test_a_cluster_missing_slots_is_not_healthy(tmp_path):
+    """One node holding half the slots has the one range a one-node cluster has, but the cluster
+    is not healthy until every slot is served."""
+    skip_without_redis()
+    node = RedisNode(free_port_base(1), tmp_path, True)
+    node.start()
+    try:
+        conn = node.connect(5.0)
+        try:
+            assert not isinstance(conn.call("CLUSTER", "ADDSLOTSRANGE", 0, 8191), Exception)
+            assert len(conn.call("CLUSTER", "SLOTS")) == 1
+            assert not servers._cluster_ok(node, 1)
+            assert not isinstance(conn.call("CLUSTER", "ADDSLOTSRANGE", 8192, servers.NUM_SLOTS - 1), Exception)
+        finally:
+            conn.close()
+        deadline = time.monotonic() + 20
+        while not servers._cluster_ok(node, 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert servers._cluster_ok(node, 1)
+    finally:
+        node.stop()
+
+
+def test_a_port_answered_by_another_redis_server_is_an_error_naming_its_pid(tmp_path, monkeypatch):
+    """The port was free when checked; before the node's own server binds it, another
+    redis-server answers there. Its answer is not taken for the node's: the node's server is
+    stopped and the error names the other's pid. (A stand-in that never binds plays the node's
+    slow server; the check is made to pass, as in the race.)"""
+    skip_without_redis()
+    other = RedisNode(free_port_base(1), tmp_path / "other", False)
+    other.start()
+    try:
+        slow = tmp_path / "bin" / "redis-server"  # reads its settings, then never binds
+        slow.parent.mkdir()
+        slow.write_text("#!/bin/sh\ncat > /dev/null\nexec sleep 60\n")
+        slow.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{slow.parent}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.setattr(servers, "_port_free", lambda port: True)
+        node = RedisNode(other.port, tmp_path / "node", False)
+        with pytest.raises(PortTakenError) as taken:
+            node.start(timeout=20)
+        assert str(taken.value) == (f"port {other.port} on 127.0.0.1 is served by another redis-server "
+                                    f"(pid {other.process.pid}), not the one started: choose another --port")
+        assert node.process.poll() is not None  # the node's own server was stopped
+        assert other.process.poll() is None
+    finally:
+        other.stop()
 
 
 def test_a_plain_server_cannot_form_a_cluster(tmp_path):
