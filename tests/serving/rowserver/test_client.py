@@ -290,6 +290,8 @@ def test_bad_options_and_no_server_are_refused_before_any_request(table, socket_
     (b"", 0, r"is not an engram-offload row server \(it said b''\)$"),
     (b"nonsense", 1, r"is not an engram-offload row server \(it said b'\?'\)$"),
     (p.encode(p.HELLO, payload={"max_rows": 8}), 0, r"is not an engram-offload row server \(it said b'HELO'\)$"),
+    (p.encode(p.HELLO, payload={"max_rows": 8}), 2, r"is not an engram-offload row server \(it said b'HELO'\)$"),
+    (p.encode(p.HELLO, payload={"max_rows": 8}), 3, r"is not an engram-offload row server \(it said b'HELO'\)$"),
     (p.encode(p.HELLO, payload=[8]), 1, r"is not an engram-offload row server \(it said b'HELO'\)$"),
     (p.encode(p.HELLO, payload={"max_rows": 8}), 1, r"is not an engram-offload row server \(its hello lacks the "
                                                     r"buffer's layout\)$")])

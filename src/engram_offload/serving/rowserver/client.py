@@ -186,7 +186,8 @@ class RowClient:
                             f"({os.geteuid()}) nor root: another user holds the socket path; put the socket in a "
                             "folder only you can write")
         try:
-            message, fds, _, _ = socket.recv_fds(self._sock, p.MAX_MESSAGE, 1)
+            # room for two: a hello passing more than its one buffer is refused, not cut to one
+            message, fds, _, _ = socket.recv_fds(self._sock, p.MAX_MESSAGE, 2)
         except TimeoutError:
             raise TierError(f"the row server at {self.socket_path} (pid {pid}) did not say hello within "
                             f"{self.timeout_s:g} s: is it stopped or wedged? restart it (RowClient timeout_s= sets "
