@@ -17,8 +17,8 @@ import torch
 from engram_offload.errors import ChecksumError, EngramError, TierError
 from engram_offload.serving.rowserver import RowClient, start_row_server
 from engram_offload.serving.rowserver import protocol as p
-from engram_offload.serving.rowserver.client import VERIFY_AT_CONNECT
 from engram_offload.serving.rowserver import server as server_module
+from engram_offload.serving.rowserver.client import VERIFY_AT_CONNECT
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows, read_header
 
