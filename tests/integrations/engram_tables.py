@@ -6,16 +6,26 @@ differs from engram-offload's (and from the checkpoint's) for searches that reac
 
 from __future__ import annotations
 
+import shutil
+import signal
+import tempfile
+import types
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from engram_offload.engram.config import EngramConfig
+from engram_offload.pool.publish import publish_table
+from engram_offload.pool.servers import redis_server_missing, start_local_pool
+from engram_offload.serving.rowserver import start_row_server
 from engram_offload.table import random_rows
 from engram_offload.table.writer import write_table
 
 PRIME_START = 67
+SOCKET = "rows.sock"
 
 
 def v41_config(n_heads: int = 8, max_ngram_size: int = 4, layer_ids=(1, 14)) -> EngramConfig:
@@ -47,6 +57,31 @@ def write_other_model_table(path: Path) -> Path:
     """A table of another model's layout: V4.1's shape, other bucket primes (a start of 71)."""
     other = v41_config().replace(prime_starts=(71, 71, 71))
     return write_table(path, other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+
+
+@contextmanager
+def served_tables(folder: Path, seed: int, socket_prefix: str) -> Iterator[types.SimpleNamespace]:
+    """One V4.1 table in ``folder`` (``table``, its rows ``raw``) beside another model's
+    (``other``), served by a row server on the mmap tier (``socket``, in a short folder of /tmp)
+    and, where redis-server runs, published to a one-node Redis pool (``pool_table``: its URL,
+    else None); the servers are stopped on exit."""
+    table, raw = write_v41_table(folder / "v41.table", v41_config(), seed=seed)
+    other = write_other_model_table(folder / "other.table")
+    sockets = Path(tempfile.mkdtemp(prefix=socket_prefix, dir="/tmp"))
+    server = start_row_server(table, sockets / SOCKET, tier="mmap")
+    pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")
+    try:
+        pool_table = None
+        if pool is not None:  # the table in a Redis pool too: the remote tier
+            pool_table = f"{pool.url}/{publish_table(table, pool.url, progress=False)['fingerprint']}"
+        yield types.SimpleNamespace(table=table, raw=raw, other=other, socket=sockets / SOCKET, server_tier="mmap",
+                                    pool_table=pool_table)
+    finally:
+        if pool is not None:
+            pool.stop()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,10 +14,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import tempfile
 import types
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,11 +23,8 @@ import torch
 
 from engram_offload.integrations import sglang as plugin
 from engram_offload.integrations.settings import settings_from_json
-from engram_offload.pool.publish import publish_table
-from engram_offload.pool.servers import redis_server_missing, start_local_pool
-from engram_offload.serving.rowserver import start_row_server
 
-from engram_tables import same_bits, v41_config, write_other_model_table, write_v41_table
+from engram_tables import same_bits, served_tables, v41_config
 
 try:
     SGLANG = importlib.metadata.version("sglang")
@@ -97,33 +92,19 @@ def plugin_loaded(sglang, monkeypatch, settings: dict | str | None):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """One V4.1 table (as a file, behind a row server, and in a Redis pool where redis-server
-    runs) and another model's table."""
-    folder = tmp_path_factory.mktemp("sglang-engine")
-    table, raw = write_v41_table(folder / "v41.table", CONFIG, seed=9)
-    other = write_other_model_table(folder / "other.table")
-    sockets = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))
-    server = start_row_server(table, sockets / "rows.sock", tier="mmap")
-    pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")
-    try:
-        tiers = {
-            "memory": {"table": str(table), "tier": "memory"},
-            "direct+cache": {"table": str(table), "tier": "direct", "cache_bytes": 40 * CONFIG.row_bytes},
-            "mmap": {"table": str(table), "tier": "mmap"},
-            "shared": {"table": str(table), "tier": "shared"},
-            "row_server": {"table": str(table), "tier": "mmap", "row_server": str(sockets / "rows.sock")},
+    runs), another model's table, and the plugin's settings for each tier."""
+    with served_tables(tmp_path_factory.mktemp("sglang-engine"), seed=9, socket_prefix="sg-") as served:
+        table = str(served.table)
+        served.tiers = {
+            "memory": {"table": table, "tier": "memory"},
+            "direct+cache": {"table": table, "tier": "direct", "cache_bytes": 40 * CONFIG.row_bytes},
+            "mmap": {"table": table, "tier": "mmap"},
+            "shared": {"table": table, "tier": "shared"},
+            "row_server": {"table": table, "tier": served.server_tier, "row_server": str(served.socket)},
         }
-        if pool is not None:
-            fingerprint = publish_table(table, pool.url, progress=False)["fingerprint"]
-            tiers["pool"] = {"table": f"{pool.url}/{fingerprint}", "tier": "remote"}
-        yield types.SimpleNamespace(table=table, raw=raw, other=other, tiers=tiers)
-    finally:
-        if pool is not None:
-            pool.stop()
-        server.terminate()
-        server.wait(timeout=30)
-        for path in sockets.iterdir():
-            path.unlink()
-        sockets.rmdir()
+        if served.pool_table is not None:
+            served.tiers["pool"] = {"table": served.pool_table, "tier": "remote"}
+        yield served
 
 
 def checkpoint_tensors(raw: np.ndarray, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,23 +10,17 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from engram_offload.integrations.vllm import TESTED_VERSIONS
-from engram_offload.pool.publish import publish_table
-from engram_offload.pool.servers import redis_server_missing, start_local_pool
-from engram_offload.serving.rowserver import start_row_server
 
-from engram_tables import v41_config, write_other_model_table, write_v41_table
+from engram_tables import SOCKET, served_tables, v41_config
 
 try:
     VLLM = importlib.metadata.version("vllm")
@@ -38,7 +32,6 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 CONFIG = v41_config()
 WORLD = 4
 RUN_TIMEOUT_S = 600
-SOCKET = "rows.sock"
 
 
 def free_port() -> int:
@@ -63,25 +56,11 @@ def results(process: subprocess.Popen) -> dict:
 
 @contextmanager
 def engine_files(folder: Path):
-    """The drivers' spec over one V4.1 table in ``folder`` (memory, direct + cache, and a row
-    server on the mmap tier, stopped on exit) and another model's table."""
-    table, _ = write_v41_table(folder / "v41.table", CONFIG, seed=3)
-    write_other_model_table(folder / "other.table")
-    sockets = Path(tempfile.mkdtemp(prefix="vl-", dir="/tmp"))
-    server = start_row_server(table, sockets / SOCKET, tier="mmap")
-    pool = None if redis_server_missing() else start_local_pool(1, None, folder / "redis")
-    try:
-        pool_table = None
-        if pool is not None:  # the table in a Redis pool too: the remote tier
-            pool_table = f"{pool.url}/{publish_table(table, pool.url, progress=False)['fingerprint']}"
-        yield {"table": str(table), "other_table": str(folder / "other.table"),
-               "socket": str(sockets / SOCKET), "server_tier": "mmap", "tokens": 3, "pool_table": pool_table}
-    finally:
-        if pool is not None:
-            pool.stop()
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
-        shutil.rmtree(sockets, ignore_errors=True)
+    """The drivers' spec over one V4.1 table in ``folder`` (memory, direct + cache, a row server
+    on the mmap tier and a Redis pool where redis-server runs, stopped on exit) and another model's table."""
+    with served_tables(folder, seed=3, socket_prefix="vl-") as files:
+        yield {"table": str(files.table), "other_table": str(files.other), "socket": str(files.socket),
+               "server_tier": files.server_tier, "tokens": 3, "pool_table": files.pool_table}
 
 
 @pytest.fixture(scope="module")
