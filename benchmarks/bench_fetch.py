@@ -44,7 +44,8 @@ from engram_offload.units import parse_size
 TARGETS = {"misses_vs_fio_min": 0.8, "cpu_per_miss_vs_fio_max": 1.2, "cpu_us_per_hit_max": 0.3}
 FIGURES = ("rows_per_s", "misses_per_s", "hit_rate", "reads_per_s", "tokens_per_s", "cpu_us_per_miss",
            "cpu_us_per_hit", "fetch_cpu_us_per_miss", "fetch_cpu_us_per_hit", "cpu_us_per_row",
-           "hash_dedup_cpu_us_per_token", "step_ms_p50", "step_ms_p99")
+           "hash_dedup_cpu_us_per_token", "step_ms_p50", "step_ms_p99", "kernel_cpu_us_per_miss",
+           "user_cpu_us_per_miss")
 
 
 def median_of(runs: list[dict], key: str) -> float:
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
             cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
             corpus=corpus))
-    med = {f"fio_{k}": median_of(runs["fio"], k) for k in ("iops", "cpu_us_per_read")}
+    med = {f"fio_{k}": median_of(runs["fio"], k)
+           for k in ("iops", "cpu_us_per_read", "user_cpu_us_per_read", "kernel_cpu_us_per_read")}
     med.update({k: median_of(runs["prefetcher"], k) for k in FIGURES})
     med["warm_hit_rate"] = statistics.median(r["warm"]["hit_rate"] for r in runs["prefetcher"])
     bracketed = bracketed_ratios(runs["prefetcher"], runs["fio"], "misses_per_s", "cpu_us_per_miss")
@@ -102,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         # caller's hashing, dedup and step handling
         "fetch_cpu_us_per_miss_vs_fio_cpu_us_per_read": med["fetch_cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
         "fetch_cpu_us_per_hit": med["fetch_cpu_us_per_hit"],
+        # where a missed row's CPU goes beside fio's: in the kernel (the reads) and in the process
+        "kernel_cpu_us_per_miss_vs_fio_kernel_cpu_us_per_read":
+            med["kernel_cpu_us_per_miss"] / med["fio_kernel_cpu_us_per_read"],
+        "user_cpu_us_per_miss_vs_fio_user_cpu_us_per_read":
+            med["user_cpu_us_per_miss"] / med["fio_user_cpu_us_per_read"],
         # each repeat against the mean of the fio runs just before and just after it: steadier
         # when the drive's rate or the machine's load drifts
         "misses_per_s_vs_fio_iops_paired_median": statistics.median(r["reads"] for r in bracketed),
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "fp8_decode": runs["prefetcher"][0]["fp8_decode"]},
         "method": runs["prefetcher"][0]["method"],
         "median": med,
         "ratios": ratios,

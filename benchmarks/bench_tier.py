@@ -63,8 +63,10 @@ def fio_randread(table: Path, seconds: float, queue_depth: int) -> dict | None:
            "--time_based", "--readonly", "--output-format=json"]
     job = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["jobs"][0]
     ios, runtime = job["read"]["total_ios"], job["read"]["runtime"] / 1e3
-    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime
-    return {"iops": job["read"]["iops"], "cpu_us_per_read": cpu_s / ios * 1e6, "command": " ".join(cmd)}
+    user_s, kernel_s = job["usr_cpu"] / 100 * runtime, job["sys_cpu"] / 100 * runtime
+    return {"iops": job["read"]["iops"], "cpu_us_per_read": (user_s + kernel_s) / ios * 1e6,
+            "user_cpu_us_per_read": user_s / ios * 1e6, "kernel_cpu_us_per_read": kernel_s / ios * 1e6,
+            "command": " ".join(cmd)}
 
 
 def memory_vs_index_select(table: Path, seconds: float, batch: int) -> dict:

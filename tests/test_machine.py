@@ -61,3 +61,28 @@ def test_the_machine_facts_name_the_cpu_and_its_flags():
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
                       if line.startswith("flags")), [])
         assert facts["cpu_flags"] == [f for f in CPU_FLAGS if f in flags]
+
+
+def test_the_machine_facts_tell_cpu_generations_apart(monkeypatch, tmp_path):
+    """A VM's model name may be only "AMD EPYC": the family, model and stepping of the first
+    CPU tell Zen 3 from Zen 4; None where /proc/cpuinfo says nothing of them."""
+    from pathlib import Path
+
+    from engram_offload import machine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                       "model name\t: AMD EPYC\nstepping\t: 0\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n")
+    real_path = Path
+
+    def fake_path(p, *a):
+        return cpuinfo if str(p) == "/proc/cpuinfo" else real_path(p, *a)
+
+    monkeypatch.setattr(machine, "Path", fake_path)
+    assert machine._cpu_id() == "family 25 model 17 stepping 0"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: some ARM core\n")
+    assert machine._cpu_id() is None
+    cpuinfo.unlink()
+    assert machine._cpu_id() is None
+    monkeypatch.undo()
+    assert "cpu_id" in machine.machine_facts()

@@ -28,6 +28,25 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _cpu_id() -> str | None:
+    """The CPU's family, model and stepping (``/proc/cpuinfo``), e.g. "family 25 model 1
+    stepping 1": the model name of a VM's CPU often names only its maker."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        return None
+    if "cpu family" not in fields:
+        return None
+    return " ".join(f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+
+
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "bmi2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "amx_tile", "hypervisor")  # what the native kernels and the fetch path's speed depend on
 
@@ -138,6 +157,7 @@ def machine_facts(data_path: str | os.PathLike[str] | None = None) -> dict[str, 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "cpu_flags": _cpu_flags(),
         "cores": os.cpu_count(),
         "loadavg": os.getloadavg(),

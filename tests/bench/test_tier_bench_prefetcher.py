@@ -59,6 +59,13 @@ def test_cold_direct_with_a_cache_reports_consistent_figures(table, capsys):
     fetch_cpu = r["fetch_cpu_us_per_hit"] * r["hits"] + r["fetch_cpu_us_per_miss"] * r["misses"]
     assert fetch_cpu == pytest.approx(r["fetch_cpu_seconds"] * 1e6)
     assert 0 < r["fetch_cpu_seconds"] <= r["cpu_seconds"] and warm["fetch_cpu_seconds"] <= warm["cpu_seconds"]
+    # a missed row's CPU split into the kernel's (system time) and the process's, the same way
+    assert r["kernel_cpu_us_per_miss"] + r["user_cpu_us_per_miss"] == pytest.approx(r["cpu_us_per_miss"])
+    kernel_per_hit = warm["kernel_cpu_seconds"] / warm["rows"] * 1e6
+    kernel_cpu = kernel_per_hit * r["hits"] + r["kernel_cpu_us_per_miss"] * r["misses"]
+    assert kernel_cpu == pytest.approx(r["kernel_cpu_seconds"] * 1e6)
+    assert 0 < r["kernel_cpu_seconds"] <= r["cpu_seconds"] and warm["kernel_cpu_seconds"] <= warm["cpu_seconds"]
+    assert r["fp8_decode"] in ("avx512", "avx2", "table", "numpy")
     assert r["step_ms_p99"] >= r["step_ms_p50"] > 0
     assert r["check"]["equal"] and r["check"]["rows"] > 0 and r["check"]["reference"] == "mmap"
     assert "cpu_us_per_miss" in r["method"]

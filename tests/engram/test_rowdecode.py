@@ -6,21 +6,26 @@ import numpy as np
 import pytest
 import torch
 
-from engram_offload.engram.rows import _native_decode, decode_rows, dequantize_fp8_ue8m0
+from engram_offload.engram.rows import _fp8_table_bits, _native_decode, decode_rows, dequantize_fp8_ue8m0
 
 FMT = "fp8_e4m3_ue8m0"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _every_pair_rows() -> torch.Tensor:
-    """Rows covering every (scale byte, fp8 byte) pair: 256 rows of 256 values, 8 scales each."""
+    """Rows covering every (scale byte, fp8 byte) pair, each byte but the NaNs in a block
+    without a NaN (a block holding one takes the table's lookup): 512 rows of 256 values, two
+    per scale, every block of a row with that scale. Both rows put the two NaN bytes first,
+    then the other 254 values, the second with them rotated by 30 so that the 30 that share
+    the NaNs' block in the first lie in blocks of their own."""
     head_dim = 256
-    values = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # [256 rows, 256 values]
-    scales = torch.arange(256 * 8, dtype=torch.int64).remainder(256).to(torch.uint8).view(256, 8)
-    rows = torch.empty((256, head_dim + 8), dtype=torch.uint8)
-    rows[:, :head_dim] = values.roll(shifts=7, dims=1)
-    rows[:, head_dim:] = scales
-    return rows
+    nan = [0x7F, 0xFF]
+    others = [v for v in range(256) if v not in nan]
+    orders = torch.tensor([nan + others, nan + others[30:] + others[:30]], dtype=torch.uint8)  # [2, 256]
+    rows = torch.empty((256, 2, head_dim + 8), dtype=torch.uint8)
+    rows[:, :, :head_dim] = orders
+    rows[:, :, head_dim:] = torch.arange(256, dtype=torch.uint8)[:, None, None]  # the scale of every block
+    return rows.view(512, head_dim + 8)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +43,60 @@ def test_native_decode_is_bit_exact_with_the_reference_and_the_numpy_path(monkey
     fallback = decode_rows(raw, FMT, 256, dtype)
     assert torch.equal(_bits(native), _bits(reference))  # NaNs, infs and zeros included, by their bits
     assert torch.equal(_bits(native), _bits(fallback))
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_each_float32_decode_path_is_bit_exact_on_every_pair(mode):
+    """Mode 0 looks values up; 1 computes them with the CPU's widest vectors; 2 with AVX2 even
+    where AVX-512 is there: each gives the reference's bits for every (scale, byte) pair, with
+    and without an index into a larger block of rows."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows().numpy()  # [512, 264]
+    reference = dequantize_fp8_ue8m0(torch.from_numpy(raw[:, :256].copy()).view(torch.float8_e4m3fn),
+                                     torch.from_numpy(raw[:, 256:].copy()), torch.float32)
+    table = _fp8_table_bits(torch.float32)
+    out = np.empty((512, 256), np.int32)
+    _native_decode()(raw, 256, table, out, None, mode)
+    assert torch.equal(torch.from_numpy(out), _bits(reference))
+    picks = np.random.default_rng(mode).integers(0, 512, 700)  # rows in any order, some twice
+    out = np.empty((700, 256), np.int32)
+    _native_decode()(raw, 256, table, out, picks, mode)
+    assert torch.equal(torch.from_numpy(out), _bits(reference)[picks])
+
+
+def test_the_arithmetic_path_is_the_one_the_cpu_allows():
+    """avx512 where the CPU has AVX-512 F, BW and VL; else avx2; the table while subnormals
+    are flushed (and for mode 0)."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram import _rowdecode
+    from engram_offload.engram.rows import fp8_decode_path
+
+    flags = _cpu_flags()
+    avx2 = "avx2" if "avx2" in flags else "table"
+    widest = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else avx2
+    assert (_rowdecode.arithmetic_path(0), _rowdecode.arithmetic_path(), _rowdecode.arithmetic_path(2)) == (
+        "table", widest, avx2)
+    assert fp8_decode_path(torch.float32) == widest and fp8_decode_path(torch.bfloat16) == "table"
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        assert _rowdecode.arithmetic_path() == "table"
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_without_the_c_helper_the_decode_path_is_numpy(monkeypatch):
+    from engram_offload.engram.rows import fp8_decode_path
+
+    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    assert fp8_decode_path() == "numpy"
 
 
 def test_native_decode_of_many_rows_and_none():

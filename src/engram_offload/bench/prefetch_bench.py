@@ -28,6 +28,7 @@ steps with a reference gather from the ``mmap`` tier (no cache) after each phase
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from ..engram.hashing import NgramHasher
+from ..engram.rows import fp8_decode_path
 from ..serving.layered import LayeredStore
 from ..serving.prefetch import Prefetcher, Step
 from ..serving.store import TableStore, open_table
@@ -114,6 +116,7 @@ class PrefetchPhase:
     tokens: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    kernel_cpu_seconds: float = 0.0  # the part of cpu_seconds spent in the kernel (system time)
     begin_cpu_seconds: float = 0.0  # the caller thread's CPU in begin_step (hashing, dedup)
     caller_cpu_seconds: float = 0.0  # the caller thread's CPU over the phase (hashing, dedup, layer rows)
     step_periods: list[float] = field(default_factory=list)  # seconds between consecutive ends
@@ -148,6 +151,7 @@ class PrefetchPhase:
         fetches = np.array(self.fetch_seconds or [0.0]) * 1e3
         return {
             "steps": self.steps, "tokens": self.tokens, "seconds": wall, "cpu_seconds": self.cpu_seconds,
+            "kernel_cpu_seconds": self.kernel_cpu_seconds,
             "rows_requested": int(self.stats["store"]["rows_requested"]), "rows": rows, "misses": misses,
             "hits": rows - misses, "hit_rate": self.hit_rate,
             "rows_per_s": rows / wall, "misses_per_s": misses / wall, "tokens_per_s": self.tokens / wall,
@@ -174,7 +178,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
     store.reset_stats()
     tier_before = store.stats()["tier"]
     pending: deque[Step] = deque()
-    cpu0, t0, caller0 = time.process_time(), time.perf_counter(), time.thread_time()
+    cpu0, t0, caller0, kernel0 = time.process_time(), time.perf_counter(), time.thread_time(), os.times().system
     stop_at, last_end = t0 + seconds, t0
     begun = 0
     while True:
@@ -205,6 +209,7 @@ def _drive(prefetcher: Prefetcher, steps: Iterator[StepInput], seconds: float, r
         last_end = now
     phase.seconds = time.perf_counter() - t0
     phase.cpu_seconds = time.process_time() - cpu0
+    phase.kernel_cpu_seconds = os.times().system - kernel0
     phase.caller_cpu_seconds = time.thread_time() - caller0
     phase.stats = store.stats()
     tier_after = phase.stats["tier"]
@@ -255,7 +260,8 @@ METHOD = ("cold phase: real-text decode steps through the Prefetcher, process CP
           "/ cold misses. Rows are distinct rows per step (the store's unique rows); misses are rows read "
           "from the tier. Both per-row costs include hashing, dedup, decode and the consumer's gather; "
           "fetch_cpu_us_per_hit/miss are the same split of the fetch loop's CPU alone (the Prefetcher's "
-          "workers: cache lookups, reads, fills, decode), the process's CPU less the caller thread's.")
+          "workers: cache lookups, reads, fills, decode), the process's CPU less the caller thread's; "
+          "kernel_cpu_us_per_miss is the same split of the process's system time, user_cpu_us_per_miss the rest.")
 
 
 WARM_PASSES = 8  # passes over the warm set before its replay is measured (a pass without a miss ends them)
@@ -280,16 +286,23 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
     figures = cold.summary()
     cpu_per_hit = warm.cpu_seconds / max(warm.rows, 1) if warm is not None else None
     fetch_per_hit = warm.fetch_cpu_seconds / max(warm.rows, 1) if warm is not None else None
-    cpu_per_miss = fetch_per_miss = None
+    kernel_per_hit = warm.kernel_cpu_seconds / max(warm.rows, 1) if warm is not None else None
+    cpu_per_miss = fetch_per_miss = kernel_per_miss = None
     if cold.misses:
         hits = cold.rows - cold.misses
         cpu_per_miss = (cold.cpu_seconds - hits * (cpu_per_hit or 0.0)) / cold.misses
         fetch_per_miss = (cold.fetch_cpu_seconds - hits * (fetch_per_hit or 0.0)) / cold.misses
+        kernel_per_miss = (cold.kernel_cpu_seconds - hits * (kernel_per_hit or 0.0)) / cold.misses
     return {
         **figures,
         "cpu_us_per_miss": _us(cpu_per_miss),
         "cpu_us_per_hit": _us(cpu_per_hit),
         "fetch_cpu_us_per_miss": _us(fetch_per_miss),
+        # cpu_us_per_miss split: in the kernel (system time: the reads' submissions and
+        # completions) and in the process (checks, decode, caches, Python)
+        "kernel_cpu_us_per_miss": _us(kernel_per_miss),
+        "user_cpu_us_per_miss": _us(None if cpu_per_miss is None else cpu_per_miss - (kernel_per_miss or 0.0)),
+        "fp8_decode": fp8_decode_path(torch.float32),
         "fetch_cpu_us_per_hit": _us(fetch_per_hit),
         "method": METHOD,
         "sequences": sequences,

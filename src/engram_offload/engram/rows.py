@@ -37,6 +37,7 @@ __all__ = [
     "row_bytes",
     "encode_rows",
     "decode_rows",
+    "fp8_decode_path",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
     "dequantize_fp8_blocks",
@@ -217,6 +218,20 @@ def _native_decode() -> Any:
     except ImportError:
         return None
     return _rowdecode.decode_fp8
+
+
+def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
+    """How a host decode of fp8 rows into ``dtype`` runs here, for benchmark records:
+    "avx512" or "avx2" (the C helper's vector arithmetic, float32 only), "table" (its
+    lookups) or "numpy" (no C helper)."""
+    native = _native_decode()
+    if native is None or dtype not in _DECODED_BITS:
+        return "numpy"
+    if dtype != torch.float32:
+        return "table"
+    from . import _rowdecode  # type: ignore[attr-defined]
+
+    return str(_rowdecode.arithmetic_path(1))
 
 
 def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
