@@ -215,10 +215,10 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
         fio = fio_randread(table, s, q)
         if fio:
             runs["fio"].append(fio)
-    med: dict = {f"{name}_{key}": median_of(runs[name], key) for name, _ in reads
-                 for key in ("reads_per_s", "cpu_us_per_read")}
+    split = ("cpu_us_per_read", "user_cpu_us_per_read", "kernel_cpu_us_per_read")  # a read's CPU: all, process, kernel
+    med: dict = {f"{name}_{key}": median_of(runs[name], key) for name, _ in reads for key in ("reads_per_s", *split)}
     if runs["fio"]:
-        med.update(fio_iops=median_of(runs["fio"], "iops"), fio_cpu_us_per_read=median_of(runs["fio"], "cpu_us_per_read"))
+        med.update(fio_iops=median_of(runs["fio"], "iops"), **{f"fio_{k}": median_of(runs["fio"], k) for k in split})
         for name, _ in reads:
             ratios = bracketed_ratios(runs[name], runs["fio"])
             med[f"{name}_vs_fio"] = statistics.median(r["reads"] for r in ratios)

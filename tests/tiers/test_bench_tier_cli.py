@@ -25,6 +25,10 @@ def test_bench_tier_with_a_cache(tmp_path, capsys):
     dram = result["cache"]["levels"][0]
     assert dram["policy"] == "lfu" and dram["capacity_bytes"] <= 1 << 20 and dram["requests"] > 0
     assert result["rows"] >= result["tier_rows"] > 0
+    # a read's CPU, split into the kernel's part (system time) and the process's
+    assert result["kernel_cpu_us_per_read"] >= 0 and result["user_cpu_us_per_read"] > 0
+    assert result["kernel_cpu_us_per_read"] + result["user_cpu_us_per_read"] == pytest.approx(
+        result["cpu_us_per_read"])
     # a percentage of the table, and the stats table in the plain output
     assert cli.main(["bench-tier", "--table", path, "--tier", "memory", "--seconds", "0.1", "--batch", "64",
                      "--cache-bytes", "50%"]) == 0

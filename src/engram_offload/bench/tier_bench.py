@@ -36,9 +36,10 @@ class _Callers:
     errors: list[BaseException] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def run(self, callers: int, seconds: float) -> tuple[float, float]:
-        """Run ``callers`` threads for ``seconds``; returns (wall, CPU) seconds of the process."""
-        cpu0, t0 = time.process_time(), time.perf_counter()
+    def run(self, callers: int, seconds: float) -> tuple[float, float, float]:
+        """Run ``callers`` threads for ``seconds``; returns (wall, CPU, the CPU's kernel part)
+        seconds of the process."""
+        cpu0, t0, kernel0 = time.process_time(), time.perf_counter(), os.times().system
         threads = [threading.Thread(target=self._caller, args=(i, t0 + seconds)) for i in range(callers)]
         for t in threads:
             t.start()
@@ -46,7 +47,7 @@ class _Callers:
             t.join()
         if self.errors:
             raise self.errors[0]
-        return time.perf_counter() - t0, time.process_time() - cpu0
+        return time.perf_counter() - t0, time.process_time() - cpu0, os.times().system - kernel0
 
     def _caller(self, index: int, stop_at: float) -> None:
         rng = np.random.default_rng([self.seed, index])
@@ -83,8 +84,9 @@ def _tier_options(tier: str, engine: str, queue_depth: int, cache_bytes: int, po
 
 
 def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wall: float, cpu: float,
-             latencies: list[float]) -> dict[str, Any]:
-    """Rates and per-read costs from the tier's counters before and after, and the batch latencies."""
+             kernel_cpu: float, latencies: list[float]) -> dict[str, Any]:
+    """Rates and per-read costs from the tier's counters before and after, and the batch
+    latencies; a read's CPU also split into the kernel's (system time) and the process's."""
     tier_rows = after["rows"] - before["rows"]
     reads = after.get("reads", 0) - before.get("reads", 0)
     lat = np.array(latencies) * 1e3 if latencies else np.zeros(1)
@@ -96,6 +98,8 @@ def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wa
         "reads_per_s": reads / wall,
         "cpu_seconds": cpu,
         "cpu_us_per_read": cpu / max(reads or served_rows, 1) * 1e6,
+        "kernel_cpu_us_per_read": kernel_cpu / max(reads or served_rows, 1) * 1e6,
+        "user_cpu_us_per_read": (cpu - kernel_cpu) / max(reads or served_rows, 1) * 1e6,
         "cpu_us_per_row": cpu / max(served_rows, 1) * 1e6,
         "batch_ms_p50": float(np.percentile(lat, 50)),
         "batch_ms_p99": float(np.percentile(lat, 99)),
@@ -210,7 +214,7 @@ def run_tier_bench(
     with open_table(table, tier, **_tier_options(tier, engine, queue_depth, cache_bytes, policy, options)) as store:
         before = store.stats()
         run = _Callers(store, batch, seed)
-        wall, cpu = run.run(callers, seconds)
+        wall, cpu, kernel_cpu = run.run(callers, seconds)
         after = store.stats()
     return {
         "tier": tier,
@@ -226,7 +230,8 @@ def run_tier_bench(
         "caller_threads": callers,
         "requests": after["store"]["fetches"] - before["store"]["fetches"],
         "load_bytes_per_s": _load_rate(after["tier"]),
-        **_figures(before["tier"], after["tier"], len(run.latencies) * batch, wall, cpu, run.latencies),
+        **_figures(before["tier"], after["tier"], len(run.latencies) * batch, wall, cpu, kernel_cpu,
+                    run.latencies),
         "cache_bytes": cache_bytes,
         "policy": policy if cache_bytes else None,
         "cache": after if cache_bytes else None,
