@@ -19,6 +19,13 @@ Each CPU figure comes twice: the whole process's (hashing, dedup and the step's 
 the caller included) and the fetch loop's alone (the Prefetcher's workers: cache lookups,
 reads, fills and decode: ``fetch_cpu_us_per_*``).
 
+A missed row's CPU is also split into the kernel's part (system time: the reads) and the
+process's (checks, decode, caches, Python), beside fio's own split.
+
+``--decode auto,table`` (or ``avx2``) runs the fetch loop once per float32 fp8 decode in every
+repeat (``ENGRAM_OFFLOAD_FP8_DECODE``), taking turns, each against the same fio runs: the
+figures of each under ``by_decode``.
+
 The process's environment (``OMP_WAIT_POLICY`` included: torch's OpenMP pool spin-waits
 after parallel ops by default) is recorded with the results.
 """
@@ -26,17 +33,20 @@ after parallel ops by default) is recorded with the results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from bench_tier import bracketed_ratios, fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
 
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.commands.bench import PREFETCH_SEQUENCES
+from engram_offload.engram.rows import FP8_DECODE_ENV
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
@@ -66,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-ahead", type=int, default=2, help="steps in flight (default 2)")
     p.add_argument("--corpus", default="stdlib", help="the text (default stdlib)")
     p.add_argument("--corpus-tokens", type=int, default=300_000, help="tokens of the corpus (default 300,000)")
+    p.add_argument("--decode", default="auto",
+                   help="the float32 fp8 decodes to run, comma-separated (default auto): auto (the widest vector "
+                        "arithmetic the CPU has), avx2, table (lookups); several take turns within each repeat, "
+                        "each against the fio runs either side, and the results give each one's figures")
     p.add_argument("--out", default="engram-bench/fetch.json",
                    help="the results JSON (default engram-bench/fetch.json; benchmarks/results/fetch.json is the committed record: write there only to update it)")
     args = p.parse_args(argv)
+    decodes = [d.strip() for d in args.decode.split(",") if d.strip()]
+    if not decodes or any(d not in DECODES for d in decodes) or len(set(decodes)) < len(decodes):
+        p.error(f"--decode takes distinct names among {', '.join(DECODES)}, comma-separated; got {args.decode!r}")
     table = Path(args.table)
     layout = read_header(table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
@@ -76,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--cache-bytes must be > 0: the CPU of a hit row is measured on cached rows")
     load_start = os.getloadavg()
     corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
-    runs: dict[str, list] = {"fio": [], "prefetcher": []}
+    runs: dict[str, list] = {"fio": [], **{d: [] for d in decodes}}
     for rep in range(args.repeats + 1):  # fio before every repeat and after the last
         fio = fio_randread(table, args.seconds, args.fio_queue_depth)
         if fio is None:
@@ -86,16 +103,71 @@ def main(argv: list[str] | None = None) -> int:
         if rep == args.repeats:
             break
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        runs["prefetcher"].append(run_tier_bench(
-            table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
-            cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
-            corpus=corpus))
-    med = {f"fio_{k}": median_of(runs["fio"], k)
+        for decode in decodes if rep % 2 == 0 else decodes[::-1]:  # each decode first as often as last
+            with decode_setting(decode):
+                runs[decode].append(run_tier_bench(
+                    table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
+                    cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
+                    corpus=corpus))
+    by_decode = {d: summarize(runs[d], runs["fio"]) for d in decodes}
+    med, ratios = by_decode[decodes[0]]
+    result = {
+        "benchmark": "bench_fetch",
+        "command": "python benchmarks/bench_fetch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "table": str(table), "table_bytes": table.stat().st_size,
+        "params": {"repeats": args.repeats, "seconds": args.seconds, "cache_bytes": cache_bytes,
+                   "queue_depth": args.queue_depth, "fio_queue_depth": args.fio_queue_depth,
+                   "sequences": args.sequences, "run_ahead": args.run_ahead, "decodes": decodes,
+                   "corpus": {"name": corpus.name, "tokens": corpus.tokens, "source": corpus.source}},
+        "targets": TARGETS,
+        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "fp8_decode": {d: runs[d][0]["fp8_decode"] for d in decodes}},
+        "method": runs[decodes[0]][0]["method"],
+        "median": med,  # the first decode's (the only one by default)
+        "ratios": ratios,
+        "by_decode": {d: {"median": m, "ratios": r} for d, (m, r) in by_decode.items()},
+        "runs": {"fio": runs["fio"], "prefetcher": runs[decodes[0]],
+                 **{f"prefetcher_{d}": runs[d] for d in decodes[1:]}},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({d: {"median": m, "ratios": r} for d, (m, r) in by_decode.items()}
+                     if len(decodes) > 1 else {"median": med, "ratios": ratios}, indent=2))
+    return 0
+
+
+DECODES = {"auto": "", "avx2": "avx2", "table": "table"}  # --decode's names: ENGRAM_OFFLOAD_FP8_DECODE's values
+
+
+@contextlib.contextmanager
+def decode_setting(decode: str) -> Iterator[None]:
+    """``ENGRAM_OFFLOAD_FP8_DECODE`` set for ``decode`` while the block runs, then as it was."""
+    before = os.environ.get(FP8_DECODE_ENV)
+    os.environ[FP8_DECODE_ENV] = DECODES[decode]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FP8_DECODE_ENV, None)
+        else:
+            os.environ[FP8_DECODE_ENV] = before
+
+
+def _ratio(ours: float, fio: float) -> float | None:
+    """ours / fio; None where fio's figure is 0 (a short fio run may count no user time)."""
+    return ours / fio if fio else None
+
+
+def summarize(prefetcher: list[dict], fio: list[dict]) -> tuple[dict, dict]:
+    """Medians of the fetch loop's runs and fio's, and the ratios against the targets."""
+    med = {f"fio_{k}": median_of(fio, k)
            for k in ("iops", "cpu_us_per_read", "user_cpu_us_per_read", "kernel_cpu_us_per_read")}
-    med.update({k: median_of(runs["prefetcher"], k) for k in FIGURES})
-    med["warm_hit_rate"] = statistics.median(r["warm"]["hit_rate"] for r in runs["prefetcher"])
-    bracketed = bracketed_ratios(runs["prefetcher"], runs["fio"], "misses_per_s", "cpu_us_per_miss")
-    fetch_bracketed = bracketed_ratios(runs["prefetcher"], runs["fio"], "misses_per_s", "fetch_cpu_us_per_miss")
+    med.update({k: median_of(prefetcher, k) for k in FIGURES})
+    med["warm_hit_rate"] = statistics.median(r["warm"]["hit_rate"] for r in prefetcher)
+    bracketed = bracketed_ratios(prefetcher, fio, "misses_per_s", "cpu_us_per_miss")
+    fetch_bracketed = bracketed_ratios(prefetcher, fio, "misses_per_s", "fetch_cpu_us_per_miss")
     ratios = {
         "misses_per_s_vs_fio_iops": med["misses_per_s"] / med["fio_iops"],
         "cpu_us_per_miss_vs_fio_cpu_us_per_read": med["cpu_us_per_miss"] / med["fio_cpu_us_per_read"],
@@ -106,37 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         "fetch_cpu_us_per_hit": med["fetch_cpu_us_per_hit"],
         # where a missed row's CPU goes beside fio's: in the kernel (the reads) and in the process
         "kernel_cpu_us_per_miss_vs_fio_kernel_cpu_us_per_read":
-            med["kernel_cpu_us_per_miss"] / med["fio_kernel_cpu_us_per_read"],
+            _ratio(med["kernel_cpu_us_per_miss"], med["fio_kernel_cpu_us_per_read"]),
         "user_cpu_us_per_miss_vs_fio_user_cpu_us_per_read":
-            med["user_cpu_us_per_miss"] / med["fio_user_cpu_us_per_read"],
+            _ratio(med["user_cpu_us_per_miss"], med["fio_user_cpu_us_per_read"]),
         # each repeat against the mean of the fio runs just before and just after it: steadier
         # when the drive's rate or the machine's load drifts
         "misses_per_s_vs_fio_iops_paired_median": statistics.median(r["reads"] for r in bracketed),
         "cpu_us_per_miss_vs_fio_paired_median": statistics.median(r["cpu"] for r in bracketed),
         "fetch_cpu_us_per_miss_vs_fio_paired_median": statistics.median(r["cpu"] for r in fetch_bracketed),
     }
-    result = {
-        "benchmark": "bench_fetch",
-        "command": "python benchmarks/bench_fetch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "table": str(table), "table_bytes": table.stat().st_size,
-        "params": {"repeats": args.repeats, "seconds": args.seconds, "cache_bytes": cache_bytes,
-                   "queue_depth": args.queue_depth, "fio_queue_depth": args.fio_queue_depth,
-                   "sequences": args.sequences, "run_ahead": args.run_ahead,
-                   "corpus": {"name": corpus.name, "tokens": corpus.tokens, "source": corpus.source}},
-        "targets": TARGETS,
-        "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "fp8_decode": runs["prefetcher"][0]["fp8_decode"]},
-        "method": runs["prefetcher"][0]["method"],
-        "median": med,
-        "ratios": ratios,
-        "runs": runs,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"median": med, "ratios": ratios}, indent=2))
-    return 0
+    return med, ratios
 
 
 if __name__ == "__main__":

@@ -51,3 +51,57 @@ def test_one_caller_runs_are_compared_with_the_fio_runs_on_either_side():
     ratios = module.bracketed_ratios(ours, fio)
     assert [round(r["reads"], 6) for r in ratios] == [0.9, 0.9]  # 108 / mean(100, 140), 90 / mean(140, 60)
     assert [round(r["cpu"], 6) for r in ratios] == [1.2, 1.2]  # 1.8 / mean(2, 1), 2.4 / mean(1, 3)
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_script", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCHMARKS))  # bench_fetch imports bench_tier beside it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
+    """bench_fetch.py --decode auto,table: both decodes in every repeat, first in turn, each
+    summed up against the same fio runs, with the decode each one took."""
+    import json
+    import shutil
+
+    from engram_offload import cli
+    from engram_offload.engram.rows import fp8_decode_path
+
+    if not shutil.which("fio"):
+        pytest.skip("fio is not installed (apt-get install fio)")
+    table = tmp_path / "t.tbl"
+    assert cli.main(["make-table", "--scale", "2e-5", "--out", str(table), "--no-progress"]) == 0
+    out = tmp_path / "fetch.json"
+    module = _script("bench_fetch")
+    assert module.main(["--table", str(table), "--seconds", "0.3", "--repeats", "2", "--sequences", "4",
+                        "--corpus-tokens", "20000", "--decode", "auto,table", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["params"]["decodes"] == ["auto", "table"]
+    assert len(result["runs"]["fio"]) == 3
+    assert len(result["runs"]["prefetcher"]) == len(result["runs"]["prefetcher_table"]) == 2
+    assert result["machine"]["fp8_decode"] == {"auto": fp8_decode_path(), "table": "table"}
+    assert result["median"] == result["by_decode"]["auto"]["median"]
+    for run in result["runs"]["prefetcher"] + result["runs"]["prefetcher_table"]:  # a CPU split, run by run
+        assert run["kernel_cpu_us_per_miss"] + run["user_cpu_us_per_miss"] == pytest.approx(run["cpu_us_per_miss"])
+    for run in result["runs"]["fio"]:
+        assert run["kernel_cpu_us_per_read"] + run["user_cpu_us_per_read"] == pytest.approx(run["cpu_us_per_read"])
+    for decode in ("auto", "table"):
+        med, runs = result["by_decode"][decode]["median"], result["runs"]["prefetcher" if decode == "auto" else
+                                                                           "prefetcher_table"]
+        assert min(r["cpu_us_per_hit"] for r in runs) <= med["cpu_us_per_hit"] <= max(r["cpu_us_per_hit"] for r in runs)
+
+
+@pytest.mark.parametrize("decode", ["avx1024", "auto,auto", ""])
+def test_the_fetch_benchmark_refuses_a_decode_it_does_not_know(tmp_path, capsys, decode):
+    module = _script("bench_fetch")
+    with pytest.raises(SystemExit):
+        module.main(["--table", str(tmp_path / "absent.tbl"), "--decode", decode])
+    assert "--decode takes distinct names among auto, avx2, table" in capsys.readouterr().err

@@ -92,6 +92,40 @@ def test_the_arithmetic_path_is_the_one_the_cpu_allows():
         torch.set_flush_denormal(False)
 
 
+@pytest.mark.parametrize("setting, mode", [("table", 0), ("avx2", 2), ("AUTO", 1), ("", 1)])
+def test_the_decode_setting_picks_the_arithmetic_and_its_path(monkeypatch, setting, mode):
+    """ENGRAM_OFFLOAD_FP8_DECODE asks the C helper for one float32 decode (to measure one
+    against another); the rows stay the reference's whichever it is."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram import _rowdecode
+    from engram_offload.engram.rows import FP8_DECODE_ENV, fp8_decode_path
+
+    asked = []
+    real = _native_decode()
+    monkeypatch.setattr("engram_offload.engram.rows._native_decode",
+                        lambda: lambda *a: asked.append(a[5]) or real(*a))
+    monkeypatch.setenv(FP8_DECODE_ENV, setting)
+    raw = _every_pair_rows()
+    got = decode_rows(raw, FMT, 256, torch.float32, index=np.arange(512))
+    decode_rows(raw, FMT, 256, torch.bfloat16, index=np.arange(512))
+    assert asked == [mode, 0]  # bfloat16 always looks its values up
+    want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
+    assert torch.equal(_bits(got), _bits(want))
+    assert fp8_decode_path() == _rowdecode.arithmetic_path(mode)
+
+
+def test_a_decode_setting_that_names_no_decode_is_refused(monkeypatch):
+    from engram_offload.engram.rows import FP8_DECODE_ENV
+
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    monkeypatch.setenv(FP8_DECODE_ENV, "avx1024")
+    with pytest.raises(ValueError, match=r"^ENGRAM_OFFLOAD_FP8_DECODE='avx1024' is not a decode: set it to auto, "
+                                         r"avx2 or table, or unset it$"):
+        decode_rows(_every_pair_rows(), FMT, 256, torch.float32, index=np.arange(4))
+
+
 def test_without_the_c_helper_the_decode_path_is_numpy(monkeypatch):
     from engram_offload.engram.rows import fp8_decode_path
 

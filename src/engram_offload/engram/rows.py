@@ -19,6 +19,7 @@ int8: ``|x - x'| <= amax(row) / 254``.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "row_bytes",
     "encode_rows",
     "decode_rows",
+    "FP8_DECODE_ENV",
     "fp8_decode_path",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
@@ -220,6 +222,22 @@ def _native_decode() -> Any:
     return _rowdecode.decode_fp8
 
 
+FP8_DECODE_ENV = "ENGRAM_OFFLOAD_FP8_DECODE"
+_ARITHMETIC_MODES = {"": 1, "auto": 1, "avx2": 2, "table": 0}  # the C helper's arithmetic argument
+
+
+def _arithmetic_mode() -> int:
+    """The float32 decode the C helper is asked for: ``ENGRAM_OFFLOAD_FP8_DECODE`` unset or
+    "auto" (vector arithmetic, the widest the CPU has), "avx2" (AVX2 even where AVX-512 is
+    there) or "table" (lookups only): a switch for measuring one against another. Read on
+    every decode, as ``ENGRAM_OFFLOAD_NO_NATIVE`` is."""
+    value = os.environ.get(FP8_DECODE_ENV, "")
+    mode = _ARITHMETIC_MODES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(f"{FP8_DECODE_ENV}={value!r} is not a decode: set it to auto, avx2 or table, or unset it")
+    return mode
+
+
 def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
     """How a host decode of fp8 rows into ``dtype`` runs here, for benchmark records:
     "avx512" or "avx2" (the C helper's vector arithmetic, float32 only), "table" (its
@@ -231,7 +249,7 @@ def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
         return "table"
     from . import _rowdecode  # type: ignore[attr-defined]
 
-    return str(_rowdecode.arithmetic_path(1))
+    return str(_rowdecode.arithmetic_path(_arithmetic_mode()))
 
 
 def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
@@ -258,8 +276,8 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
         # switch when another thread waits for it
         out = (buffers.empty if buffers is not None else np.empty)(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
-        native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks, dtype == torch.float32,
-               picks_base)
+        native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks,
+               _arithmetic_mode() if dtype == torch.float32 else 0, picks_base)
         return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
     assert picks is None, "a decode with picks goes through the C helper only"
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
