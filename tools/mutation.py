@@ -35,7 +35,7 @@ SCRATCH = ROOT / ".mutation"
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "engram/hashing": (["engram/hashing.py"], ["tests/engram/test_hashing.py"]),
     "engram/config": (["engram/config.py"], ["tests/engram/test_config.py"]),
-    "engram/rows": (["engram/rows.py"], ["tests/engram/test_rows.py"]),
+    "engram/rows": (["engram/rows.py"], ["tests/engram/test_rows.py", "tests/engram/test_rowdecode.py"]),
     "engram/layer": (["engram/layer.py"], ["tests/engram/test_layer.py", "tests/engram/test_released_checkpoint.py"]),
     "serving/dedup": (["serving/dedup.py"], ["tests/serving/test_dedup.py"]),
     "serving/prefetch": (["serving/prefetch.py"], ["tests/serving/test_prefetch.py"]),

@@ -228,3 +228,56 @@ def test_float32_decode_is_exact_when_the_cpu_flushes_subnormals():
         torch.set_flush_denormal(False)
     assert torch.equal(_bits(got), _bits(want))
     assert int((want.abs() < torch.finfo(torch.float32).tiny).logical_and(want != 0).sum()) > 0  # subnormals there
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_leading_dimensions_without_an_index(monkeypatch, native):
+    """``shape`` without an index lays the n decoded rows out as [*shape, head_dim]; a shape
+    that does not hold n rows is refused."""
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(6, 64), FMT)  # [6, 66]
+    got = decode_rows(raw, FMT, 64, shape=(2, 3))
+    assert got.shape == (2, 3, 64) and torch.equal(_bits(got.reshape(6, 64)), _bits(decode_rows(raw, FMT, 64)))
+    with pytest.raises(ValueError, match=r"^shape \(4, 2\) holds 8 rows, not the 6 decoded$"):
+        decode_rows(raw, FMT, 64, shape=(4, 2))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_index_of_int32_or_into_float64_decodes_the_same_rows(monkeypatch, native):
+    """An index of int32 is read as int64; float64 rows (no C decode) are gathered first."""
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    raw = encode_rows(torch.randn(20, 64), FMT)
+    index = np.array([[19, 3], [3, 0], [7, 11]], np.int64)  # [3, 2]
+    want = decode_rows(raw[torch.from_numpy(index.reshape(-1))], FMT, 64)  # [6, 64]
+    got = decode_rows(raw, FMT, 64, index=index.astype(np.int32), shape=(3, 2))
+    assert torch.equal(_bits(got.reshape(6, 64)), _bits(want))
+    wide = decode_rows(raw, FMT, 64, torch.float64, index=index + 5, index_base=5)
+    assert wide.dtype == torch.float64 and torch.equal(wide, want.double())
+
+
+def test_decoded_rows_come_from_the_buffers_given(monkeypatch):
+    """With ``buffers``, the C decoder's result is one of their arrays (used again once let go)."""
+    from engram_offload.buffers.recycle import RecycledArrays
+    from engram_offload.engram.rows import encode_rows
+
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    buffers = RecycledArrays(min_bytes=0)
+    raw = encode_rows(torch.randn(8, 64), FMT)
+    first = decode_rows(raw, FMT, 64, buffers=buffers)
+    assert (buffers.made, buffers.reused, buffers.kept_bytes) == (1, 0, first.numel() * 4)
+    pointer = first.data_ptr()
+    del first
+    again = decode_rows(raw, FMT, 64, torch.float32, index=np.arange(8), buffers=buffers)
+    assert (buffers.made, buffers.reused) == (1, 1)
+    assert again.data_ptr() == pointer and torch.equal(again, decode_rows(raw, FMT, 64))

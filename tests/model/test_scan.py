@@ -141,15 +141,17 @@ def test_each_row_keeps_its_most_read_ngram_its_share_and_its_distinct_ngrams(mo
         [np.int64] * 3 + [np.float64] * 2
 
 
-def test_the_trace_is_in_serving_order_with_each_reads_gate(model, held_out_pieces):
-    """Batch after batch; in a batch, position after position, its windows side by side."""
+@pytest.mark.parametrize("batch", [16, 5])
+def test_the_trace_is_in_serving_order_with_each_reads_gate(model, held_out_pieces, batch):
+    """Batch after batch (``batch`` windows each, 16 by default); in a batch, position after
+    position, its windows side by side."""
     c = model.config
     pieces = [p for p in held_out_pieces if p.size == 65][:17]
-    got = scan(model, pieces)  # 16 windows a batch
+    got = scan(model, pieces) if batch == 16 else scan(model, pieces, batch=batch)
     ids, gates = [], []
     bases = np.array(c.layer_row_bases)
     with torch.no_grad():
-        for chunk in (pieces[:16], pieces[16:]):
+        for chunk in (pieces[k:k + batch] for k in range(0, len(pieces), batch)):
             inputs = torch.from_numpy(np.stack(chunk)[:, :-1])
             model(inputs)
             g = np.stack([model.gates()[i].mean(-1).numpy() for i in c.layer_ids], axis=2)  # [B, T, L]
@@ -163,7 +165,7 @@ def test_the_trace_is_in_serving_order_with_each_reads_gate(model, held_out_piec
     assert got.trace_gates.dtype == np.float32
     expected_sums = np.bincount(np.array(ids), weights=np.array(gates), minlength=c.num_rows)
     assert np.allclose(got.gate_sums, expected_sums, rtol=1e-5)
-    assert got.evaluation == evaluate(model, pieces)
+    assert got.evaluation == evaluate(model, pieces, batch=batch)
 
 
 def test_with_an_empty_filter_every_read_is_unseen_and_each_order_has_its_share(model, held_out_pieces, scanned):
