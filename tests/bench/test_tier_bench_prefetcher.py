@@ -4,6 +4,7 @@ cold and warm phases, the row check, and flags that do not go together."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -86,6 +87,7 @@ def test_the_plain_output(table, capsys):
     out = capsys.readouterr().out
     assert "Prefetcher: 256 sequences per decode step, 2 steps in flight" in out
     assert "missed rows/s" in out and "per hit row" in out and "lfu cache" in out
+    assert re.search(r"CPU per missed row \d+\.\d\d us \(kernel -?\d+\.\d\d us, process \d+\.\d\d us\)", out)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -34,6 +35,7 @@ def test_bench_tier_with_a_cache(tmp_path, capsys):
                      "--cache-bytes", "50%"]) == 0
     out = capsys.readouterr().out
     assert "rows/s" in out and "hit rate" in out and "dram" in out and "lfu cache" in out  # lfu: the default
+    assert re.search(r"us CPU per read \(kernel \d+\.\d\d, process \d+\.\d\d\)", out)
 
 
 def test_bench_tier_refuses_a_bad_size_or_policy(tmp_path, capsys):

@@ -610,7 +610,9 @@ def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_b
               f"(hit rate {result['hit_rate']:.1%}), {result['reads_per_s']:,.0f} reads/s, "
               f"{result['tokens_per_s']:,.0f} tokens/s")
         per_hit, per_miss = result["cpu_us_per_hit"], result["cpu_us_per_miss"]
-        print(f"  CPU per missed row {_us(per_miss)}, per hit row {_us(per_hit)}, hashing and dedup "
+        split = (f" (kernel {_us(result['kernel_cpu_us_per_miss'])}, process {_us(result['user_cpu_us_per_miss'])})"
+                 if per_miss is not None else "")
+        print(f"  CPU per missed row {_us(per_miss)}{split}, per hit row {_us(per_hit)}, hashing and dedup "
               f"{result['hash_dedup_cpu_us_per_token']:.2f} us per token; step p50 {result['step_ms_p50']:.2f} ms, "
               f"p99 {result['step_ms_p99']:.2f} ms")
         print(f"  the fetch loop alone (the Prefetcher's workers): {_us(result['fetch_cpu_us_per_miss'])} CPU per "
@@ -622,7 +624,8 @@ def _print_tier_result(result: dict[str, Any], args: argparse.Namespace, cache_b
         print(f"{result['tier']} [{result['engine']}] {cold}, batch {result['batch']}, queue depth {args.queue_depth}")
         print(f"  {result['rows_per_s']:,.0f} rows/s, {result['reads_per_s']:,.0f} reads/s, "
               f"{result['bytes_read'] / result['seconds'] / 2**20:,.1f} MiB/s")
-        print(f"  {result['cpu_us_per_read']:.2f} us CPU per read, batch p50 {result['batch_ms_p50']:.2f} ms, "
+        print(f"  {result['cpu_us_per_read']:.2f} us CPU per read (kernel {result['kernel_cpu_us_per_read']:.2f}, "
+              f"process {result['user_cpu_us_per_read']:.2f}), batch p50 {result['batch_ms_p50']:.2f} ms, "
               f"p99 {result['batch_ms_p99']:.2f} ms")
     if result["cache"] is not None:
         from ..cache.report import format_stats_table
