@@ -33,20 +33,19 @@ after parallel ops by default) is recorded with the results.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Iterator
+from unittest import mock
 
 from bench_tier import bracketed_ratios, fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
 
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.commands.bench import PREFETCH_SEQUENCES
-from engram_offload.engram.rows import FP8_DECODE_ENV
+from engram_offload.engram.rows import FP8_DECODE_ENV, FP8_DECODES
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the results JSON (default engram-bench/fetch.json; benchmarks/results/fetch.json is the committed record: write there only to update it)")
     args = p.parse_args(argv)
     decodes = [d.strip() for d in args.decode.split(",") if d.strip()]
-    if not decodes or any(d not in DECODES for d in decodes) or len(set(decodes)) < len(decodes):
-        p.error(f"--decode takes distinct names among {', '.join(DECODES)}, comma-separated; got {args.decode!r}")
+    if not decodes or any(d not in FP8_DECODES for d in decodes) or len(set(decodes)) < len(decodes):
+        p.error(f"--decode takes distinct names among {', '.join(FP8_DECODES)}, comma-separated; got {args.decode!r}")
     table = Path(args.table)
     layout = read_header(table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         for decode in decodes if rep % 2 == 0 else decodes[::-1]:  # each decode first as often as last
-            with decode_setting(decode):
+            with mock.patch.dict(os.environ, {FP8_DECODE_ENV: decode}):  # for this run only
                 runs[decode].append(run_tier_bench(
                     table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
                     cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
@@ -136,23 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({d: {"median": m, "ratios": r} for d, (m, r) in by_decode.items()}
                      if len(decodes) > 1 else {"median": med, "ratios": ratios}, indent=2))
     return 0
-
-
-DECODES = {"auto": "", "avx2": "avx2", "table": "table"}  # --decode's names: ENGRAM_OFFLOAD_FP8_DECODE's values
-
-
-@contextlib.contextmanager
-def decode_setting(decode: str) -> Iterator[None]:
-    """``ENGRAM_OFFLOAD_FP8_DECODE`` set for ``decode`` while the block runs, then as it was."""
-    before = os.environ.get(FP8_DECODE_ENV)
-    os.environ[FP8_DECODE_ENV] = DECODES[decode]
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(FP8_DECODE_ENV, None)
-        else:
-            os.environ[FP8_DECODE_ENV] = before
 
 
 def _ratio(ours: float, fio: float) -> float | None:

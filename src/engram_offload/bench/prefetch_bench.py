@@ -32,7 +32,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -284,15 +284,18 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
                     break
             warm = _drive(prefetcher, replay, warm_seconds, run_ahead, check)
     figures = cold.summary()
-    cpu_per_hit = warm.cpu_seconds / max(warm.rows, 1) if warm is not None else None
-    fetch_per_hit = warm.fetch_cpu_seconds / max(warm.rows, 1) if warm is not None else None
-    kernel_per_hit = warm.kernel_cpu_seconds / max(warm.rows, 1) if warm is not None else None
-    cpu_per_miss = fetch_per_miss = kernel_per_miss = None
-    if cold.misses:
-        hits = cold.rows - cold.misses
-        cpu_per_miss = (cold.cpu_seconds - hits * (cpu_per_hit or 0.0)) / cold.misses
-        fetch_per_miss = (cold.fetch_cpu_seconds - hits * (fetch_per_hit or 0.0)) / cold.misses
-        kernel_per_miss = (cold.kernel_cpu_seconds - hits * (kernel_per_hit or 0.0)) / cold.misses
+
+    def split(cpu_seconds: Callable[[PrefetchPhase], float]) -> tuple[float | None, float | None]:
+        """(per hit row, per missed row) of one CPU figure: the warm phase's per row, and the
+        cold phase's less its hits at that cost, per miss (see METHOD)."""
+        per_hit = cpu_seconds(warm) / max(warm.rows, 1) if warm is not None else None
+        if not cold.misses:
+            return per_hit, None
+        return per_hit, (cpu_seconds(cold) - (cold.rows - cold.misses) * (per_hit or 0.0)) / cold.misses
+
+    cpu_per_hit, cpu_per_miss = split(lambda p: p.cpu_seconds)
+    fetch_per_hit, fetch_per_miss = split(lambda p: p.fetch_cpu_seconds)
+    _, kernel_per_miss = split(lambda p: p.kernel_cpu_seconds)
     return {
         **figures,
         "cpu_us_per_miss": _us(cpu_per_miss),

@@ -90,6 +90,7 @@ def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wa
     tier_rows = after["rows"] - before["rows"]
     reads = after.get("reads", 0) - before.get("reads", 0)
     lat = np.array(latencies) * 1e3 if latencies else np.zeros(1)
+    us_per_read = 1e6 / max(reads or served_rows, 1)  # rows stand in for reads on tiers that count none
     return {
         "rows": served_rows,
         "reads": reads,
@@ -97,9 +98,9 @@ def _figures(before: dict[str, Any], after: dict[str, Any], served_rows: int, wa
         "rows_per_s": served_rows / wall,
         "reads_per_s": reads / wall,
         "cpu_seconds": cpu,
-        "cpu_us_per_read": cpu / max(reads or served_rows, 1) * 1e6,
-        "kernel_cpu_us_per_read": kernel_cpu / max(reads or served_rows, 1) * 1e6,
-        "user_cpu_us_per_read": (cpu - kernel_cpu) / max(reads or served_rows, 1) * 1e6,
+        "cpu_us_per_read": cpu * us_per_read,
+        "kernel_cpu_us_per_read": kernel_cpu * us_per_read,
+        "user_cpu_us_per_read": (cpu - kernel_cpu) * us_per_read,
         "cpu_us_per_row": cpu / max(served_rows, 1) * 1e6,
         "batch_ms_p50": float(np.percentile(lat, 50)),
         "batch_ms_p99": float(np.percentile(lat, 99)),

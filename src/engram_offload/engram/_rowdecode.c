@@ -176,10 +176,10 @@ __attribute__((target("avx2"), always_inline)) static inline void block_avx2(con
 DEFINE_ROWS(decode32_arithmetic, __attribute__((target(AVX512))), uint32_t, COVERED_AVX512, block_avx512)
 DEFINE_ROWS(decode32_arithmetic_avx2, __attribute__((target("avx2"))), uint32_t, COVERED_AVX2, block_avx2)
 
-/* The arithmetic path a decode asking for `mode` takes on this CPU: ARITH_TABLE (none: the
+/* The vector unit a decode asking for `mode` may use on this CPU: ARITH_TABLE (none: the
  * table's lookups), ARITH_AVX2 or ARITH_AVX512. Mode 1 takes the widest the CPU has, mode 2
  * AVX2 even where AVX-512 is there (so that both are tested on one machine). */
-static int arithmetic_path(int mode) {
+static int vector_path(int mode) {
     if (mode <= 0) return ARITH_TABLE;
     if (mode == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
@@ -195,7 +195,7 @@ static void decode32_arithmetic_avx2(const uint8_t *raw, const int64_t *index, P
                                      Py_ssize_t rb, const uint32_t *restrict table, uint32_t *restrict out) {
     decode32(raw, index, n, d, rb, table, out);
 }
-static int arithmetic_path(int mode) { (void)mode; return ARITH_TABLE; }
+static int vector_path(int mode) { (void)mode; return ARITH_TABLE; }
 #endif
 
 /* Whether the CPU keeps subnormals (the arithmetic path needs them as IEEE has them). */
@@ -206,6 +206,10 @@ static int keeps_subnormals(void) {
     return 0;
 #endif
 }
+
+/* The path a float32 decode asking for `mode` takes now: the CPU's vector unit for it, or the
+ * table's lookups while the CPU flushes subnormals. */
+static int arithmetic_path(int mode) { return keeps_subnormals() ? vector_path(mode) : ARITH_TABLE; }
 
 static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     PyObject *raw_o, *table_o, *out_o, *index_o = Py_None;
@@ -220,7 +224,7 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
     }
     Py_buffer raw, table, out, index;
     int have_index = index_o != Py_None;
-    int path = keeps_subnormals() ? arithmetic_path(arithmetic) : ARITH_TABLE;
+    int path = arithmetic_path(arithmetic);
     if (PyObject_GetBuffer(raw_o, &raw, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (PyObject_GetBuffer(table_o, &table, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&raw);
@@ -312,7 +316,7 @@ done:
 static PyObject *arithmetic_path_name(PyObject *module, PyObject *args) {
     int mode = 1;
     if (!PyArg_ParseTuple(args, "|i", &mode)) return NULL;
-    return PyUnicode_FromString(ARITH_NAMES[keeps_subnormals() ? arithmetic_path(mode) : ARITH_TABLE]);
+    return PyUnicode_FromString(ARITH_NAMES[arithmetic_path(mode)]);
 }
 
 static PyMethodDef methods[] = {

@@ -39,6 +39,7 @@ __all__ = [
     "encode_rows",
     "decode_rows",
     "FP8_DECODE_ENV",
+    "FP8_DECODES",
     "fp8_decode_path",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
@@ -223,7 +224,8 @@ def _native_decode() -> Any:
 
 
 FP8_DECODE_ENV = "ENGRAM_OFFLOAD_FP8_DECODE"
-_ARITHMETIC_MODES = {"": 1, "auto": 1, "avx2": 2, "table": 0}  # the C helper's arithmetic argument
+_ARITHMETIC_MODES = {"auto": 1, "avx2": 2, "table": 0}  # the setting's values: the C helper's arithmetic argument
+FP8_DECODES = tuple(_ARITHMETIC_MODES)
 
 
 def _arithmetic_mode() -> int:
@@ -232,7 +234,7 @@ def _arithmetic_mode() -> int:
     there) or "table" (lookups only): a switch for measuring one against another. Read on
     every decode, as ``ENGRAM_OFFLOAD_NO_NATIVE`` is."""
     value = os.environ.get(FP8_DECODE_ENV, "")
-    mode = _ARITHMETIC_MODES.get(value.strip().lower())
+    mode = _ARITHMETIC_MODES.get(value.strip().lower() or "auto")
     if mode is None:
         raise ValueError(f"{FP8_DECODE_ENV}={value!r} is not a decode: set it to auto, avx2 or table, or unset it")
     return mode
