@@ -39,20 +39,6 @@ def test_the_help_says_where_the_results_go():
     assert "default engram-bench/hashing.json" in " ".join(run.stdout.split())
 
 
-def test_one_caller_runs_are_compared_with_the_fio_runs_on_either_side():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_tier_script", BENCHMARKS / "bench_tier.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fio = [{"iops": 100.0, "cpu_us_per_read": 2.0}, {"iops": 140.0, "cpu_us_per_read": 1.0},
-           {"iops": 60.0, "cpu_us_per_read": 3.0}]
-    ours = [{"reads_per_s": 108.0, "cpu_us_per_read": 1.8}, {"reads_per_s": 90.0, "cpu_us_per_read": 2.4}]
-    ratios = module.bracketed_ratios(ours, fio)
-    assert [round(r["reads"], 6) for r in ratios] == [0.9, 0.9]  # 108 / mean(100, 140), 90 / mean(140, 60)
-    assert [round(r["cpu"], 6) for r in ratios] == [1.2, 1.2]  # 1.8 / mean(2, 1), 2.4 / mean(1, 3)
-
-
 def _script(name: str):
     import importlib.util
 
@@ -64,6 +50,16 @@ def _script(name: str):
     finally:
         sys.path.remove(str(BENCHMARKS))
     return module
+
+
+def test_one_caller_runs_are_compared_with_the_fio_runs_on_either_side():
+    module = _script("bench_tier")
+    fio = [{"iops": 100.0, "cpu_us_per_read": 2.0}, {"iops": 140.0, "cpu_us_per_read": 1.0},
+           {"iops": 60.0, "cpu_us_per_read": 3.0}]
+    ours = [{"reads_per_s": 108.0, "cpu_us_per_read": 1.8}, {"reads_per_s": 90.0, "cpu_us_per_read": 2.4}]
+    ratios = module.bracketed_ratios(ours, fio)
+    assert [round(r["reads"], 6) for r in ratios] == [0.9, 0.9]  # 108 / mean(100, 140), 90 / mean(140, 60)
+    assert [round(r["cpu"], 6) for r in ratios] == [1.2, 1.2]  # 1.8 / mean(2, 1), 2.4 / mean(1, 3)
 
 
 def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
