@@ -95,9 +95,37 @@ def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
         assert min(r["cpu_us_per_hit"] for r in runs) <= med["cpu_us_per_hit"] <= max(r["cpu_us_per_hit"] for r in runs)
 
 
-@pytest.mark.parametrize("decode", ["avx1024", "auto,auto", ""])
-def test_the_fetch_benchmark_refuses_a_decode_it_does_not_know(tmp_path, capsys, decode):
+def test_the_fetch_benchmark_runs_each_way_of_storing_with_each_decode(tmp_path):
+    """bench_fetch.py --stores cached,auto: each decode once with each (named ``decode`` for
+    auto stores, ``decode/stores`` else), with the setting each run took."""
+    import json
+    import shutil
+
+    from engram_offload import cli
+
+    if not shutil.which("fio"):
+        pytest.skip("fio is not installed (apt-get install fio)")
+    table = tmp_path / "t.tbl"
+    assert cli.main(["make-table", "--scale", "2e-5", "--out", str(table), "--no-progress"]) == 0
+    out = tmp_path / "fetch.json"
+    assert _script("bench_fetch").main(["--table", str(table), "--seconds", "0.3", "--repeats", "1", "--sequences", "4",
+                                        "--corpus-tokens", "20000", "--stores", "cached,auto", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["params"]["stores"] == ["cached", "auto"]
+    assert list(result["by_decode"]) == ["auto/cached", "auto"]
+    assert result["machine"]["fp8_stores"] == {"auto/cached": "cached", "auto": "auto"}
+    assert [run["fp8_stores"] for run in result["runs"]["prefetcher"]] == ["cached"]
+    assert [run["fp8_stores"] for run in result["runs"]["prefetcher_auto"]] == ["auto"]
+    assert result["median"] == result["by_decode"]["auto/cached"]["median"]
+
+
+@pytest.mark.parametrize("option, value, known", [("--decode", "avx1024", "auto, avx2, table"),
+                                                  ("--decode", "auto,auto", "auto, avx2, table"),
+                                                  ("--decode", "", "auto, avx2, table"),
+                                                  ("--stores", "uncached", "auto, cached, streaming"),
+                                                  ("--stores", "cached,cached", "auto, cached, streaming")])
+def test_the_fetch_benchmark_refuses_a_decode_or_stores_it_does_not_know(tmp_path, capsys, option, value, known):
     module = _script("bench_fetch")
     with pytest.raises(SystemExit):
-        module.main(["--table", str(tmp_path / "absent.tbl"), "--decode", decode])
-    assert "--decode takes distinct names among auto, avx2, table" in capsys.readouterr().err
+        module.main(["--table", str(tmp_path / "absent.tbl"), option, value])
+    assert f"{option} takes distinct names among {known}" in capsys.readouterr().err

@@ -212,3 +212,17 @@ def test_an_array_outlives_its_pool():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package this test imported
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.split() == [str(3.0 * (1 << 20))], (done.returncode, done.stderr)
+
+
+def test_kept_arrays_and_those_over_max_bytes_start_on_a_cache_line():
+    """The decoder streams its stores only into 64-byte aligned rows; ``np.empty`` gives a
+    large block 16-byte alignment only (its header precedes it)."""
+    from engram_offload.buffers.recycle import ALIGNMENT, aligned_bytes
+
+    pool = RecycledArrays(keep=2, min_bytes=0, max_bytes=8 << 20)
+    held = [pool.empty((rows, 256), np.float32) for rows in (1, 3, 4096, 5000)]  # the last two not kept
+    assert pool.made == 4 and len(pool._bases) == 2
+    assert all(a.ctypes.data % ALIGNMENT == 0 for a in held)
+    for nbytes in (1, 63, 64, 1 << 20, (6 << 20) + 5):
+        block = aligned_bytes(nbytes)
+        assert block.nbytes == nbytes and block.dtype == np.uint8 and block.ctypes.data % ALIGNMENT == 0

@@ -101,28 +101,35 @@ def test_the_decode_setting_picks_the_arithmetic_and_its_path(monkeypatch, setti
     from engram_offload.engram import _rowdecode
     from engram_offload.engram.rows import FP8_DECODE_ENV, fp8_decode_path
 
-    asked = []
-    real = _native_decode()
-    monkeypatch.setattr("engram_offload.engram.rows._native_decode",
-                        lambda: lambda *a: asked.append(a[5]) or real(*a))
     monkeypatch.setenv(FP8_DECODE_ENV, setting)
-    raw = _every_pair_rows()
-    got = decode_rows(raw, FMT, 256, torch.float32, index=np.arange(512))
-    decode_rows(raw, FMT, 256, torch.bfloat16, index=np.arange(512))
-    assert asked == [mode, 0]  # bfloat16 always looks its values up
-    want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
-    assert torch.equal(_bits(got), _bits(want))
+    assert _asked_of_the_c_helper(monkeypatch, 5) == [mode, 0]  # a[5], the arithmetic: bfloat16 always looks up
     assert fp8_decode_path() == _rowdecode.arithmetic_path(mode)
 
 
-def test_a_decode_setting_that_names_no_decode_is_refused(monkeypatch):
-    from engram_offload.engram.rows import FP8_DECODE_ENV
+def _asked_of_the_c_helper(monkeypatch, argument: int) -> list:
+    """Every row decoded into float32 and into bfloat16 through ``decode_rows``: the C helper's
+    ``argument``-th argument in each call; the float32 rows checked against the reference."""
+    asked = []
+    real = _native_decode()
+    monkeypatch.setattr("engram_offload.engram.rows._native_decode",
+                        lambda: lambda *a: asked.append(a[argument]) or real(*a))
+    raw = _every_pair_rows()
+    got = decode_rows(raw, FMT, 256, torch.float32, index=np.arange(512))
+    decode_rows(raw, FMT, 256, torch.bfloat16, index=np.arange(512))
+    want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
+    assert torch.equal(_bits(got), _bits(want))
+    return asked
 
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("ENGRAM_OFFLOAD_FP8_DECODE", "avx1024", "is not a decode: set it to auto, avx2 or table, or unset it"),
+    ("ENGRAM_OFFLOAD_FP8_STORES", "uncached", "is not a way to store rows: set it to auto, cached or streaming, "
+                                              "or unset it")])
+def test_a_decode_setting_that_names_nothing_it_knows_is_refused(monkeypatch, setting, value, message):
     if _native_decode() is None:
         pytest.skip("the C decoder is not built")
-    monkeypatch.setenv(FP8_DECODE_ENV, "avx1024")
-    with pytest.raises(ValueError, match=r"^ENGRAM_OFFLOAD_FP8_DECODE='avx1024' is not a decode: set it to auto, "
-                                         r"avx2 or table, or unset it$"):
+    monkeypatch.setenv(setting, value)
+    with pytest.raises(ValueError, match=f"^{setting}='{value}' {message}$"):
         decode_rows(_every_pair_rows(), FMT, 256, torch.float32, index=np.arange(4))
 
 
@@ -281,3 +288,101 @@ def test_decoded_rows_come_from_the_buffers_given(monkeypatch):
     again = decode_rows(raw, FMT, 64, torch.float32, index=np.arange(8), buffers=buffers)
     assert (buffers.made, buffers.reused) == (1, 1)
     assert again.data_ptr() == pointer and torch.equal(again, decode_rows(raw, FMT, 64))
+
+
+def _aligned_out(rows: int, offset: int = 0) -> np.ndarray:
+    """int32 [rows, 256] whose data starts ``offset`` bytes past a 64-byte boundary."""
+    from engram_offload.buffers.recycle import aligned_bytes
+
+    return aligned_bytes(rows * 1024 + offset)[offset:].view(np.int32).reshape(rows, 256)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_streaming_stores_write_the_reference_bits_where_the_output_is_aligned(mode):
+    """stores=2 streams a float32 arithmetic decode's stores into a 64-byte aligned output
+    (and says so); the bits are the reference's for every (scale, byte) pair, with and without
+    an index. An output 16 bytes off a cache line, stores=1, and the table's lookups (mode 0)
+    take cached stores, with the same bits."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram import _rowdecode
+
+    arithmetic = _rowdecode.arithmetic_path(mode) != "table"
+    raw = _every_pair_rows().numpy()  # [512, 264]
+    want = _bits(dequantize_fp8_ue8m0(torch.from_numpy(raw[:, :256].copy()).view(torch.float8_e4m3fn),
+                                      torch.from_numpy(raw[:, 256:].copy()), torch.float32))
+    table = _fp8_table_bits(torch.float32)
+    picks = np.random.default_rng(mode).integers(0, 512, 700)  # rows in any order, some twice
+    for index, expected in ((None, want), (picks, want[picks])):
+        rows = expected.shape[0]
+        for offset, stores, streams in ((0, 2, arithmetic), (16, 2, False), (0, 1, False), (0, 0, False)):
+            out = _aligned_out(rows, offset)
+            out.fill(-1)
+            assert _native_decode()(raw, 256, table, out, index, mode, 0, stores) is streams
+            assert torch.equal(torch.from_numpy(out), expected)
+
+
+def test_auto_stores_stream_from_four_mib_of_output():
+    """stores=0 (the default) streams an aligned output of 4 MiB and more, not one a row short."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram import _rowdecode
+
+    arithmetic = _rowdecode.arithmetic_path() != "table"
+    raw = _every_pair_rows().numpy()
+    table = _fp8_table_bits(torch.float32)
+    for rows, streams in ((4096, arithmetic), (4095, False)):  # 4 MiB of float32 rows, and a row less
+        picks = np.arange(rows) % 512
+        out = _aligned_out(rows)
+        assert _native_decode()(raw, 256, table, out, picks, 1) is streams
+        assert np.array_equal(out, _native_decode_cached(raw, table, picks))
+
+
+def _native_decode_cached(raw: np.ndarray, table: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    out = np.empty((picks.size, 256), np.int32)
+    assert _native_decode()(raw, 256, table, out, picks, 0, 0, 1) is False  # lookups, cached stores
+    return out
+
+
+def test_two_byte_decodes_never_stream_and_a_bad_stores_value_is_refused():
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    raw = _every_pair_rows().numpy()
+    out = _aligned_out(512)[:, :128].copy()  # [512, 128] int32: the bytes of [512, 256] bfloat16
+    out16 = out.view(np.int16)
+    assert _native_decode()(raw, 256, _fp8_table_bits(torch.bfloat16), out16, None, 0, 0, 2) is False
+    with pytest.raises(ValueError, match=r"stores must be 0 \(auto\), 1 \(cached\) or 2 \(streaming\), got 3"):
+        _native_decode()(raw, 256, _fp8_table_bits(torch.float32), _aligned_out(512), None, 1, 0, 3)
+
+
+@pytest.mark.parametrize("setting, stores", [("cached", 1), ("Streaming", 2), ("auto", 0), ("", 0)])
+def test_the_stores_setting_reaches_the_c_helper(monkeypatch, setting, stores):
+    """ENGRAM_OFFLOAD_FP8_STORES picks the float32 decode's stores (to measure one against
+    another); two-byte decodes are asked for cached ones. The rows are the same."""
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram.rows import FP8_STORES_ENV, fp8_stores
+
+    monkeypatch.setenv(FP8_STORES_ENV, setting)
+    assert _asked_of_the_c_helper(monkeypatch, 7) == [stores, 1]  # a[7], the stores: bfloat16's cached
+    assert fp8_stores() == (setting.lower() or "auto")
+
+
+def test_a_large_decode_into_recycled_buffers_streams(monkeypatch):
+    """A step's rows decoded into the Prefetcher's recycled buffers (4 MiB and more) take
+    streaming stores: the buffers are aligned for them. The rows are the reference's."""
+    from engram_offload.buffers.recycle import RecycledArrays
+
+    if _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    from engram_offload.engram import _rowdecode
+
+    streamed = []
+    real = _native_decode()
+    monkeypatch.setattr("engram_offload.engram.rows._native_decode", lambda: lambda *a: streamed.append(real(*a)))
+    raw = _every_pair_rows()
+    index = np.arange(6000).reshape(250, 24) % 512  # [T, C]: 6,000 rows, 5.9 MiB of float32
+    got = decode_rows(raw, FMT, 256, torch.float32, index=index, shape=(250, 24), buffers=RecycledArrays())
+    assert streamed == [_rowdecode.arithmetic_path() != "table"]
+    want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
+    assert torch.equal(_bits(got.reshape(6000, 256)), _bits(want[torch.from_numpy(index.reshape(-1))]))

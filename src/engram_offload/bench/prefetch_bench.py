@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..engram.hashing import NgramHasher
-from ..engram.rows import fp8_decode_path
+from ..engram.rows import fp8_decode_path, fp8_stores
 from ..serving.layered import LayeredStore
 from ..serving.prefetch import Prefetcher, Step
 from ..serving.store import TableStore, open_table
@@ -306,6 +306,7 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
         "kernel_cpu_us_per_miss": _us(kernel_per_miss),
         "user_cpu_us_per_miss": _us(None if cpu_per_miss is None else cpu_per_miss - (kernel_per_miss or 0.0)),
         "fp8_decode": fp8_decode_path(torch.float32),
+        "fp8_stores": fp8_stores(),
         "fetch_cpu_us_per_hit": _us(fetch_per_hit),
         "method": METHOD,
         "sequences": sequences,

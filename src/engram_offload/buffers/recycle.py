@@ -20,7 +20,17 @@ from functools import partial
 
 import numpy as np
 
-__all__ = ["RecycledArrays"]
+__all__ = ["RecycledArrays", "aligned_bytes", "ALIGNMENT"]
+
+ALIGNMENT = 64  # bytes: a cache line, and what the decoder's streaming stores need
+
+
+def aligned_bytes(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialized uint8 array of ``nbytes`` whose data starts at a multiple of
+    ``alignment`` (``np.empty`` gives 16 bytes: a large block's header precedes it)."""
+    block = np.empty(nbytes + alignment - 1, np.uint8)
+    start = -block.ctypes.data % alignment
+    return block[start:start + nbytes]
 
 
 class RecycledArrays:
@@ -29,7 +39,8 @@ class RecycledArrays:
     first. Arrays under ``min_bytes`` are plain ``np.empty`` ones: the allocator keeps blocks
     that small for the process (at 32 sequences a step, 0.8 MiB a layer, recycling measured
     no better); so are those that would take the kept bytes over ``max_bytes`` (a long
-    prefill's rows, say). Thread-safe."""
+    prefill's rows, say), but these start at a multiple of ``ALIGNMENT`` bytes, as kept ones
+    do. Thread-safe."""
 
     def __init__(self, keep: int = 16, min_bytes: int = 1 << 20, max_bytes: int = 256 << 20) -> None:
         if keep < 1:
@@ -59,7 +70,7 @@ class RecycledArrays:
                 self.reused += 1
             else:
                 self.made += 1
-                base = np.empty(max(nbytes, 1), np.uint8)
+                base = aligned_bytes(max(nbytes, 1))
                 slot = self._slot_for(base)
                 if slot is None:  # no room to keep it: this one is the caller's alone
                     return base[:nbytes].view(dtype).reshape(shape)

@@ -40,6 +40,9 @@ __all__ = [
     "decode_rows",
     "FP8_DECODE_ENV",
     "FP8_DECODES",
+    "FP8_STORES_ENV",
+    "FP8_STORES",
+    "fp8_stores",
     "fp8_decode_path",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
@@ -240,6 +243,31 @@ def _arithmetic_mode() -> int:
     return mode
 
 
+FP8_STORES_ENV = "ENGRAM_OFFLOAD_FP8_STORES"
+_STORES_MODES = {"auto": 0, "cached": 1, "streaming": 2}  # the setting's values: the C helper's stores argument
+FP8_STORES = tuple(_STORES_MODES)
+
+
+def _stores_mode() -> int:
+    """How the C helper writes float32 rows it computes: ``ENGRAM_OFFLOAD_FP8_STORES`` unset or
+    "auto" (streaming stores for a decode's output from 4 MiB on, which bypass the caches:
+    large outputs are not read again from them), "cached" (never) or "streaming" (always,
+    where the output is 64-byte aligned): a switch for measuring one against another. Read
+    on every decode."""
+    value = os.environ.get(FP8_STORES_ENV, "")
+    mode = _STORES_MODES.get(value.strip().lower() or "auto")
+    if mode is None:
+        raise ValueError(f"{FP8_STORES_ENV}={value!r} is not a way to store rows: set it to auto, cached or "
+                         "streaming, or unset it")
+    return mode
+
+
+def fp8_stores() -> str:
+    """The ``ENGRAM_OFFLOAD_FP8_STORES`` setting in force ("auto", "cached" or "streaming"),
+    for benchmark records; a bad setting raises as a decode would."""
+    return FP8_STORES[_stores_mode()]
+
+
 def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
     """How a host decode of fp8 rows into ``dtype`` runs here, for benchmark records:
     "avx512" or "avx2" (the C helper's vector arithmetic, float32 only), "table" (its
@@ -278,8 +306,9 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
         # switch when another thread waits for it
         out = (buffers.empty if buffers is not None else np.empty)(shape, _NUMPY_OUT.get(dtype, _DECODED_BITS[dtype]))
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
+        float32 = dtype == torch.float32
         native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks,
-               _arithmetic_mode() if dtype == torch.float32 else 0, picks_base)
+               _arithmetic_mode() if float32 else 0, picks_base, _stores_mode() if float32 else 1)
         return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
     assert picks is None, "a decode with picks goes through the C helper only"
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
