@@ -26,7 +26,10 @@ process's (checks, decode, caches, Python), beside fio's own split.
 repeat (``ENGRAM_OFFLOAD_FP8_DECODE``), taking turns, each against the same fio runs: the
 figures of each under ``by_decode``. ``--stores auto,cached`` does the same for the way the
 decode writes its rows (``ENGRAM_OFFLOAD_FP8_STORES``: streaming stores for large outputs, or
-never): each decode with each, named ``decode`` for auto stores and ``decode/stores`` else.
+never), and ``--hit-rows in-place,copied`` for the way rows a cache holds reach the decode
+(``ENGRAM_OFFLOAD_HIT_ROWS``: read where the cache holds them, or copied out first): every
+combination, named by its decode, then ``/stores`` and ``/hit rows`` where not the default
+(``auto/cached/copied``, say).
 
 The process's environment (``OMP_WAIT_POLICY`` included: torch's OpenMP pool spin-waits
 after parallel ops by default) is recorded with the results.
@@ -48,6 +51,7 @@ from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.commands.bench import PREFETCH_SEQUENCES
 from engram_offload.engram.rows import FP8_DECODE_ENV, FP8_DECODES, FP8_STORES, FP8_STORES_ENV
+from engram_offload.serving.prefetch import HIT_ROWS, HIT_ROWS_ENV
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
@@ -87,11 +91,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the float32 decode writes its rows, comma-separated (default auto): auto (streaming "
                         "stores for outputs from 4 MiB on), cached (never streaming); several take turns as "
                         "--decode's do, with each decode")
+    p.add_argument("--hit-rows", default="in-place",
+                   help="how rows a cache holds reach the decode, comma-separated (default in-place): in-place "
+                        "(read where the cache holds them), copied (copied out first); several take turns as "
+                        "--decode's do")
     args = p.parse_args(argv)
     decodes = _names(p, "--decode", args.decode, FP8_DECODES)
     stores = _names(p, "--stores", args.stores, FP8_STORES)
-    variants = {(d if s == "auto" else f"{d}/{s}"): {FP8_DECODE_ENV: d, FP8_STORES_ENV: s}
-                for d in decodes for s in stores}  # name -> the settings of its runs
+    hit_rows = _names(p, "--hit-rows", args.hit_rows, HIT_ROWS)
+    variants = {"/".join([d] + [v for v, default in ((s, "auto"), (h, HIT_ROWS[0])) if v != default]):
+                {FP8_DECODE_ENV: d, FP8_STORES_ENV: s, HIT_ROWS_ENV: h}
+                for d in decodes for s in stores for h in hit_rows}  # name -> the settings of its runs
     names = list(variants)
     table = Path(args.table)
     layout = read_header(table).layout
@@ -124,14 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         "table": str(table), "table_bytes": table.stat().st_size,
         "params": {"repeats": args.repeats, "seconds": args.seconds, "cache_bytes": cache_bytes,
                    "queue_depth": args.queue_depth, "fio_queue_depth": args.fio_queue_depth,
-                   "sequences": args.sequences, "run_ahead": args.run_ahead, "decodes": decodes, "stores": stores,
+                   "sequences": args.sequences, "run_ahead": args.run_ahead, "decodes": decodes, "stores": stores, "hit_rows": hit_rows,
                    "corpus": {"name": corpus.name, "tokens": corpus.tokens, "source": corpus.source}},
         "targets": TARGETS,
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "fp8_decode": {v: runs[v][0]["fp8_decode"] for v in names},
-                    "fp8_stores": {v: runs[v][0]["fp8_stores"] for v in names}},
+                    "fp8_stores": {v: runs[v][0]["fp8_stores"] for v in names},
+                    "hit_rows": {v: runs[v][0]["hit_rows"] for v in names}},
         "method": runs[names[0]][0]["method"],
         "median": med,  # the first variant's (the only one by default)
         "ratios": ratios,

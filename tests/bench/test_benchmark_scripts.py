@@ -84,6 +84,7 @@ def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
     assert len(result["runs"]["fio"]) == 3
     assert len(result["runs"]["prefetcher"]) == len(result["runs"]["prefetcher_table"]) == 2
     assert result["machine"]["fp8_decode"] == {"auto": fp8_decode_path(), "table": "table"}
+    assert result["machine"]["hit_rows"] == {"auto": "in-place", "table": "in-place"}  # the default
     assert result["median"] == result["by_decode"]["auto"]["median"]
     for run in result["runs"]["prefetcher"] + result["runs"]["prefetcher_table"]:  # a CPU split, run by run
         assert run["kernel_cpu_us_per_miss"] + run["user_cpu_us_per_miss"] == pytest.approx(run["cpu_us_per_miss"])
@@ -95,9 +96,10 @@ def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
         assert min(r["cpu_us_per_hit"] for r in runs) <= med["cpu_us_per_hit"] <= max(r["cpu_us_per_hit"] for r in runs)
 
 
-def test_the_fetch_benchmark_runs_each_way_of_storing_with_each_decode(tmp_path):
-    """bench_fetch.py --stores cached,auto: each decode once with each (named ``decode`` for
-    auto stores, ``decode/stores`` else), with the setting each run took."""
+def test_the_fetch_benchmark_runs_each_way_of_storing_and_of_taking_hit_rows(tmp_path):
+    """bench_fetch.py --stores cached,auto --hit-rows copied: each combination in every
+    repeat (named by the decode, then each setting that is not the default), with the
+    settings each run took."""
     import json
     import shutil
 
@@ -109,21 +111,24 @@ def test_the_fetch_benchmark_runs_each_way_of_storing_with_each_decode(tmp_path)
     assert cli.main(["make-table", "--scale", "2e-5", "--out", str(table), "--no-progress"]) == 0
     out = tmp_path / "fetch.json"
     assert _script("bench_fetch").main(["--table", str(table), "--seconds", "0.3", "--repeats", "1", "--sequences", "4",
-                                        "--corpus-tokens", "20000", "--stores", "cached,auto", "--out", str(out)]) == 0
+                                        "--corpus-tokens", "20000", "--stores", "cached,auto", "--hit-rows", "copied",
+                                        "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["params"]["stores"] == ["cached", "auto"]
-    assert list(result["by_decode"]) == ["auto/cached", "auto"]
-    assert result["machine"]["fp8_stores"] == {"auto/cached": "cached", "auto": "auto"}
-    assert [run["fp8_stores"] for run in result["runs"]["prefetcher"]] == ["cached"]
-    assert [run["fp8_stores"] for run in result["runs"]["prefetcher_auto"]] == ["auto"]
-    assert result["median"] == result["by_decode"]["auto/cached"]["median"]
+    assert (result["params"]["stores"], result["params"]["hit_rows"]) == (["cached", "auto"], ["copied"])
+    assert list(result["by_decode"]) == ["auto/cached/copied", "auto/copied"]
+    assert result["machine"]["fp8_stores"] == {"auto/cached/copied": "cached", "auto/copied": "auto"}
+    assert result["machine"]["hit_rows"] == {"auto/cached/copied": "copied", "auto/copied": "copied"}
+    assert [(run["fp8_stores"], run["hit_rows"]) for run in result["runs"]["prefetcher"]] == [("cached", "copied")]
+    assert [run["fp8_stores"] for run in result["runs"]["prefetcher_auto/copied"]] == ["auto"]
+    assert result["median"] == result["by_decode"]["auto/cached/copied"]["median"]
 
 
 @pytest.mark.parametrize("option, value, known", [("--decode", "avx1024", "auto, avx2, table"),
                                                   ("--decode", "auto,auto", "auto, avx2, table"),
                                                   ("--decode", "", "auto, avx2, table"),
                                                   ("--stores", "uncached", "auto, cached, streaming"),
-                                                  ("--stores", "cached,cached", "auto, cached, streaming")])
+                                                  ("--stores", "cached,cached", "auto, cached, streaming"),
+                                                  ("--hit-rows", "moved", "in-place, copied")])
 def test_the_fetch_benchmark_refuses_a_decode_or_stores_it_does_not_know(tmp_path, capsys, option, value, known):
     module = _script("bench_fetch")
     with pytest.raises(SystemExit):

@@ -386,3 +386,40 @@ def test_a_large_decode_into_recycled_buffers_streams(monkeypatch):
     assert streamed == [_rowdecode.arithmetic_path() != "table"]
     want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
     assert torch.equal(_bits(got.reshape(6000, 256)), _bits(want[torch.from_numpy(index.reshape(-1))]))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C helper", "NumPy"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "bf16", "int8"])
+def test_decode_through_slots_reads_the_rows_the_slots_name(monkeypatch, native, fmt):
+    """``slots``: position p is the raw row ``raw[slots[p]]`` (rows left in a cache's arena),
+    with and without an index and its base; the rows those of the gathered copy."""
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    arena = encode_rows(torch.randn(40, 64), fmt)  # [40, row_bytes]
+    slots = np.array([31, 4, 17, 4, 0, 39], np.int64)  # a slot twice: two positions, one row
+    index = np.array([[5, 2], [3, 5], [7, 3]], np.int64)  # positions + 2
+    for dtype in (torch.float32, torch.bfloat16):
+        want = decode_rows(arena[torch.from_numpy(slots[index.reshape(-1) - 2])], fmt, 64, dtype)
+        got = decode_rows(arena.numpy(), fmt, 64, dtype, index=index, index_base=2, shape=(3, 2), slots=slots)
+        assert torch.equal(_bits(got.reshape(6, 64)), _bits(want))
+        every = decode_rows(arena, fmt, 64, dtype, slots=slots)
+        assert torch.equal(_bits(every), _bits(decode_rows(arena[torch.from_numpy(slots)], fmt, 64, dtype)))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C helper", "NumPy"])
+def test_an_index_outside_the_slots_or_a_slot_outside_the_rows_is_refused(monkeypatch, native):
+    from engram_offload.engram.rows import encode_rows
+
+    if native and _native_decode() is None:
+        pytest.skip("the C decoder is not built")
+    if not native:
+        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
+    arena = encode_rows(torch.randn(8, 64), FMT).numpy()
+    with pytest.raises(IndexError, match="index 6 .*outside the 3 slots"):
+        decode_rows(arena, FMT, 64, index=np.array([3, 6]), index_base=3, slots=np.array([1, 2, 3]))
+    with pytest.raises(IndexError, match="slot 8 .*outside the 8 raw rows"):
+        decode_rows(arena, FMT, 64, index=np.array([0, 1]), slots=np.array([1, 8]))

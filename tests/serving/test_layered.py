@@ -161,3 +161,25 @@ def test_a_closed_layered_store_refuses_reads(table):
     store.close()
     with pytest.raises(ValueError, match="closed"):
         store.read_raw([0])
+
+
+def test_a_fetch_in_place_of_one_cached_layer_leaves_its_rows_in_that_layers_cache(table):
+    """Ids of one layer: its store's rows left where its cache holds them (the arena's slots,
+    the layer's own); ids of both layers: one copy, as without ``in_place``."""
+    path, config, raw = table
+    first, second = config.layer_ids
+    base = config.layer_row_base(second)
+    ids = np.array([base, base + 5, base + 9], np.int64)
+    with open_table(path, {first: "memory", second: "direct"}, cache_bytes=10**9) as store:
+        cache = store.layers[1].store.levels[0]
+        store.fetch(ids, hold=False)  # read and cached
+        with store.fetch(ids, in_place=True) as lease:
+            rows = lease.in_place
+            assert rows is not None and rows.arena.ctypes.data == cache.host_rows.ctypes.data
+            assert np.array_equal(rows.arena[rows.slots], raw[ids].numpy()) and cache.pinned() == 3
+        assert cache.pinned() == 0
+        both = np.array([1, *ids], np.int64)
+        with store.fetch(both, in_place=True) as lease:
+            assert lease.in_place is None and torch.equal(lease.raw, raw[both])
+        with pytest.raises(ValueError, match=r"^fetch\(in_place=True\) needs hold=True"):
+            store.fetch(ids, hold=False, in_place=True)

@@ -558,3 +558,41 @@ def test_a_row_server_store_refuses_every_local_option_it_is_given(v41_table, tm
                                          r"start_row_server\(\.\.\., cache_bytes=\)\)$"):
         open_table(v41_table[0], "direct", row_server=tmp_path / "none.sock", cache_bytes=1 << 20,
                    fast_cache_bytes=1 << 20, device="cpu", sync=ImmediateSync())
+
+
+def test_a_fetch_in_place_leaves_the_rows_a_cache_holds_where_it_holds_them(v41_table):
+    """``fetch(in_place=True)``: rows the first cache holds every one of stay in its arena,
+    pinned, and the lease names them (a decoder reads them there; ``host_raw`` copies them out
+    while pinned); one miss and the rows come as a copy, as without it."""
+    path, config, raw = v41_table
+    ids = np.array([3, 8, 9], np.int64)
+    with open_table(path, "mmap", cache_bytes=64 * 264) as store:
+        level = store.levels[0]
+        store.fetch(ids, hold=False)  # misses: read and cached
+        lease = store.fetch(ids, in_place=True)  # every row a hit
+        rows = lease.in_place
+        assert rows is not None and rows.arena.ctypes.data == level.host_rows.ctypes.data
+        assert np.array_equal(rows.arena[rows.slots], raw[ids].numpy()) and level.pinned() == 3
+        assert store.stats()["levels"][0]["hits"] == 3
+        got = store.decode(rows.arena, torch.float32, index=np.array([[2, 0]], np.int64), shape=(1, 2),
+                           slots=rows.slots)
+        assert torch.equal(got[0], decode_rows(raw[[9, 3]], config.row_format, 256, torch.float32))
+        lease.release()
+        assert level.pinned() == 0
+        with pytest.raises(RuntimeError, match="^this lease was released: its rows, left in the cache, may be gone"):
+            _ = lease.host_raw
+        with store.fetch(ids, in_place=True) as lease:
+            assert np.array_equal(lease.host_raw, raw[ids].numpy()) and torch.equal(lease.raw, raw[ids])
+        with store.fetch(np.array([3, 9, 40], np.int64), in_place=True) as lease:  # one miss: a copy
+            assert lease.in_place is None and torch.equal(lease.raw, raw[[3, 9, 40]])
+            assert level.pinned() == 3
+        assert level.pinned() == 0
+        with pytest.raises(ValueError, match=r"^fetch\(in_place=True\) needs hold=True"):
+            store.fetch(ids, hold=False, in_place=True)
+        level.check()
+
+
+def test_a_fetch_in_place_without_a_host_cache_copies_as_before(v41_table):
+    path, config, raw = v41_table
+    with open_table(path, "memory") as store, store.fetch(np.array([2, 5], np.int64), in_place=True) as lease:
+        assert lease.in_place is None and torch.equal(lease.raw, raw[[2, 5]])

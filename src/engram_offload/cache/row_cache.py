@@ -170,6 +170,13 @@ class RowCache:
             return slots, int(np.count_nonzero(slots >= 0))
         return self._native_acquire(ids)
 
+    @property
+    def host_rows(self) -> np.ndarray:
+        """The cache's rows as a NumPy array, uint8 ``[capacity, row_bytes]`` (a CPU cache)."""
+        if self._rows_np is not None:
+            return self._rows_np
+        return self.data.numpy()
+
     def _native_acquire(self, ids: np.ndarray, *copy: Any) -> tuple[np.ndarray, int]:
         """The C helper's lookup + pin + touch of ``ids`` under the lock (``copy``: the rows
         array, ``out`` and ``pin`` for a lookup that also copies an all-hit batch)."""

@@ -15,6 +15,9 @@
  * Each block reads one 256-entry slice of the table (its scale's), which stays in L1: a
  * lookup per value, no float arithmetic.
  *
+ * decode_fp8(..., stores, slots): row position p (index - index_base, or p < n without an
+ *   index) is raw row slots[p] (int64 [u], each checked): rows left in a cache's arena.
+ *
  * decode_fp8(..., stores) -> streamed: stores 0 (auto) streams a float32 arithmetic decode's
  *   stores from STREAM_MIN_BYTES of out on, 1 never, 2 always (each only when out is
  *   STREAM_ALIGN-aligned); the result says whether it did.
@@ -253,12 +256,12 @@ static int streams(int stores, const void *out, Py_ssize_t nbytes) {
 }
 
 static PyObject *decode_fp8(PyObject *module, PyObject *args) {
-    PyObject *raw_o, *table_o, *out_o, *index_o = Py_None;
+    PyObject *raw_o, *table_o, *out_o, *index_o = Py_None, *slots_o = Py_None;
     Py_ssize_t d;
     int arithmetic = 0, stores = STORES_AUTO;
     long long index_base = 0;
-    if (!PyArg_ParseTuple(args, "OnOO|OiLi", &raw_o, &d, &table_o, &out_o, &index_o, &arithmetic, &index_base,
-                          &stores))
+    if (!PyArg_ParseTuple(args, "OnOO|OiLiO", &raw_o, &d, &table_o, &out_o, &index_o, &arithmetic, &index_base,
+                          &stores, &slots_o))
         return NULL;
     if (stores < STORES_AUTO || stores > STORES_STREAMING) {
         PyErr_Format(PyExc_ValueError, "decode_fp8: stores must be 0 (auto), 1 (cached) or 2 (streaming), got %d",
@@ -269,8 +272,8 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "decode_fp8: head_dim must be a positive multiple of %d, got %zd", BLOCK, d);
         return NULL;
     }
-    Py_buffer raw, table, out, index;
-    int have_index = index_o != Py_None;
+    Py_buffer raw, table, out, index, slots;
+    int have_index = index_o != Py_None, have_slots = slots_o != Py_None;
     int path = arithmetic_path(arithmetic);
     if (PyObject_GetBuffer(raw_o, &raw, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (PyObject_GetBuffer(table_o, &table, PyBUF_C_CONTIGUOUS) < 0) {
@@ -286,6 +289,13 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         PyBuffer_Release(&raw);
         PyBuffer_Release(&table);
         PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (have_slots && PyObject_GetBuffer(slots_o, &slots, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&raw);
+        PyBuffer_Release(&table);
+        PyBuffer_Release(&out);
+        if (have_index) PyBuffer_Release(&index);
         return NULL;
     }
     PyObject *result = NULL;
@@ -307,25 +317,44 @@ static PyObject *decode_fp8(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode_fp8: arithmetic decodes to float32 only (a 4-byte table)");
         goto done;
     }
-    if (have_index) {
-        if (!strided_int64_ok(&index)) {
+    if (have_slots && (!strided_int64_ok(&slots) || slots.ndim != 1)) {
+        PyErr_SetString(PyExc_TypeError, "decode_fp8: slots must be a 1-d int64 array");
+        goto done;
+    }
+    if (have_index || have_slots) {
+        if (have_index && !strided_int64_ok(&index)) {
             PyErr_Format(PyExc_TypeError, "decode_fp8: index must be a strided int64 array of at most %d dimensions",
                          STRIDED_MAX_DIMS);
             goto done;
         }
-        n = index.len / 8;
+        /* positions: index - index_base, or 0..len(slots) - 1; each a raw row, or a slot's */
+        Py_ssize_t positions = have_slots ? slots.len / 8 : m;
+        n = have_index ? index.len / 8 : positions;
         picks = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
         if (picks == NULL) {
             PyErr_NoMemory();
             goto done;
         }
-        strided_int64_copy(&index, picks);
-        for (Py_ssize_t i = 0; i < n; i++) { /* less the base, checked */
+        if (have_index) {
+            strided_int64_copy(&index, picks);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) picks[i] = (int64_t)i + (int64_t)index_base;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) { /* less the base, through the slots, checked */
             picks[i] -= (int64_t)index_base;
-            if (picks[i] < 0 || picks[i] >= m) {
-                PyErr_Format(PyExc_IndexError, "decode_fp8: index %lld (position %zd) outside the %zd raw rows",
-                             (long long)(picks[i] + index_base), i, m);
+            if (picks[i] < 0 || picks[i] >= positions) {
+                PyErr_Format(PyExc_IndexError, "decode_fp8: index %lld (position %zd) outside the %zd %s",
+                             (long long)(picks[i] + index_base), i, positions, have_slots ? "slots" : "raw rows");
                 goto done;
+            }
+            if (have_slots) {
+                int64_t slot = *(const int64_t *)((const char *)slots.buf + picks[i] * slots.strides[0]);
+                if (slot < 0 || slot >= m) {
+                    PyErr_Format(PyExc_IndexError, "decode_fp8: slot %lld (position %zd) outside the %zd raw rows",
+                                 (long long)slot, (Py_ssize_t)picks[i], m);
+                    goto done;
+                }
+                picks[i] = slot;
             }
         }
         idx = picks;
@@ -359,6 +388,7 @@ done:
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
     if (have_index) PyBuffer_Release(&index);
+    if (have_slots) PyBuffer_Release(&slots);
     return result;
 }
 
@@ -373,8 +403,8 @@ static PyMethodDef methods[] = {
      "arithmetic_path(mode=1) -> 'avx512', 'avx2' or 'table': how a float32 decode_fp8 with this "
      "arithmetic mode runs now (the CPU's vector units, and 'table' while it flushes subnormals)."},
     {"decode_fp8", decode_fp8, METH_VARARGS,
-     "decode_fp8(raw, head_dim, table, out[, index[, arithmetic[, index_base[, stores]]]]) -> streamed: "
-     "fp8_e4m3_ue8m0 rows (raw[index - index_base]) -> "
+     "decode_fp8(raw, head_dim, table, out[, index[, arithmetic[, index_base[, stores[, slots]]]]]) -> streamed: "
+     "fp8_e4m3_ue8m0 rows (raw[index - index_base], or raw[slots[index - index_base]]) -> "
      "values by table lookup (arithmetic: float32 values computed, bit for bit the float32 table's; "
      "stores 0 auto, 1 cached, 2 streaming: whether those are written by streaming stores)."},
     {NULL, NULL, 0, NULL},

@@ -284,7 +284,7 @@ def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
 
 def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
                 lead: tuple[int, ...] | None = None, picks_base: int = 0, native: Any = None,
-                buffers: RecycledArrays | None = None) -> torch.Tensor:
+                buffers: RecycledArrays | None = None, slots: np.ndarray | None = None) -> torch.Tensor:
     """fp8 rows by table lookup: one gather of ``(scale << 8) | value`` per element.
 
     Same values as ``dequantize_fp8_ue8m0`` (about 3x faster on a CPU: no float pow, no
@@ -292,12 +292,13 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
     cores to the model when it runs in a prefetch worker): the C helper ``_rowdecode`` (a
     256-entry slice of the table per 32-value block), else NumPy; torch elsewhere.
     ``picks``: decode the rows ``raw[picks - picks_base]`` (the C helper only; any shape and
-    strides, read in C order). ``lead``: the result's
+    strides, read in C order); with ``slots``, position p is the raw row ``slots[p]`` (the C
+    helper only). ``lead``: the result's
     leading dimensions (default ``[n]``). ``raw`` may be a NumPy array (host rows). ``native``:
     the C decoder as the caller found it (``_native_decode()``), looked up once per decode.
     ``buffers``: allocates the C decoder's result (default: a new array).
     """
-    n = raw.shape[0] if picks is None else picks.size
+    n = picks.size if picks is not None else raw.shape[0] if slots is None else slots.size
     shape = (*(lead or (n,)), head_dim)
     blocks = head_dim // FP8_BLOCK
     host = isinstance(raw, np.ndarray) or raw.device.type == "cpu"
@@ -308,9 +309,9 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
         float32 = dtype == torch.float32
         native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks,
-               _arithmetic_mode() if float32 else 0, picks_base, _stores_mode() if float32 else 1)
+               _arithmetic_mode() if float32 else 0, picks_base, _stores_mode() if float32 else 1, slots)
         return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
-    assert picks is None, "a decode with picks goes through the C helper only"
+    assert picks is None and slots is None, "a decode with picks or slots goes through the C helper only"
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
     table = _fp8_table(dtype)
     if raw.device.type != "cpu" or table.element_size() not in _BITS:
@@ -349,14 +350,16 @@ def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def decode_rows(
     raw: torch.Tensor | np.ndarray, fmt: str, head_dim: int, dtype: torch.dtype = torch.float32, *,
     index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
-    buffers: RecycledArrays | None = None,
+    buffers: RecycledArrays | None = None, slots: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Raw bytes ``uint8 [n, row_bytes]`` -> float rows ``[n, head_dim]`` of ``dtype``.
 
     With ``index`` (int64 of any shape, k entries: positions in ``raw`` plus ``index_base``):
     the rows ``raw[index.reshape(-1) - index_base]``, ``[k, head_dim]``, gathered and decoded
     in one pass on the host (no gathered copy of the raw or decoded rows in between; the C
-    decoder reads a strided index in place). ``shape``: the result's leading dimensions
+    decoder reads a strided index in place). ``slots`` (int64 ``[u]``): position p is the raw
+    row ``raw[slots[p]]`` instead (rows a host cache left pinned in its arena: ``Lease.in_place``;
+    without an index, the rows ``raw[slots]``). ``shape``: the result's leading dimensions
     instead of ``[n]`` (or ``[k]``), e.g. ``[T, C]``. ``raw`` may be a NumPy array (host rows).
     ``buffers``: where the C decoder's results are allocated (arrays used again once
     nobody holds them; see ``recycle``), instead of a new array each call.
@@ -372,22 +375,24 @@ def decode_rows(
         raw = np.ascontiguousarray(raw)
     elif not raw.is_contiguous():
         raw = raw.contiguous()
-    count = raw.shape[0] if index is None else int(np.size(index))
+    count = int(np.size(index)) if index is not None else raw.shape[0] if slots is None else int(np.size(slots))
     if shape is not None and math.prod(shape) != count:
         raise ValueError(f"shape {tuple(shape)} holds {math.prod(shape)} rows, not the {count} decoded")
     if fmt == "fp8_e4m3_ue8m0":
         native = _native_decode()
-        if index is not None:
+        if index is not None or slots is not None:
             host = isinstance(raw, np.ndarray) or raw.device.type == "cpu"
             if native is not None and host and dtype in _DECODED_BITS:
-                index = np.asarray(index, np.int64)  # read in place, strides and all
+                index = None if index is None else np.asarray(index, np.int64)  # read in place, strides and all
+                slots = None if slots is None else np.asarray(slots, np.int64)
             else:
-                raw = _picked(torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw, _positions(index, index_base))
-                index, index_base = None, 0
-        return _decode_fp8(raw, head_dim, dtype, index, shape, index_base, native, buffers)
+                raw = _picked(torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw,
+                              _positions(index, index_base, slots, raw.shape[0]))
+                index, index_base, slots = None, 0, None
+        return _decode_fp8(raw, head_dim, dtype, index, shape, index_base, native, buffers, slots)
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
-    if index is not None:
-        raw = _picked(raw, _positions(index, index_base))
+    if index is not None or slots is not None:
+        raw = _picked(raw, _positions(index, index_base, slots, raw.shape[0]))
     if fmt in _PLAIN_DTYPES:
         rows = raw.view(_PLAIN_DTYPES[fmt]).to(dtype)
     else:  # int8 row-wise
@@ -397,10 +402,25 @@ def decode_rows(
     return rows if shape is None else rows.view(*shape, head_dim)
 
 
-def _positions(index: np.ndarray, base: int) -> np.ndarray:
-    """``index`` (int64, any shape) less ``base``, as a flat contiguous array."""
-    flat = np.ascontiguousarray(index, np.int64).reshape(-1)
-    return flat - base if base else flat
+def _positions(index: np.ndarray | None, base: int, slots: np.ndarray | None = None, rows: int = 0) -> np.ndarray:
+    """``index`` (int64, any shape) less ``base``, as a flat contiguous array; with ``slots``,
+    the slots at those positions (every slot without an index), each checked against the
+    ``rows`` raw rows."""
+    if index is None:
+        flat = np.arange(0 if slots is None else np.size(slots), dtype=np.int64)
+    else:
+        flat = np.ascontiguousarray(index, np.int64).reshape(-1)
+        flat = flat - base if base else flat
+    if slots is None:
+        return flat
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= slots.size):
+        bad = int(flat[(flat < 0) | (flat >= slots.size)][0]) + (base if index is not None else 0)
+        raise IndexError(f"index {bad} is outside the {slots.size} slots")
+    picked = slots[flat]
+    if picked.size and (picked.min() < 0 or picked.max() >= rows):
+        raise IndexError(f"slot {int(picked[(picked < 0) | (picked >= rows)][0])} is outside the {rows} raw rows")
+    return picked
 
 
 def _picked(raw: torch.Tensor, index: np.ndarray) -> torch.Tensor:

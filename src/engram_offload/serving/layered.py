@@ -25,14 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 import xxhash
 
 from ..buffers.rowcopy import move_rows
-from ..cache.lease import Lease, Pins
+from ..cache.lease import Lease, Pins, RowsInPlace
 from ..cache.levels import build_levels
 from ..cache.row_cache import RowCache
 from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
@@ -216,31 +216,45 @@ class LayeredStore:
         """Every layer's row caches (the figures' ``cached`` test)."""
         return [level for lay in self.layers for level in lay.store.levels]
 
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> Lease:
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
+              in_place: bool = False) -> Lease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``),
-        each layer's from its own store; the lease holds every layer's pins."""
+        each layer's from its own store; the lease holds every layer's pins. ``in_place`` as
+        ``TableStore.fetch``'s, for ids of one layer (those of several are copied together)."""
+        if in_place and not hold:
+            raise ValueError("fetch(in_place=True) needs hold=True: rows left in a cache stay there only while pinned")
         ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
-        out, pins = self._fetch(ids, hold, requested)
+        out, pins = self._fetch(ids, hold, requested, in_place)
         return Lease(ids, out, pins)
 
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor | np.ndarray, Pins]:
+    @overload
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
+               in_place: Literal[False] = ...) -> tuple[torch.Tensor | np.ndarray, Pins]: ...
+
+    @overload
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
+               in_place: bool) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]: ...
+
+    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
+               in_place: bool = False) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]:
         if self.closed:
             raise ValueError("this store is closed: open the table again")
         t0 = time.perf_counter()
-        out, pins = self._fetch_layers(ids, hold)
+        out, pins = self._fetch_layers(ids, hold, in_place)
         with self._lock:
             self._fetches += 1
             self._requested += ids.size if requested is None else int(requested)
             self._fetch_samples.append(time.perf_counter() - t0)
         return out, pins
 
-    def _fetch_layers(self, ids: np.ndarray, hold: bool) -> tuple[torch.Tensor | np.ndarray, Pins]:
+    def _fetch_layers(self, ids: np.ndarray, hold: bool,
+                      in_place: bool) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]:
         """Each layer's ids from its own store, the rows back in the ids' order."""
         cuts = [0, *np.searchsorted(ids, self._bounds).tolist(), ids.size]
         parts = [(lay, cuts[i], cuts[i + 1]) for i, lay in enumerate(self.layers) if cuts[i + 1] > cuts[i]]
         if len(parts) == 1:  # one layer: its rows as they come
             lay, a, b = parts[0]
-            out, pins, _ = lay.store._fetch(ids[a:b] - lay.base, hold, None)
+            out, pins, _ = lay.store._fetch(ids[a:b] - lay.base, hold, None, in_place)
             return out, pins
         out = torch.empty((ids.size, self._rb), dtype=torch.uint8)  # [u, row_bytes]
         dest = out.numpy()
@@ -278,10 +292,10 @@ class LayeredStore:
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
                index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
-               buffers: Any = None) -> torch.Tensor:
+               buffers: Any = None, slots: np.ndarray | None = None) -> torch.Tensor:
         """As ``TableStore.decode``."""
         return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape, buffers=buffers)
+                           index_base=index_base, shape=shape, buffers=buffers, slots=slots)
 
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:

@@ -62,6 +62,7 @@ one source of truth); ``Prefetcher(..., columns=)`` is for a store that serves e
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from bisect import bisect_left
@@ -80,9 +81,22 @@ from .dedup import Dedup, dedup
 from .sharding import Columns, check_columns, shard_ids
 from .store import RowLease, RowStore
 
-__all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
+__all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled", "HIT_ROWS_ENV", "HIT_ROWS"]
 
 SPLIT_MIN_ROWS = 512  # a step with fewer distinct rows is fetched in one part (one fetch call)
+HIT_ROWS_ENV = "ENGRAM_OFFLOAD_HIT_ROWS"
+HIT_ROWS = ("in-place", "copied")
+
+
+def _hit_rows_in_place() -> bool:
+    """Whether host rows a cache holds every one of are decoded where it holds them
+    (``ENGRAM_OFFLOAD_HIT_ROWS`` unset or "in-place") or copied out of it first ("copied"): a
+    switch for measuring one against the other, read when a Prefetcher is made."""
+    value = os.environ.get(HIT_ROWS_ENV, "").strip().lower() or HIT_ROWS[0]
+    if value not in HIT_ROWS:
+        raise ValueError(f"{HIT_ROWS_ENV}={os.environ[HIT_ROWS_ENV]!r} is not a way to take hit rows: set it to "
+                         "in-place or copied, or unset it")
+    return value == HIT_ROWS[0]
 Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
@@ -470,6 +484,7 @@ class Prefetcher:
         # host rows decoded into arrays used again once the caller lets go of them (a new
         # array a step comes back from the kernel as fresh pages: see recycle)
         self._decoded = RecycledArrays()
+        self.rows_in_place = _hit_rows_in_place()  # host rows decoded where a cache holds them, if it does
         self._outputs = None if self.sync is None else _OutputPool(
             self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
             self.device, max_tokens)
@@ -550,7 +565,8 @@ class Prefetcher:
         lease = None
         try:
             ids, requested = step.part_ids(p)
-            lease = self.store.fetch(ids, hold=True, requested=requested)
+            lease = self.store.fetch(ids, hold=True, requested=requested,
+                                     in_place=self.rows_in_place and step.outputs is None)
             if step.outputs is None:
                 step.deliver(p, self._decode_layers(step, p, lease), lease)
             else:
@@ -588,12 +604,16 @@ class Prefetcher:
         """Part ``p``'s rows decoded straight into each of its layers' order (one gather and
         decode per layer, no decoded copy of the part in between): ``{layer id: [T, C, d]}``."""
         shape = (step.num_tokens, step.num_columns)
-        raw = lease.host_raw  # [u, row_bytes] (NumPy: see layer_index)
+        in_place = lease.in_place
+        if in_place is not None:  # row i of the part is arena[slots[i]], pinned by the lease
+            raw, slots = in_place.arena, in_place.slots
+        else:
+            raw, slots = lease.host_raw, None  # [u, row_bytes] (NumPy: see layer_index)
         decoded = {}
         for li in step.parts[p][2]:
             index, base = step.layer_index(li)
             decoded[step.layer_ids[li]] = self.store.decode(raw, self.dtype, index=index, index_base=base, shape=shape,
-                                                            buffers=self._decoded)
+                                                            buffers=self._decoded, slots=slots)
         return decoded
 
     def _to_layer_outputs(self, step: Step, p: int, lease: RowLease) -> object:

@@ -64,6 +64,7 @@ class RemoteLease:
     server-side leases that keep them pinned in the shared cache until ``release``."""
 
     ready: object = None  # rows are in ``raw`` (on the host) when fetch returns
+    in_place: None = None  # the rows are the client's own copy, never left in a cache
 
     def __init__(self, ids: np.ndarray, raw: torch.Tensor, client: "RowClient", numbers: list[int]) -> None:
         self.ids = ids
@@ -222,11 +223,13 @@ class RowClient:
         return self._rb
 
     # ------------------------------------------------------------------ reading rows
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None) -> RemoteLease:
+    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
+              in_place: bool = False) -> RemoteLease:
         """Raw rows of sorted distinct ids ``[u]`` -> ``RemoteLease`` (``raw: uint8 [u, row_bytes]``).
 
         With ``hold`` the rows stay pinned in the server's cache until the lease is released
-        (or this client's connection ends)."""
+        (or this client's connection ends). ``in_place`` is allowed and has no effect: the
+        rows always come as this client's copy."""
         ids = as_row_ids(unique_ids, self._num_rows, sorted_distinct=True)
         raw, numbers = self._fetch(ids, hold, requested)
         return RemoteLease(ids, raw, self, numbers)
@@ -246,9 +249,10 @@ class RowClient:
 
     def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
                index: np.ndarray | None = None, index_base: int = 0,
-               shape: tuple[int, ...] | None = None, buffers: RecycledArrays | None = None) -> torch.Tensor:
+               shape: tuple[int, ...] | None = None, buffers: RecycledArrays | None = None,
+               slots: np.ndarray | None = None) -> torch.Tensor:
         return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape, buffers=buffers)
+                           index_base=index_base, shape=shape, buffers=buffers, slots=slots)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
