@@ -48,7 +48,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "cache/index": (["cache/index.py"], ["tests/cache/test_cache_index.py", "tests/cache/test_index.py"]),
     "cache/row_cache": (["cache/row_cache.py"], ["tests/cache"]),
     "cache/levels": (["cache/levels.py", "cache/lease.py"],
-                     ["tests/cache/test_levels.py", "tests/cache/test_cached_store.py"]),
+                     ["tests/cache/test_levels.py", "tests/cache/test_cached_store.py", "tests/cache/test_lease.py"]),
     "serving/store": (["serving/store.py"], ["tests/serving/test_store.py", "tests/cache",  # and open_table's row_server:
                              *(f"tests/serving/rowserver/test_rowserver.py::test_{name}" for name in (
                                  "open_table_with_a_row_server_refuses_local_options",

@@ -226,3 +226,22 @@ def test_kept_arrays_and_those_over_max_bytes_start_on_a_cache_line():
     for nbytes in (1, 63, 64, 1 << 20, (6 << 20) + 5):
         block = aligned_bytes(nbytes)
         assert block.nbytes == nbytes and block.dtype == np.uint8 and block.ctypes.data % ALIGNMENT == 0
+
+
+def test_aligned_bytes_are_whole_at_every_start_an_alignment_allows(monkeypatch):
+    """Wherever the allocator's block starts within an alignment, the array starts at the next
+    multiple of it and holds the whole ``nbytes``: each start made in turn."""
+    from engram_offload.buffers import recycle
+
+    real_empty = np.empty
+    for alignment in (3, 64):
+        for start in range(alignment):  # the block's address, modulo the alignment
+            def empty(n, dtype, start=start, alignment=alignment):
+                big = real_empty(n + 2 * alignment, np.uint8)
+                skip = (start - big.ctypes.data) % alignment
+                return big[skip:skip + n]
+
+            monkeypatch.setattr(recycle.np, "empty", empty)
+            block = recycle.aligned_bytes(100, alignment)
+            monkeypatch.setattr(recycle.np, "empty", real_empty)
+            assert block.nbytes == 100 and block.ctypes.data % alignment == 0

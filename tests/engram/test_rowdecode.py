@@ -406,20 +406,22 @@ def test_decode_through_slots_reads_the_rows_the_slots_name(monkeypatch, native,
         want = decode_rows(arena[torch.from_numpy(slots[index.reshape(-1) - 2])], fmt, 64, dtype)
         got = decode_rows(arena.numpy(), fmt, 64, dtype, index=index, index_base=2, shape=(3, 2), slots=slots)
         assert torch.equal(_bits(got.reshape(6, 64)), _bits(want))
-        every = decode_rows(arena, fmt, 64, dtype, slots=slots)
-        assert torch.equal(_bits(every), _bits(decode_rows(arena[torch.from_numpy(slots)], fmt, 64, dtype)))
+        every = decode_rows(arena, fmt, 64, dtype, slots=slots.astype(np.int32), shape=(2, 3))  # [2, 3, 64]
+        assert torch.equal(_bits(every.reshape(6, 64)), _bits(decode_rows(arena[torch.from_numpy(slots)], fmt, 64, dtype)))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C helper", "NumPy"])
-def test_an_index_outside_the_slots_or_a_slot_outside_the_rows_is_refused(monkeypatch, native):
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_ue8m0", "bf16"])
+def test_an_index_outside_the_slots_or_a_slot_outside_the_rows_is_refused(monkeypatch, native, fmt):
     from engram_offload.engram.rows import encode_rows
 
     if native and _native_decode() is None:
         pytest.skip("the C decoder is not built")
     if not native:
         monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
-    arena = encode_rows(torch.randn(8, 64), FMT).numpy()
+    arena = encode_rows(torch.randn(8, 64), fmt).numpy()
     with pytest.raises(IndexError, match="index 6 .*outside the 3 slots"):
-        decode_rows(arena, FMT, 64, index=np.array([3, 6]), index_base=3, slots=np.array([1, 2, 3]))
-    with pytest.raises(IndexError, match="slot 8 .*outside the 8 raw rows"):
-        decode_rows(arena, FMT, 64, index=np.array([0, 1]), slots=np.array([1, 8]))
+        decode_rows(arena, fmt, 64, index=np.array([3, 6]), index_base=3, slots=np.array([1, 2, 3]))
+    for index in (np.array([0, 1]), None):  # slot 0 is a row, 8 is not
+        with pytest.raises(IndexError, match="slot 8 .*outside the 8 raw rows"):
+            decode_rows(arena, fmt, 64, index=index, slots=np.array([0, 8]))

@@ -402,22 +402,23 @@ def decode_rows(
     return rows if shape is None else rows.view(*shape, head_dim)
 
 
-def _positions(index: np.ndarray | None, base: int, slots: np.ndarray | None = None, rows: int = 0) -> np.ndarray:
+def _positions(index: np.ndarray | None, base: int, slots: np.ndarray | None, rows: int) -> np.ndarray:
     """``index`` (int64, any shape) less ``base``, as a flat contiguous array; with ``slots``,
     the slots at those positions (every slot without an index), each checked against the
     ``rows`` raw rows."""
-    if index is None:
-        flat = np.arange(0 if slots is None else np.size(slots), dtype=np.int64)
-    else:
+    if index is not None:
         flat = np.ascontiguousarray(index, np.int64).reshape(-1)
         flat = flat - base if base else flat
-    if slots is None:
-        return flat
-    slots = np.asarray(slots, np.int64).reshape(-1)
-    if flat.size and (flat.min() < 0 or flat.max() >= slots.size):
-        bad = int(flat[(flat < 0) | (flat >= slots.size)][0]) + (base if index is not None else 0)
-        raise IndexError(f"index {bad} is outside the {slots.size} slots")
-    picked = slots[flat]
+        if slots is None:
+            return flat
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= slots.size):
+            bad = int(flat[(flat < 0) | (flat >= slots.size)][0]) + base
+            raise IndexError(f"index {bad} is outside the {slots.size} slots")
+        picked = slots[flat]
+    else:
+        assert slots is not None, "positions need an index or slots"
+        picked = np.asarray(slots, np.int64).reshape(-1)
     if picked.size and (picked.min() < 0 or picked.max() >= rows):
         raise IndexError(f"slot {int(picked[(picked < 0) | (picked >= rows)][0])} is outside the {rows} raw rows")
     return picked
