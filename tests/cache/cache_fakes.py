@@ -1,5 +1,5 @@
 """Helpers of the cache tests: a fake tier over rows in memory that counts and can fail, the
-tiny config, and a thread hammer."""
+tiny config, rows for the RowCache tests, and a thread hammer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import TierError
 
 from tiny_tables import tiny_config
+
+ROW_BYTES = 8  # the row width of the RowCache unit tests
+
+
+def rows_for(ids: np.ndarray) -> torch.Tensor:
+    """Distinct uint8 rows ``[n, ROW_BYTES]`` for ids (row i: ids[i] * 7 + 0..7, mod 256)."""
+    return torch.from_numpy((ids[:, None] * 7 + np.arange(ROW_BYTES)[None]).astype(np.uint8))
 
 
 def small_config() -> EngramConfig:

@@ -9,11 +9,9 @@ import torch
 from engram_offload.cache import RowCache
 from engram_offload.cache.lease import Lease, RowsInPlace
 
-RB = 8
+from cache_fakes import ROW_BYTES, rows_for
 
-
-def rows_for(ids: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy((ids[:, None] * 7 + np.arange(RB)[None]).astype(np.uint8))
+RB = ROW_BYTES
 
 
 def test_rows_left_in_the_arena_are_named_and_copied_out_while_pinned():

@@ -11,11 +11,9 @@ import torch
 from engram_offload.cache import RowCache
 from engram_offload.cache.row_cache import native_hitpath
 
-RB = 8
+from cache_fakes import ROW_BYTES, rows_for
 
-
-def rows_for(ids: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy((ids[:, None] * 7 + np.arange(RB)[None]).astype(np.uint8))
+RB = ROW_BYTES
 
 
 def test_fill_then_hit_returns_the_bytes():
