@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .admission import FrequencySketch
 from .index import RowIndex
-from .lease import Lease
+from .lease import Lease, RowsInPlace
 from .levels import build_levels
 from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .row_cache import RowCache
@@ -21,6 +21,7 @@ __all__ = [
     "POLICIES",
     "RowCache",
     "RowIndex",
+    "RowsInPlace",
     "build_levels",
     "make_policy",
 ]

@@ -84,6 +84,7 @@ from .store import RowLease, RowStore
 __all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled", "HIT_ROWS_ENV", "HIT_ROWS"]
 
 SPLIT_MIN_ROWS = 512  # a step with fewer distinct rows is fetched in one part (one fetch call)
+Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 HIT_ROWS_ENV = "ENGRAM_OFFLOAD_HIT_ROWS"
 HIT_ROWS = ("in-place", "copied")
 
@@ -97,7 +98,6 @@ def _hit_rows_in_place() -> bool:
         raise ValueError(f"{HIT_ROWS_ENV}={os.environ[HIT_ROWS_ENV]!r} is not a way to take hit rows: set it to "
                          "in-place or copied, or unset it")
     return value == HIT_ROWS[0]
-Part = tuple[int, int, tuple[int, ...]]  # (lo, hi, layer positions): dedup.unique[lo:hi] holds those layers' ids
 
 
 class Outputs:

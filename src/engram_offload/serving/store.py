@@ -247,8 +247,8 @@ class TableStore:
         released; without it, only while they are copied. ``requested``: how many ids these
         distinct ids stand for before deduplication (default ``u``), for ``unique_ratio``.
         ``in_place`` (with ``hold``): rows a host cache holds every one of are left there,
-        pinned, not copied (``Lease.in_place``; a decoder reads them there), a fifth of a hit
-        row's CPU in a decode step.
+        pinned, not copied (``Lease.in_place``; a decoder reads them there, saving a copy of
+        each row).
         """
         if in_place and not hold:
             raise ValueError("fetch(in_place=True) needs hold=True: rows left in a cache stay there only while pinned")
