@@ -98,6 +98,8 @@ def test_a_version_1_copy_is_checked_by_its_blocks(tmp_path, socket_dir):
 class Tampered:
     """A store lease whose rows at ``positions`` (of the fetch) are flipped, as a faulty server sends them."""
 
+    in_place = None  # its rows are its own copy
+
     def __init__(self, lease, positions: list[int]) -> None:
         self._lease = lease
         self.host_raw = lease.host_raw.copy()

@@ -301,3 +301,20 @@ def test_a_fetch_in_pieces_counts_each_lookup_once(table, server):
         assert client.stats()["store"]["rows_requested"] - again["rows_requested"] == 250
         with pytest.raises(ValueError, match="a fetch of 250 ids stands for 250 to .*, not 249"):
             client.fetch(ids, hold=False, requested=249)  # fewer lookups than rows, found before any piece
+
+
+def test_a_held_fetch_the_cache_serves_whole_is_copied_once_into_the_buffer(table, socket_dir):
+    """The server asks its store to leave held rows in the cache (one copy, from there into the
+    shared buffer) and copies the lease's rows otherwise; the client gets the table's rows
+    either way."""
+    path, expected = table
+    with serving(path, socket_dir / "rows.sock") as server, RowClient(socket_dir / "rows.sock") as client:
+        asked = []
+        fetch = server.store.fetch
+        server.store.fetch = lambda ids, **kw: asked.append((kw["in_place"], fetch(ids, **kw))) or asked[-1][1]
+        ids = np.array([5, 17, 40, 41, 99], np.int64)
+        for hold in (True, True, False):  # a miss-filled held fetch, then an all-hit one; then not held
+            with client.fetch(ids, hold=hold) as lease:
+                assert torch.equal(lease.raw, torch.from_numpy(expected[ids]))
+        assert [(want, got.in_place is not None) for want, got in asked] == [(True, False), (True, True), (False, False)]
+        assert sum(client.stats()["server"]["pinned_slots"]) == 0

@@ -298,11 +298,16 @@ class RowServer:
                 "pass requested= as the lookups before deduplication")})
         ids = ids_view[:n].copy()  # [n]; the store checks them (sorted, distinct, in range)
         try:
-            lease = self.store.fetch(ids, hold=hold, requested=requested or n)
+            # a held fetch the cache serves whole leaves its rows there: one copy, into the buffer
+            lease = self.store.fetch(ids, hold=hold, requested=requested or n, in_place=hold)
         except Exception as exc:  # the client raises it; this connection and the others go on
             return p.encode(p.ERROR, payload={"type": type(exc).__name__, "message": str(exc)})
         try:
-            rows_view[:n] = lease.host_raw
+            rows = lease.in_place
+            if rows is not None:
+                np.take(rows.arena, rows.slots, axis=0, out=rows_view[:n])
+            else:
+                rows_view[:n] = lease.host_raw
         except BaseException:
             lease.release()
             raise
