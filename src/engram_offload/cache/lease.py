@@ -10,7 +10,7 @@ import torch
 
 from .row_cache import RowCache
 
-__all__ = ["Lease", "Pins", "RowsInPlace"]
+__all__ = ["Lease", "Pins", "RowsInPlace", "require_hold"]
 
 Pins = list[tuple[RowCache, np.ndarray]]  # [(cache level, pinned slots)]
 
@@ -24,9 +24,15 @@ class RowsInPlace:
     arena: np.ndarray  # uint8 [capacity, row_bytes]: the cache's rows
     slots: np.ndarray  # int64 [u]
 
-    def copy(self) -> np.ndarray:
-        """The rows as one new array, uint8 ``[u, row_bytes]``."""
-        return np.take(self.arena, self.slots, axis=0)
+    def copy(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows as one array, uint8 ``[u, row_bytes]``: a new one, or ``out``."""
+        return np.take(self.arena, self.slots, axis=0, out=out)
+
+
+def require_hold(in_place: bool, hold: bool) -> None:
+    """A fetch may leave rows in a cache (``in_place``) only if it pins them (``hold``)."""
+    if in_place and not hold:
+        raise ValueError("fetch(in_place=True) needs hold=True: rows left in a cache stay there only while pinned")
 
 
 class Lease:

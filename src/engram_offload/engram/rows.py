@@ -19,7 +19,6 @@ int8: ``|x - x'| <= amax(row) / 254``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._native import native_disabled
+from .._native import env_choice, native_disabled
 from ..buffers.recycle import RecycledArrays
 from ..buffers.rowcopy import move_rows
 
@@ -236,11 +235,7 @@ def _arithmetic_mode() -> int:
     "auto" (vector arithmetic, the widest the CPU has), "avx2" (AVX2 even where AVX-512 is
     there) or "table" (lookups only): a switch for measuring one against another. Read on
     every decode, as ``ENGRAM_OFFLOAD_NO_NATIVE`` is."""
-    value = os.environ.get(FP8_DECODE_ENV, "")
-    mode = _ARITHMETIC_MODES.get(value.strip().lower() or "auto")
-    if mode is None:
-        raise ValueError(f"{FP8_DECODE_ENV}={value!r} is not a decode: set it to auto, avx2 or table, or unset it")
-    return mode
+    return _ARITHMETIC_MODES[env_choice(FP8_DECODE_ENV, FP8_DECODES, "a decode")]
 
 
 FP8_STORES_ENV = "ENGRAM_OFFLOAD_FP8_STORES"
@@ -254,18 +249,13 @@ def _stores_mode() -> int:
     large outputs are not read again from them), "cached" (never) or "streaming" (always,
     where the output is 64-byte aligned): a switch for measuring one against another. Read
     on every decode."""
-    value = os.environ.get(FP8_STORES_ENV, "")
-    mode = _STORES_MODES.get(value.strip().lower() or "auto")
-    if mode is None:
-        raise ValueError(f"{FP8_STORES_ENV}={value!r} is not a way to store rows: set it to auto, cached or "
-                         "streaming, or unset it")
-    return mode
+    return _STORES_MODES[fp8_stores()]
 
 
 def fp8_stores() -> str:
     """The ``ENGRAM_OFFLOAD_FP8_STORES`` setting in force ("auto", "cached" or "streaming"),
     for benchmark records; a bad setting raises as a decode would."""
-    return FP8_STORES[_stores_mode()]
+    return env_choice(FP8_STORES_ENV, FP8_STORES, "a way to store rows")
 
 
 def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:

@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from ..buffers.rowcopy import move_rows
-from ..cache.lease import Lease, Pins, RowsInPlace
+from ..cache.lease import Lease, Pins, RowsInPlace, require_hold
 from ..cache.levels import build_levels
 from ..cache.row_cache import RowCache
 from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
@@ -221,8 +221,7 @@ class LayeredStore:
         """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``),
         each layer's from its own store; the lease holds every layer's pins. ``in_place`` as
         ``TableStore.fetch``'s, for ids of one layer (those of several are copied together)."""
-        if in_place and not hold:
-            raise ValueError("fetch(in_place=True) needs hold=True: rows left in a cache stay there only while pinned")
+        require_hold(in_place, hold)
         ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
         out, pins = self._fetch(ids, hold, requested, in_place)
         return Lease(ids, out, pins)

@@ -62,7 +62,6 @@ one source of truth); ``Prefetcher(..., columns=)`` is for a store that serves e
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from bisect import bisect_left
@@ -72,6 +71,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .._native import env_choice
 from ..buffers.recycle import RecycledArrays
 from ..engram.hashing import NgramHasher, SequenceHistory
 from ..errors import PrefetchError, StepCancelled
@@ -93,11 +93,7 @@ def _hit_rows_in_place() -> bool:
     """Whether host rows a cache holds every one of are decoded where it holds them
     (``ENGRAM_OFFLOAD_HIT_ROWS`` unset or "in-place") or copied out of it first ("copied"): a
     switch for measuring one against the other, read when a Prefetcher is made."""
-    value = os.environ.get(HIT_ROWS_ENV, "").strip().lower() or HIT_ROWS[0]
-    if value not in HIT_ROWS:
-        raise ValueError(f"{HIT_ROWS_ENV}={os.environ[HIT_ROWS_ENV]!r} is not a way to take hit rows: set it to "
-                         "in-place or copied, or unset it")
-    return value == HIT_ROWS[0]
+    return env_choice(HIT_ROWS_ENV, HIT_ROWS, "a way to take hit rows") == HIT_ROWS[0]
 
 
 class Outputs:

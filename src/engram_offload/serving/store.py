@@ -44,7 +44,7 @@ from ..buffers.hostmem import device_reads_in_place
 from ..buffers.recycle import RecycledArrays
 from ..buffers.rowcopy import move_rows, native_move_rows
 from ..cache.admission import FrequencySketch
-from ..cache.lease import Lease, Pins, RowsInPlace
+from ..cache.lease import Lease, Pins, RowsInPlace, require_hold
 from ..cache.levels import build_levels, capped_bytes
 from ..cache.row_cache import RowCache, native_hitpath
 from ..cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
@@ -250,8 +250,7 @@ class TableStore:
         pinned, not copied (``Lease.in_place``; a decoder reads them there, saving a copy of
         each row).
         """
-        if in_place and not hold:
-            raise ValueError("fetch(in_place=True) needs hold=True: rows left in a cache stay there only while pinned")
+        require_hold(in_place, hold)
         check = self._sorted_in_range
         if check is not None and type(unique_ids) is np.ndarray and check(unique_ids, self.num_rows):
             ids = unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range

@@ -303,9 +303,8 @@ class RowServer:
         except Exception as exc:  # the client raises it; this connection and the others go on
             return p.encode(p.ERROR, payload={"type": type(exc).__name__, "message": str(exc)})
         try:
-            rows = lease.in_place
-            if rows is not None:
-                np.take(rows.arena, rows.slots, axis=0, out=rows_view[:n])
+            if lease.in_place is not None:
+                lease.in_place.copy(out=rows_view[:n])
             else:
                 rows_view[:n] = lease.host_raw
         except BaseException:
