@@ -6,6 +6,9 @@
    offsets its ``MultiHeadEmbedding`` adds. Target: ours >= 2x its throughput.
 2. Decode: one new token for each of 256 sequences through the per-sequence state.
    Target: <= 100 us median.
+3. Dedup of each decode step's flat table ids (``[256, L, C]``: what a ``Prefetcher`` step
+   deduplicates): the native kernel against the NumPy path (``ENGRAM_OFFLOAD_NO_NATIVE``),
+   step by step in turns; the rows must agree.
 
 Usage: python benchmarks/bench_hashing.py [--repeats 7] [--out benchmarks/results/hashing.json]
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,10 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engram_offload._native import NO_NATIVE_ENV
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.engram.tokenizer import cached_token_map
 from engram_offload.machine import machine_facts
+from engram_offload.serving.dedup import dedup
 
 
 def demo_style_hash(config: EngramConfig, lookup: np.ndarray, pad_id: int, multipliers: dict,
@@ -65,6 +71,31 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def dedup_native_vs_numpy(hasher: NgramHasher, seqs: list[int], steps: np.ndarray) -> dict:
+    """Seconds of ``dedup`` over each decode step's flat table ids, the native kernel and the
+    NumPy path in turns (the same ids), and the ids a step."""
+    history = hasher.new_history(len(seqs))
+    times: dict = {"native": [], "numpy": [], "ids": 0}
+    before = os.environ.get(NO_NATIVE_ENV)
+    try:
+        for tokens in steps:
+            ids = hasher.decode_ids(history, seqs, tokens, flat=True)  # [S, L, C]
+            results = []
+            for way in ("native", "numpy"):
+                os.environ[NO_NATIVE_ENV] = "1" if way == "numpy" else ""
+                start = time.perf_counter()
+                results.append(dedup(ids))
+                times[way].append(time.perf_counter() - start)
+            assert all(np.array_equal(getattr(results[0], k), getattr(results[1], k)) for k in ("unique", "inverse"))
+            times["ids"] = int(ids.size)
+    finally:
+        if before is None:
+            os.environ.pop(NO_NATIVE_ENV, None)
+        else:
+            os.environ[NO_NATIVE_ENV] = before
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -102,6 +133,7 @@ def main() -> None:
         start = time.perf_counter()
         hasher.hash_decode(history, seqs, steps[s])
         decode_t.append(time.perf_counter() - start)
+    dedup_t = dedup_native_vs_numpy(hasher, seqs, steps)
 
     result = {
         "layout": config.name,
@@ -116,6 +148,10 @@ def main() -> None:
         "decode_us_median": statistics.median(decode_t) * 1e6,
         "decode_us_p90": float(np.percentile(decode_t, 90) * 1e6),
         "decode_target_us": 100.0,
+        "dedup_ids_per_step": dedup_t["ids"],
+        "dedup_native_us_median": statistics.median(dedup_t["native"]) * 1e6,
+        "dedup_numpy_us_median": statistics.median(dedup_t["numpy"]) * 1e6,
+        "dedup_native_vs_numpy": statistics.median(dedup_t["native"]) / statistics.median(dedup_t["numpy"]),
         "repeats": args.repeats,
         "machine": machine_facts(),
     }
@@ -125,6 +161,8 @@ def main() -> None:
           f"speed-up {demo_med / ours_med:.2f}x (target 2x)")
     print(f"decode, 256 sequences: median {result['decode_us_median']:.0f} us, "
           f"p90 {result['decode_us_p90']:.0f} us (target 100 us median)")
+    print(f"dedup of a decode step's {dedup_t['ids']:,} ids: native {result['dedup_native_us_median']:.0f} us, "
+          f"NumPy {result['dedup_numpy_us_median']:.0f} us ({result['dedup_native_vs_numpy']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -134,3 +134,27 @@ def test_the_fetch_benchmark_refuses_a_decode_or_stores_it_does_not_know(tmp_pat
     with pytest.raises(SystemExit):
         module.main(["--table", str(tmp_path / "absent.tbl"), option, value])
     assert f"{option} takes distinct names among {known}" in capsys.readouterr().err
+
+
+def test_the_hashing_benchmark_times_both_dedups_on_the_same_step_ids(monkeypatch):
+    """bench_hashing.py's dedup figure: each decode step's flat ids through the native kernel
+    and the NumPy path in turns, their results compared; the switch is left as it was."""
+    import os
+
+    import numpy as np
+
+    from engram_offload._native import NO_NATIVE_ENV
+    from engram_offload.engram.hashing import NgramHasher
+    from engram_offload.engram.tokenizer import cached_token_map
+
+    from tiny_tables import tiny_config
+
+    monkeypatch.delenv(NO_NATIVE_ENV, raising=False)
+    module = _script("bench_hashing")
+    hasher = NgramHasher(tiny_config(), cached_token_map())
+    steps = np.random.default_rng(0).integers(0, 1000, (3, 5))
+    times = module.dedup_native_vs_numpy(hasher, list(range(5)), steps)
+    config = hasher.config
+    assert times["ids"] == 5 * len(config.layer_ids) * config.cols_per_layer
+    assert len(times["native"]) == len(times["numpy"]) == 3 and min(times["native"] + times["numpy"]) > 0
+    assert NO_NATIVE_ENV not in os.environ

@@ -186,6 +186,21 @@ def test_native_kernel_refuses_wrong_buffers():
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [300, 8191, 8192, 12_288, 40_000])
+@pytest.mark.parametrize("span,step", [(1, 1), (200, 1), (4096, 1), (1 << 23, 1), ((1 << 23) + 1, 1),
+                                       (1 << 36, 1), (1 << 50, 1), (1 << 12, 1 << 12), (1 << 20, 1 << 24)])
+def test_native_kernel_matches_numpy_over_digit_widths_and_constant_digits(n, span, step, monkeypatch):
+    """Steps large enough for the kernel's wider digits (fewer passes), ids whose span needs
+    one pass or several, and ids with digits the same in every key (a pass skipped)."""
+    rng = np.random.default_rng(n + span)
+    ids = (rng.integers(0, span, n) * step + 12345).astype(np.int64)
+    ids[rng.integers(0, n, n // 3)] = ids[rng.integers(0, n, n // 3)]  # repeats
+    expected = numpy_dedup(ids, monkeypatch)
+    got = dedup(ids)
+    assert np.array_equal(got.unique, expected.unique) and np.array_equal(got.inverse, expected.inverse)
+
+
+@needs_kernel
 def test_native_kernel_sorts_a_prefill_without_the_gil():
     # from NOGIL_MIN_IDS ids on the kernel lets go of the GIL; the result is the same
     ids = np.random.default_rng(5).integers(0, 1 << 34, size=70_000).astype(np.int64)
