@@ -38,18 +38,32 @@ static int digit_bits(Py_ssize_t n, int bits) {
     return d > 8 && ((Py_ssize_t)1 << d) * 2 <= n ? d : 8;
 }
 
+/* Bytes of the counts radix_sort needs: one bucket array a pass. */
+static size_t counts_bytes(Py_ssize_t n, int bits) {
+    int d = digit_bits(n, bits);
+    return sizeof(Py_ssize_t) * (size_t)((bits + d - 1) / d) << d;
+}
+
+/* The most counts_bytes(n, bits) of any key width: the scratch to set aside before the ids'
+ * span is known. */
+static size_t counts_bytes_max(Py_ssize_t n) {
+    size_t most = 0;
+    for (int bits = 0; bits <= 64; bits++)
+        if (counts_bytes(n, bits) > most) most = counts_bytes(n, bits);
+    return most;
+}
+
 /* keys [n] sorted in place (tmp [n] scratch) by bits [shift, shift + bits), stably (keys equal
- * there keep their order). */
-static void radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t n, int shift, int bits) {
+ * there keep their order); counts: counts_bytes(n, bits) of scratch. */
+static void radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t *counts, Py_ssize_t n, int shift, int bits) {
     int d = digit_bits(n, bits), passes = (bits + d - 1) / d;
     uint64_t digit = ((uint64_t)1 << d) - 1;
-    static __thread Py_ssize_t counts[(64 + 7) / 8][1 << MAX_DIGIT_BITS];
-    for (int p = 0; p < passes; p++) memset(counts[p], 0, sizeof(Py_ssize_t) << d);
+    memset(counts, 0, counts_bytes(n, bits));
     for (Py_ssize_t i = 0; i < n; i++)
-        for (int p = 0; p < passes; p++) counts[p][(keys[i] >> (shift + d * p)) & digit]++;
+        for (int p = 0; p < passes; p++) counts[((Py_ssize_t)p << d) + (Py_ssize_t)((keys[i] >> (shift + d * p)) & digit)]++;
     uint64_t *src = keys, *dst = tmp;
     for (int p = 0; p < passes; p++) {
-        Py_ssize_t *c = counts[p], sum = 0;
+        Py_ssize_t *c = counts + ((Py_ssize_t)p << d), sum = 0;
         int at = shift + d * p;
         if (c[(src[0] >> at) & digit] == n) continue; /* one digit value everywhere */
         for (uint64_t b = 0; b <= digit; b++) {
@@ -95,7 +109,8 @@ static PyObject *dedup(PyObject *module, PyObject *args) {
         result = PyLong_FromLong(0);
         goto done;
     }
-    keys = PyMem_RawMalloc((size_t)n * 2 * sizeof(uint64_t));
+    /* keys [n], their sort's scratch [n], and its counts (for the widest keys it may sort) */
+    keys = PyMem_RawMalloc((size_t)n * 2 * sizeof(uint64_t) + counts_bytes_max(n));
     if (keys == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -113,7 +128,8 @@ static PyObject *dedup(PyObject *module, PyObject *args) {
         Py_ssize_t count = -1;
         if (val_bits + pos_bits <= 64) {
             for (Py_ssize_t i = 0; i < n; i++) keys[i] = (((uint64_t)keys[i] - (uint64_t)lo) << pos_bits) | (uint64_t)i;
-            radix_sort(keys, keys + n, n, pos_bits, val_bits);  /* keys in position order: stable on ids */
+            /* keys in position order: stable on the ids */
+            radix_sort(keys, keys + n, (Py_ssize_t *)(keys + 2 * n), n, pos_bits, val_bits);
             uint64_t mask = pos_bits ? (~0ULL >> (64 - pos_bits)) : 0, prev = keys[0] >> pos_bits;
             count = 0;
             u[0] = (int64_t)(prev + (uint64_t)lo);
