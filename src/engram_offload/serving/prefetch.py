@@ -458,6 +458,7 @@ class Prefetcher:
                 "with NgramHasher(store.config, token_map)"
             )
         self.store = store
+        self._source = repr(store)  # for a step's messages, made once (a store's repr costs tens of us)
         self.hasher = hasher
         self.config = hasher.config
         # a store with its layers on different tiers (serving.layered): an early layer's rows
@@ -699,7 +700,7 @@ class Prefetcher:
                 if outputs is not None and self._outputs is not None:
                     self._outputs.give(outputs)  # e.g. a step over max_tokens: the set stays in the pool
                 raise
-            step.wait_s, step.source = self.wait_s, repr(self.store)
+            step.wait_s, step.source = self.wait_s, self._source
             self.current = step
             self._open.append(step)
         if outputs is not None:  # after the Step made (maybe allocated) its outputs on the caller's stream
