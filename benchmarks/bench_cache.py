@@ -65,9 +65,11 @@ def full_batch_trace(config, token_map, seqs: list[np.ndarray], batch: int) -> l
 
 
 def replay_hit_rate(steps: list[np.ndarray], capacity_rows: int, policy: str, admission: bool,
-                    num_rows: int) -> dict:
-    """Cache bookkeeping only (1-byte rows): hits / unique rows per step, over the trace."""
-    cache = RowCache(capacity_rows, 1, policy, admission=admission, num_rows=num_rows)
+                    num_rows: int, cache: RowCache | None = None) -> dict:
+    """Cache bookkeeping only (1-byte rows): hits / unique rows per step, over the trace
+    (through ``cache`` where given: one made so)."""
+    if cache is None:
+        cache = RowCache(capacity_rows, 1, policy, admission=admission, num_rows=num_rows)
     hits = unique = 0
     t0 = time.perf_counter()
     for ids in steps:

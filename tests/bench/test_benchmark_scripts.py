@@ -158,3 +158,23 @@ def test_the_hashing_benchmark_times_both_dedups_on_the_same_step_ids(monkeypatc
     assert times["ids"] == 5 * len(config.layer_ids) * config.cols_per_layer
     assert len(times["native"]) == len(times["numpy"]) == 3 and min(times["native"] + times["numpy"]) > 0
     assert NO_NATIVE_ENV not in os.environ
+
+
+def test_the_eviction_benchmark_compares_both_ways_at_every_eviction(tmp_path):
+    """bench_evict.py: at each eviction of a real-text trace the C helper's victims and NumPy's,
+    on the same state (a cache large enough for the C helper's one-pass choice), must be the
+    same slots in the same order, and both are timed."""
+    import json
+
+    from engram_offload import cli
+
+    table = tmp_path / "t.tbl"
+    assert cli.main(["make-table", "--scale", "2e-4", "--out", str(table), "--no-progress"]) == 0
+    out = tmp_path / "evict.json"
+    assert _script("bench_evict").main(["--table", str(table), "--tokens", "30000", "--sequences", "16",
+                                        "--cache-fraction", "0.2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [p["policy"] for p in result["policies"]] == ["lru", "lfu"]
+    for p in result["policies"]:
+        assert p["capacity_rows"] >= 4 * 4096 and p["evictions"] > 0
+        assert p["native_ms_median"] > 0 and p["numpy_ms_median"] > 0 and 0 < p["hit_rate"] < 1

@@ -231,8 +231,56 @@ def test_native_victims_are_the_policys_in_its_order(policy, seed, count, spread
     evictable = (cache.slot_id >= 0) & (cache.pins == 0)
     want = cache.policy.victims(count, evictable)
     out = np.empty(count, np.int64)
-    upper = -1 if policy == "lfu" else cache.policy.clock
-    got = out[: cache._native.victims(count, cache.slot_id, out, upper)]
+    got = out[: cache._native.victims(count, cache.slot_id, out, cache.policy.score_bound())]
     assert got.tolist() == want.tolist()
-    if policy == "lru":  # without the bound: the extra pass finds the range, the same victims
-        assert out[: cache._native.victims(count, cache.slot_id, out)].tolist() == want.tolist()
+    # without the bound: the extra pass finds the range, the same victims
+    assert out[: cache._native.victims(count, cache.slot_id, out)].tolist() == want.tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("spread", [1, 3000, 1 << 36])
+def test_native_victims_in_a_bucket_of_many_ties(spread):
+    """Most of a large LFU cache at one count (one score bucket of 150,000 slots): v is
+    selected from that bucket in rounds (stamps spread over 2**36 take more than one), and the victims
+    are still the policy's, in its order."""
+    rng = np.random.default_rng(spread)
+    capacity = 200_000
+    cache = RowCache(capacity * RB, RB, "lfu", num_rows=10 * capacity)
+    cache.slot_id[:] = rng.permutation(10 * capacity)[:capacity]
+    cache.pins[:] = (rng.random(capacity) < 0.01).astype(np.int32)
+    cache.policy.count[:] = np.where(rng.random(capacity) < 0.75, 1, rng.integers(2, 40, capacity))
+    cache.policy.stamp[:] = rng.integers(0, spread, capacity)
+    evictable = (cache.slot_id >= 0) & (cache.pins == 0)
+    for count in (1, 5_000, 100_000):
+        want = cache.policy.victims(count, evictable)
+        out = np.empty(count, np.int64)
+        for upper in (cache.policy.score_bound(), -1):  # buckets by count, or over the scores' range
+            got = out[: cache._native.victims(count, cache.slot_id, out, upper)]
+            assert got.tolist() == want.tolist()
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(policy=st.sampled_from(["lru", "lfu"]), seed=st.integers(0, 2**32 - 1),
+       count=st.sampled_from([1, 60, 700, 9_000]), spread=st.sampled_from([2, 50, 1 << 20]),
+       pinned=st.sampled_from([0.0, 0.5, 0.995]))
+def test_native_victims_of_a_large_cache(policy, seed, count, spread, pinned):
+    """A cache large enough for the one-pass victims (a sample bounds the scores kept): the
+    policy's victims in its order, whether the sample settles them (few victims) or leaves them
+    to the exact passes (9,000 of 20,000 slots; nearly every slot pinned; ties at the sampled
+    bound beyond the room kept for them, with a spread of 2)."""
+    rng = np.random.default_rng(seed)
+    capacity = 20_000
+    cache = RowCache(capacity * RB, RB, policy, num_rows=10 * capacity)
+    cache.slot_id[:] = np.where(rng.random(capacity) < 0.95, rng.permutation(10 * capacity)[:capacity], -1)
+    cache.pins[:] = (rng.random(capacity) < pinned).astype(np.int32)
+    stamps = rng.integers(0, spread, capacity)
+    cache.policy.stamp[:] = stamps
+    cache.policy.clock = int(stamps.max())
+    if policy == "lfu":
+        cache.policy.count[:] = rng.geometric(0.6, capacity)
+    evictable = (cache.slot_id >= 0) & (cache.pins == 0)
+    want = cache.policy.victims(count, evictable)
+    out = np.empty(count, np.int64)
+    got = out[: cache._native.victims(count, cache.slot_id, out, cache.policy.score_bound())]
+    assert got.tolist() == want.tolist()

@@ -27,11 +27,13 @@
  *   scores into out (int64 [count]): with v the count-th lowest score, every slot scoring
  *   below v, then slots scoring v up to count, each group in slot order (the same slots, in
  *   the same order, as EvictionPolicy.victims). Scores are the policies' (cache/policy.py):
- *   LRU the stamp, LFU (count << 40) | (stamp & (2**40 - 1)). Two passes over the slots
- *   without the GIL (a histogram of 65,536 score buckets; the slots below the bucket where
- *   `count` is reached, and that bucket's, whose sorted scores give v), three without
- *   `upper` (an upper bound on every score: LRU's clock), which NumPy's masks, gather and
- *   argpartition over every slot took several times as long to do.
+ *   LRU the stamp, LFU (count << 40) | (stamp & (2**40 - 1)). Without the GIL. In a cache of
+ *   16,384 slots or more, one pass over the slots where a sample of 4,096 of them bounds the
+ *   scores to keep (victims_sampled: the sample decides the speed, never the victims); else,
+ *   or where the sample does not settle it, two passes (a histogram of 65,536 score buckets;
+ *   the slots below the bucket where `count` is reached, and that bucket's, whose scores give
+ *   v by a radix select), three without `upper` (an upper bound on every score: the
+ *   policy's score_bound()).
  * release(slots) -> released
  *   Unpins slots (-1 entries skipped). When a slot is not pinned, nothing changes and -1 is
  *   returned (the caller raises, naming its cache).
@@ -349,10 +351,6 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
 #define LFU_STAMP_BITS 40 /* policy.LFUPolicy._STAMP_BITS */
 #define SCORE_BUCKETS 65536
 
-static int by_score(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
 
 static inline int evictable(const HitPath *self, const int64_t *slot_id, Py_ssize_t id_stride, Py_ssize_t s) {
     return AT(slot_id, id_stride, s, int64_t) >= 0 && AT(self->pins.buf, self->pins_stride, s, int32_t) == 0;
@@ -368,6 +366,109 @@ static inline uint64_t score_of(const HitPath *self, Py_ssize_t s) {
 static inline Py_ssize_t bucket_of(uint64_t score, uint64_t lo, int shift) {
     uint64_t b = (score - lo) >> shift; /* monotone in the score, clamped: the order within a bucket is sorted */
     return b < SCORE_BUCKETS ? (Py_ssize_t)b : SCORE_BUCKETS - 1;
+}
+
+/* The k-th lowest (0-based) of vals[0..n), by radix select: each round counts the values in
+ * SCORE_BUCKETS buckets over their range and keeps only the bucket holding the k-th, so the
+ * range shrinks 65,536-fold a round (at most 4 rounds for 64-bit scores) and the work is linear,
+ * where a sort of a bucket of many ties (LFU slots of one count: most of a cache) is not.
+ * Reorders vals; hist: SCORE_BUCKETS counters of scratch. */
+static uint64_t kth_lowest(uint64_t *vals, Py_ssize_t n, Py_ssize_t k, Py_ssize_t *hist) {
+    for (;;) {
+        uint64_t lo = vals[0], hi = vals[0];
+        for (Py_ssize_t i = 1; i < n; i++) {
+            if (vals[i] < lo) lo = vals[i];
+            if (vals[i] > hi) hi = vals[i];
+        }
+        if (lo == hi) return lo;
+        int shift = 0;
+        while (((hi - lo) >> shift) >= SCORE_BUCKETS) shift++;
+        memset(hist, 0, SCORE_BUCKETS * sizeof(Py_ssize_t));
+        for (Py_ssize_t i = 0; i < n; i++) hist[(vals[i] - lo) >> shift]++;
+        Py_ssize_t edge = 0;
+        while (k >= hist[edge]) k -= hist[edge++];
+        Py_ssize_t m = 0; /* keep the edge bucket's values */
+        for (Py_ssize_t i = 0; i < n; i++)
+            if ((Py_ssize_t)((vals[i] - lo) >> shift) == edge) vals[m++] = vals[i];
+        n = m;
+    }
+}
+
+#define SAMPLE_SLOTS 4096
+#define SAMPLE_MIN_EVICTABLE 256 /* fewer evictable slots among the samples: the exact passes */
+
+static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer: sample positions */
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/* The victims in one pass over the slots, where a sample of them bounds the scores to keep:
+ * t, a sampled score above the count-th lowest with a margin of several standard deviations,
+ * then every evictable slot scoring at most t kept, in slot order. With at least `count` kept,
+ * the count-th lowest score v of all slots is among them, and so is every slot scoring at
+ * most v: the same victims, in the same order, as the exact passes. Returns how many were
+ * written to out, or -1 where the sample does not settle it (too few evictable slots sampled,
+ * a large share to evict, fewer than `count` kept, or more than the room for them): the
+ * caller then makes the exact passes. The sample only decides the speed, never the victims. */
+static Py_ssize_t victims_sampled(const HitPath *self, const int64_t *sid, Py_ssize_t is, Py_ssize_t count,
+                                  int64_t *out, Py_ssize_t *hist) {
+    const Py_ssize_t cap = self->capacity;
+    if (cap < 4 * SAMPLE_SLOTS || count <= 0) return -1;
+    uint64_t *sample = PyMem_RawMalloc(SAMPLE_SLOTS * sizeof(uint64_t));
+    if (sample == NULL) return -1;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t j = 0; j < SAMPLE_SLOTS; j++) {
+        Py_ssize_t s = (Py_ssize_t)(mix64((uint64_t)j + (uint64_t)count * 0x9e3779b97f4a7c15ULL) % (uint64_t)cap);
+        if (evictable(self, sid, is, s)) sample[m++] = score_of(self, s);
+    }
+    double share = (double)count * SAMPLE_SLOTS / ((double)m * (double)cap); /* of the evictable slots */
+    if (m < SAMPLE_MIN_EVICTABLE || share > 0.25) {
+        PyMem_RawFree(sample);
+        return -1;
+    }
+    Py_ssize_t expect = (Py_ssize_t)(share * (double)m) + 1, root = 1; /* samples expected below v */
+    while (root * root < expect) root++;                                 /* ~ its standard deviation */
+    Py_ssize_t rank = expect + 6 * root + 16;
+    if (rank >= m) {
+        PyMem_RawFree(sample);
+        return -1;
+    }
+    uint64_t t = kth_lowest(sample, m, rank, hist);
+    PyMem_RawFree(sample);
+    /* room for kept slots: several times what the margin leads to expect, else the exact passes */
+    Py_ssize_t room = 4 * (Py_ssize_t)((double)(rank + 1) / (double)m * (double)cap) + 4 * count + 1024;
+    if (room > cap) room = cap;
+    uint64_t *kept_score = PyMem_RawMalloc((size_t)room * sizeof(uint64_t));
+    uint64_t *scratch = PyMem_RawMalloc((size_t)room * sizeof(uint64_t));
+    int64_t *kept_slot = PyMem_RawMalloc((size_t)room * sizeof(int64_t));
+    Py_ssize_t n = 0, k = -1;
+    if (kept_score != NULL && scratch != NULL && kept_slot != NULL) {
+        for (Py_ssize_t s = 0; s < cap && n <= room; s++) {
+            if (!evictable(self, sid, is, s)) continue;
+            uint64_t sc = score_of(self, s);
+            if (sc > t) continue;
+            if (n == room) { /* more kept than there is room for */
+                n = room + 1;
+                break;
+            }
+            kept_score[n] = sc;
+            kept_slot[n++] = s;
+        }
+        if (n >= count && n <= room) {
+            memcpy(scratch, kept_score, (size_t)n * sizeof(uint64_t));
+            uint64_t v = kth_lowest(scratch, n, count - 1, hist);
+            k = 0;
+            for (Py_ssize_t i = 0; i < n; i++) /* below v, in slot order */
+                if (kept_score[i] < v) out[k++] = kept_slot[i];
+            for (Py_ssize_t i = 0; i < n && k < count; i++) /* then v's, in slot order */
+                if (kept_score[i] == v) out[k++] = kept_slot[i];
+        }
+    }
+    PyMem_RawFree(kept_score);
+    PyMem_RawFree(scratch);
+    PyMem_RawFree(kept_slot);
+    return k;
 }
 
 static PyObject *hp_victims(HitPath *self, PyObject *args) {
@@ -392,11 +493,20 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
     const Py_ssize_t is = ib.strides[0];
     int64_t *out = (int64_t *)ob.buf;
     Py_ssize_t *hist = PyMem_RawCalloc(SCORE_BUCKETS, sizeof(Py_ssize_t));
-    uint64_t *tie_score = NULL, *sorted = NULL;
+    uint64_t *tie_score = NULL, *scratch = NULL;
     int64_t *tie_slot = NULL;
     Py_ssize_t k = 0, n = 0;
     int nomem = hist == NULL;
     PyThreadState *ts = PyEval_SaveThread();
+    Py_ssize_t sampled = nomem ? -1 : victims_sampled(self, sid, is, count, out, hist);
+    if (sampled >= 0) {
+        PyEval_RestoreThread(ts);
+        PyMem_RawFree(hist);
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&ob);
+        return PyLong_FromSsize_t(sampled);
+    }
+    if (!nomem) memset(hist, 0, SCORE_BUCKETS * sizeof(Py_ssize_t)); /* the sample's selection used it */
     uint64_t lo = 0, hi = (uint64_t)upper;
     if (upper < 0) /* pass 0 (no bound given): the evictable slots' score range */
         for (Py_ssize_t s = 0, first = 1; s < cap && !nomem; s++) {
@@ -421,9 +531,9 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
         while (below + hist[edge] < count) below += hist[edge++];
         Py_ssize_t ties = hist[edge], t = 0;
         tie_score = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
-        sorted = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
+        scratch = PyMem_RawMalloc((size_t)ties * sizeof(uint64_t));
         tie_slot = PyMem_RawMalloc((size_t)ties * sizeof(int64_t));
-        nomem = tie_score == NULL || sorted == NULL || tie_slot == NULL;
+        nomem = tie_score == NULL || scratch == NULL || tie_slot == NULL;
         /* pass 2: the slots of the buckets below the edge, and the edge bucket's, in slot order */
         for (Py_ssize_t s = 0; s < cap && !nomem; s++) {
             if (!evictable(self, sid, is, s)) continue;
@@ -440,9 +550,8 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
             /* v: the count-th lowest score. The victims, as EvictionPolicy.victims picks them (so
              * both paths leave the same cache): every slot scoring below v in slot order (the
              * edge bucket's merged into those below it, from the back), then those scoring v. */
-            memcpy(sorted, tie_score, (size_t)ties * sizeof(uint64_t));
-            qsort(sorted, (size_t)ties, sizeof(uint64_t), by_score);
-            uint64_t v = sorted[count - below - 1];
+            memcpy(scratch, tie_score, (size_t)ties * sizeof(uint64_t));
+            uint64_t v = kth_lowest(scratch, ties, count - below - 1, hist);
             Py_ssize_t lower = 0;
             for (Py_ssize_t i = 0; i < ties; i++) lower += tie_score[i] < v;
             Py_ssize_t w = below + lower, i = below - 1, j = ties - 1;
@@ -459,7 +568,7 @@ static PyObject *hp_victims(HitPath *self, PyObject *args) {
     PyEval_RestoreThread(ts);
     PyMem_RawFree(hist);
     PyMem_RawFree(tie_score);
-    PyMem_RawFree(sorted);
+    PyMem_RawFree(scratch);
     PyMem_RawFree(tie_slot);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&ob);

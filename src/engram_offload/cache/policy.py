@@ -54,6 +54,11 @@ class EvictionPolicy(ABC):
     def scores(self) -> np.ndarray:
         """int64 ``[capacity]``: lower is evicted first."""
 
+    def score_bound(self) -> int:
+        """An upper bound on every slot's score, which the caches' C helper buckets scores by
+        instead of first scanning the slots for their range; -1 where none is known."""
+        return -1
+
     def victims(self, count: int, evictable: np.ndarray) -> np.ndarray:
         """Up to ``count`` evictable slots with the lowest scores (bool ``evictable [capacity]``):
         with ``v`` the count-th lowest score, the slots scoring below ``v``, then those scoring
@@ -92,6 +97,9 @@ class LRUPolicy(EvictionPolicy):
 
     def scores(self) -> np.ndarray:
         return self.stamp
+
+    def score_bound(self) -> int:
+        return self.clock  # stamps never pass the clock
 
 
 class LFUPolicy(EvictionPolicy):
@@ -136,6 +144,9 @@ class LFUPolicy(EvictionPolicy):
 
     def scores(self) -> np.ndarray:
         return (self.count << self._STAMP_BITS) | (self.stamp & ((1 << self._STAMP_BITS) - 1))
+
+    def score_bound(self) -> int:
+        return (self.max_count << self._STAMP_BITS) | ((1 << self._STAMP_BITS) - 1)  # counts never pass max_count
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, "aging_period": self.aging_period}

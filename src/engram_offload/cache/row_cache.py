@@ -337,8 +337,7 @@ class RowCache:
     def _evict(self, count: int) -> None:
         if self._native is not None:  # one scan in C (NumPy's masks and argpartition: several times longer)
             victims = np.empty(count, np.int64)
-            upper = -1 if self._lfu else self.policy.clock  # LRU stamps never pass the clock
-            victims = victims[: self._native.victims(count, self.slot_id, victims, upper)]
+            victims = victims[: self._native.victims(count, self.slot_id, victims, self.policy.score_bound())]
         else:
             evictable = (self.slot_id >= 0) & (self.pins == 0)
             victims = self.policy.victims(count, evictable)
