@@ -284,3 +284,15 @@ def test_native_victims_of_a_large_cache(policy, seed, count, spread, pinned):
     out = np.empty(count, np.int64)
     got = out[: cache._native.victims(count, cache.slot_id, out, cache.policy.score_bound())]
     assert got.tolist() == want.tolist()
+
+
+@needs_native
+def test_an_lfu_cache_whose_score_bound_passes_int64_still_evicts():
+    """An LFU max_count of 2**23 or more puts the score bound past int64: the C helper gets no
+    bound (it scans for the scores' range) instead of an OverflowError at the first eviction."""
+    cache = RowCache(64 * RB, RB, LFUPolicy(64, max_count=1 << 23), num_rows=1000)
+    assert cache.native
+    for start in range(0, 200, 16):
+        cache.fill(np.arange(start, start + 16), torch.zeros((16, RB), dtype=torch.uint8))
+    assert len(cache) <= 64 and cache.evictions > 0
+    cache.check()

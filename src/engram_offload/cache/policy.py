@@ -146,7 +146,8 @@ class LFUPolicy(EvictionPolicy):
         return (self.count << self._STAMP_BITS) | (self.stamp & ((1 << self._STAMP_BITS) - 1))
 
     def score_bound(self) -> int:
-        return (self.max_count << self._STAMP_BITS) | ((1 << self._STAMP_BITS) - 1)  # counts never pass max_count
+        bound = (self.max_count << self._STAMP_BITS) | ((1 << self._STAMP_BITS) - 1)  # counts never pass max_count
+        return bound if bound < 1 << 63 else -1  # past int64 (a max_count of 2**23 or more): none
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, "aging_period": self.aging_period}
