@@ -53,6 +53,12 @@ from engram_offload.serving.wiring import forward_with_prefetch, forward_with_st
 POLICIES = [("lru", False), ("lru", True), ("lfu", False), ("lfu", True)]
 
 
+def cut_requests(files: list[np.ndarray], cut: int) -> list[np.ndarray]:
+    """Files' tokens cut into requests of at most ``cut`` tokens (0: whole files), those under 16 dropped."""
+    seqs = [f[i: i + cut] for f in files for i in range(0, f.size, cut)] if cut else files
+    return [s for s in seqs if s.size >= 16]
+
+
 def full_batch_trace(config, token_map, seqs: list[np.ndarray], batch: int) -> list[np.ndarray]:
     """Decode steps while ``batch`` sequences run side by side (stops when one cannot be replaced)."""
     full = batch * config.rows_per_token
@@ -126,9 +132,7 @@ def main() -> int:
     t0 = time.perf_counter()
     token_map = cached_token_map()
     files = stdlib_token_sequences(args.tokens)
-    cut = args.max_seq_tokens
-    seqs = [f[i: i + cut] for f in files for i in range(0, f.size, cut)] if cut else files
-    seqs = [s for s in seqs if s.size >= 16]
+    seqs = cut_requests(files, args.max_seq_tokens)
     steps = full_batch_trace(config, token_map, seqs, args.batch)
     flat = [s.reshape(-1) for s in steps]
     requested = sum(s.size for s in flat)

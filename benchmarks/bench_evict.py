@@ -4,10 +4,10 @@ path, on the same cache state at every eviction of a real-text trace.
     python benchmarks/bench_evict.py --table T [--policies lru,lfu] [--out engram-bench/evict.json]
 
 The trace: CPython's standard library, tokenized with DeepSeek's tokenizer, cut into requests
-of at most 2,048 tokens and decoded
-``--sequences`` at a time (256 by default: the fetch benchmark's steps, 12,288 row ids each),
-hashed with the table's layout, until the batch can no longer be kept full. Each step's distinct rows go through a ``RowCache`` of
-``--cache-fraction`` of the table (1-byte rows: the bookkeeping alone, as ``bench_cache.py``
+of at most 2,048 tokens and decoded ``--sequences`` at a time (256 by default: the fetch
+benchmark's steps, 12,288 row ids each), hashed with the table's layout, until the batch can no
+longer be kept full (``bench_cache.py``'s trace). Each step's distinct rows go through a
+``RowCache`` of ``--cache-fraction`` of the table (1-byte rows: the bookkeeping alone, as ``bench_cache.py``
 replays it), missed rows reserved and published as a fill would. Each time the full cache
 must make room (``evict_batch`` rows: 1/64 of its slots), both ways of choosing the victims
 run on the same state, in turns (which goes first alternates), and must pick the same slots
@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_cache import replay_hit_rate  # the same replay of a trace through a cache as bench_cache.py
+from bench_cache import cut_requests, full_batch_trace, replay_hit_rate  # bench_cache.py's trace and replay
 
 from engram_offload import open_table
 from engram_offload.cache import RowCache
 from engram_offload.engram.tokenizer import cached_token_map
 from engram_offload.machine import machine_facts
-from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
+from engram_offload.planner.trace import stdlib_token_sequences
 
 
 class TimedEvictions(RowCache):
@@ -44,26 +44,18 @@ class TimedEvictions(RowCache):
             raise SystemExit("bench_evict: the caches' C helper is not built (pip install -e . builds it)")
         self.timings: list[tuple[int, float, float]] = []  # (victims, C seconds, NumPy seconds)
 
-    def _evict(self, count: int) -> None:
-        def native() -> np.ndarray:
-            out = np.empty(count, np.int64)
-            return out[: self._native.victims(count, self.slot_id, out, self.policy.score_bound())]
-
-        def numpy_path() -> np.ndarray:
-            return self.policy.victims(count, (self.slot_id >= 0) & (self.pins == 0))
-
-        order = [native, numpy_path] if len(self.timings) % 2 == 0 else [numpy_path, native]
+    def _victims(self, count: int, native: bool | None = None) -> np.ndarray:
+        order = [True, False] if len(self.timings) % 2 == 0 else [False, True]
         took, chosen = {}, {}
         for way in order:
             t0 = time.perf_counter()
-            chosen[way] = way()
+            chosen[way] = super()._victims(count, native=way)
             took[way] = time.perf_counter() - t0
-        if not np.array_equal(chosen[native], chosen[numpy_path]):
-            raise SystemExit(f"bench_evict: the C helper and NumPy chose different victims at eviction {len(self.timings)}")
-        victims = chosen[native]
-        self.timings.append((victims.size, took[native], took[numpy_path]))
-        self._drop(victims)
-        self.evictions += victims.size
+        if not np.array_equal(chosen[True], chosen[False]):
+            raise SystemExit("bench_evict: the C helper and NumPy chose different victims "
+                             f"at eviction {len(self.timings)}")
+        self.timings.append((chosen[True].size, took[True], took[False]))
+        return chosen[True]
 
 
 def replay(steps: list[np.ndarray], capacity: int, policy: str, num_rows: int) -> dict:
@@ -87,32 +79,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", required=True, help="a table file (its layout and row count; no row is read)")
     ap.add_argument("--tokens", type=int, default=600_000, help="trace length in tokens (default 600,000)")
     ap.add_argument("--sequences", type=int, default=256, help="sequences decoded together (default 256)")
-    ap.add_argument("--cache-fraction", type=float, default=0.10, help="the cache's share of the table's rows (default 0.10)")
+    ap.add_argument("--cache-fraction", type=float, default=0.10,
+                    help="the cache's share of the table's rows (default 0.10)")
     ap.add_argument("--policies", default="lru,lfu", help="eviction policies, comma-separated (default lru,lfu)")
     ap.add_argument("--out", default="engram-bench/evict.json",
-                    help="the results JSON (default engram-bench/evict.json; benchmarks/results/evict.json is the committed record)")
+                    help="the results JSON (default engram-bench/evict.json; "
+                         "benchmarks/results/evict.json is the committed record)")
     args = ap.parse_args(argv)
     with open_table(args.table, "mmap") as probe:
         config = probe.config
     capacity = int(args.cache_fraction * config.num_rows)
     print(f"tracing {args.tokens:,} tokens of the standard library, {args.sequences} sequences a step ...", flush=True)
     t0 = time.perf_counter()
-    steps = []
-    requests = [f[i: i + 2048] for f in stdlib_token_sequences(args.tokens) for i in range(0, f.size, 2048)]
-    requests = [r for r in requests if r.size >= 16]  # files cut into requests of at most 2,048 tokens
-    for step in serving_steps(config, cached_token_map(), requests, batch=args.sequences):
-        if step.shape[0] < args.sequences:  # the batch can no longer be kept full: the trace ends
-            break
-        steps.append(step.reshape(-1))
+    requests = cut_requests(stdlib_token_sequences(args.tokens), 2048)
+    steps = [s.reshape(-1) for s in full_batch_trace(config, cached_token_map(), requests, args.sequences)]
     print(f"  {len(steps):,} steps in {time.perf_counter() - t0:.1f} s; a cache of {capacity:,} rows", flush=True)
     result: dict = {"benchmark": "evict", "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
                     "machine": machine_facts(args.table), "args": vars(args), "steps": len(steps), "policies": []}
     for policy in args.policies.split(","):
         r = replay(steps, capacity, policy.strip(), config.num_rows)
         result["policies"].append(r)
-        print(f"  {r['policy']}: {r['evictions']} evictions of {r['victims_median']:,.0f} rows (hit rate {r['hit_rate']:.1%}): "
+        print(f"  {r['policy']}: {r['evictions']} evictions of {r['victims_median']:,.0f} rows "
+              f"(hit rate {r['hit_rate']:.1%}): "
               f"C {r['native_ms_median']:.2f} ms ({r['native_us_per_victim']:.3f} us a victim), "
-              f"NumPy {r['numpy_ms_median']:.2f} ms ({r['numpy_us_per_victim']:.3f} us): {r['native_vs_numpy']:.2f}x", flush=True)
+              f"NumPy {r['numpy_ms_median']:.2f} ms ({r['numpy_us_per_victim']:.3f} us): "
+              f"{r['native_vs_numpy']:.2f}x", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

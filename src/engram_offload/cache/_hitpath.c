@@ -351,7 +351,6 @@ static PyObject *hp_release(HitPath *self, PyObject *arg) {
 #define LFU_STAMP_BITS 40 /* policy.LFUPolicy._STAMP_BITS */
 #define SCORE_BUCKETS 65536
 
-
 static inline int evictable(const HitPath *self, const int64_t *slot_id, Py_ssize_t id_stride, Py_ssize_t s) {
     return AT(slot_id, id_stride, s, int64_t) >= 0 && AT(self->pins.buf, self->pins_stride, s, int32_t) == 0;
 }

@@ -335,14 +335,20 @@ class RowCache:
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, count: int) -> None:
-        if self._native is not None:  # one scan in C (NumPy's masks and argpartition: several times longer)
-            victims = np.empty(count, np.int64)
-            victims = victims[: self._native.victims(count, self.slot_id, victims, self.policy.score_bound())]
-        else:
-            evictable = (self.slot_id >= 0) & (self.pins == 0)
-            victims = self.policy.victims(count, evictable)
+        victims = self._victims(count)
         self._drop(victims)
         self.evictions += victims.size
+
+    def _victims(self, count: int, native: bool | None = None) -> np.ndarray:
+        """The policy's ``count`` victims (int64 slots), chosen by the C helper (``native``, the
+        default where it is built: NumPy's masks and partition take several times longer) or by
+        the policy's NumPy path; the same slots in the same order either way."""
+        if native is None:
+            native = self._native is not None
+        if native:
+            victims = np.empty(count, np.int64)
+            return victims[: self._native.victims(count, self.slot_id, victims, self.policy.score_bound())]
+        return self.policy.victims(count, (self.slot_id >= 0) & (self.pins == 0))
 
     def _drop(self, slots: np.ndarray) -> None:
         if slots.size == 0:
