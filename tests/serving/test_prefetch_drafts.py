@@ -141,7 +141,7 @@ def test_drafts_are_fetched_before_windows_fetched_further_ahead(table):
         assert entered.wait(10)
         later = pf.begin_step([4], [tokens[3]], urgent=False)
         now = pf.begin_step([2, 3], tokens[1:3, 0], drafts=[[5], [6]])  # served by the urgent-only worker
-        draft = pf._draft
+        draft = pf._drafts.last
         assert draft is not None and now.wait_done(10)
         gate.set()
         assert pf.wait_drafts(10) and ahead.wait_done(10) and later.wait_done(10)
