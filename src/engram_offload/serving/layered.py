@@ -25,28 +25,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
-from ..buffers.rowcopy import move_rows
-from ..cache.lease import Lease, Pins, RowsInPlace, require_hold
+from ..cache.lease import Lease, Pins, RowsInPlace
 from ..cache.levels import build_levels
 from ..cache.row_cache import RowCache
 from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
 from ..engram.config import EngramConfig
-from ..engram.rows import decode_rows
 from ..table.format import TableHeader, TableLayout, read_header
-from ..tiers import TIERS, Tier, as_row_ids, get_tier_class, is_resident, open_tier
-from .dedup import dedup
+from ..tiers import TIERS, Tier, get_tier_class, is_resident, open_tier
+from .rowstore import RowStore
 
 __all__ = ["LayeredStore", "Placement", "dram_bytes", "is_layered", "open_layered", "parse_placement",
            "placement_text", "window_header"]
 
 Placement = dict[int, str]  # layer id -> tier name
-EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode (as TableStore)
 LayerStore = Callable[["_LayerRows", EngramConfig, Sequence[RowCache]], Any]  # makes a layer's TableStore
 
 
@@ -178,64 +175,30 @@ class _Layer:
     resident: Tier | None  # the window tier this layer alone holds in DRAM
 
 
-class LayeredStore:
+class LayeredStore(RowStore):
     """Rows of one table, each Engram layer through its own ``TableStore`` on its own tier
     (a ``RowStore``; see the module doc). Host rows only. Thread-safe; a context manager."""
 
     def __init__(self, config: EngramConfig, header: TableHeader, layers: list[_Layer], tiers: list[Tier]) -> None:
-        self._config = config
+        super().__init__(config, config.num_rows)
         self.header = header
         self.layers = sorted(layers, key=lambda lay: lay.base)
         self._tiers = tiers  # every tier opened, each closed once
         self._bounds = np.array([lay.base for lay in self.layers[1:]], np.int64)
-        self._rb = int(config.row_bytes)
-        self.device = torch.device("cpu")
-        self.sync = None
-        self.columns = None
         self.placement = {lay.layer_id: lay.tier_name for lay in self.layers}
         self._lock = threading.Lock()
         self._requested = 0
         self._fetches = 0
         self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        self.closed = False
-
-    @property
-    def config(self) -> EngramConfig:
-        return self._config
-
-    @property
-    def num_rows(self) -> int:
-        return int(self._config.num_rows)
-
-    @property
-    def row_bytes(self) -> int:
-        return self._rb
 
     @property
     def levels(self) -> list:
         """Every layer's row caches (the figures' ``cached`` test)."""
         return [level for lay in self.layers for level in lay.store.levels]
 
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
-              in_place: bool = False) -> Lease:
-        """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``),
-        each layer's from its own store; the lease holds every layer's pins. ``in_place`` as
-        ``TableStore.fetch``'s, for ids of one layer (those of several are copied together)."""
-        require_hold(in_place, hold)
-        ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
-        out, pins = self._fetch(ids, hold, requested, in_place)
-        return Lease(ids, out, pins)
-
-    @overload
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
-               in_place: Literal[False] = ...) -> tuple[torch.Tensor | np.ndarray, Pins]: ...
-
-    @overload
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
-               in_place: bool) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]: ...
-
-    def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None,
-               in_place: bool = False) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]:
+    def _lease(self, ids: np.ndarray, hold: bool, requested: int | None, in_place: bool) -> Lease:
+        """Each layer's rows from its own store; the lease holds every layer's pins. ``in_place``
+        as ``TableStore``'s, for ids of one layer (those of several are copied together)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
         t0 = time.perf_counter()
@@ -244,7 +207,7 @@ class LayeredStore:
             self._fetches += 1
             self._requested += ids.size if requested is None else int(requested)
             self._fetch_samples.append(time.perf_counter() - t0)
-        return out, pins
+        return Lease(ids, out, pins)
 
     def _fetch_layers(self, ids: np.ndarray, hold: bool,
                       in_place: bool) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]:
@@ -267,34 +230,6 @@ class LayeredStore:
             Lease(ids, out, pins).release()
             raise
         return out, pins
-
-    def read_raw(self, row_ids: Any) -> torch.Tensor:
-        """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
-        d = dedup(row_ids)
-        raw, _ = self._fetch(self._in_range(d.unique), False, d.requested)
-        return _in_order(_tensor(raw), d.inverse)
-
-    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype`` (as ``TableStore.gather``)."""
-        d = dedup(row_ids)
-        shape = d.shape or (1,)
-        raw = _tensor(self._fetch(self._in_range(d.unique), False, d.requested)[0])
-        if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
-            return self.decode(_in_order(raw, d.inverse), dtype).reshape(*shape, self._config.head_dim)
-        rows = self.decode(raw, dtype)  # [u, head_dim]
-        return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*shape, -1)
-
-    def _in_range(self, ids: np.ndarray) -> np.ndarray:
-        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows):
-            as_row_ids(ids, self.num_rows)  # raises, naming the bad id
-        return ids
-
-    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
-               buffers: Any = None, slots: np.ndarray | None = None) -> torch.Tensor:
-        """As ``TableStore.decode``."""
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape, buffers=buffers, slots=slots)
 
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
@@ -347,25 +282,8 @@ class LayeredStore:
         for t in self._tiers:
             t.close()
 
-    def __enter__(self) -> "LayeredStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"LayeredStore({str(self.header.path)!r}, {placement_text(self.placement)}, rows={self.num_rows:,})"
-
-
-def _in_order(raw: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
-    """Raw rows of distinct ids ``[u, row_bytes]`` -> the caller's order ``[n, row_bytes]``."""
-    out = torch.empty((inverse.size, raw.shape[1]), dtype=torch.uint8)  # [n, row_bytes]
-    move_rows(raw, inverse, out, None)
-    return out
-
-
-def _tensor(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
 
 
 def _layer_dram(lay: _Layer) -> int:

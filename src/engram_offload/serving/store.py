@@ -41,23 +41,21 @@ import numpy as np
 import torch
 
 from ..buffers.hostmem import device_reads_in_place
-from ..buffers.recycle import RecycledArrays
 from ..buffers.rowcopy import move_rows, native_move_rows
 from ..cache.admission import FrequencySketch
-from ..cache.lease import Lease, Pins, RowsInPlace, require_hold
+from ..cache.lease import Lease, Pins, RowsInPlace
 from ..cache.levels import build_levels, capped_bytes
 from ..cache.row_cache import RowCache, native_hitpath
 from ..cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from ..engram.config import EngramConfig
-from ..engram.rows import decode_rows
 from ..gpu.delivery import STAGING_BYTES, DeviceRows
 from ..gpu.device_table import DeviceTable
 from ..gpu.hbm_cache import HbmRowCache
-from ..gpu.sync import MAIN, DeviceSync, make_sync
+from ..gpu.sync import DeviceSync, make_sync
 from ..table.format import TableHeader, read_header
 from ..tiers import Tier, as_row_ids, open_tier
 from ..tiers.memory import MemoryTier
-from .dedup import dedup
+from .rowstore import RowLease, RowStore
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 
 if TYPE_CHECKING:
@@ -67,7 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["Lease", "RowLease", "RowSource", "RowStore", "TableStore", "open_table"]
 
 _EMPTY = np.empty(0, np.int64)
-EXPAND_RAW_FIRST = 0.75  # gather: unique/requested above this -> order raw rows, then decode
 
 
 class RowSource(Protocol):
@@ -86,57 +83,6 @@ class RowSource(Protocol):
     def close(self) -> None: ...
 
 
-class RowLease(Protocol):
-    """What ``RowStore.fetch`` returns: a ``Lease`` here, a ``rowserver.RemoteLease`` from a row server."""
-
-    ids: np.ndarray  # int64 [u]: the sorted distinct ids fetched
-    ready: object  # the device event after which raw holds the rows (None: it does now)
-    in_place: RowsInPlace | None  # the rows where a host cache holds them (fetch's in_place), or None
-
-    @property
-    def raw(self) -> torch.Tensor: ...  # uint8 [u, row_bytes]
-
-    @property
-    def host_raw(self) -> np.ndarray: ...  # the same rows as a NumPy array (host rows only)
-
-    @property
-    def pinned_rows(self) -> int: ...
-
-    def release(self) -> None: ...
-
-
-class RowStore(Protocol):
-    """What a consumer (the prefetcher, the benchmarks, the wiring) needs of a store."""
-
-    device: torch.device  # where fetched raw rows are
-    sync: DeviceSync | None  # orders the device work (None: rows are on the host when fetch returns)
-
-    @property
-    def config(self) -> EngramConfig: ...
-
-    @property
-    def num_rows(self) -> int: ...
-
-    @property
-    def columns(self) -> Columns | None:
-        """The column shard ``[c0, c1)`` whose rows alone it serves (None: every row)."""
-
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
-              in_place: bool = False) -> RowLease: ...
-
-    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
-
-    def read_raw(self, row_ids: Any) -> torch.Tensor: ...
-
-    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
-               buffers: RecycledArrays | None = None, slots: np.ndarray | None = None) -> torch.Tensor: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass
 class _Served:
     """Rows one cache level served in a fetch: its pinned slots and where they go in the result."""
@@ -146,7 +92,7 @@ class _Served:
     positions: np.ndarray | None  # positions in the fetch's ids (None: all of them, in order)
 
 
-class TableStore:
+class TableStore(RowStore):
     """Rows of one table through ``levels`` (row caches, fastest first; may be empty) in front
     of ``tier``; with ``device_rows``, delivered to its device (the HBM level, if any, above
     ``levels``). With ``columns``, only the rows of that column shard (see the module doc).
@@ -160,15 +106,13 @@ class TableStore:
         for level in levels:
             if level.row_bytes != tier.row_bytes:
                 raise ValueError(f"cache {level.name!r} holds {level.row_bytes}-byte rows, the table has {tier.row_bytes}")
+        super().__init__(config, tier.num_rows)
         self.tier = tier
         self.header = header
-        self._config = config
-        self._rb = int(config.row_bytes)
         self.levels = list(levels)
         self.promote = promote
-        self.device = self.levels[0].device if self.levels else torch.device("cpu")
+        self.device = self.levels[0].device if self.levels else self.device
         self._device_rows = device_rows
-        self.sync: DeviceSync | None = None
         self.hbm: HbmRowCache | None = None
         if device_rows is not None:
             if any(level.device.type != "cpu" for level in self.levels):
@@ -180,7 +124,6 @@ class TableStore:
         self._requested = 0
         self._unique = 0
         self._fetch_samples: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        self.closed = False
         native = native_hitpath()
         self._sorted_in_range = native.sorted_in_range if native is not None else None
         self._first_into = bool(self.levels) and self.levels[0].device.type == "cpu"
@@ -192,78 +135,19 @@ class TableStore:
         self.columns = None if columns is None else check_columns(columns, config.cols_per_layer)
         self._shard: ShardRows | None = None if self.columns is None else shard_rows(config, self.columns)
 
-    # ------------------------------------------------------------------ the table
-    @property
-    def config(self) -> EngramConfig:
-        """The table's EngramConfig (as written into its header)."""
-        return self._config
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tier.num_rows)
-
-    @property
-    def row_bytes(self) -> int:
-        return self._rb
-
     # ------------------------------------------------------------------ reading rows
-    def read_raw(self, row_ids: Any) -> torch.Tensor:
-        """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
-        d = dedup(row_ids)
-        raw = self._on_callers_stream(*self._fetch(self._ends_in_range(d.unique), False, d.requested))
-        return _in_order(raw, d.inverse)
-
-    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype`` (a single
-        id: ``[1, head_dim]``).
-
-        When a step has few repeats, the raw rows (``row_bytes`` each) are put in the step's
-        order before decoding rather than the decoded ones after: fewer bytes move.
-        """
-        d = dedup(row_ids)
-        shape = d.shape or (1,)
-        raw = self._on_callers_stream(*self._fetch(self._ends_in_range(d.unique), False, d.requested))
-        if d.unique.size >= EXPAND_RAW_FIRST * d.requested:
-            return self.decode(_in_order(raw, d.inverse), dtype).reshape(*shape, self._config.head_dim)
-        rows = self.decode(raw, dtype)  # [u, head_dim]
-        return rows.index_select(0, torch.from_numpy(d.inverse).to(rows.device)).reshape(*shape, -1)
-
-    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, index_base: int = 0, shape: tuple[int, ...] | None = None,
-               buffers: RecycledArrays | None = None, slots: np.ndarray | None = None) -> torch.Tensor:
-        """Raw rows ``uint8 [n, row_bytes]`` -> ``[n, head_dim]`` of ``dtype`` (on raw's device);
-        with ``index`` (int64 of any shape, k entries) the rows ``raw[index - index_base]``,
-        ``[k, head_dim]``; see ``rows.decode_rows`` (``shape``: the result's leading dimensions;
-        ``slots``: rows left in a cache's arena, ``Lease.in_place``)."""
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape, buffers=buffers, slots=slots)
-
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
-              in_place: bool = False) -> Lease:
-        """Raw rows of sorted distinct ids ``[u]`` -> ``Lease`` (``raw: uint8 [u, row_bytes]``).
-
-        Every row comes from a cache or the tier; a tier failure raises (pins are let go
-        first). With ``hold`` the rows stay pinned in their caches until the lease is
-        released; without it, only while they are copied. ``requested``: how many ids these
-        distinct ids stand for before deduplication (default ``u``), for ``unique_ratio``.
-        ``in_place`` (with ``hold``): rows a host cache holds every one of are left there,
-        pinned, not copied (``Lease.in_place``; a decoder reads them there, saving a copy of
-        each row).
-        """
-        require_hold(in_place, hold)
+    def _checked(self, unique_ids: Any) -> np.ndarray:
         check = self._sorted_in_range
         if check is not None and type(unique_ids) is np.ndarray and check(unique_ids, self.num_rows):
-            ids = unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range
-        else:
-            ids = as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+            return unique_ids  # already what as_row_ids would return: int64, flat, sorted, in range
+        return as_row_ids(unique_ids, self.num_rows, sorted_distinct=True)
+
+    def _lease(self, ids: np.ndarray, hold: bool, requested: int | None, in_place: bool) -> Lease:
+        """Every row comes from a cache or the tier; a tier failure raises (pins are let go
+        first). ``in_place``: rows a host cache holds every one of are left there (a decoder
+        reads them there, saving a copy of each row)."""
         out, pins, ready = self._fetch(ids, hold, requested, in_place)
         return Lease(ids, out, pins, ready)
-
-    def _ends_in_range(self, ids: np.ndarray) -> np.ndarray:
-        """Sorted distinct ids (from ``dedup``): only the ends need a range check."""
-        if ids.size and (ids[0] < 0 or ids[-1] >= self.num_rows):
-            as_row_ids(ids, self.num_rows)  # raises, naming the bad id
-        return ids
 
     # ------------------------------------------------------------------ the fetch path
     @overload
@@ -309,15 +193,6 @@ class TableStore:
             self._read_tier(ids, out)
             return []
         return self._through_levels(ids, hold, time.perf_counter(), out)[1]
-
-    def _on_callers_stream(self, raw: torch.Tensor | np.ndarray, pins: Pins, ready: object) -> torch.Tensor:
-        """``raw`` (pins: none, it was fetched without ``hold``), usable on the caller's stream."""
-        if isinstance(raw, np.ndarray):
-            return torch.from_numpy(raw)
-        if self.sync is not None:
-            self.sync.wait(MAIN, ready)
-            self.sync.keep_alive(raw, MAIN)
-        return raw
 
     def _through_levels(self, ids: np.ndarray, hold: bool, t_start: float, out: torch.Tensor | None = None,
                         in_place: bool = False) -> tuple[torch.Tensor | np.ndarray | RowsInPlace, Pins]:
@@ -518,12 +393,6 @@ class TableStore:
             self._device_rows.close()  # unregisters a resident table before the tier frees it
         self.tier.close()
 
-    def __enter__(self) -> "TableStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         levels = ([self.hbm] if self.hbm is not None else []) + self.levels
         names = ", ".join(f"{lv.name}:{lv.capacity:,} rows" for lv in levels) or "no cache"
@@ -533,13 +402,6 @@ class TableStore:
 
 
 # ---------------------------------------------------------------------- fetch helpers
-def _in_order(raw: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
-    """Raw rows of distinct ids ``[u, row_bytes]`` -> the caller's order ``[n, row_bytes]``."""
-    out = torch.empty((inverse.size, raw.shape[1]), dtype=torch.uint8, device=raw.device)  # [n, row_bytes]
-    move_rows(raw, inverse, out, None)
-    return out
-
-
 def _release(served: list[_Served]) -> None:
     for s in served:
         if s.slots.size:
