@@ -1,6 +1,6 @@
 """One command-line contract: every sub-command's options are documented (help with the
-default, and the unit of a size), a concept has one spelling across commands, and an old
-spelling still works, hidden, saying the new name once."""
+default, and the unit of a size), a concept has one spelling across commands, and a removed
+spelling is refused, hidden, naming the new one."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from engram_offload.cli import build_parser, main
 from engram_offload.units import size_arg, size_or_percent_arg
 
-# The old spellings: hidden aliases now, never shown in any help.
+# The removed spellings: refused, never shown in any help.
 # --json: bench's old --json PATH; --no-engram: eval's old name of --lesion (train's --no-engram is the twin)
-DEPRECATED = {"--model", "--cache", "--redis", "--nodes", "--json", "--no-engram"}
-SHOWN_TOO = {"--json", "--no-engram"}  # old spellings in one command, current ones in another
+REMOVED = {"--model", "--cache", "--redis", "--nodes", "--json", "--no-engram"}
+SHOWN_TOO = {"--json", "--no-engram"}  # removed in one command, current in another
 # Options that take no default worth naming (a switch, a required or positional value).
 SHARED = ("--preset", "--config", "--checkpoint", "--cache-bytes", "--policy", "--json", "--json-out", "--pool",
           "--pool-nodes", "--gpu", "--tp", "--threads", "--seed", "--no-progress", "--corpus", "--table", "--tier")
@@ -58,9 +58,9 @@ def test_every_option_has_help_with_its_default_and_unit(name, parser):
     for action in _options(parser):
         flag = action.option_strings[0]
         if action.help == argparse.SUPPRESS:
-            assert not set(action.option_strings) - DEPRECATED, f"{name} {flag}: hidden but not a deprecated alias"
+            assert not set(action.option_strings) - REMOVED, f"{name} {flag}: hidden but not a removed spelling"
             continue
-        assert not set(action.option_strings) & (DEPRECATED - SHOWN_TOO), f"{name} {flag}: an old spelling shown"
+        assert not set(action.option_strings) & (REMOVED - SHOWN_TOO), f"{name} {flag}: a removed spelling shown"
         if not action.help:
             problems.append(f"{flag}: no help")
             continue
@@ -103,33 +103,24 @@ def test_json_is_a_switch_and_json_out_a_path_everywhere():
                 assert action.metavar == "PATH", name
 
 
-def test_old_spellings_still_work_and_say_the_new_name_once(capsys):
-    from engram_offload.commands import options
-
-    options._warned.clear()
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
-    old = json.loads(capsys.readouterr().out)
-    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
-    captured = capsys.readouterr()
-    assert json.loads(captured.out) == old and "deprecated" not in captured.err
-    assert main(["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300", "--json"]) == 0
-    assert "deprecated" not in capsys.readouterr().err  # once per process
-    options._warned.clear()
-    parser = build_parser()
-    for old_line, new_line in (
-        (["eval", "--model", "ckpt", "--cache", "1M"], ["eval", "--checkpoint", "ckpt", "--cache-bytes", "1M"]),
-        (["pool", "status", "--redis", "redis://127.0.0.1:7009"], ["pool", "status", "--pool", "redis://127.0.0.1:7009"]),
-        (["pool", "serve", "--nodes", "1"], ["pool", "serve", "--pool-nodes", "1"]),
-        (["bench", "--json", "r.json", "--model", "engram-27b"], ["bench", "--json-out", "r.json",
-                                                                  "--backbone-preset", "engram-27b"]),
-    ):
-        a, b = vars(parser.parse_args(old_line)), vars(parser.parse_args(new_line))
-        assert a == b, (old_line, a, b)
-    err = capsys.readouterr().err
-    for old_flag, new_flag in (("--model", "--checkpoint"), ("--cache", "--cache-bytes"), ("--redis", "--pool"),
-                               ("--nodes", "--pool-nodes"), ("--json", "--json-out")):
-        assert f"note: {old_flag} is deprecated; use {new_flag}" in err or old_flag == "--model", err
-    assert err.count("note: --model is deprecated") == 1  # eval's and bench's --model: said once
+@pytest.mark.parametrize("line,new", [
+    (["plan", "--model", "deepseek-v4.1-flash", "--gpu", "b300"], "--preset"),
+    (["eval", "--model", "ckpt"], "--checkpoint"),
+    (["scan", "--model", "ckpt"], "--checkpoint"),
+    (["eval", "--cache", "1M"], "--cache-bytes"),
+    (["eval", "--no-engram"], "--lesion"),
+    (["pool", "status", "--redis", "redis://127.0.0.1:7009"], "--pool"),
+    (["pool", "serve", "--nodes", "1"], "--pool-nodes"),
+    (["bench", "--json", "r.json"], "--json-out"),
+    (["bench", "--model", "engram-27b"], "--backbone-preset"),
+])
+def test_removed_spellings_are_refused_naming_the_new_one(line, new, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(line)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    old = next(w for w in line if w in REMOVED)
+    assert f"error: {old} was removed; use {new}" in err, err
 
 
 def test_sizes_are_printed_in_the_binary_unit_they_fill(tmp_path, capsys):

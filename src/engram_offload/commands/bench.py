@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
+from .. import units
 from ..bench.report import MIN_STEPS, MIN_USERS
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
-from ..units import MAX_THREADS, format_bytes, int_in_range, parse_size, size_or_percent_arg
+from ..units import (
+    format_bytes,
+    non_negative_float,
+    non_negative_int,
+    parse_size,
+    positive_float,
+    positive_int,
+    size_or_percent_arg,
+)
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs, check_thread_stacks
 from .options import (
@@ -27,43 +35,16 @@ from .options import (
     add_json,
     add_json_out,
     add_policy,
-    deprecated_alias,
     gpu_arg,
     model_preset_arg,
     preset_arg,
+    removed_option,
 )
 
 DEFAULT_PRESET = "deepseek-v4.1-flash"
 DEFAULT_SCALE = 0.002  # 386 MiB: made in a few seconds, still far beyond the CPU caches
 DROP_ALL_HELP = ("with a cold start, also empty the whole machine's page cache (/proc/sys/vm/drop_caches, "
                  "as root): every process's cached files, not only the table's")
-
-
-def _number(kind: type, low: float, *, low_open: bool = False, high: float | None = None,
-            what: str = "") -> Callable[[str], Any]:
-    """An argparse ``type``: a finite ``kind`` >= ``low`` (> with ``low_open``; <= ``high``)."""
-    bound = f"> {low:g}" if low_open else f">= {low:g}"
-    if high is not None:
-        bound += f" and <= {high:g}"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what or 'a number'}") from None
-        if not math.isfinite(value) or value < low or (low_open and value == low) or (
-                high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{text!r}: give {what or 'a number'} {bound}")
-        return value
-
-    return parse
-
-
-positive_seconds = _number(float, 0, low_open=True, what="a number of seconds")
-seconds_or_zero = _number(float, 0, what="a number of seconds")
-positive_int = _number(int, 1, what="an integer")
-int_or_zero = _number(int, 0, what="an integer")
-fraction = _number(float, 0, low_open=True, high=1, what="a fraction")
 
 
 def _budget_arg(text: str) -> str:
@@ -97,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("table")
     t.add_argument("--table", help="an existing table file (default: make one in the cache folder)")
     t.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg, help=f"layout of the table to make (default {DEFAULT_PRESET})")
-    t.add_argument("--scale", type=fraction, default=DEFAULT_SCALE,
+    t.add_argument("--scale", type=units.fraction, default=DEFAULT_SCALE,
                    help=f"fraction of the preset's table size to make (default {DEFAULT_SCALE})")
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
@@ -112,13 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--draft-model", metavar="DIR", default=None,
                    help="the model folder --drafts model[:K] predicts with (default: the shipped trained model)")
     r.add_argument("--concurrency", default="1,8,32", help="comma list of requests in flight (default 1,8,32)")
-    r.add_argument("--seconds", type=positive_seconds, default=2.0, help="measured seconds per run (default 2)")
+    r.add_argument("--seconds", type=positive_float, default=2.0, help="measured seconds per run (default 2)")
     r.add_argument("--min-steps", type=positive_int, default=MIN_STEPS,
                    help=f"steps a point must measure to be compared (default {MIN_STEPS}; fewer: marked 'few')")
     r.add_argument("--min-users", type=positive_int, default=MIN_USERS,
                    help=f"users whose output rate a point must measure to be compared (default {MIN_USERS})")
     r.add_argument("--repeats", type=positive_int, default=1, help="run every point this many times; medians reported (default 1)")
-    r.add_argument("--warmup-seconds", type=seconds_or_zero, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
+    r.add_argument("--warmup-seconds", type=non_negative_float, default=None, help="warm-up seconds for warm and mixed (default: --seconds)")
     r.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
     r.add_argument("--ranks", type=positive_int, default=1,
                    help="rank processes serving each run (default 1): resident tiers share one copy of the table "
@@ -145,11 +126,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--workload", default="agent", choices=["agent", "chat"], help="agentic coding sessions or single chat turns (default agent)")
     w.add_argument("--prompt-tokens", type=positive_int, default=512, help="first context of a request (default 512)")
     w.add_argument("--answer-tokens", type=positive_int, default=64, help="tokens decoded per turn (default 64)")
-    w.add_argument("--turns", type=int_or_zero, default=3, help="agent turns after the first context (default 3)")
-    w.add_argument("--tool-tokens", type=int_or_zero, default=256, help="tool output appended per agent turn (default 256)")
+    w.add_argument("--turns", type=non_negative_int, default=3, help="agent turns after the first context (default 3)")
+    w.add_argument("--tool-tokens", type=non_negative_int, default=256, help="tool output appended per agent turn (default 256)")
     w.add_argument("--corpus-tokens", type=positive_int, default=400_000, help="tokens read from each corpus (default 400000)")
     w.add_argument("--max-step-tokens", type=positive_int, default=256, help="token budget of a step (default 256)")
-    w.add_argument("--lookahead-tokens", type=int_or_zero, default=None,
+    w.add_argument("--lookahead-tokens", type=non_negative_int, default=None,
                    help="prefill tokens fetched ahead of their step (default: two steps' budget; 0: off)")
     b = p.add_argument_group("backbone")
     b.add_argument("--backbone", default="cpu", choices=["cpu", "modeled"],
@@ -159,25 +140,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tp", type=positive_int, default=1,
                    help="the modeled backbone's tensor-parallel degree, and with --ranks the ranks that split "
                    "each layer's columns (default 1)")
-    deprecated_alias(b, "--model", b.add_argument(
-        "--backbone-preset", dest="model", type=model_preset_arg, default=None,
-        help="the modeled backbone's named model, as plan's --preset (default: the table's layout)"))
-    b.add_argument("--nvme-iops", type=_number(float, 0, low_open=True, what="a rate"), default=None,
+    b.add_argument("--backbone-preset", dest="model", type=model_preset_arg, default=None,
+                   help="the modeled backbone's named model, as plan's --preset (default: the table's layout)")
+    removed_option(b, "--model", "--backbone-preset")
+    b.add_argument("--nvme-iops", type=positive_float, default=None,
                    help="this machine's random reads/s at the direct tier's read size (e.g. fio --bs=512) for the "
                    "planner's predicted stall (default: the GPU server's drives)")
-    b.add_argument("--nvme-bytes-per-s", type=_number(float, 0, low_open=True, what="a rate"), default=None,
+    b.add_argument("--nvme-bytes-per-s", type=positive_float, default=None,
                    help="and its read bandwidth (e.g. fio --bs=4k; default: --nvme-iops x 4 KiB)")
-    b.add_argument("--nvme-latency-us", type=_number(float, 0, low_open=True, what="a latency"), default=None,
+    b.add_argument("--nvme-latency-us", type=positive_float, default=None,
                    help="and a 4 KiB read's latency at queue depth 1 (fio --iodepth=1), which paces the mmap "
                    "tier's page faults in the prediction (default: the GPU server's drives, 80 us)")
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    b.add_argument("--threads", type=int_in_range(1, MAX_THREADS), default=None,
+    b.add_argument("--threads", type=units.int_in_range(1, units.MAX_THREADS), default=None,
                    help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")
-    deprecated_alias(o, "--json", add_json_out(o, "OUT/results.json"))
+    add_json_out(o, "OUT/results.json")
+    removed_option(o, "--json", "--json-out")
     o.add_argument("--plot", default=None, metavar="PATH", help="frontier PNG path (default OUT/frontier.png)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
@@ -503,7 +485,7 @@ def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads (default auto)")
     parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
     parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
-    parser.add_argument("--seconds", type=positive_seconds, default=10.0,
+    parser.add_argument("--seconds", type=positive_float, default=10.0,
                         help="seconds to measure (default 10; with --prefetcher the cold phase, then half as long warm)")
     parser.add_argument("--queue-depth", type=positive_int, default=DEFAULT_QUEUE_DEPTH,
                         help=f"reads in flight (direct) or concurrent reader threads (mmap) (default {DEFAULT_QUEUE_DEPTH})")

@@ -14,7 +14,7 @@ from ..atomic import write_bytes_atomic
 from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
-from .options import add_cache_bytes, add_json, add_json_out, deprecated_alias
+from .options import add_cache_bytes, add_json, add_json_out, removed_option
 
 THREADS = int_in_range(1, MAX_THREADS)  # torch's thread pool crashes the process far above it
 EVAL_BATCH = 16  # windows per forward pass of the reading commands (model.evaluate's default)
@@ -70,10 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="serve the rows from this tier (the table is converted from the checkpoint "
                     "unless --table is given); default: the checkpoint's own rows")
     ev.add_argument("--table", help="an already converted table file of the model (with --tier; default: converted from the checkpoint)")
-    deprecated_alias(ev, "--cache", add_cache_bytes(ev, 0, percent=False, what="DRAM row cache in front of the tier (with --tier)"))
-    deprecated_alias(ev, "--no-engram", ev.add_argument(
+    add_cache_bytes(ev, 0, percent=False, what="DRAM row cache in front of the tier (with --tier)")
+    removed_option(ev, "--cache", "--cache-bytes")
+    ev.add_argument(
         "--lesion", action="store_true", help="report the model with every gate forced to 0 (the lesion) as its "
-        "perplexity; the table printed below always gives the Engram model, the lesion and the twin"))
+        "perplexity; the table printed below always gives the Engram model, the lesion and the twin")
+    removed_option(ev, "--no-engram", "--lesion")
     ev.add_argument("--twin", metavar="DIR", help="the model's twin trained without Engram (default: the folder "
                     "NAME-no-engram beside the model, when there is one)")
     ev.set_defaults(func=cmd_eval)
@@ -128,8 +130,8 @@ def _json_out(args: argparse.Namespace, record: dict) -> None:
 def _reading_parent() -> argparse.ArgumentParser:
     """The model and the text every command that reads the model's held-out text shares."""
     p = argparse.ArgumentParser(add_help=False)
-    deprecated_alias(p, "--model", p.add_argument(
-        "--checkpoint", metavar="DIR", help="a trained model's folder (default: the model shipped in the package)"))
+    p.add_argument("--checkpoint", metavar="DIR", help="a trained model's folder (default: the model shipped in the package)")
+    removed_option(p, "--model", "--checkpoint")
     p.add_argument("--corpus", action="append", metavar="DIR",
                    help="a folder of .py/.txt/.rst files (repeatable; kinds by suffix: .py code, .rst "
                    "documentation, .txt prose; default: every installed source the model was trained on)")

@@ -1,17 +1,15 @@
-"""Options several sub-commands share, spelled and documented alike, and the hidden aliases
-that keep old spellings working.
+"""Options several sub-commands share, spelled and documented alike, and the refusal of
+removed spellings.
 
 One spelling per concept: ``--preset NAME`` (a named model), ``--checkpoint DIR`` (a trained
 model's folder), ``--cache-bytes`` (a DRAM row cache), ``--policy`` (its eviction policy,
 default lfu), ``--json`` (a switch: print JSON), ``--json-out PATH`` (write JSON to a file),
-``--pool URL`` and ``--pool-nodes N``. An old spelling still works, hidden from the help, and
-says the new name once on stderr.
+``--pool URL`` and ``--pool-nodes N``. A removed spelling is refused with the new name.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Callable
 
 from ..units import size_arg, size_or_percent_arg
@@ -25,45 +23,33 @@ __all__ = [
     "add_policy",
     "add_pool",
     "add_pool_nodes",
-    "deprecated_alias",
     "gpu_arg",
     "model_preset_arg",
     "preset_arg",
+    "removed_option",
 ]
 
 DEFAULT_POLICY = "lfu"  # a serving cache keeps the rows read often; measured in bench (README)
 POLICY_CHOICES = ("lru", "lfu")
-_warned: set[str] = set()
 
 
-class _Deprecated(argparse.Action):
-    """An old spelling: stores as the new option does and says the new name once per process."""
+class _Removed(argparse.Action):
+    """An option spelling that was removed: a usage error naming its replacement."""
 
-    def __init__(self, option_strings: list[str], dest: str, new: str = "", store_const: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any) -> None:
         self.new = new
-        self.store_const = store_const
-        if store_const is not None:
-            kwargs["nargs"] = 0
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        if option_string not in _warned:
-            _warned.add(option_string or "")
-            print(f"note: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.store_const if self.store_const is not None else values)
+        parser.error(f"{option_string} was removed; use {self.new}")
 
 
-def deprecated_alias(container: Any, old: str, new: argparse.Action, **kwargs: Any) -> None:
-    """Add ``old`` to ``container`` (a parser or group) as a hidden alias of the option ``new``
-    (an action that ``add_argument`` returned); ``kwargs`` override what it takes (``type``)."""
-    settings: dict[str, Any] = {"type": new.type, "metavar": new.metavar, "choices": new.choices}
-    if new.nargs == 0:  # a switch
-        settings = {"store_const": new.const if new.const is not None else True}
-    settings.update(kwargs)
-    container.add_argument(old, dest=new.dest, action=_Deprecated, new=new.option_strings[0],
-                           default=argparse.SUPPRESS, help=argparse.SUPPRESS, **settings)
+def removed_option(parser: Any, old: str, new: str) -> None:
+    """Refuse ``old`` (hidden from the help) with a usage error naming ``new``, exit code 2; an
+    exact spelling, so argparse never reads it as an abbreviation of another option."""
+    parser.add_argument(old, action=_Removed, new=new, nargs="?", dest=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _name_arg(names: Callable[[], Any], what: str, normalize: Callable[[str], str] = lambda s: s

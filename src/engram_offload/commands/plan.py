@@ -28,7 +28,7 @@ from ..units import (
     unit_interval,
 )
 from .core import load_hf_config
-from .options import add_cache_bytes, add_json, deprecated_alias, gpu_arg, model_preset_arg
+from .options import add_cache_bytes, add_json, gpu_arg, model_preset_arg, removed_option
 
 GiB = 2**30
 
@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "on a GPU type and recommend one. Facts and assumptions: docs/planner.md.",
     )
     m = p.add_mutually_exclusive_group(required=True)
-    deprecated_alias(m, "--model", m.add_argument(
-        "--preset", type=model_preset_arg, help=f"a named model: {', '.join(MODELS)} (default none: give this or --config)"))
+    m.add_argument("--preset", type=model_preset_arg,
+                   help=f"a named model: {', '.join(MODELS)} (default none: give this or --config)")
+    removed_option(p, "--model", "--preset")
     m.add_argument("--config", metavar="PATH",
                    help="a Hugging Face config.json with engram_* fields, a custom model (default none)")
     p.add_argument("--gpu", required=True, type=gpu_arg, help=f"one of: {', '.join(GPUS)} (required; no default)")

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from ..units import format_bytes, int_in_range, positive_int
-from .options import add_json, add_pool, add_pool_nodes, deprecated_alias
+from .options import add_json, add_pool, add_pool_nodes, removed_option
 
 DEFAULT_URL = "redis://127.0.0.1:7001"
 
@@ -56,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "without persistence: one plain server, or a Redis Cluster for N > 1. "
                             "Runs until interrupted. For production use an existing Redis Cluster with "
                             "replicas (docs/pool.md).")
-    deprecated_alias(serve, "--nodes", add_pool_nodes(serve, 3, ": a Redis Cluster of 3 masters, the fewest "
-                                                    "Redis Cluster recommends"))
+    add_pool_nodes(serve, 3, ": a Redis Cluster of 3 masters, the fewest Redis Cluster recommends")
+    removed_option(serve, "--nodes", "--pool-nodes")
     serve.add_argument("--port", type=int_in_range(1, 65535), default=7001,
                        help="first TCP port on 127.0.0.1 (default 7001)")
     serve.add_argument("--dir", help="working folder for the servers' logs (default: a temporary one)")
@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
-    deprecated_alias(parser, "--redis", add_pool(parser, DEFAULT_URL, DEFAULT_URL))
+    add_pool(parser, DEFAULT_URL, DEFAULT_URL)
+    removed_option(parser, "--redis", "--pool")
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
