@@ -35,7 +35,6 @@ def check(ids: np.ndarray) -> None:
     assert d.unique[d.inverse].tolist() == ids.reshape(-1).tolist()
     assert d.shape == ids.shape
     assert d.requested == ids.size
-    assert d.ratio == (np.unique(ids).size / ids.size if ids.size else 1.0)
 
 
 @settings(max_examples=80, deadline=None)
@@ -64,44 +63,25 @@ def test_distinct_ids_in_a_non_sorted_order():
     d = dedup(np.array([30, 10, 40, 20, 0], np.int64))
     assert d.unique.tolist() == [0, 10, 20, 30, 40]
     assert d.inverse.tolist() == [3, 1, 4, 2, 0]
-    assert d.ratio == 1.0
 
 
 def test_repeats_map_to_their_group():
     d = dedup(np.array([[7, 3], [7, 9], [3, 3]], np.int64))
     assert d.unique.tolist() == [3, 7, 9]
     assert d.inverse.tolist() == [1, 0, 1, 2, 0, 0]
-    assert d.shape == (3, 2) and d.requested == 6 and d.ratio == 0.5
+    assert d.shape == (3, 2) and d.requested == 6
 
 
-def test_expand_restores_the_step_shape():
+def test_the_inverse_restores_the_step_shape():
     ids = torch.tensor([[[4, 4], [9, 1]], [[1, 4], [9, 9]]])  # [B, L, C]
     d = dedup(ids)
-    rows = torch.from_numpy(d.unique).float()[:, None] * torch.arange(1, 6)  # [u, 5]
-    out = d.expand(rows)
-    assert out.shape == (2, 2, 2, 5)
-    assert torch.equal(out, ids[..., None].float() * torch.arange(1, 6))
-    assert d.ratio == 3 / 8
-
-
-def test_expand_needs_one_row_per_unique_id():
-    d = dedup(np.array([1, 2, 2], np.int64))
-    with pytest.raises(ValueError, match=r"one row per unique id \(2\), got 3"):
-        d.expand(torch.zeros(3, 2))
-
-
-@pytest.mark.gpu
-def test_expand_on_the_rows_device():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    d = dedup(np.array([5, 1, 5], np.int64))
-    out = d.expand(torch.tensor([[1.0], [5.0]], device="cuda"))
-    assert out.device.type == "cuda" and out[:, 0].tolist() == [5.0, 1.0, 5.0]
+    assert d.unique.size == 3 and d.requested == 8
+    assert np.array_equal(d.unique[d.inverse].reshape(d.shape), ids.numpy())
 
 
 def test_empty_step():
     d = dedup(np.empty((0, 2, 4), np.int64))
-    assert d.unique.size == 0 and d.inverse.size == 0 and d.ratio == 1.0
+    assert d.unique.size == 0 and d.inverse.size == 0
     assert d.unique.dtype == np.int64 and d.shape == (0, 2, 4)
     assert dedup([]).unique.dtype == np.int64  # an empty list has no integer dtype, and needs none
 

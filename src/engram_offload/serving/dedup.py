@@ -24,7 +24,7 @@ __all__ = ["Dedup", "dedup", "native_dedup"]
 
 @dataclass(frozen=True)
 class Dedup:
-    """Distinct ids of a step and how to expand rows of them back to the step's shape."""
+    """Distinct ids of a step and the inverse that puts them back in its order and shape."""
 
     unique: np.ndarray  # int64 [u], sorted
     inverse: np.ndarray  # int64 [n]: ids.reshape(-1) == unique[inverse]
@@ -33,18 +33,6 @@ class Dedup:
     @property
     def requested(self) -> int:
         return int(self.inverse.size)
-
-    @property
-    def ratio(self) -> float:
-        """unique / requested (1.0 for an empty step)."""
-        return self.unique.size / self.inverse.size if self.inverse.size else 1.0
-
-    def expand(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of the unique ids ``[u, ...]`` -> rows of the step ``[*shape, ...]``."""
-        if rows.shape[0] != self.unique.size:
-            raise ValueError(f"expand needs one row per unique id ({self.unique.size}), got {rows.shape[0]}")
-        index = torch.from_numpy(self.inverse).to(rows.device)
-        return rows.index_select(0, index).reshape(*self.shape, *rows.shape[1:])
 
 
 def _as_ids(ids: Any) -> np.ndarray:
