@@ -2,12 +2,15 @@
 the README says it made: ``v41f.tbl`` (a small V4.1-Flash-layout table), ``t.tbl`` (the same,
 published to a Redis pool started here, whose address stands for the README's
 ``redis://127.0.0.1:7001``), and ``DeepSeek-V4.1-Flash/`` (a tiny checkpoint in the released
-format with its tokenizer.json). Each snippet must name nothing it does not define."""
+format with its tokenizer.json). Each snippet must name nothing it does not define. Every
+``engram-offload`` command of a ``console`` block prints what the README shows after it: all of
+it, or the lines before a closing ``...``."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -25,6 +28,8 @@ from released_checkpoint import write_released_checkpoint, write_tokenizer
 README = Path(__file__).resolve().parents[1] / "README.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 README_POOL = "redis://127.0.0.1:7001"
+CONSOLE = [(command, output) for block in re.findall(r"```console\n(.*?)```", README.read_text(), re.S)
+           for command, output in re.findall(r"^\$ (engram-offload .*)\n((?:(?!\$ ).*\n)+)", block, re.M)]
 
 
 def _first_line(code: str) -> str:
@@ -75,6 +80,23 @@ def test_every_snippet_runs(code, folder, tmp_path):
             pool.stop()
     assert run.returncode == 0, run.stderr[-3000:]
     assert not (folder / "rows.sock").exists()  # the row server removed its socket
+
+
+def test_the_readme_shows_command_outputs():
+    assert len(CONSOLE) >= 2
+
+
+@pytest.mark.parametrize(("command", "shown"), CONSOLE, ids=[c for c, _ in CONSOLE])
+def test_every_console_command_prints_what_the_readme_shows(command, shown):
+    program = Path(sys.executable).with_name("engram-offload")
+    run = subprocess.run([str(program), *shlex.split(command)[1:]], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = shown.rstrip("\n").split("\n")
+    printed = [line.rstrip() for line in run.stdout.rstrip("\n").split("\n")]
+    if lines[-1] == "...":
+        lines = lines[:-1]
+        printed = printed[:len(lines)]
+    assert printed == [line.rstrip() for line in lines]
 
 
 def _free_port() -> int:
