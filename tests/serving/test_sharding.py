@@ -19,7 +19,6 @@ from engram_offload.serving.sharding import (
     shard_columns,
     shard_ids,
     shard_rows,
-    split_columns,
 )
 from engram_offload.serving.store import open_table
 from engram_offload.table import make_random_table, random_rows
@@ -98,9 +97,6 @@ def test_shard_rows_hold_exactly_the_rows_of_the_shards_columns(max_ngram_size, 
         span = np.concatenate([np.arange(lo, hi) for lo, hi in rows.ranges])
         every[span] += 1
         assert rows.num_rows == span.size
-        local = rows.to_local(span)
-        assert np.array_equal(local, np.arange(span.size))
-        assert np.array_equal(rows.to_global(local), span)
     assert (every == 1).all()  # the shards' rows tile the table
 
 
@@ -112,15 +108,6 @@ def test_shard_rows_ranges_are_the_heads_row_ranges():
         assert (lo, hi) == (base + offsets[2], base + offsets[4] + sizes[4])
     empty = shard_rows(config, (6, 6))
     assert empty.num_rows == 0 and not empty.contains(np.arange(config.num_rows)).any()
-    with pytest.raises(IndexError, match="outside"):
-        rows.to_local(np.array([0]))
-
-
-def test_split_columns_hands_each_rank_its_slice():
-    full = torch.randn(4, 7, 3)
-    parts = split_columns(full, 4)  # cdiv(7, 4) = 2: 2, 2, 2, 1 columns
-    assert [p.shape[1] for p in parts] == [2, 2, 2, 1]
-    assert torch.equal(torch.cat(parts, dim=1), full)
 
 
 # ---------------------------------------------------------------------- gloo, several processes
@@ -222,21 +209,12 @@ def test_argument_errors_say_what_is_wrong():
     ids = torch.arange(2 * 2 * 6).reshape(2, 2, 6)
     assert shard_ids(ids, (np.int64(6), np.int64(6))).shape == (2, 2, 0)
     rows = shard_rows(config, (2, 4))
-    with pytest.raises(IndexError, match=rf"^row 0 is outside this shard's rows "
-                                         rf"{re.escape(str(rows.ranges.tolist()))}$"):
-        rows.to_local(np.array([int(rows.ranges[0, 0]), 0]))
-    with pytest.raises(IndexError, match=rf"^packed positions must be in \[0, {rows.num_rows}\), "
-                                         rf"got 0\.\.{rows.num_rows}$"):
-        rows.to_global(np.array([0, rows.num_rows]))
-    with pytest.raises(IndexError, match=rf"^packed positions must be in \[0, {rows.num_rows}\), got -1\.\.0$"):
-        rows.to_global(np.array([0, -1]))
-    assert rows.to_global(np.zeros(0, np.int64)).shape == (0,)
     outside = int(rows.ranges[1, 1])
     with pytest.raises(IndexError, match=rf"^row {outside} is not in the rows of this rank's columns \[2, 4\) "
                                          rf"\({re.escape(str(rows.ranges.tolist()))}\): fetch only the rank's "
                                          r"columns \(sharding.shard_ids\), or open the table without columns=$"):
         require_in_shard(rows, (2, 4), np.array([int(rows.ranges[0, 0]), outside]))
-    require_in_shard(rows, (2, 4), rows.to_global(np.arange(rows.num_rows)))
+    require_in_shard(rows, (2, 4), np.concatenate([np.arange(lo, hi) for lo, hi in rows.ranges]))
 
 
 def test_shard_rows_membership_at_the_range_edges():
@@ -245,8 +223,6 @@ def test_shard_rows_membership_at_the_range_edges():
     (lo0, hi0), (lo1, hi1) = rows.ranges.tolist()
     ids = np.array([lo0 - 1, lo0, hi0 - 1, hi0, lo1 - 1, lo1, hi1 - 1, hi1, 0, config.num_rows - 1])
     assert rows.contains(ids).tolist() == [False, True, True, False, False, True, True, False, False, False]
-    assert rows.to_local(np.array([lo0, hi0 - 1, lo1, hi1 - 1])).tolist() == [0, hi0 - lo0 - 1, hi0 - lo0,
-                                                                              rows.num_rows - 1]
 
 
 def test_assemble_columns_in_a_group_of_one(tmp_path):
@@ -266,14 +242,15 @@ def test_assemble_columns_in_a_group_of_one(tmp_path):
         dist.destroy_process_group()
 
 
-def test_packing_over_three_layers():
+def test_shard_rows_over_three_layers():
     config = EngramConfig(layer_ids=(1, 3, 5), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(200, 200),
                           row_format="bf16")  # C = 4
     rows = shard_rows(config, (1, 3))
-    every = rows.to_global(np.arange(rows.num_rows))
-    assert np.array_equal(rows.to_local(every), np.arange(rows.num_rows))
+    assert rows.ranges.shape == (3, 2) and (np.diff(rows.ranges.reshape(-1)) >= 0).all()  # sorted, disjoint
+    span = np.concatenate([np.arange(lo, hi) for lo, hi in rows.ranges])
+    assert rows.num_rows == span.size and rows.contains(span).all()
     lo, hi = rows.ranges[2]
-    assert rows.to_local(np.array([lo, hi - 1])).tolist() == [rows.num_rows - (hi - lo), rows.num_rows - 1]
+    assert rows.contains(np.array([lo - 1, hi])).tolist() == [False, False]
 
 
 def _subgroup_main(rank: int, world: int, init_file: str) -> None:

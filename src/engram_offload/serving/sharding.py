@@ -9,7 +9,7 @@ those rows, and two ranks never read the same row.
 
 Each rank fetches ``[T, c1 - c0, d]`` per layer; ``assemble_columns`` puts the full
 ``[T, C, d]`` back together with ``torch.distributed.all_gather`` (padding the short or
-empty shards), and ``split_columns`` hands each rank its slice without a process group.
+empty shards).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from ..engram.config import EngramConfig
 
-__all__ = ["Columns", "ShardRows", "assemble_columns", "check_columns", "require_in_shard", "shard_columns", "shard_ids", "shard_rows", "split_columns"]
+__all__ = ["Columns", "ShardRows", "assemble_columns", "check_columns", "require_in_shard", "shard_columns", "shard_ids",
+           "shard_rows"]
 
 Columns = tuple[int, int]  # [c0, c1): a rank's columns of every layer
 
@@ -92,29 +93,6 @@ class ShardRows:
         layer = np.maximum(layer, 0)
         return inside & (ids < self.ranges[layer, 1])
 
-    def to_local(self, ids: np.ndarray) -> np.ndarray:
-        """Flat row ids of the shard ``[n]`` -> positions ``[n]`` in the shard's rows packed
-        back to back (layer by layer); ``IndexError`` for a row outside the shard."""
-        ids = np.asarray(ids, np.int64)
-        inside = self.contains(ids)
-        if not inside.all():
-            bad = int(ids[np.flatnonzero(~inside)[0]])
-            raise IndexError(f"row {bad} is outside this shard's rows {self.ranges.tolist()}")
-        layer = np.searchsorted(self.ranges[:, 0], ids, side="right") - 1
-        sizes = self.ranges[:, 1] - self.ranges[:, 0]
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # [L] first packed position of each range
-        return ids - self.ranges[layer, 0] + starts[layer]
-
-    def to_global(self, local: np.ndarray) -> np.ndarray:
-        """Packed positions ``[n]`` -> flat row ids ``[n]`` (inverse of ``to_local``)."""
-        local = np.asarray(local, np.int64)
-        if local.size and (local.min() < 0 or local.max() >= self.num_rows):
-            raise IndexError(f"packed positions must be in [0, {self.num_rows}), got {local.min()}..{local.max()}")
-        sizes = self.ranges[:, 1] - self.ranges[:, 0]
-        ends = np.cumsum(sizes)  # [L] one past each range's last packed position
-        layer = np.searchsorted(ends, local, side="right")
-        return local - (ends[layer] - sizes[layer]) + self.ranges[layer, 0]
-
 
 def require_in_shard(shard: ShardRows, columns: Columns, ids: np.ndarray) -> None:
     """``IndexError`` naming ``columns`` for the first of ``ids`` outside ``shard``'s rows."""
@@ -138,12 +116,6 @@ def shard_rows(config: EngramConfig, columns: Columns) -> ShardRows:
         hi = ends[c1 - 1] if c0 < c1 else 0
         ranges.append((base + lo, base + hi))
     return ShardRows(np.asarray(ranges, np.int64).reshape(-1, 2))
-
-
-def split_columns(full: torch.Tensor, world: int) -> list[torch.Tensor]:
-    """Rows of every column ``[T, C, d]`` -> each rank's ``[T, c1 - c0, d]`` (no process group)."""
-    num_columns = int(full.shape[1])
-    return [full[:, slice(*column_range(num_columns, r, world))] for r in range(world)]
 
 
 def assemble_columns(local: torch.Tensor, num_columns: int, group: Any = None) -> torch.Tensor:
