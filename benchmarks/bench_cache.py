@@ -29,15 +29,14 @@ Reported:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from engram_offload import open_table
+from engram_offload.atomic import write_json_atomic
 from engram_offload.bench.backbone import EngramBackbone
 from engram_offload.cache import RowCache, build_levels
 from engram_offload.cache.report import format_stats_table
@@ -283,8 +282,7 @@ def main() -> int:
     result["stall"] = stall
     cached.close()
     mem.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -19,20 +19,21 @@ their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from bench_cache import cut_requests, full_batch_trace, replay_hit_rate  # bench_cache.py's trace and replay
 
 from engram_offload import open_table
+from engram_offload.atomic import write_json_atomic
 from engram_offload.cache import RowCache
 from engram_offload.engram.tokenizer import cached_token_map
 from engram_offload.machine import machine_facts
 from engram_offload.planner.trace import stdlib_token_sequences
+
+from bench_cache import cut_requests, full_batch_trace, replay_hit_rate  # bench_cache.py's trace and replay
 
 
 class TimedEvictions(RowCache):
@@ -105,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               f"NumPy {r['numpy_ms_median']:.2f} ms ({r['numpy_us_per_victim']:.3f} us): "
               f"{r['native_vs_numpy']:.2f}x", flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(out, result)
     print(f"wrote {out}")
     return 0
 

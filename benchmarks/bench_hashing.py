@@ -16,16 +16,15 @@ Usage: python benchmarks/bench_hashing.py [--repeats 7] [--out benchmarks/result
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from engram_offload._native import NO_NATIVE_ENV
+from engram_offload.atomic import write_json_atomic
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.engram.tokenizer import cached_token_map
@@ -155,8 +154,7 @@ def main() -> None:
         "repeats": args.repeats,
         "machine": machine_facts(),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(f"batch [16, 4096]: ours {ours_med * 1e3:.1f} ms, demo approach {demo_med * 1e3:.1f} ms, "
           f"speed-up {demo_med / ours_med:.2f}x (target 2x)")
     print(f"decode, 256 sequences: median {result['decode_us_median']:.0f} us, "

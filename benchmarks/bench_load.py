@@ -21,7 +21,7 @@ Side by side in one run, repeated (default 3x), medians reported:
 
 Each load and fault-in measurement starts ``--settle-seconds`` after the one before, so
 memory the previous one freed has been taken back by a virtual machine's host, as for a
-server starting. A version-1 table is upgraded into a COPY under ``--work-dir`` (the original is only read).
+server starting.
 The machine may be shared: the JSON records its load average before and after.
 
     nice python benchmarks/bench_load.py --table T.table --out benchmarks/results/load.json
@@ -36,7 +36,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,38 +44,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram_offload.atomic import write_json_atomic
 from engram_offload.bench.cold import evict_file_pages
 from engram_offload.bench.tier_bench import run_tier_bench
-from engram_offload.machine import machine_facts
 from engram_offload.table import read_header
 from engram_offload.table.pagesum import native_available, page_sums
-from engram_offload.table.upgrade import upgrade_table
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.pagecheck import check_pages, plan_pages
 
-
-def v2_copy(table: Path, work_dir: Path) -> Path:
-    """``table`` itself when it has page checksums, else an upgraded copy in ``work_dir`` (reused)."""
-    header = read_header(table)
-    if header.page_sums is not None:
-        return table
-    copy = work_dir / f"{table.stem}.v2{table.suffix}"
-    if copy.exists() and read_header(copy).page_sums is not None and copy.stat().st_mtime >= table.stat().st_mtime:
-        return copy
-    print(f"copying {table} to {copy} and upgrading the copy to format version 2", flush=True)
-    shutil.copyfile(table, copy)
-    upgrade_table(copy, progress=False)
-    return copy
-
-
-def run_fio(path: Path, iodepth: int) -> dict[str, float]:
-    engine = "psync" if iodepth == 1 else "io_uring"
-    cmd = ["fio", "--name=seq", f"--filename={path}", "--rw=read", "--bs=1M", "--direct=1",
-           f"--ioengine={engine}", f"--iodepth={iodepth}", "--output-format=json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
-    return {"bytes_per_s": job["bw_bytes"], "seconds": job["runtime"] / 1000.0}
-
+from fio import machine_facts, run_fio
 
 # name -> (tier, its options)
 LOADS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -158,14 +134,13 @@ def checksum_loop_cost() -> float:
     return best / (len(data) // 4096) * 1e6
 
 
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+def median_of(runs: list[dict[str, Any]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key, v in runs[0].items() if not isinstance(v, str)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", required=True, type=Path)
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp"), help="where an upgraded copy goes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--check-seconds", type=float, default=5.0, help="seconds of each direct run (0: none)")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"which loads, comma-separated (of {', '.join(LOADS)})")
@@ -179,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fio not found: apt-get install fio", file=sys.stderr)
         return 2
     facts = machine_facts(args.table)
-    path = v2_copy(args.table, args.work_dir)
+    path = args.table
     loads = {name: LOADS[name] for name in args.loads.split(",")}
     loads.update({"pinned": ("pinned", {})} if torch.cuda.is_available() else {})
     raw: dict[str, list[dict[str, float]]] = {"fio_qd1": [], "fio_qd8": [], **{name: [] for name in loads}}
@@ -188,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = []
     for rep in range(args.repeats):
         for depth in (1, 8):
-            r = run_fio(path, depth)
+            r = run_fio(path, rw="read", bs="1M", iodepth=depth, engine="psync" if depth == 1 else "io_uring")
             raw[f"fio_qd{depth}"].append(r)
             print(f"[{rep}] fio seq 1 MiB qd{depth}: {r['bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
         fio_here = max(raw["fio_qd1"][-1]["bytes_per_s"], raw["fio_qd8"][-1]["bytes_per_s"])
@@ -217,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": os.getloadavg(),
         "shared_machine": True,
         "table": args.table.name,
-        "table_read": path.name,
         "data_bytes": read_header(path).layout.data_bytes,
         "repeats": args.repeats,
         "native_page_sums": native_available(),
@@ -236,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "raw": {"runs": raw, "page_checks": checks, "load_vs_fio_same_repeat": ratios, "first_touch": touch},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(json.dumps({key: result[key] for key in ("load_vs_fio", "load_vs_fio_same_repeat",
                                                    "first_touch_cpu_s_per_gb", "page_checks")}, indent=2))
     print(f"wrote {args.out}")

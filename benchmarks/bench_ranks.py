@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engram_offload import EngramConfig, open_table  # noqa: E402
+from engram_offload.atomic import write_json_atomic  # noqa: E402
 from engram_offload.bench.pss import summed_pss  # noqa: E402
 from engram_offload.engram.tokenizer import cached_token_map  # noqa: E402
 from engram_offload.machine import machine_facts  # noqa: E402
@@ -174,8 +175,7 @@ def main() -> None:
         result["cache"] = cache_comparison(args, config, steps)
     if args.only != "cache":
         result["pss"] = pss_comparison(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    write_json_atomic(out, result)
     print(f"wrote {args.out}")
 
 

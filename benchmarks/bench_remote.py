@@ -23,7 +23,6 @@ made with the V4.1-Flash layout scaled down (``--scale``) when it does not exist
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -36,6 +35,7 @@ import hiredis
 import numpy as np
 import torch
 
+from engram_offload.atomic import write_json_atomic
 from engram_offload.engram.config import EngramConfig
 from engram_offload.machine import machine_facts
 from engram_offload.pool.client import PoolClient, encode_command
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "pools": results,
     }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json_atomic(args.out, report)
     return 0
 
 

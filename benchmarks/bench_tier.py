@@ -11,10 +11,9 @@
 (c) direct and mmap side by side, cold, at the same queue depth (mmap: that many threads
     faulting at once).
 (d) one synchronous caller at ``bench-tier``'s defaults (batches of 1,024 random rows, queue
-    depth Q, cold): the direct tier's one-call read (the default: one native call that checks
-    and copies each page as its read completes, with the queue kept full) and its pipelined
-    read (``pipeline_rows``: chunks on two lanes), each between two fio runs; targets: the
-    one-call read >= 0.9x fio's reads/s, CPU a read <= 1.2x fio's. ``--one-caller`` runs (d)
+    depth Q, cold): the direct tier's read (one native call that checks and copies each page as
+    its read completes, with the queue kept full) between two fio runs; targets: >= 0.9x fio's
+    reads/s, CPU a read <= 1.2x fio's. ``--one-caller`` runs (d)
     alone.
 Each is repeated ``--repeats`` times; medians are reported. Makes the table with
 ``make-table`` first when it does not exist.
@@ -25,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,37 +33,17 @@ import numpy as np
 import torch
 
 from engram_offload import cli
-from engram_offload.bench.cold import evict_file_pages
+from engram_offload.atomic import write_json_atomic
 from engram_offload.bench.tier_bench import run_tier_bench
-from engram_offload.machine import machine_facts as shared_machine_facts
 from engram_offload.table import read_header
 from engram_offload.tiers import open_tier
-from engram_offload.tiers.direct import PIPELINE_ROWS
 
-
-def machine_facts(table: Path) -> dict:
-    return {**shared_machine_facts(table), "fio": _fio_version()}
-
-
-def _fio_version() -> str | None:
-    if not shutil.which("fio"):
-        return None
-    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+from fio import machine_facts, run_fio
 
 
 def fio_randread(table: Path, seconds: float, queue_depth: int) -> dict | None:
-    if not shutil.which("fio"):
-        return None
-    evict_file_pages(table)
-    cmd = ["fio", "--name=randread", f"--filename={table}", "--ioengine=io_uring", "--direct=1",
-           "--rw=randread", "--bs=4k", f"--iodepth={queue_depth}", f"--runtime={seconds:g}",
-           "--time_based", "--readonly", "--output-format=json"]
-    job = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["jobs"][0]
-    ios, runtime = job["read"]["total_ios"], job["read"]["runtime"] / 1e3
-    user_s, kernel_s = job["usr_cpu"] / 100 * runtime, job["sys_cpu"] / 100 * runtime
-    return {"iops": job["read"]["iops"], "cpu_us_per_read": (user_s + kernel_s) / ios * 1e6,
-            "user_cpu_us_per_read": user_s / ios * 1e6, "kernel_cpu_us_per_read": kernel_s / ios * 1e6,
-            "command": " ".join(cmd)}
+    """fio's cold random 4 KiB reads of ``table`` at ``queue_depth`` (None without fio)."""
+    return run_fio(table, iodepth=queue_depth, seconds=seconds)
 
 
 def memory_vs_index_select(table: Path, seconds: float, batch: int) -> dict:
@@ -109,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--out", default="engram-bench/tier.json",
                    help="the results JSON (default engram-bench/tier.json; benchmarks/results/tier.json is the committed record: write there only to update it)")
-    p.add_argument("--one-caller", action="store_true", help="run only (d): one caller, pipelined vs one call vs fio")
+    p.add_argument("--one-caller", action="store_true", help="run only (d): one caller vs fio")
     p.add_argument("--caller-batch", type=int, default=ONE_CALLER_BATCH,
                    help=f"(d): rows a call (default {ONE_CALLER_BATCH:,}, bench-tier's; a larger call shows the rate "
                         "without a call's start and end)")
-    p.add_argument("--pipeline-rows", type=int, default=None,
-                   help="(d): the pipelined read's chunk rows (default: the direct tier's PIPELINE_ROWS, 256)")
     args = p.parse_args(argv)
     table = Path(args.table)
     load_start = os.getloadavg()
@@ -185,8 +160,7 @@ def write_result(benchmark: str, table: Path, args: argparse.Namespace, argv: li
         "median": med,
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(json.dumps(med, indent=2))
     return 0
 
@@ -195,31 +169,30 @@ ONE_CALLER_BATCH = 1024  # bench-tier's default batch
 
 
 def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, load_start: tuple) -> int:
-    """(d): the one-call and pipelined reads of one synchronous caller beside fio, each cold.
+    """(d): the reads of one synchronous caller beside fio, each cold.
 
     The drive's rate drifts by tens of percent within minutes, so fio runs before the first
     repeat and after every one: each of our runs is compared with the mean of the fio runs
-    on either side of its repeat (``*_vs_fio`` are the medians of those per-repeat ratios;
-    the two reads swap places every repeat). Medians of ``--repeats``."""
+    on either side of its repeat (``*_vs_fio`` are the medians of those per-repeat ratios).
+    Medians of ``--repeats``."""
     q, s = args.queue_depth, args.seconds
-    reads = (("one_call", 0), ("pipelined", args.pipeline_rows or PIPELINE_ROWS))
-    runs: dict[str, list] = {"pipelined": [], "one_call": [], "fio": []}
+    reads = ("one_call",)
+    runs: dict[str, list] = {"one_call": [], "fio": []}
     fio = fio_randread(table, s, q)
     if fio:
         runs["fio"].append(fio)
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        for name, rows in (reads if rep % 2 == 0 else reads[::-1]):
-            runs[name].append(run_tier_bench(table, "direct", seconds=s, batch=args.caller_batch, queue_depth=q,
-                                             cold=True, engine="uring", pipeline_rows=rows))
+        runs["one_call"].append(run_tier_bench(table, "direct", seconds=s, batch=args.caller_batch, queue_depth=q,
+                                               cold=True, engine="uring"))
         fio = fio_randread(table, s, q)
         if fio:
             runs["fio"].append(fio)
     split = ("cpu_us_per_read", "user_cpu_us_per_read", "kernel_cpu_us_per_read")  # a read's CPU: all, process, kernel
-    med: dict = {f"{name}_{key}": median_of(runs[name], key) for name, _ in reads for key in ("reads_per_s", *split)}
+    med: dict = {f"{name}_{key}": median_of(runs[name], key) for name in reads for key in ("reads_per_s", *split)}
     if runs["fio"]:
         med.update(fio_iops=median_of(runs["fio"], "iops"), **{f"fio_{k}": median_of(runs["fio"], k) for k in split})
-        for name, _ in reads:
+        for name in reads:
             ratios = bracketed_ratios(runs[name], runs["fio"])
             med[f"{name}_vs_fio"] = statistics.median(r["reads"] for r in ratios)
             med[f"{name}_cpu_vs_fio"] = statistics.median(r["cpu"] for r in ratios)
@@ -228,7 +201,7 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
     return write_result(
         "bench_tier --one-caller", table, args, argv, load_start, med, runs,
         params={"repeats": args.repeats, "seconds": s, "queue_depth": q, "batch": args.caller_batch,
-                "pipeline_rows": args.pipeline_rows or PIPELINE_ROWS, "fio": "before the first repeat and after each"},
+                "fio": "before the first repeat and after each"},
         targets={"one_call_vs_fio_min": 0.9, "one_call_cpu_vs_fio_max": 1.2})
 
 

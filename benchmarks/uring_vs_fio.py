@@ -19,20 +19,21 @@ every measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from engram_offload.machine import machine_facts as shared_machine_facts
+from engram_offload.atomic import write_json_atomic
+from engram_offload.bench.cold import evict_file_pages
 from engram_offload.tiers import uring
+
+from fio import machine_facts, run_fio
 
 DEFAULT_FILE = "/tmp/engram_offload_uring_bench.bin"
 
@@ -54,38 +55,10 @@ def ensure_file(path: str, size: int) -> None:
     os.replace(tmp, path)
 
 
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
-
-
-def run_fio(path: str, bs: int, iodepth: int, runtime: int) -> dict[str, float]:
-    cmd = [
-        "fio", "--name=r", f"--filename={path}", "--ioengine=io_uring", "--direct=1",
-        "--rw=randread", f"--bs={bs}", f"--iodepth={iodepth}", f"--runtime={runtime}",
-        "--time_based", "--output-format=json",
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    ios = job["read"]["total_ios"]
-    run_s = job["read"]["runtime"] / 1000.0  # ms
-    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * run_s
-    return {
-        "iops": job["read"]["iops"],
-        "cpu_us_per_read": cpu_s / ios * 1e6 if ios else float("nan"),
-        "usr_cpu_pct": job["usr_cpu"],
-        "sys_cpu_pct": job["sys_cpu"],
-        "lat_mean_us": job["read"]["lat_ns"]["mean"] / 1000.0,
-    }
 
 
 def run_ours(path: str, bs: int, iodepth: int, runtime: float, batch: int,
@@ -129,13 +102,6 @@ def run_ours(path: str, bs: int, iodepth: int, runtime: float, batch: int,
     }
 
 
-def machine_facts(fio_path: str | None, data_path: str) -> dict[str, Any]:
-    fio_version = None
-    if fio_path:
-        fio_version = subprocess.run([fio_path, "--version"], capture_output=True, text=True).stdout.strip()
-    return {**shared_machine_facts(data_path), "fio_version": fio_version}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", default=DEFAULT_FILE)
@@ -165,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for bs in sizes:
             if fio:
-                drop_cache(args.file)
-                r = run_fio(args.file, bs, args.iodepth, args.runtime)
+                r = run_fio(args.file, bs=bs, iodepth=args.iodepth, seconds=args.runtime)
                 raw[bs]["fio"].append(r)
                 print(f"[{rep}] fio  bs={bs:5d}: {r['iops']:10.0f} IOPS  {r['cpu_us_per_read']:.2f} us CPU/read", flush=True)
-            drop_cache(args.file)
+            evict_file_pages(args.file)
             r = run_ours(args.file, bs, args.iodepth, args.runtime, args.batch, args.wait_batch, args.setup_flags)
             raw[bs]["ours"].append(r)
             print(f"[{rep}] ours bs={bs:5d}: {r['reads_per_s']:10.0f} reads/s {r['cpu_us_per_read']:.2f} us CPU/read "
@@ -199,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "uring_vs_fio",
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-        "fio_command": "fio --name=r --filename=F --ioengine=io_uring --direct=1 --rw=randread "
-                       f"--bs=<size> --iodepth={args.iodepth} --runtime={args.runtime} --time_based "
-                       "--output-format=json",
-        "machine": machine_facts(fio, args.file),
+        "fio_command": "fio --name=randread --filename=F --ioengine=io_uring --direct=1 --rw=randread "
+                       f"--bs=<size> --iodepth={args.iodepth} --readonly --output-format=json "
+                       f"--runtime={args.runtime} --time_based",
+        "machine": machine_facts(args.file),
         "params": {
             "file_size_bytes": os.path.getsize(args.file),
             "iodepth": args.iodepth,
@@ -217,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {str(bs): raw[bs] for bs in sizes},
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        write_json_atomic(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

@@ -1,13 +1,15 @@
-"""atomic_path / write_bytes_atomic: whole files or none, synced before and after the rename."""
+"""atomic_path / write_bytes_atomic / write_json_atomic: whole files or none, synced before and after
+the rename."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from engram_offload import atomic
-from engram_offload.atomic import atomic_path, write_bytes_atomic
+from engram_offload.atomic import atomic_path, write_bytes_atomic, write_json_atomic
 
 
 def test_the_file_is_complete_and_synced_when_renamed(tmp_path, monkeypatch):
@@ -76,3 +78,15 @@ def test_a_replaced_file_keeps_its_mode(tmp_path):
     finally:
         os.umask(previous)
     assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_json_value_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "out" / "results.json"
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError):
+        write_json_atomic(target, loop)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    assert write_json_atomic(target, {"runs": [{"tier": "memory", "at": tmp_path}]}) == target
+    assert json.loads(target.read_text())["runs"][0] == {"tier": "memory", "at": str(tmp_path)}
+    assert target.read_text().endswith("}\n") and sorted(p.name for p in target.parent.iterdir()) == ["results.json"]

@@ -12,14 +12,15 @@ process's umask, a replaced file keeps its mode (the temporary file's own 0600 n
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["atomic_path", "current_umask", "fsync_dir", "write_bytes_atomic"]
+__all__ = ["atomic_path", "current_umask", "fsync_dir", "write_bytes_atomic", "write_json_atomic"]
 
 
 @contextmanager
@@ -70,6 +71,13 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, sort_keys: bool = False) -> Path:
+    """Write ``obj`` as indented JSON (a value JSON lacks as its ``str``) to ``path`` atomically;
+    a value that cannot be written (a cycle) raises before any file is made. Returns the path."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False, default=str, sort_keys=sort_keys) + "\n"
+    return write_bytes_atomic(path, text.encode())
 
 
 def _fsync_file(path: Path) -> None:

@@ -1,8 +1,6 @@
-"""Benchmark outputs: atomic JSON, the frontier plot, the comparison of tiers."""
+"""Benchmark outputs: the frontier plot, the comparison of tiers."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -14,7 +12,6 @@ from engram_offload.bench.report import (
     frontier_plot,
     markdown_table,
     thin_points,
-    write_json,
 )
 
 
@@ -35,17 +32,6 @@ def test_comparisons_pair_runs_at_equal_state_and_concurrency():
     assert ("mmap", "mmap") not in got and len(got) == 3  # memory x32 has no partner
     table = markdown_table(RUNS)
     assert table.count("\n") == len(RUNS) + 1 and "| direct | warm | 8 |" in table
-
-
-def test_a_failed_json_write_leaves_nothing_behind(tmp_path):
-    target = tmp_path / "out" / "results.json"
-    loop: dict = {}
-    loop["self"] = loop
-    with pytest.raises(ValueError):
-        write_json(target, loop)
-    assert list((tmp_path / "out").iterdir()) == []
-    write_json(target, {"runs": RUNS})
-    assert json.loads(target.read_text())["runs"][0]["tier"] == "memory"
 
 
 def test_the_frontier_is_a_png(tmp_path):

@@ -1,16 +1,15 @@
-"""The benchmark's outputs: a markdown table, the JSON document and the frontier plot."""
+"""The benchmark's outputs: a markdown table, the comparisons and the frontier plot."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_path
 
-__all__ = ["MIN_STEPS", "MIN_USERS", "STALL_LIMIT", "comparisons", "enough_samples", "thin_points", "comparisons_table", "frontier_plot", "markdown_table", "stall_limits",
-           "stall_limits_table", "write_json"]
+__all__ = ["MIN_STEPS", "MIN_USERS", "STALL_LIMIT", "comparisons", "comparisons_table", "enough_samples",
+           "frontier_plot", "markdown_table", "stall_limits", "stall_limits_table", "thin_points"]
 
 STALL_LIMIT = 0.05  # the stall share of step time a deployment tolerates
 # A point's figures are read as a result only from this many measured steps and users (users
@@ -131,15 +130,6 @@ def stall_limits_table(rows: list[dict[str, Any]]) -> str:
     head = f"| tier | cache | largest concurrency, stall < {limit:.0%} |\n|---|---|---:|"
     body = [f"| {r['tier']} | {r['cache_state']} | {r['max_concurrency'] or 'none'} |" for r in rows]
     return "\n".join([head, *body])
-
-
-def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
-    """Write atomically (temporary file, then rename)."""
-    path = Path(path)
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
-        json.dump(document, f, indent=2, default=str)
-        f.write("\n")
-    return path
 
 
 def frontier_plot(runs: list[dict[str, Any]], path: str | os.PathLike[str], title: str = "",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import units
+from ..atomic import write_json_atomic
 from ..bench.report import MIN_STEPS, MIN_USERS
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import (
@@ -431,7 +432,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         stall_limits,
         stall_limits_table,
         thin_points,
-        write_json,
     )
     from ..bench.sweep import run_sweep
     from ..engram.tokenizer import cached_token_map
@@ -452,8 +452,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ratios = comparisons(runs, **sample)
     limits = stall_limits(runs)
     out = Path(args.out)
-    json_path = write_json(args.json_out or out / "results.json",
-                           _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
+    json_path = write_json_atomic(args.json_out or out / "results.json",
+                                  _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "

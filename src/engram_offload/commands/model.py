@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..atomic import write_bytes_atomic
+from ..atomic import write_json_atomic
 from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
@@ -124,7 +124,7 @@ def _json_parent() -> argparse.ArgumentParser:
 def _json_out(args: argparse.Namespace, record: dict) -> None:
     """``record`` into ``--json-out``'s file, when given."""
     if args.json_out:
-        write_bytes_atomic(args.json_out, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
+        write_json_atomic(args.json_out, record)
 
 
 def _reading_parent() -> argparse.ArgumentParser:

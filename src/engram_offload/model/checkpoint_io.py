@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..atomic import atomic_path, write_bytes_atomic
+from ..atomic import atomic_path, write_json_atomic
 from ..engram.checkpoint import INDEX_FILE, CheckpointIndex, engram_suffix
 from ..engram.config import EngramConfig
 from ..engram.rows import FP8_BLOCK, FP8_MAX, UE8M0_BIAS, quantize_fp8_ue8m0, ue8m0_exponents
@@ -158,13 +158,13 @@ def save_model(model: EngramLM, tables: dict[int, torch.Tensor], directory: str 
         weight_map.update((name, shard) for name in tensors)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_bytes_atomic(root / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
-    write_bytes_atomic(root / "config.json", (json.dumps(model_config_json(model), indent=2) + "\n").encode())
+    write_json_atomic(root / INDEX_FILE, index)
+    write_json_atomic(root / "config.json", model_config_json(model))
     if written is not None:
         with atomic_path(root / WRITTEN_ROWS) as tmp, open(tmp, "wb") as f:
             np.save(f, np.packbits(written.numpy().astype(bool)))
     if extra is not None:
-        write_bytes_atomic(root / "training.json", (json.dumps(extra, indent=2, sort_keys=True) + "\n").encode())
+        write_json_atomic(root / "training.json", extra, sort_keys=True)
     return root
 
 
