@@ -198,12 +198,12 @@ def test_the_checker_finds_an_upward_import_even_inside_a_function(tmp_path):
 def test_the_checker_lets_a_type_checking_import_through(tmp_path):
     root = _fake_package(tmp_path, {
         "gpu/__init__.py": "",
-        "gpu/source.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..serving.store import S\n",
-        "serving/__init__.py": "", "serving/store.py": "from ..gpu.source import x\n",
+        "gpu/delivery.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..serving.store import S\n",
+        "serving/__init__.py": "", "serving/store.py": "from ..gpu.delivery import x\n",
     })
     imports = package_imports(root)
     assert [(i.importer, i.imported) for i in imports] == [("engram_offload.serving.store",
-                                                             "engram_offload.gpu.source")]
+                                                             "engram_offload.gpu.delivery")]
     assert direction_errors(imports) == []
 
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from engram_offload.engram import rows
-from engram_offload.gpu import HbmRowCache, ImmediateSync, OrderingError, StagingRing, TracingSync
+from engram_offload.gpu import HbmRowCache, ImmediateSync, OrderingError, StagingRing
 from engram_offload.gpu.reference import gather_raw_ref
+
+from tracing_sync import TracingSync
 
 
 def test_tracing_sync_rejects_a_read_before_its_writer_is_waited_for():

@@ -11,8 +11,9 @@ from engram_offload import open_table, write_table
 from engram_offload.engram import rows
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
-from engram_offload.gpu import TracingSync
 from engram_offload.serving.prefetch import Prefetcher
+
+from tracing_sync import TracingSync
 
 CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=64,
                       prime_starts=(300, 500), row_format="fp8_e4m3_ue8m0")

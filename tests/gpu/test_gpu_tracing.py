@@ -1,7 +1,6 @@
 """The tracing DeviceSync following tensors, and the ordering, allocator and host-copy bugs it
-shows on a CPU: ids built after the fetch stream's wait (RowSource), staging copies into
-blocks of another stream, output buffers that move, pageable copies on the fetch path, and
-unregistering before the fetch and fill streams are done."""
+shows on a CPU: staging copies into blocks of another stream, output buffers that move,
+pageable copies on the fetch path, and unregistering before the fetch and fill streams are done."""
 
 from __future__ import annotations
 
@@ -12,12 +11,13 @@ import torch
 from engram_offload import open_table, write_table
 from engram_offload.engram import rows
 from engram_offload.engram.hashing import NgramHasher
-from engram_offload.gpu import OrderingError, RowSource, TracingSync, tp_columns
+from engram_offload.gpu import OrderingError
 from engram_offload.gpu.hbm_cache import FILL_STREAM
 from engram_offload.gpu.sync import FETCH, MAIN, PageableCopyError, kernel_access
 from engram_offload.serving.prefetch import Prefetcher
 
 from tiny_tables import tiny_config
+from tracing_sync import TracingSync
 
 
 def traced() -> TracingSync:
@@ -88,71 +88,6 @@ def test_tracking_needs_a_tensor_tracer():
     with pytest.raises(ValueError, match="tensors=True"):
         with TracingSync().tracking():
             pass
-
-
-# ---------------------------------------------------------------------- RowSource
-def make_table(config) -> torch.Tensor:
-    x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(0))
-    return rows.encode_rows(x, config.row_format)
-
-
-def device_ids(sync, config, tokens: int, seed: int) -> torch.Tensor:
-    """[T, L, C] layer-local ids on the device (an engine hashes on the GPU): made by
-    main-stream work, then doubled there (a kernel of the caller's)."""
-    rng = np.random.default_rng(seed)
-    ids = np.stack([rng.integers(0, config.rows_per_layer[i], (tokens, config.cols_per_layer))
-                    for i in config.layer_ids], axis=1)
-    return sync.upload(MAIN, ids // 2, "cpu") * 2 + sync.upload(MAIN, ids % 2, "cpu")
-
-
-def expected(config, table, ids, layer_id, c0, c1):
-    index = config.layer_ids.index(layer_id)
-    flat = ids[:, index, c0:c1].reshape(-1) + config.layer_row_base(layer_id)
-    return rows.decode_rows(table[flat], config.row_format, config.head_dim, torch.bfloat16).view(
-        ids.shape[0], c1 - c0, -1)
-
-
-@pytest.mark.parametrize("kind", ["table", "reader"])
-def test_row_source_orders_its_ids_and_never_copies_pageable_memory(kind):
-    """Item 1: the ids a layer's gather reads are made on the main stream before the fetch
-    stream waits for it, and kept alive on the fetch stream; item 8: no host array reaches
-    device work but through the pinned upload ring or the staging ring."""
-    config = tiny_config(head_dim=64)
-    table = make_table(config)
-    sync = traced()
-    source = (RowSource.from_table(table, config=config, device="cpu", sync=sync) if kind == "table"
-              else RowSource(lambda ids: table[torch.from_numpy(ids)], config=config, device="cpu", sync=sync))
-    with sync.tracking():
-        for step in range(3):
-            ids = device_ids(sync, config, tokens=3 + step, seed=step)
-            c0, c1 = tp_columns(config.cols_per_layer, 2, step % 2)
-            handle = source.start(ids, columns=(c0, c1))
-            for layer_id in config.layer_ids:
-                got = handle.rows(layer_id)
-                with sync.paused():
-                    assert torch.equal(got, expected(config, table, ids, layer_id, c0, c1))
-    assert all(src.data_ptr() != table.data_ptr() for _, src in sync.copies)
-
-
-def test_row_source_buffers_keep_their_addresses_when_steps_grow():
-    """Item 4: with max_tokens the outputs never move (a captured graph reads them), a rank's
-    share is a view of the same buffer, and a step over max_tokens raises."""
-    config = tiny_config(head_dim=64)
-    table = make_table(config)
-    sync = traced()
-    source = RowSource.from_table(table, config=config, device="cpu", sync=sync, max_tokens=8)
-    address = None
-    with sync.tracking():
-        for tokens, columns in ((1, None), (8, None), (3, (1, 3)), (5, None)):
-            ids = device_ids(sync, config, tokens, seed=tokens)
-            got = source.start(ids, columns=columns).rows(3)
-            address = address or got.data_ptr()
-            assert got.data_ptr() == address
-            c0, c1 = columns or (0, config.cols_per_layer)
-            with sync.paused():
-                assert torch.equal(got, expected(config, table, ids, 3, c0, c1))
-        with pytest.raises(ValueError, match="max_tokens=8"):
-            source.start(device_ids(sync, config, 9, seed=0))
 
 
 # ---------------------------------------------------------------------- a store with a device
@@ -245,21 +180,3 @@ def test_device_prefetcher_buffers_keep_their_addresses_when_steps_grow(table_fi
     (a graph captured around the layers stays valid); a step over max_tokens raises."""
     addresses = run_prefetcher(table_file, (1, 3, 2), max_tokens=12)  # 4, 12, 8 tokens a step
     assert len(addresses) == len(tiny_config().layer_ids)
-
-
-def test_row_source_gather_on_the_callers_stream_equals_the_fetch():
-    """Item 11: the capturable path (static ids, static output, the caller's stream) gives
-    the rows the side-stream fetch gives."""
-    config = tiny_config(head_dim=64)
-    table = make_table(config)
-    sync = traced()
-    source = RowSource.from_table(table, config=config, device="cpu", sync=sync)
-    with sync.tracking():
-        ids = device_ids(sync, config, 5, seed=2)
-        out = sync.empty(MAIN, (5, 2, 64), torch.bfloat16, "cpu")
-        got = source.gather(ids, 3, out=out, columns=(2, 4))
-        assert got is out
-        with sync.paused():
-            assert torch.equal(out, expected(config, table, ids, 3, 2, 4))
-    with pytest.raises(ValueError, match="out must be"):
-        source.gather(ids, 3, out=torch.empty(5, 4, 64))

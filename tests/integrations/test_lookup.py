@@ -19,11 +19,12 @@ import torch
 from engram_offload.engram.rows import decode_rows
 from engram_offload.errors import PrefetchError
 from engram_offload.gpu.device_table import DeviceTable
-from engram_offload.gpu.sync import MAIN, ImmediateSync, OrderingError, TracingSync
+from engram_offload.gpu.sync import MAIN, ImmediateSync, OrderingError
 from engram_offload.integrations.lookup import AddressableLookup, HostReadLookup, LayerShard, flat_ids
 from engram_offload.serving.store import open_table
 
 from engram_tables import same_bits, v41_config, write_v41_table
+from tracing_sync import TracingSync
 
 CONFIG = v41_config()  # 24 columns a layer, as V4.1-Flash
 PADDED = v41_config(n_heads=11, max_ngram_size=3)  # 22 columns: TP 4 and 8 pad the last rank
@@ -275,7 +276,7 @@ def test_tracing_catches_a_read_before_the_ids_copy(table):
 def test_tracing_catches_a_slot_reused_before_its_consumer(table):
     path, _ = table
     lookup = host_read(CONFIG, path, CONFIG.layer_ids[0], 0, 1, sync=TracingSync())
-    lookup._consumed = _Forgetful(lookup._consumed)
+    lookup.ring._events = _Forgetful(lookup.ring._events)
     with closed_after(lookup):
         with pytest.raises(PrefetchError) as err:  # the worker's write into the reused slot
             run_steps(lookup, CONFIG, CONFIG.layer_ids[0], steps=3)

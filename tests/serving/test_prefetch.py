@@ -364,7 +364,7 @@ def test_device_prefetch_hands_each_layer_its_rows_after_their_event(table, hash
     """A CPU 'device' with the tracing DeviceSync: every layer's rows equal the host path's,
     are read on the caller's stream only after the fetch stream's event, sit at the same
     address step after step, and the buffers are rewritten only after they were read."""
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     rng = np.random.default_rng(11)
     tokens = rng.integers(0, VOCAB, size=(3, 18))
@@ -390,7 +390,8 @@ def test_device_prefetch_hands_each_layer_its_rows_after_their_event(table, hash
 
 
 def test_a_layer_reading_before_its_event_is_caught(table, hasher):
-    from engram_offload.gpu import OrderingError, TracingSync
+    from engram_offload.gpu import OrderingError
+    from tracing_sync import TracingSync
 
     sync = TracingSync()
     with open_table(table, "mmap", device="cpu", sync=sync) as store, Prefetcher(store, hasher) as pf:
@@ -438,7 +439,7 @@ SHARD_STORES = [
                          ids=["C7 tp2: 4+3", "C7 tp4: 2+2+2+1", "C6 tp4: 2+2+2+0"])
 def test_each_ranks_rows_are_its_column_slice_of_the_unsharded_rows(tmp_path, where, tier, options, n_heads,
                                                                     max_ngram_size, world):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     path, config = shard_table(tmp_path, n_heads, max_ngram_size)
     token_map = np.arange(VOCAB, dtype=np.int64) % 700
@@ -618,7 +619,7 @@ def test_a_failed_first_layer_fails_the_later_ones_without_reading_them(table, h
 
 
 def test_rows_already_returned_stay_usable_after_a_cancel(table, hasher):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     for device in ({}, {"device": "cpu", "sync": TracingSync()}):
         with open_table(table, "mmap", **device) as store, Prefetcher(store, hasher) as pf:
@@ -683,7 +684,7 @@ def test_a_step_of_exactly_split_min_rows_is_split(table, hasher):
 
 @pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
 def test_rows_come_in_the_dtype_asked_for(table, hasher, device):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     tokens = np.array([[5, 6, 7, 8]])
     options = {"device": "cpu", "sync": TracingSync()} if device else {}
@@ -701,7 +702,7 @@ def test_rows_come_in_the_dtype_asked_for(table, hasher, device):
 def test_device_output_sets_are_named_apart_and_come_back_after_a_cancel(table, hasher):
     """Two steps in flight hold two output sets, each under its own name in the sync's trace;
     sets cancelled mid-fetch return to the pool once their fetch ends, and are taken again."""
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     gate = threading.Event()
     with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
@@ -746,7 +747,7 @@ def test_without_a_step_in_flight_rows_is_refused_and_ending_is_a_no_op(table, h
 
 
 def test_a_step_ended_twice_gives_its_output_set_back_once(table, hasher):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     with open_table(table, "mmap", device="cpu", sync=TracingSync()) as store, Prefetcher(store, hasher) as pf:
         step = pf.begin_step([1], [[5, 6, 7]])

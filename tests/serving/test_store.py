@@ -132,7 +132,7 @@ DEVICE_STORES = [
 def test_a_store_with_a_device_returns_the_tiers_rows_bit_for_bit(v41_table, tier, options):
     """Random steps with hits and misses in every level; the tracing sync checks that no
     staging buffer, HBM slot or result is touched before the work it depends on."""
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     path, config, raw = v41_table
     sync = TracingSync()
@@ -155,7 +155,7 @@ def test_a_store_with_a_device_returns_the_tiers_rows_bit_for_bit(v41_table, tie
             assert hbm["hits"] > 0 and hbm["misses"] > 0 and hbm["rows"] == stats["store"]["rows_unique"]
             assert hbm["resident_rows"] == 16 and 0 < stats["store"]["hit_rate"] < 1
         if tier != "memory":  # rows left the host only from the staging ring's pinned buffers (ids from the upload ring's)
-            from engram_offload.gpu.sync import upload_buffers
+            from tracing_sync import upload_buffers
             ring = store._device_rows.ring
             rows_copied = [src for _, src in sync.copies if any(_within(src, b) for b in ring.buffers)]
             assert rows_copied and all(any(_within(src, b) for b in ring.buffers + upload_buffers(sync))
@@ -302,7 +302,7 @@ def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
 
 
 def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     path, config, _ = v41_table
     sync = TracingSync()
@@ -321,7 +321,7 @@ def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
 
 
 def test_a_device_store_holds_and_resets_what_it_says(v41_table):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     path, config, raw = v41_table
     sync = TracingSync()
@@ -341,7 +341,7 @@ def test_a_device_store_holds_and_resets_what_it_says(v41_table):
 
 
 def test_a_device_reads_a_dram_table_in_place(v41_table):
-    from engram_offload.gpu import TracingSync
+    from tracing_sync import TracingSync
 
     path, config, raw = v41_table
     sync = TracingSync()
@@ -350,7 +350,7 @@ def test_a_device_reads_a_dram_table_in_place(v41_table):
         with store.fetch(np.array([1, 5, 9], np.int64)) as lease:
             sync.wait("main", lease.ready)
             assert torch.equal(lease.raw, raw[[1, 5, 9]])
-        from engram_offload.gpu.sync import upload_buffers
+        from tracing_sync import upload_buffers
         # nothing staged: the device read the table where it is (only the ids were uploaded)
         assert all(any(_within(src, b) for b in upload_buffers(sync)) for _, src in sync.copies)
         tier = store.stats()["levels"][-1]

@@ -1,5 +1,5 @@
-"""Rows on the GPU: gathers from pinned host memory and HBM, an HBM hot-row cache, NVMe
-staging, and the adapter a serving engine calls.
+"""Rows on the GPU: gathers from pinned host memory and HBM, an HBM hot-row cache, pinned
+staging, and the streams and events that order them.
 
 Importing this package needs neither Triton nor CUDA: the kernels are imported when they
 first run, and every kernel has a pure-torch reference that CPU tensors fall back to.
@@ -12,9 +12,7 @@ from ..buffers.hostmem import HostRegistration, page_span, register_host, uva_co
 from .hbm_cache import HbmRowCache
 from .kernels import dequant_rows, gather_raw, gather_rows, head_dim_of, runs_triton, tiered_gather
 from .reference import dequant_rows_ref, gather_raw_ref, gather_rows_ref, tiered_gather_ref
-from .source import RowHandle, RowSource, tp_columns
-from .staging import StagingRing
-from .sync import CudaSync, DeviceSync, ImmediateSync, OrderingError, TracingSync, make_sync
+from .sync import CudaSync, DeviceSync, ImmediateSync, OrderingError, StagingRing, make_sync
 
 __all__ = [
     "gather_raw",
@@ -34,13 +32,9 @@ __all__ = [
     "uva_coherent",
     "HbmRowCache",
     "StagingRing",
-    "RowSource",
-    "RowHandle",
-    "tp_columns",
     "DeviceSync",
     "CudaSync",
     "ImmediateSync",
-    "TracingSync",
     "OrderingError",
     "make_sync",
 ]

@@ -37,8 +37,7 @@ from ..cache.lease import Pins
 from .device_table import DeviceTable
 from .hbm_cache import FILL_STREAM, HbmRowCache
 from .kernels import gather_raw
-from .staging import StagingRing
-from .sync import FETCH, DeviceSync
+from .sync import FETCH, DeviceSync, StagingRing
 
 __all__ = ["DeviceRows", "Delivery", "STAGING_BYTES"]
 

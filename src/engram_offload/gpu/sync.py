@@ -1,41 +1,25 @@
-"""``DeviceSync``: the streams and events that order device work, behind one small interface.
+"""``DeviceSync``: the streams and events that order device work, behind one small interface;
+``StagingRing``: the pinned host buffers every host-to-device copy of rows and ids leaves from.
 
 Code that moves rows names its streams (``"main"`` is the caller's current stream,
 ``"host"`` the calling thread; any other name is a side stream made on first use) and says
-which buffers each piece of work reads and writes. Three implementations:
-
-- ``CudaSync``: real CUDA streams and events.
-- ``ImmediateSync``: the CPU; work runs at once, in call order, and every event is done.
-- ``TracingSync`` (tests): runs work at once like ``ImmediateSync`` but keeps a vector
-  clock per stream and raises ``OrderingError`` when a piece of work touches a buffer
-  whose previous writer, or for a write, previous readers, do not happen-before it
-  through the recorded events, waits and host synchronizations. A bug that would be a
-  race on a GPU is an exception on a CPU. It also keeps every host-to-device ``copy``'s
-  source, so a test can check rows only ever leave from pinned staging buffers.
+which buffers each piece of work reads and writes, named by ``{name: indices}``: ``indices``
+are the parts touched (say the slots of an HBM cache) or ``None`` for the whole buffer. Two
+implementations: ``CudaSync`` (real CUDA streams and events) and ``ImmediateSync`` (the CPU:
+work runs at once, in call order, and every event is done); the tests add one that checks the
+ordering on a CPU, which ``kernel_access``, ``host_mapped`` and ``release_host`` inform.
 
 Host-to-device copies go through ``copy``: ``CudaSync`` refuses a pageable source (such a
-copy blocks the host and stages through a driver buffer). Small host arrays (ids, slot
-maps, fill indices) go through ``upload``: a ring of pinned buffers, a ``non_blocking`` copy,
-each buffer written again only after its copy's event.
+copy blocks the host and stages through a driver buffer). They leave from a ``StagingRing``:
+host work fills buffer ``k``, a ``non_blocking`` copy moves it to the device and records an
+event, and buffer ``k`` is written again only after that event, so the host never overwrites
+bytes a copy may still be reading. Small host arrays (ids, slot maps, fill indices) go
+through ``upload``, a ring per device whose buffers grow to the largest array.
 
-``TracingSync(tensors=True)``, inside ``with sync.tracking():``, also follows every tensor
-the code touches (a ``TorchDispatchMode``; kernel launches declare theirs through
-``kernel_access``), whether or not it is named:
-
-- an allocation is a write by the stream that allocates it (the caller's stream outside
-  ``run``), so a buffer allocated on one stream and written or read on another needs a
-  recorded dependency (a wait, or an event the host waited on);
-- work outside ``run`` is work on ``"main"``, so a copy kernel the code launches between
-  two waits is seen where a GPU would run it;
-- a block freed while work on another stream may still use it needs that stream's
-  ``keep_alive`` (CUDA's ``record_stream``) or a dependency on it, else the caching
-  allocator can hand it to the next allocation of its stream;
-- host memory made from NumPy or a list (``torch.from_numpy``, ``torch.tensor``) or
-  allocated by host work, read by device work, is a pageable copy: on a GPU it blocks the
-  host (or faults); pinned or registered host memory is declared with ``host_mapped``.
-
-Buffers are named by ``{name: indices}``: ``indices`` are the parts touched (say the slots
-of an HBM cache) or ``None`` for the whole buffer.
+A ring's copy stream does not wait for the stream that allocated ``dst``: allocate it on the
+copy stream (``sync.empty(ring.stream, ...)``) and ``keep_alive`` it on the streams that read
+it, or make the copy stream wait for the allocating stream first; the caching allocator
+orders a block's reuse only on its own stream.
 """
 
 from __future__ import annotations
@@ -43,29 +27,25 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import weakref
 from abc import ABC, abstractmethod
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["DeviceSync", "CudaSync", "ImmediateSync", "TracingSync", "OrderingError", "PageableCopyError",
-           "make_sync", "kernel_access", "upload_buffers"]
+__all__ = ["DeviceSync", "CudaSync", "ImmediateSync", "StagingRing", "OrderingError", "PageableCopyError",
+           "make_sync", "kernel_access"]
 
 Access = Mapping[str, Iterable[int] | np.ndarray | None]
 HOST = "host"
 MAIN = "main"
 FETCH = "engram_fetch"  # the side stream that fetches a step's rows
-
+COPY_STREAM = "staging_copy"
 
 UPLOAD_BUFFERS = 32  # pinned buffers of the upload ring: the host waits for the copy 32 uploads back
 UPLOAD_MIN_BYTES = 1 << 16
-_UPLOAD_RINGS = itertools.count()
+_RING_NUMBERS = itertools.count()
+_local = threading.local()  # .tracer: a tracing sync following tensors in this thread; .paused
 
 
 class OrderingError(AssertionError):
@@ -130,63 +110,95 @@ class DeviceSync(ABC):
 
     def upload(self, stream: str, array: np.ndarray, device: torch.device | str) -> torch.Tensor:
         """``array`` (host, small: ids, slot maps, fill indices) on ``device`` for work on
-        ``stream``: copied ``non_blocking`` from a ring of pinned buffers, allocated on
-        ``stream``; the host never blocks on the device unless the ring has come round to a
-        buffer whose copy has not finished."""
+        ``stream``: copied ``non_blocking`` from this sync's upload ring for ``device`` into a
+        tensor allocated on ``stream``; the host never blocks on the device unless the ring has
+        come round to a buffer whose copy has not finished."""
         array = np.ascontiguousarray(array)
-        rings = self.__dict__.setdefault("_upload_rings", {})
-        key = str(torch.device(device))
-        if key not in rings:
-            rings[key] = _UploadRing(self, torch.device(device))
-        return rings[key].put(stream, array)
-
-
-def upload_buffers(sync: DeviceSync) -> list[torch.Tensor]:
-    """The pinned buffers of ``sync``'s upload rings (tests check copies leave from these or
-    from a staging ring)."""
-    rings = sync.__dict__.get("_upload_rings", {})
-    return [b for ring in rings.values() for b in ring.buffers if b is not None]
-
-
-class _UploadRing:
-    """Pinned host buffers for ``DeviceSync.upload``, used round robin."""
-
-    def __init__(self, sync: DeviceSync, device: torch.device) -> None:
-        self.sync = sync
-        self.device = device
-        self.buffers: list[torch.Tensor | None] = [None] * UPLOAD_BUFFERS
-        self.events: list[object] = [None] * UPLOAD_BUFFERS
-        self.next = 0
-        self.name = f"upload{next(_UPLOAD_RINGS)}"
-        self.lock = threading.Lock()
-
-    def put(self, stream: str, array: np.ndarray) -> torch.Tensor:
         dtype = torch.from_numpy(array[:0].reshape(-1)).dtype
-        nbytes = array.nbytes
-        if nbytes == 0:
-            return self.sync.empty(stream, array.shape, dtype, self.device)
-        with self.lock:
-            k = self.next
-            self.next = (k + 1) % len(self.buffers)
-            sync = self.sync
-            sync.synchronize(self.events[k])  # the copy out of buffer k has finished
-            buffer = self.buffers[k]
-            if buffer is None or buffer.numel() < nbytes:
-                size = max(UPLOAD_MIN_BYTES, 1 << (nbytes - 1).bit_length())
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-                sync.host_mapped(buffer)
-                self.buffers[k] = buffer
-            source = buffer[:nbytes]
+        if array.nbytes == 0:
+            return self.empty(stream, array.shape, dtype, device)
+        rings = self.__dict__.setdefault("_upload_rings", {})
+        device = torch.device(device)
+        ring = rings.get(str(device))
+        if ring is None:
+            ring = rings[str(device)] = StagingRing(UPLOAD_BUFFERS, UPLOAD_MIN_BYTES, device=device, sync=self,
+                                                    grow=True)
+        flat = array.reshape(-1).view(np.uint8)
 
-            def write() -> None:
-                source.numpy()[:] = array.reshape(-1).view(np.uint8)
+        def write(buffer: torch.Tensor) -> int:
+            buffer[:flat.size].numpy()[:] = flat
+            return flat.size
 
-            sync.run(HOST, write, writes={self.name: [k]})
-            sync.wait(stream, sync.record(HOST))
-            dst = sync.empty(stream, (nbytes,), torch.uint8, self.device)
-            sync.copy(stream, dst, source, reads={self.name: [k]})
-            self.events[k] = sync.record(stream)
+        dst = self.empty(stream, (flat.size,), torch.uint8, device)
+        ring.stage(write, dst, stream=stream)
         return dst.view(dtype).view(array.shape)
+
+
+class StagingRing:
+    """``count`` pinned host buffers of ``buffer_bytes`` each, used round robin (see the module
+    doc); with ``grow`` a buffer grows to hold what it is asked to carry."""
+
+    def __init__(self, count: int, buffer_bytes: int, *, device: torch.device | str,
+                 sync: DeviceSync | None = None, stream: str = COPY_STREAM, grow: bool = False) -> None:
+        if count < 1 or buffer_bytes < 1:
+            raise ValueError(f"a staging ring needs at least one buffer of at least one byte, "
+                             f"got {count} buffers of {buffer_bytes} bytes")
+        self.device = torch.device(device)
+        self.sync = sync or ImmediateSync()
+        self.stream = stream
+        self.grow = grow
+        self.buffers = [self._pinned(buffer_bytes) for _ in range(count)]
+        self._events: list[object] = [None] * count
+        self._next = 0
+        self._lock = threading.Lock()
+        self.name = f"staging{next(_RING_NUMBERS)}"  # this ring's buffers, as DeviceSync names them
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        pin = self.device.type == "cuda"  # a CPU-only run has no pinned memory to ask for
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.sync.host_mapped(buffer)
+        return buffer
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.buffers[0].numel()
+
+    def claim(self, nbytes: int = 0) -> int:
+        """The next buffer's index, once the copy out of it has finished (the host blocks only
+        when the ring comes round to a copy still running); with ``grow``, it holds ``nbytes``."""
+        k = self._next
+        self._next = (k + 1) % len(self.buffers)
+        self.sync.synchronize(self._events[k])
+        if self.grow and nbytes > self.buffers[k].numel():
+            self.buffers[k] = self._pinned(max(UPLOAD_MIN_BYTES, 1 << (nbytes - 1).bit_length()))
+        return k
+
+    def send(self, k: int, src: torch.Tensor, dst: torch.Tensor, *, stream: str | None = None,
+             writes: Access | None = None) -> object:
+        """Copy ``src`` (a view of buffer ``k``, filled by host work) into ``dst`` on ``stream``
+        (the ring's by default) after the host work so far; returns the copy's event, after
+        which buffer ``k`` may be written again."""
+        stream = stream or self.stream
+        self.sync.wait(stream, self.sync.record(HOST))
+        self.sync.copy(stream, dst, src, reads={self.name: [k]}, writes=writes)
+        event = self._events[k] = self.sync.record(stream)
+        return event
+
+    def stage(self, read_into: Callable[[torch.Tensor], int], dst: torch.Tensor, *, stream: str | None = None,
+              writes: Access | None = None) -> object:
+        """Fill the next buffer with ``read_into(buffer) -> bytes read`` (on the host), then copy
+        those bytes into the flat ``uint8`` device tensor ``dst`` (``writes``: how ``DeviceSync``
+        names it); returns the copy's event."""
+        if dst.dtype != torch.uint8 or dst.dim() != 1:
+            raise ValueError(f"dst must be a flat uint8 tensor, got {dst.dtype} {tuple(dst.shape)}")
+        with self._lock:
+            k = self.claim(dst.numel())
+            buffer = self.buffers[k]
+            nbytes = self.sync.run(HOST, lambda: int(read_into(buffer)), writes={self.name: [k]})
+            if not 0 <= nbytes <= min(buffer.numel(), dst.numel()):
+                raise ValueError(f"read_into returned {nbytes} bytes; buffer holds {buffer.numel()}, "
+                                 f"dst {dst.numel()}")
+            return self.send(k, buffer[:nbytes], dst[:nbytes], stream=stream, writes=writes)
 
 
 class ImmediateSync(DeviceSync):
@@ -271,51 +283,12 @@ class CudaSync(DeviceSync):
             tensor.record_stream(self.stream(stream))
 
 
-@dataclass(frozen=True)
-class _Op:
-    stream: str
-    seq: int
-    label: str
-
-
-@dataclass
-class _Event:
-    clock: dict[str, int]
-
-
-@dataclass
-class _BufferState:
-    writer: _Op | None = None
-    readers: list[_Op] = field(default_factory=list)
-
-
-@dataclass
-class _Storage:
-    """A tensor storage the tracer follows: where it lives, who allocated it, its accesses."""
-
-    place: str  # "device", "host" (pageable) or "mapped" (pinned or registered host memory)
-    stream: str | None  # the allocating stream (None: not allocated under the trace)
-    label: str
-    state: _BufferState = field(default_factory=_BufferState)
-    kept: set[str] = field(default_factory=set)  # streams given by keep_alive
-
-
-_local = threading.local()  # .tracer: the TracingSync whose tensor mode is on in this thread
-
-
-def _stream_stack() -> list[str]:
-    stack = getattr(_local, "streams", None)
-    if stack is None:
-        stack = _local.streams = []
-    return stack
-
-
 @contextlib.contextmanager
 def kernel_access(reads: Iterable[torch.Tensor | None], writes: Iterable[torch.Tensor | None],
                   label: str = "kernel") -> Iterator[None]:
-    """Around a kernel launch: the tracing sync (when one follows tensors in this thread)
-    records the launch as one piece of work reading ``reads`` and writing ``writes`` on the
-    current stream, and does not look inside it. Costs nothing otherwise."""
+    """Around a kernel launch: a tracing sync following tensors in this thread records the
+    launch as one piece of work reading ``reads`` and writing ``writes`` on the current stream,
+    and does not look inside it. Costs nothing otherwise."""
     tracer = getattr(_local, "tracer", None)
     if tracer is None or getattr(_local, "paused", False):
         yield
@@ -326,296 +299,6 @@ def kernel_access(reads: Iterable[torch.Tensor | None], writes: Iterable[torch.T
         yield
     finally:
         _local.paused = False
-
-
-class _TensorMode(TorchDispatchMode):
-    def __init__(self, tracer: "TracingSync") -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(_local, "paused", False):
-            return func(*args, **kwargs)
-        before = self.tracer._before_op(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.tracer._after_op(func, before, out)
-        return out
-
-
-def _storages(values: Iterable[Any]) -> dict[int, torch.Tensor]:
-    """Storage address -> one tensor on it, for the tensors among ``values`` (empty ones skipped)."""
-    found: dict[int, torch.Tensor] = {}
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes():
-            found.setdefault(v.untyped_storage().data_ptr(), v)
-    return found
-
-
-class TracingSync(DeviceSync):
-    """Runs work at once and checks happens-before on every buffer it touches (test-only);
-    ``tensors=True`` also follows tensors inside ``tracking()`` (see the module doc)."""
-
-    def __init__(self, *, tensors: bool = False) -> None:
-        self._clocks: dict[str, dict[str, int]] = defaultdict(dict)  # stream -> vector clock
-        self._buffers: dict[tuple[str, int | None], _BufferState] = defaultdict(_BufferState)
-        self.log: list[str] = []
-        self.copies: list[tuple[str, torch.Tensor]] = []  # (stream, source) of every copy
-        self._lock = threading.RLock()  # a consumer thread and worker threads share one trace
-        self.tensors = tensors
-        self._tracking = False
-        self._storages: dict[int, _Storage] = {}  # storage address -> what the tracer knows
-        self._error: OrderingError | None = None  # found in a finalizer, raised at the next call
-
-    # ------------------------------------------------------------------ named buffers
-    def _happened(self, op: _Op, stream: str) -> bool:
-        """Whether ``op`` happens-before the next work on ``stream``."""
-        return op.stream == stream or self._clocks[stream].get(op.stream, 0) >= op.seq
-
-    def _parts(self, access: Access | None) -> Iterable[tuple[str, int | None]]:
-        for name, indices in (access or {}).items():
-            if indices is None:
-                yield name, None
-            else:
-                for i in np.asarray(indices, dtype=np.int64).reshape(-1).tolist():
-                    yield name, i
-
-    def _check_state(self, op: _Op, s: _BufferState, what: object, writing: bool) -> None:
-        if s.writer is not None and not self._happened(s.writer, op.stream):
-            raise OrderingError(f"{op.label} on {op.stream} touches {what} before its writer "
-                                f"{s.writer.label} on {s.writer.stream} is known to be finished")
-        if writing:
-            for reader in s.readers:
-                if not self._happened(reader, op.stream):
-                    raise OrderingError(f"{op.label} on {op.stream} overwrites {what} before its reader "
-                                        f"{reader.label} on {reader.stream} is known to be finished")
-
-    def _check(self, op: _Op, key: tuple[str, int | None], writing: bool) -> None:
-        state = self._buffers[key]
-        # A whole-buffer key conflicts with its parts' keys: check both ways.
-        states = [state] + ([self._buffers[(key[0], None)]] if key[1] is not None else [])
-        if key[1] is None:
-            states += [s for (n, i), s in self._buffers.items() if n == key[0] and i is not None]
-        for s in states:
-            self._check_state(op, s, key, writing)
-
-    def copy(self, stream, dst, src, *, reads=None, writes=None):
-        with self._lock:
-            self.copies.append((stream, src))
-            super().copy(stream, dst, src, reads=reads, writes=writes)
-
-    def run(self, stream, fn, *, reads=None, writes=None):
-        with self._lock:
-            self._raise_found()
-            return self._run(stream, fn, reads, writes)
-
-    def _tick(self, stream: str, label: str) -> _Op:
-        clock = self._clocks[stream]
-        clock[stream] = clock.get(stream, 0) + 1
-        return _Op(stream, clock[stream], label)
-
-    def _run(self, stream, fn, reads, writes):
-        op = self._tick(stream, getattr(fn, "__name__", "work"))
-        read_keys, write_keys = list(self._parts(reads)), list(self._parts(writes))
-        for key in read_keys:
-            self._check(op, key, writing=False)
-        for key in write_keys:
-            self._check(op, key, writing=True)
-        for key in read_keys:
-            self._buffers[key].readers.append(op)
-        for key in write_keys:
-            self._buffers[key] = _BufferState(writer=op)
-        self.log.append(f"{stream}:{op.label}")
-        stack = _stream_stack()
-        stack.append(stream)
-        pushed = self._enter_mode()
-        try:
-            return fn()
-        finally:
-            if pushed is not None:
-                pushed.__exit__(None, None, None)
-                _local.tracer = None
-            stack.pop()
-
-    def record(self, stream):
-        with self._lock:
-            self._raise_found()
-            return _Event(dict(self._clocks[stream]))
-
-    def wait(self, stream, event):
-        if event is None:
-            return
-        with self._lock:
-            clock = self._clocks[stream]
-            for s, seq in event.clock.items():
-                clock[s] = max(clock.get(s, 0), seq)
-
-    def synchronize(self, event):
-        self.wait(HOST, event)
-
-    def done(self, event):
-        """Work runs at once, so it is done; the host now knows it (as after a real query)."""
-        self.synchronize(event)
-        return True
-
-    def host_knows_finished(self, stream: str) -> bool:
-        """Whether the host has waited for (or seen finished) all work enqueued on ``stream``."""
-        with self._lock:
-            return self._clocks[HOST].get(stream, 0) >= self._clocks[stream].get(stream, 0)
-
-    # ------------------------------------------------------------------ tensors
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator["TracingSync"]:
-        """Follow tensors in this thread (and inside ``run`` in any thread) until the block ends."""
-        if not self.tensors:
-            raise ValueError("this TracingSync does not follow tensors: make it with TracingSync(tensors=True)")
-        self._tracking = True
-        mode = self._enter_mode()
-        try:
-            yield self
-        finally:
-            if mode is not None:
-                mode.__exit__(None, None, None)
-                _local.tracer = None
-            self._tracking = False
-        self.check()
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Tensor work in this block is not followed (a test's own checks)."""
-        was = getattr(_local, "paused", False)
-        _local.paused = True
-        try:
-            yield
-        finally:
-            _local.paused = was
-
-    def check(self) -> None:
-        """Raise what a finalizer found (a block freed while another stream might use it)."""
-        with self._lock:
-            self._raise_found()
-
-    def _raise_found(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _enter_mode(self) -> TorchDispatchMode | None:
-        if not self._tracking or getattr(_local, "tracer", None) is not None:
-            return None
-        mode = _TensorMode(self)
-        mode.__enter__()
-        _local.tracer = self
-        return mode
-
-    def _current(self) -> str:
-        stack = _stream_stack()
-        return stack[-1] if stack else MAIN
-
-    def _storage(self, t: torch.Tensor) -> _Storage | None:
-        return self._storages.get(t.untyped_storage().data_ptr())
-
-    def _new(self, t: torch.Tensor, place: str, stream: str | None, label: str) -> _Storage:
-        storage = t.untyped_storage()
-        address = storage.data_ptr()
-        known = _Storage(place, stream, label)
-        self._storages[address] = known
-        weakref.finalize(storage, self._freed, address, known)
-        return known
-
-    def _freed(self, address: int, known: _Storage) -> None:
-        """A storage died: its block goes back to its stream's pool, reusable by that stream's
-        next allocation; a use on another stream must be kept alive or ordered before it."""
-        with self._lock:
-            if self._storages.get(address) is known:
-                del self._storages[address]
-            if known.place != "device" or known.stream is None:
-                return
-            state = known.state
-            for op in ([state.writer] if state.writer else []) + state.readers:
-                if op.stream in (known.stream, HOST) or op.stream in known.kept:
-                    continue
-                if not self._happened(op, known.stream) and self._error is None:
-                    self._error = OrderingError(
-                        f"{known.label} (allocated on {known.stream}) was freed while {op.label} on {op.stream} "
-                        f"may still use it: keep_alive it on {op.stream} or order {op.stream} before its reuse")
-
-    def _access(self, label: str, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
-                allocs: Iterable[torch.Tensor]) -> None:
-        stream = self._current()
-        op = self._tick(stream, label)
-        reads, writes, allocs = list(reads), list(writes), list(allocs)
-        for t in reads + writes:
-            known = self._storage(t)
-            if known is None:
-                continue
-            if known.place == "host" and stream != HOST:
-                raise PageableCopyError(
-                    f"{label} on {stream} uses pageable host memory ({known.label}): on a GPU that is a "
-                    "blocking copy; send it with DeviceSync.upload or a StagingRing")
-            self._check_state(op, known.state, known.label, writing=any(t is w for w in writes))
-        for t in reads:
-            known = self._storage(t)
-            if known is not None:
-                known.state.readers.append(op)
-        for t in writes:
-            known = self._storage(t)
-            if known is not None:
-                known.state = _BufferState(writer=op)
-        for t in allocs:
-            self._new(t, "host" if stream == HOST else "device", stream, f"a tensor from {label}").state.writer = op
-
-    def _kernel(self, label: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._raise_found()
-            self._access(label, reads, writes, [])
-
-    def _before_op(self, func: Any, args: tuple, kwargs: dict) -> tuple:
-        schema = func._schema
-        flat_in, _ = tree_flatten((args, kwargs))
-        inputs = _storages(flat_in)
-        written: dict[int, torch.Tensor] = {}
-        for i, arg in enumerate(schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written.update(_storages(tree_flatten(value)[0]))
-        return inputs, written
-
-    def _after_op(self, func: Any, before: tuple, out: Any) -> None:
-        inputs, written = before
-        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-        with self._lock:
-            self._raise_found()
-            if view:
-                if func is torch.ops.aten.lift_fresh.default:  # a tensor made from NumPy or a list
-                    for address, t in inputs.items():
-                        if address not in self._storages:
-                            self._new(t, "host", None, "host memory from NumPy or a list")
-                return
-            outputs = _storages(tree_flatten(out)[0])
-            allocs = [t for a, t in outputs.items() if a not in inputs and a not in self._storages]
-            reads = [t for a, t in inputs.items() if a not in written]
-            self._access(str(func.overloadpacket.__name__), reads, list(written.values()), allocs)
-
-    def keep_alive(self, tensor, stream):
-        with self._lock:
-            known = self._storage(tensor) if tensor.untyped_storage().nbytes() else None
-            if known is not None:
-                known.kept.add(stream)
-
-    def host_mapped(self, tensor):
-        with self._lock:
-            if tensor.untyped_storage().nbytes():
-                self._new(tensor, "mapped", None, "mapped host memory")
-
-    def release_host(self, tensor):
-        with self._lock:
-            self._raise_found()
-            known = self._storage(tensor) if tensor.untyped_storage().nbytes() else None
-            if known is None:
-                return
-            op = _Op(HOST, self._clocks[HOST].get(HOST, 0) + 1, "release_host")
-            self._check_state(op, known.state, known.label, writing=True)
 
 
 def make_sync(device: torch.device | str | None = None) -> DeviceSync:

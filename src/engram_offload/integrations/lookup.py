@@ -16,14 +16,14 @@ Two backends:
   ``pinned``, ``shared``): one gather kernel (``gpu.gather_rows`` / ``gather_raw``) on the current
   stream, ids masked on the device. No host sync, so a CUDA graph can capture it.
 - ``HostReadLookup``: a host-read tier (``direct``, ``mmap``, ``remote``, a row server). ``lookup``
-  copies the rank's ids into a pinned ring slot on the current stream and hands the slot to
-  this layer's worker thread; the worker waits for that copy, reads the rows into the slot's
-  pinned staging and then raises the slot's flag (zeros and the error on failure: the flag is
+  copies the rank's ids into a slot of its pinned ``StagingRing`` on the current stream and
+  hands the slot to this layer's worker thread; the worker waits for that copy, reads the rows
+  into the slot and then raises the slot's flag (zeros and the error on failure: the flag is
   always raised, so nothing waits for ever). ``finish`` (the consumer, before the rows are
   read) waits for the flag (bounded by ``timeout_s``), raises a failed read, and enqueues the
-  copy to the device and the dequantization into ``out`` on the current stream. A slot is
-  written again only after the event recorded after its rows were consumed. Every piece of
-  device work goes through a ``DeviceSync``, so a test checks this order with ``TracingSync``.
+  ring's copy to the device and the dequantization into ``out`` on the current stream. A slot
+  is written again only after the ring's event for its last copy. Every piece of device work
+  goes through a ``DeviceSync``, so a test checks this order on a CPU.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..engram.config import EngramConfig
 from ..errors import PrefetchError
 from ..gpu.device_table import DeviceTable
 from ..gpu.kernels import dequant_rows
-from ..gpu.sync import HOST, MAIN, DeviceSync
+from ..gpu.sync import HOST, MAIN, DeviceSync, StagingRing
 from ..serving.sharding import column_range
 from ..serving.store import RowStore
 
@@ -231,20 +231,20 @@ class HostReadLookup(_Logged):
         # "main" in CUDA terms too); a trace names it apart from the consumer's
         self.ids_stream = ids_stream
         rb, part, c = config.row_bytes, shard.part, shard.c1 - shard.c0
-        pin = self.device.type == "cuda"
-        # per slot: the rank's ids [max_tokens, c] and their rows [max_tokens * part, row_bytes], pinned
-        self._ids = [torch.empty((max_tokens, c), dtype=torch.int32, pin_memory=pin) for _ in range(slots)]
-        self._rows = [torch.empty((max_tokens * part, rb), dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
+        # per slot, one pinned buffer: the rank's ids int32 [max_tokens, c], then their rows
+        # [max_tokens * part, row_bytes]; the rows are copied to the device on the consumer's stream
+        ids_bytes, rows_bytes = max_tokens * c * 4, max_tokens * part * rb
+        self.ring = StagingRing(slots, ids_bytes + rows_bytes, device=self.device, sync=sync, stream=MAIN)
+        self._ids = [b[:ids_bytes].view(torch.int32).view(max_tokens, c) for b in self.ring.buffers]
+        self._rows = [b[ids_bytes:].view(max_tokens * part, rb) for b in self.ring.buffers]
         self._device_rows = [torch.empty((max_tokens * part, rb), dtype=torch.uint8, device=self.device)
                              for _ in range(slots)]
-        self._consumed: list[object] = [None] * slots  # the event after a slot's rows were last used
         self._flags: list[object] = [None] * slots  # the host event after a slot's ids were last read
         self._abandoned: list[_Job | None] = [None] * slots  # a read ``finish`` gave up waiting for
-        self._next = 0
         self._pending: _Job | None = None
         self._failed: BaseException | None = None  # a failure not yet raised to the engine
         name = f"engram_l{shard.layer_id}_{id(self):x}"
-        self._names = {"ids": f"{name}_ids", "rows": f"{name}_rows", "device": f"{name}_device"}
+        self._names = {"ids": f"{name}_ids", "device": f"{name}_device"}
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"engram-offload-l{shard.layer_id}", daemon=True)
         self._worker.start()
@@ -270,10 +270,8 @@ class HostReadLookup(_Logged):
                              f"layer {self.shard.layer_id} was sized for")
         if indices.dim() != 2 or indices.shape[1] != self.shard.num_columns:
             raise ValueError(f"Engram ids must be [T, {self.shard.num_columns}], got {tuple(indices.shape)}")
-        k = self._next
-        self._next = (k + 1) % len(self._ids)
+        k = self.ring.claim()  # the slot's rows were copied out by the step before
         self._settle(k)
-        self.sync.synchronize(self._consumed[k])  # the slot's rows were used by the step before
         self.sync.wait(self.ids_stream, self._flags[k])  # and its ids read
         ids = indices[:, self.shard.c0:self.shard.c1]  # [T, c], a view of the engine's ids
         self.sync.copy(self.ids_stream, self._ids[k][:t], ids, writes={self._names["ids"]: [k]})
@@ -306,8 +304,7 @@ class HostReadLookup(_Logged):
         k, n, rb = job.slot, job.tokens * self.shard.part, self.config.row_bytes
         self.sync.wait(MAIN, job.flag)  # the rows are in the pinned slot
         device_rows = self._device_rows[k][:n]
-        self.sync.copy(MAIN, device_rows, self._rows[k][:n], reads={self._names["rows"]: [k]},
-                       writes={self._names["device"]: [k]})
+        self.ring.send(k, self._rows[k][:n], device_rows, writes={self._names["device"]: [k]})
         packed = out.dtype == torch.uint8
         width = rb if packed else self.config.head_dim
         config = self.config
@@ -325,7 +322,6 @@ class HostReadLookup(_Logged):
                 out.copy_(dequant_rows(device_rows, config, dtype=out.dtype).view(out.shape))
 
         self.sync.run(MAIN, write_rows, reads={self._names["device"]: [k]}, writes={"engram_out": None})
-        self._consumed[k] = self.sync.record(MAIN)
         job.out = None
         self._count(n)
 
@@ -384,7 +380,7 @@ class HostReadLookup(_Logged):
                 rows.zero_()  # never stale rows of another step
                 raise
 
-        self.sync.run(HOST, read, reads={self._names["ids"]: [k]}, writes={self._names["rows"]: [k]})
+        self.sync.run(HOST, read, reads={self._names["ids"]: [k]}, writes={self.ring.name: [k]})
 
     def close(self) -> None:
         """Stop the worker (after the job it is on)."""
