@@ -11,13 +11,14 @@ late failure keeps every earlier number, and a failed section records its error)
   the integer and (sm_89+) hardware decode; zero rows for out-of-range device ids;
 - bandwidth: the host link (pinned copy), random 264-byte rows over UVA and from HBM (raw
   and decoded, full and half grid) beside ``index_select``, and their ratios;
-- step_latency: a ``RowSource`` step of 12,288 rows (384 tokens x 2 layers x 16 heads):
-  host time of ``start()`` and GPU time to the last layer's rows, p50 and p99;
-- overlap: the step's fetch on the side stream beside an 8192x8192 matmul, at default and
-  high fetch priority: the fraction of the fetch hidden, and ``start()``'s host time while
-  the main stream is busy (it must not wait for the matmul);
-- graphs: a consumer graph replayed with new ids, buffer addresses kept when steps grow
-  (``max_tokens``), the gather itself captured in a graph (``RowSource.gather``);
+- step_latency: a step of 12,288 rows (384 tokens x 2 layers x 16 heads) through the engines'
+  lookup (``integrations.lookup.AddressableLookup``): host time to enqueue it and GPU time
+  to the last layer's rows, p50 and p99;
+- overlap: the step's lookups on a side stream beside an 8192x8192 matmul, at default and
+  high side-stream priority: the fraction of the lookups hidden, and their host time while
+  the main stream is busy (they must not wait for the matmul);
+- graphs: a layer's lookup and its consumer captured in one graph, replayed with new ids
+  written into the static ids tensor;
 - store: a store on the ``direct`` tier delivering to the GPU (HBM level, DRAM level, pinned
   staging) and the device Prefetcher over it, in ``--workdir`` (O_DIRECT needs a real
   file system: tmpfs refuses it, so the default is a folder under the current directory).
@@ -201,12 +202,32 @@ def local_ids(config, tokens: int, seed: int = 0) -> torch.Tensor:
                                       generator=gen) for i in config.layer_ids], dim=1)  # [T, L, C]
 
 
-def step_latency(ctx: Context, tokens: int = 384, steps: int = 200) -> dict:
-    from engram_offload.gpu import CudaSync, RowSource
+def lookups(ctx: Context) -> tuple[Any, dict]:
+    """The engines' path (``integrations.lookup``): one ``AddressableLookup`` a layer of
+    ``step_config``, rank 0 of 1, over the pinned table read in place."""
+    from engram_offload.gpu.device_table import DeviceTable
+    from engram_offload.integrations.lookup import AddressableLookup, LayerShard
 
     config = step_config(ctx)
-    source = RowSource.from_table(ctx.table[: config.num_rows], config=config, device="cuda", sync=CudaSync(),
-                                  max_tokens=tokens)
+    table = DeviceTable(ctx.table[: config.num_rows], "cuda")
+    return config, {layer: AddressableLookup(LayerShard.of(config, layer, 0, 1), None, table, config)  # type: ignore[arg-type]
+                    for layer in config.layer_ids}
+
+
+def out_buffers(config, tokens: int) -> dict:
+    return {layer: torch.empty(tokens, config.cols_per_layer, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+            for layer in config.layer_ids}
+
+
+def run_step(layers: dict, ids: torch.Tensor, outs: dict) -> None:
+    """Every layer's lookup of ``ids [T, L, C]`` into ``outs`` on the current stream."""
+    for li, (layer, lookup) in enumerate(layers.items()):
+        lookup.lookup(ids[:, li], outs[layer])
+
+
+def step_latency(ctx: Context, tokens: int = 384, steps: int = 200) -> dict:
+    config, layers = lookups(ctx)
+    outs = out_buffers(config, tokens)
     batches = [local_ids(config, tokens, seed) for seed in range(8)]
     host, gpu = [], []
     for step in range(steps):
@@ -215,97 +236,87 @@ def step_latency(ctx: Context, tokens: int = 384, steps: int = 200) -> dict:
         end = torch.cuda.Event(enable_timing=True)
         begin.record()
         t0 = time.perf_counter()
-        handle = source.start(batches[step % len(batches)])
+        run_step(layers, batches[step % len(batches)], outs)
         host.append(time.perf_counter() - t0)
-        for layer in config.layer_ids:
-            handle.rows(layer)
         end.record()
         end.synchronize()
         gpu.append(begin.elapsed_time(end) / 1e3)
     rows = tokens * len(config.layer_ids) * config.cols_per_layer
     return {"rows_per_step": rows, "tokens": tokens,
-            "start_host_ms_p50": quantile(host, 0.5) * 1e3, "start_host_ms_p99": quantile(host, 0.99) * 1e3,
+            "lookup_host_ms_p50": quantile(host, 0.5) * 1e3, "lookup_host_ms_p99": quantile(host, 0.99) * 1e3,
             "step_gpu_ms_p50": quantile(gpu, 0.5) * 1e3, "step_gpu_ms_p99": quantile(gpu, 0.99) * 1e3,
             "rows_per_s_p50": rows / quantile(gpu, 0.5)}
 
 
 def overlap(ctx: Context, tokens: int = 384) -> dict:
-    from engram_offload.gpu import CudaSync, RowSource
-    from engram_offload.gpu.sync import FETCH
-
-    config = step_config(ctx)
+    """The step's lookups on a side stream (as an engine's prefetch stream runs them) beside a
+    matmul on the main stream, at default and high side-stream priority."""
+    config, layers = lookups(ctx)
+    outs = out_buffers(config, tokens)
     ids = local_ids(config, tokens)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul = timed(lambda: a @ a)
     out: dict[str, Any] = {"matmul_ms": matmul * 1e3}
     for name, priority in (("default", 0), ("high", -1)):
-        source = RowSource.from_table(ctx.table[: config.num_rows], config=config, device="cuda",
-                                      sync=CudaSync(priorities={FETCH: priority}), max_tokens=tokens)
-        fetch = timed(lambda source=source: [source.start(ids).rows(layer) for layer in config.layer_ids])
+        side = torch.cuda.Stream(priority=priority)
         host_while_busy: list[float] = []
 
-        def both(source=source, host_while_busy=host_while_busy) -> None:
-            a @ a  # main stream busy
+        def fetch(busy: bool, side: torch.cuda.Stream = side, host_while_busy: list = host_while_busy) -> None:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)  # the ids are ready
+            if busy:
+                a @ a  # main stream busy
             t0 = time.perf_counter()
-            handle = source.start(ids)  # must return without waiting for the matmul
-            host_while_busy.append(time.perf_counter() - t0)
-            for layer in config.layer_ids:
-                handle.rows(layer)
+            with torch.cuda.stream(side):
+                run_step(layers, ids, outs)  # must return without waiting for the matmul
+            if busy:
+                host_while_busy.append(time.perf_counter() - t0)
+            main.wait_stream(side)
 
-        together = timed(both)
-        hidden = (matmul + fetch - together) / fetch if fetch > 0 else 0.0
-        out.update({f"{name}_fetch_ms": fetch * 1e3, f"{name}_with_matmul_ms": together * 1e3,
+        alone = timed(lambda: fetch(False))
+        together = timed(lambda: fetch(True))
+        hidden = (matmul + alone - together) / alone if alone > 0 else 0.0
+        out.update({f"{name}_fetch_ms": alone * 1e3, f"{name}_with_matmul_ms": together * 1e3,
                     f"{name}_fetch_hidden_fraction": hidden,
-                    f"{name}_start_host_ms_main_busy": quantile(host_while_busy, 0.5) * 1e3,
-                    f"{name}_start_blocked_on_main": quantile(host_while_busy, 0.5) > 0.5 * matmul})
+                    f"{name}_lookup_host_ms_main_busy": quantile(host_while_busy, 0.5) * 1e3,
+                    f"{name}_lookup_blocked_on_main": quantile(host_while_busy, 0.5) > 0.5 * matmul})
     return out
 
 
 def graphs(ctx: Context, tokens: int = 256) -> dict:
-    from engram_offload.gpu import CudaSync, RowSource
+    """A layer's lookup and its consumer captured in one graph with static ids and output;
+    replays read whatever ids the engine wrote into the static tensor."""
     from engram_offload.gpu.reference import gather_rows_ref
 
-    config = step_config(ctx)
-    layer_table = ctx.table[: config.num_rows]
-    source = RowSource.from_table(layer_table, config=config, device="cuda", sync=CudaSync(), max_tokens=tokens)
-    ids = local_ids(config, tokens)
-    rows_15 = source.start(ids).rows(15)
+    config, layers = lookups(ctx)
+    layer, lookup = 15, layers[15]
+    static_ids = local_ids(config, tokens)[:, 1].contiguous()  # [T, C]
+    out = out_buffers(config, tokens)[layer]
     weight = torch.randn(HEAD_DIM, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    lookup.lookup(static_ids, out)  # compile outside the capture
     warm = torch.cuda.Stream()  # cuBLAS sets up outside the capture
     warm.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm):
-        rows_15 @ weight
+        out @ weight
     torch.cuda.current_stream().wait_stream(warm)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        result = rows_15 @ weight
-    replay_ok, addresses = True, set()
-    for seed in range(50):
-        step_tokens = [1, 32, tokens][seed % 3]  # steps of different sizes: the buffer must not move
-        new = ids.roll(seed + 1, dims=0)[:step_tokens]
-        addresses.add(source.start(new).rows(15).data_ptr())
-        if step_tokens == tokens:
-            graph.replay()
-            flat = new[:, 1].reshape(-1) + config.layer_row_base(15)
-            want = gather_rows_ref(layer_table, flat.cpu(), FMT, HEAD_DIM, torch.bfloat16).cuda()
-            replay_ok &= torch.allclose(result.float(), (want.view(tokens, -1, HEAD_DIM) @ weight).float(),
-                                        rtol=1e-2, atol=1e-2)
-    static_ids = ids.clone()
-    captured_out = torch.empty(tokens, config.cols_per_layer, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    source.gather(static_ids, 15, out=captured_out)
-    torch.cuda.synchronize()
-    gather_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gather_graph):
-        source.gather(static_ids, 15, out=captured_out)
-    static_ids.copy_(ids.roll(7, dims=0))
-    gather_graph.replay()
-    torch.cuda.synchronize()
-    captured_ok = torch.equal(captured_out, source.start(static_ids).rows(15))
-    replay_s = timed(gather_graph.replay)
-    return {"consumer_replays_correct": bool(replay_ok), "buffer_addresses_seen": len(addresses),
-            "gather_captured_correct": bool(captured_ok), "gather_captured_replay_ms": replay_s * 1e3,
-            "ok": bool(replay_ok) and len(addresses) == 1 and bool(captured_ok)}
+        lookup.lookup(static_ids, out)
+        result = out @ weight
+    rows_ok, replay_ok = True, True
+    for seed in range(10):
+        new = local_ids(config, tokens, seed + 1)[:, 1]
+        static_ids.copy_(new)
+        graph.replay()
+        flat = (new.reshape(-1) + config.layer_row_base(layer)).cpu()
+        want = gather_rows_ref(ctx.table[: config.num_rows], flat, FMT, HEAD_DIM, torch.bfloat16).cuda()
+        rows_ok &= torch.equal(out.reshape(-1, HEAD_DIM), want)
+        replay_ok &= torch.allclose(result.float(), (want.view(tokens, -1, HEAD_DIM) @ weight).float(),
+                                    rtol=1e-2, atol=1e-2)
+    replay_s = timed(graph.replay)
+    return {"lookup_captured_correct": bool(rows_ok), "consumer_replays_correct": bool(replay_ok),
+            "captured_replay_ms": replay_s * 1e3, "ok": bool(rows_ok) and bool(replay_ok)}
 
 
 def store(ctx: Context, steps: int = 50, batch: int = 64) -> dict:
