@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 import torch
+from wiring import forward_with_prefetch, forward_with_store  # beside this script
 
 from engram_offload import open_table
 from engram_offload.atomic import write_json_atomic
@@ -47,7 +48,6 @@ from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
 from engram_offload.serving.dedup import dedup
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.store import TableStore
-from engram_offload.serving.wiring import forward_with_prefetch, forward_with_store
 
 POLICIES = [("lru", False), ("lru", True), ("lfu", False), ("lfu", True)]
 

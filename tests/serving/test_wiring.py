@@ -1,9 +1,13 @@
-"""forward_with_prefetch: the same output as synchronous gathers; pins released; errors surface."""
+"""benchmarks/wiring.py's forward_with_prefetch: the same output as synchronous gathers; pins
+released; errors surface."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +19,12 @@ from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
 from engram_offload.errors import TierError
 from engram_offload.serving.prefetch import Prefetcher, PrefetchError
-from engram_offload.serving.wiring import forward_with_prefetch, forward_with_store
 
 VOCAB = 500
+_spec = importlib.util.spec_from_file_location("wiring", Path(__file__).resolve().parents[2] / "benchmarks" / "wiring.py")
+wiring = sys.modules["wiring"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wiring)
+forward_with_prefetch, forward_with_store = wiring.forward_with_prefetch, wiring.forward_with_store
 
 
 @pytest.fixture(scope="module", params=["v4.1", "demo"])

@@ -1,11 +1,11 @@
-"""Model-level wiring: start the prefetch at forward entry, hand each Engram layer its rows.
+"""A model's forward pass with the prefetch started at forward entry, and without (bench_cache.py's stall).
 
 ``forward_with_prefetch`` begins the step before layer 0 runs, so the backbone's layers
 before the first Engram layer compute while the rows are fetched; each Engram layer then
 takes its rows from the prefetcher (waiting, and recording a stall, only if they are late).
 The step's cache pins are released when the forward pass ends, however it ends. With a
 store opened with ``device=`` the rows handed to the layers are on that device, ready on the
-caller's stream (see ``prefetch``).
+caller's stream (docs/prefetch.md).
 
 Threads: the prefetch worker (ids, cache bookkeeping, io_uring submission, decoding) needs
 a core while the model runs; on a small machine torch's intra-op pool competes with it.
@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..engram.hashing import NgramHasher
-from .prefetch import Prefetcher, Step
-from .store import RowStore
+from engram_offload.engram.hashing import NgramHasher
+from engram_offload.serving.prefetch import Prefetcher, Step
+from engram_offload.serving.store import RowStore
 
 __all__ = ["ForwardResult", "forward_with_prefetch", "forward_with_store"]
 
