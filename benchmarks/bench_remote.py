@@ -54,7 +54,7 @@ def raw_requests(playout: PoolLayout, client: PoolClient, steps: list[np.ndarray
     ext_node = np.array([client.node_of(k) for k in playout.keys])
     out = []
     for ids in steps:
-        ext = playout.extent_of(ids)
+        ext = np.searchsorted(playout.starts, ids, side="right") - 1  # the extent of each row
         offsets = (ids - playout.starts[ext]) * stride
         per_node: dict[int, list[bytes]] = {}
         for e, off in zip(ext.tolist(), offsets.tolist()):

@@ -6,7 +6,7 @@ import numpy as np
 
 from engram_offload.engram.config import EngramConfig
 from engram_offload.engram.hashing import NgramHasher
-from engram_offload.planner.trace import flat_trace, serving_steps, stdlib_files, stdlib_token_sequences
+from engram_offload.planner.trace import serving_steps, stdlib_files, stdlib_token_sequences
 
 CONFIG = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=32, prime_starts=(300, 500))
 
@@ -35,7 +35,7 @@ def test_steps_equal_hashing_each_sequence_whole():
     hasher = NgramHasher(CONFIG, token_map)
     for chunk in (1, 7):
         steps = list(serving_steps(CONFIG, token_map, seqs, batch=3, chunk=chunk))
-        assert flat_trace(steps).size == 1500 * CONFIG.rows_per_token
+        assert sum(s.size for s in steps) == 1500 * CONFIG.rows_per_token
         # the first step holds the first `chunk` tokens of the first 3 sequences
         want = [hasher.table_ids(hasher.hash_all(s[None, :chunk]))[0].numpy() for s in seqs[:3]]
         assert (steps[0] == np.concatenate(want)).all()

@@ -85,10 +85,6 @@ class MemoryCap:
         """Move ``pid`` (default: this process) into the group; memory it touches from now on counts."""
         (self.path / "cgroup.procs").write_text(f"{pid or os.getpid()}\n")
 
-    def usage_bytes(self) -> int:
-        name = "memory.current" if self.version == "v2" else "memory.usage_in_bytes"
-        return int((self.path / name).read_text().split()[0])
-
     def peak_bytes(self) -> int | None:
         name = "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"
         try:

@@ -34,7 +34,6 @@ __all__ = [
     "ExtrapolatedMRC",
     "ramp_to_whole_table",
     "stack_distances",
-    "lru_hits_bruteforce",
     "shards_sample",
     "shards_mrc",
     "mrc_from_trace",
@@ -103,23 +102,6 @@ def stack_distances(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def lru_hits_bruteforce(ids: np.ndarray, capacity: int) -> int:
-    """Hits of a plain LRU cache of ``capacity`` rows (a slow reference for tests)."""
-    from collections import OrderedDict
-
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for x in np.asarray(ids).reshape(-1).tolist():
-        if x in cache:
-            hits += 1
-            cache.move_to_end(x)
-        elif capacity > 0:
-            cache[x] = None
-            if len(cache) > capacity:
-                cache.popitem(last=False)
-    return hits
-
-
 @dataclass(frozen=True)
 class TraceMRC:
     """A miss-ratio curve from (possibly sampled and scaled) stack distances.
@@ -148,10 +130,6 @@ class TraceMRC:
         if self.accesses == 0:
             return 0.0
         return float(np.searchsorted(self.distances, rows, side="left")) / self.accesses
-
-    def max_hit_ratio(self) -> float:
-        """The hit ratio of an unbounded cache (every non-first access)."""
-        return self.distances.shape[0] / self.accesses if self.accesses else 0.0
 
     def rows_for_hit_rate(self, hit_rate: float) -> int | None:
         """The smallest cache (rows) reaching ``hit_rate``; None when the trace cannot."""

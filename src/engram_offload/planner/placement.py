@@ -220,10 +220,6 @@ class Fetch:
         return {"host hashing": self.hash_us, "latency": self.latency_us, "link": self.link_us,
                 paced: max(self.device_us, self.host_cpu_us)}
 
-    def largest_term(self) -> tuple[str, float]:
-        """The term of ``terms`` that takes longest."""
-        return max(self.terms().items(), key=lambda kv: kv[1])
-
     @property
     def transfer_us(self) -> float:
         return self.fixed_us + self.rows_us

@@ -7,7 +7,7 @@ large enough for few collisions), and it grows with the rows a token reads: so t
 below is kept per *token-equivalent* of cache (cache rows / rows read per token) and holds
 for any table whose tokens read rows the way V4.1-Flash's do.
 
-``REAL_TEXT_HIT`` was measured by ``measure_real_text_curve``: the whole of CPython 3.11's
+``REAL_TEXT_HIT`` was measured by ``benchmarks/bench_real_text.py --curve``: the whole of CPython 3.11's
 standard library (8.2 million tokens, the benchmark corpus), tokenized with the DeepSeek
 tokenizer and hashed into the full ``deepseek-v4.1-flash`` table, 32 sequences of 16-token
 pieces a step, each step's ids deduplicated (as the store sees them), stack distances by
@@ -23,22 +23,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .mrc import ramp_to_whole_table
 
 __all__ = ["RealTextMRC", "REAL_TEXT_CACHE_TOKENS", "REAL_TEXT_DISTINCT", "REAL_TEXT_FIRST_TOUCH", "REAL_TEXT_HIT",
-           "REAL_TEXT_TOKENS", "measure_real_text_curve",
-           "measure_step_unique", "step_unique_fraction"]
+           "REAL_TEXT_TOKENS", "step_unique_fraction"]
 
 REAL_TEXT_TOKENS = 8_243_595
 """Tokens of the measured trace (every file of the standard library of 16 tokens or more)."""
 REAL_TEXT_CACHE_TOKENS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 """Cache sizes, in token-equivalents (cache rows / rows read per token)."""
 REAL_TEXT_HIT = (0.0008, 0.0026, 0.2084, 0.4218, 0.5573, 0.6426, 0.7098, 0.7647)
-"""Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``measure_real_text_curve``; see the module doc)."""
+"""Hit ratio at each of ``REAL_TEXT_CACHE_TOKENS`` (``benchmarks/bench_real_text.py``; see the module doc)."""
 REAL_TEXT_FIRST_TOUCH = 0.2275
 """The share of the trace's reads that are a row's first (the misses of an unbounded cache)."""
 REAL_TEXT_DISTINCT = 1_687_765
@@ -49,7 +47,7 @@ STEP_TOKENS = (1, 8, 32, 128, 512)
 """Decode steps' sequences, and prefill chunks' tokens (with the ``PREFILL_TOKENS`` below)."""
 DECODE_UNIQUE = (1.0, 0.994, 0.994, 0.9782, 0.9115)
 """Distinct row ids / row ids of a decode step of ``STEP_TOKENS`` sequences, one token each
-(``measure_step_unique``: the standard library's files side by side, steps 20-200)."""
+(``benchmarks/bench_real_text.py --steps``: the standard library's files side by side, steps 20-200)."""
 PREFILL_TOKENS = (1, 16, 64, 256, 1024, 4096)
 PREFILL_UNIQUE = (1.0, 0.9841, 0.8796, 0.781, 0.6455, 0.5728)
 """The same for a prefill chunk of ``PREFILL_TOKENS`` consecutive tokens of one file: its
@@ -73,30 +71,6 @@ def _interp_steps(tokens: int, sizes: tuple[int, ...], fractions: tuple[float, .
     if tokens <= 1:
         return 1.0
     return float(np.interp(math.log(tokens), np.log(np.asarray(sizes, dtype=np.float64)), fractions))
-
-
-def measure_step_unique(files: int = 4000, steps: int = 200, model: str = "deepseek-v4.1-flash") -> dict[str, Any]:
-    """Measure ``DECODE_UNIQUE`` and ``PREFILL_UNIQUE`` again (under a minute): the standard
-    library through ``model``'s hasher, decode steps of each batch (the first 20 skipped:
-    sequences just begun share their files' openings) and prefill chunks of each size."""
-    from ..engram.tokenizer import cached_token_map
-    from .models import get_model
-    from .trace import serving_steps, stdlib_token_sequences
-
-    config, token_map = get_model(model).engram, cached_token_map()
-    sequences = stdlib_token_sequences(REAL_TEXT_TOKENS)
-
-    def mean_unique(batch: int, chunk: int, pool: list[np.ndarray], skip: int) -> float:
-        fractions = []  # of each step after the first ``skip``, and (prefill) of whole chunks only
-        for k, ids in enumerate(serving_steps(config, token_map, pool, batch=batch, chunk=chunk, max_steps=steps)):
-            if k >= skip and (chunk == 1 or ids.shape[0] == chunk):
-                fractions.append(np.unique(ids).size / ids.size)
-        return round(float(np.mean(fractions)), 4)
-
-    decode = [mean_unique(b, 1, sequences[:files], 20) for b in STEP_TOKENS[1:]]
-    prefill = [mean_unique(1, k, [s for s in sequences if s.size >= k][:steps], 0) for k in PREFILL_TOKENS[1:]]
-    return {"model": model, "decode_sequences": list(STEP_TOKENS), "decode_unique": [1.0, *decode],
-            "prefill_tokens": list(PREFILL_TOKENS), "prefill_unique": [1.0, *prefill]}
 
 
 def _interp_log(x: float) -> float:
@@ -169,28 +143,3 @@ class RealTextMRC:
             else:
                 lo = mid
         return int(math.ceil(hi))
-
-
-def measure_real_text_curve(tokens: int = REAL_TEXT_TOKENS, rate: float = 0.03,
-                            model: str = "deepseek-v4.1-flash") -> dict[str, Any]:
-    """Measure ``REAL_TEXT_HIT``, ``REAL_TEXT_FIRST_TOUCH`` and ``REAL_TEXT_DISTINCT`` again
-    (a few minutes and about a GB of memory for the whole standard library): ``model``'s
-    hasher over 32 sequences of 16-token pieces a step, each step's ids deduplicated and
-    SHARDS-sampled at ``rate`` as they come, stack distances of the sample."""
-    from ..engram.tokenizer import cached_token_map
-    from .models import get_model
-    from .mrc import shards_sample, stack_distances
-    from .trace import serving_steps, stdlib_token_sequences
-
-    config = get_model(model).engram
-    rows_per_token = len(config.layer_ids) * config.cols_per_layer
-    sequences = stdlib_token_sequences(tokens)
-    steps = serving_steps(config, cached_token_map(), sequences, batch=32, chunk=16)
-    sampled = np.concatenate([shards_sample(np.unique(step.reshape(-1)), rate) for step in steps])
-    distances = stack_distances(sampled) / rate  # rows; negative: a first access
-    hit = [round(float(np.mean((distances >= 0) & (distances < c * rows_per_token))), 4)
-           for c in REAL_TEXT_CACHE_TOKENS]
-    return {"model": model, "tokens": int(sum(s.size for s in sequences)), "rows_per_token": rows_per_token,
-            "rate": rate, "cache_tokens": list(REAL_TEXT_CACHE_TOKENS), "hit": hit,
-            "first_touch": round(float(np.mean(distances < 0)), 4),
-            "distinct_token_equivalents": int(np.sum(distances < 0) / rate / rows_per_token)}

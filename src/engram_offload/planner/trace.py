@@ -20,7 +20,7 @@ from ..engram.config import EngramConfig
 from ..engram.hashing import NgramHasher
 from ..engram.tokenizer import encode_documents, load_tokenizer
 
-__all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "flat_trace", "corpus_texts", "read_token_log",
+__all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "corpus_texts", "read_token_log",
            "row_trace"]
 
 
@@ -73,11 +73,6 @@ def serving_steps(config: EngramConfig, token_map: np.ndarray, sequences: list[n
         steps += 1
         if max_steps is not None and steps >= max_steps:
             return
-
-
-def flat_trace(steps: list[np.ndarray]) -> np.ndarray:
-    """Every step's ids back to back, int64 ``[total]`` (for miss-ratio curves)."""
-    return np.concatenate([s.reshape(-1) for s in steps]) if steps else np.empty(0, np.int64)
 
 
 def corpus_texts(root: str | Path, pattern: str = "*") -> Iterator[str]:

@@ -116,13 +116,6 @@ class PoolLayout:
     def num_extents(self) -> int:
         return len(self.keys)
 
-    def extent_of(self, ids: np.ndarray) -> np.ndarray:
-        """Extent index of every row id (int64 ``[n]``, ids range checked)."""
-        return np.searchsorted(self.starts, ids, side="right") - 1
-
-    def extent_bytes(self, extent: int) -> int:
-        return int(self.counts[extent]) * self.stride
-
     # -- meta keys ---------------------------------------------------------------------
     @property
     def header_key(self) -> str:
