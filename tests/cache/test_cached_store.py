@@ -167,7 +167,7 @@ def test_a_miss_is_fetched_or_raises_never_zeros(fake_tier):
 def test_leases_pin_until_released(fake_tier):
     store = make_store(fake_tier, dram_rows=4)
     lease = store.fetch(np.arange(4, dtype=np.int64), hold=True)
-    assert lease.pinned_rows == 4
+    assert store.levels[0].pinned() == 4
     store.fetch(np.arange(10, 14, dtype=np.int64), hold=False)  # cannot evict the held rows
     assert all(i in store.levels[0] for i in range(4))
     lease.release()

@@ -22,12 +22,12 @@ def test_rows_left_in_the_arena_are_named_and_copied_out_while_pinned():
     rows = RowsInPlace(cache.host_rows, slots)
     assert np.array_equal(rows.copy(), rows_for(ids).numpy()) and rows.copy().flags.c_contiguous
     lease = Lease(ids, rows, [(cache, slots)])
-    assert lease.in_place is rows and lease.pinned_rows == 3
+    assert lease.in_place is rows and cache.pinned() == 3
     assert torch.equal(lease.raw, rows_for(ids))  # copied out, once
     assert lease.host_raw is not cache.host_rows and np.array_equal(lease.host_raw, rows_for(ids).numpy())
     assert lease.in_place is rows  # still where the cache holds them, while pinned
     lease.release()
-    assert cache.pinned() == 0 and lease.pinned_rows == 0
+    assert cache.pinned() == 0
     cache.check()
 
 

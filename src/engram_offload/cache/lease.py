@@ -75,10 +75,6 @@ class Lease:
             self._raw = self._raw.copy()
         return self._raw if isinstance(self._raw, np.ndarray) else self._raw.numpy()
 
-    @property
-    def pinned_rows(self) -> int:
-        return sum(int(s.size) for _, s in self._pins)
-
     def release(self) -> None:
         if not self._pins:  # nothing pinned (or already released): no lock needed
             return

@@ -50,16 +50,20 @@ def cmd_row_server(args: argparse.Namespace) -> int:
         store.close()
         raise
     stopped: list[str] = []
+    closing: list[threading.Thread] = []
 
     def stop(signum: int, frame: Any) -> None:  # close from another thread: never block in a handler
         stopped.append(signal.Signals(signum).name)
-        threading.Thread(target=server.close, name="engram-rowserver-stop").start()
+        closing.append(threading.Thread(target=server.close, name="engram-rowserver-stop"))
+        closing[-1].start()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         print(f"serving {args.table} ({args.tier} tier) on {args.socket}; SIGTERM or Ctrl-C stops it", flush=True)
         server.serve_forever()
     finally:
+        for thread in closing:
+            thread.join()
         server.close()  # idempotent: the socket is removed whatever ended the loop
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -334,9 +334,6 @@ def open_layered(path: Any, tier: str | Mapping[int, str], layer_store: LayerSto
     unused = [k for k in options if not any(k in _tier_options(n, {k: 1}) for n in set(placement.values()))]
     if unused:
         raise ValueError(f"no tier of placement {placement_text(placement)} takes option(s) {', '.join(unused)}")
-    if header.page_sums is None and options.get("verify_reads") and any(is_resident(n) for n in placement.values()):
-        raise ValueError("verify_reads on a version-1 table checks whole blocks, which a layer's slice does not "
-                         "hold: convert the table to version 2 (page checksums) or drop verify_reads")
     rows = config.rows_per_layer
     cached_rows = sum(rows[i] for i, name in placement.items() if not is_resident(name))
     tiers: list[Tier] = []

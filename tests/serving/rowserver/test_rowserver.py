@@ -144,7 +144,7 @@ def _hold_and_hang(sock: str, ids: np.ndarray, conn) -> None:
     """Pin ``ids`` in the server's cache, say so, and wait to be killed."""
     client = RowClient(sock)
     lease = client.fetch(ids, hold=True)
-    conn.send(lease.pinned_rows)
+    conn.send(lease.ids.size)
     time.sleep(300)
 
 

@@ -1,7 +1,8 @@
 """``RowServer`` served from a thread of the test process, spoken to byte by byte: its hello,
 its answers to every request (good, malformed, unknown, out of bounds), its leases, its
-refusals and its log. The server process (``start_row_server``, ``main``) has its own tests in
-``test_rowserver.py`` and ``test_rowserver_trust.py``."""
+refusals and its log. The server process (``start_row_server``) has its own tests in
+``test_rowserver.py`` and ``test_rowserver_trust.py``, the command that runs it in
+``tests/commands/test_rowserver_command.py``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ import os
 import re
 import resource
 import select
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 import types
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def test_the_hello_names_the_table_the_tier_and_the_buffers_layout(table, socket
 
 def test_each_connection_is_served_by_a_daemon_thread_named_for_the_server(table, socket_dir):
     """A connection's thread never keeps the server's process alive, and shows in a thread list;
-    served from a thread that is no daemon, as ``main`` serves from the main thread."""
+    served from a thread that is no daemon, as the command serves from the main thread."""
     path, _ = table
     sock = socket_dir / "rows.sock"
     server = RowServer(open_table(path, "direct", cache_bytes=100 * ROW_BYTES), sock)
@@ -330,78 +329,6 @@ def test_a_lock_file_that_is_a_symlink_or_another_users_is_refused_word_for_word
                                       "remove it, or put the socket in a folder only you can write")
 
 
-def test_main_says_why_it_cannot_serve_in_one_line(table, socket_dir, capsys):
-    path, _ = table
-    sock = socket_dir / "rows.sock"
-    assert server_module.main([str(path), str(sock), "--max-connections", "0"]) == 1
-    assert capsys.readouterr().err == ("engram-offload row server: max_rows and max_connections must be >= 1, got "
-                                       f"{server_module.DEFAULT_MAX_ROWS} and 0\n")
-    assert server_module.main([str(socket_dir / "none.table"), str(sock)]) == 1
-    assert capsys.readouterr().err.startswith("engram-offload row server: ")
-    assert not sock.exists()
-
-
-def serve_with_main(argv: list[str], sock: Path, while_serving, stop: int) -> int:
-    """``main(argv)`` in this process; a thread waits (60 s at most) for ``sock``, calls
-    ``while_serving()``, then sends this process ``stop``. The signal handlers are restored after."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def act_then_stop() -> None:
-        try:
-            deadline = time.monotonic() + 60
-            while not sock.exists():
-                assert time.monotonic() < deadline, "main did not serve within 60 s"
-                time.sleep(0.01)
-            while_serving()
-        finally:
-            os.kill(os.getpid(), stop)
-
-    thread = threading.Thread(target=act_then_stop, daemon=True)
-    thread.start()
-    try:
-        return server_module.main(argv)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        thread.join(timeout=30)
-
-
-@pytest.mark.parametrize("stop,options", [(signal.SIGTERM, "all"), (signal.SIGINT, "none"), (signal.SIGTERM, "cache")])
-def test_main_serves_with_its_options_until_sigterm_or_sigint(table, socket_dir, capsys, stop, options):
-    """``main`` in this process: a client in a thread checks what it serves, then signals this
-    process; the handler closes the server and ``main`` returns 0."""
-    path, expected = table
-    sock = socket_dir / "rows.sock"
-    seen: dict[str, object] = {}
-
-    def check() -> None:
-        with RowClient(sock) as client:
-            seen["rows"] = client.read_raw([2, 9]).numpy()
-            seen["stats"] = client.stats()
-            seen["tier"] = client.tier
-
-    given = ["--tier", "mmap", "--cache", f"{100 * ROW_BYTES}", "--policy", "lfu", "--max-rows", "50",
-             "--max-connections", "3"]
-    given = {"all": given, "none": [], "cache": ["--cache", "1MiB"]}[options]
-    assert serve_with_main([str(path), str(sock), *given], sock, check, stop) == 0
-    assert capsys.readouterr().out == f"serving {path} on {sock}\n"
-    assert np.array_equal(seen["rows"], expected[[2, 9]])
-    stats = seen["stats"]
-    if options == "cache":  # the default policy, the size in words
-        with open_table(path, "direct", cache_bytes=1 << 20) as same:
-            assert stats["levels"][0]["capacity_rows"] == same.stats()["levels"][0]["capacity_rows"]
-        assert stats["levels"][0]["policy"] == "lru"
-    elif options == "all":
-        assert seen["tier"] == "mmap"
-        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (50, 3)
-        assert stats["levels"][0]["policy"] == "lfu" and stats["levels"][0]["capacity_rows"] == 100
-    else:  # the defaults: the direct tier, no cache
-        assert seen["tier"] == "direct" and [level["level"] for level in stats["levels"]] == ["tier"]
-        assert (stats["server"]["max_rows"], stats["server"]["max_connections"]) == (
-            server_module.DEFAULT_MAX_ROWS, server_module.DEFAULT_MAX_CONNECTIONS)
-    assert not sock.exists()  # closed by the handler
-
-
 HOLDER = r"""
 import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
@@ -409,35 +336,6 @@ fcntl.flock(fd, fcntl.LOCK_EX)
 print("locked", flush=True)
 sys.stdin.read()  # until the test closes stdin
 """
-
-
-def test_main_says_it_serves_before_serving_even_into_a_pipe(table, socket_dir, monkeypatch):
-    """The "serving" line is flushed before the first connection is served: a supervisor reading
-    the server's stdout through a pipe (block-buffered) sees it at once, not when the server exits."""
-    path, _ = table
-    sock = socket_dir / "rows.sock"
-
-    class Sink(io.RawIOBase):  # what has left the buffer, as a pipe would see it
-        def __init__(self) -> None:
-            self.seen = bytearray()
-
-        def writable(self) -> bool:
-            return True
-
-        def write(self, data) -> int:
-            self.seen += bytes(data)
-            return len(data)
-
-    sink = Sink()
-    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(sink, 1 << 16), write_through=False))
-    seen_when_served: list[bytes] = []
-
-    def connect() -> None:
-        with RowClient(sock):
-            seen_when_served.append(bytes(sink.seen))
-
-    assert serve_with_main([str(path), str(sock)], sock, connect, signal.SIGTERM) == 0
-    assert seen_when_served == [f"serving {path} on {sock}\n".encode()]
 
 
 def test_a_held_lock_names_the_holders_pid_uid_and_command_line(table, socket_dir):
@@ -509,17 +407,6 @@ def test_a_connection_that_fails_is_logged_in_one_line_and_closed(table, socket_
             assert np.array_equal(client.read_raw([1]).numpy(), expected[[1]])
     assert "engram-offload row server: a connection failed: RuntimeError: the stats are broken\n" in \
         capfd.readouterr().err
-
-
-def test_main_help_names_the_command_and_its_options(capsys):
-    with pytest.raises(SystemExit) as done:
-        server_module.main(["--help"])
-    assert done.value.code == 0
-    said = capsys.readouterr().out
-    assert said.startswith("usage: engram-offload-rowserver [-h]")
-    words = " ".join(said.split())
-    assert server_module.main.__doc__.split("``")[1] in words
-    assert " --cache CACHE DRAM row cache size, e.g. 4GiB --policy POLICY " in words
 
 
 def test_the_descriptor_limit_named_is_the_soft_one(monkeypatch):

@@ -25,7 +25,7 @@ from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.rowserver import RowClient, RowServer, start_row_server
 from engram_offload.serving.rowserver import protocol as p
 from engram_offload.serving.store import open_table
-from engram_offload.table import make_random_table, random_rows, read_header
+from engram_offload.table import read_header
 
 from tiny_tables import tiny_config
 
@@ -337,7 +337,7 @@ def test_malformed_connections_leave_no_blocked_threads(table, socket_dir):
 
 
 def test_a_server_that_exits_at_start_says_why(table, socket_dir):
-    with pytest.raises(EngramError, match="exited .*max_rows and max_connections must be >= 1"):
+    with pytest.raises(EngramError, match=r"exited \(2\): .*argument --max-connections: '0' is not an integer >= 1"):
         start_row_server(table[0], socket_dir / "rows.sock", max_connections=0)
 
 
@@ -425,21 +425,6 @@ def test_rows_through_a_row_client_are_exact(table, socket_dir):
         with open_table(path, "direct", row_server=socket_dir / "rows.sock") as client:
             assert client.verify == "sample"
             assert torch.equal(client.read_raw([1, 2]), torch.from_numpy(expected[[1, 2]]))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def test_a_version_1_table_is_verified_through_its_block_checksums(tmp_path, socket_dir):
-    config = tiny_config("int8", 64)
-    path = make_random_table(tmp_path / "v1.table", config, seed=4, block_size=16384, version=1)
-    expected = np.concatenate(list(random_rows(config, 4)))
-    server = start_row_server(path, socket_dir / "rows.sock")
-    try:
-        with RowClient(socket_dir / "rows.sock", table=path, verify="all") as client:
-            ids = np.arange(0, len(expected), 5)
-            assert np.array_equal(client.read_raw(ids).numpy(), expected[ids])
-            assert client.rows_verified >= ids.size
     finally:
         server.terminate()
         server.wait(timeout=30)

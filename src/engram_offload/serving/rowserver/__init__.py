@@ -1,6 +1,6 @@
 """One row server per machine: the table's tier, one row cache and the reads, shared by every rank.
 
-``RowServer`` (server.py) owns a ``TableStore`` and serves it on a Unix socket; each rank
+``RowServer`` (server.py; ``engram-offload row-server`` runs one) owns a ``TableStore`` and serves it on a Unix socket; each rank
 opens a ``RowClient`` (client.py), which has the store's interface. Rows move through
 shared memory, never through the socket (protocol.py). docs/ranks.md says why a server
 rather than a cache in shared memory.
@@ -8,16 +8,7 @@ rather than a cache in shared memory.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .client import RemoteLease, RowClient, start_row_server
+from .server import RowServer
 
 __all__ = ["RemoteLease", "RowClient", "RowServer", "start_row_server"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RowServer":  # imported on use, so `python -m ...rowserver.server` runs it only once
-        from .server import RowServer
-
-        return RowServer
-    raise AttributeError(name)

@@ -1,7 +1,7 @@
 """``RowClient``: a rank's view of the machine's row server, with the store's interface.
 
-``fetch``, ``read_raw``, ``gather``, ``decode`` and ``stats`` behave as ``TableStore``'s
-(the ``RowStore`` protocol), so a Prefetcher or a benchmark can use one in place of a store.
+A ``RowStore`` (``fetch``, ``read_raw``, ``gather``, ``decode`` and ``stats`` as a
+``TableStore``'s), so a Prefetcher or a benchmark can use one in place of a store.
 The ids go into the connection's shared buffer, one small message asks for them, and the
 server's reply means the rows are in the buffer; the client copies them out before its next
 request. ``start_row_server`` starts the server process and waits until it answers.
@@ -36,15 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...buffers.recycle import RecycledArrays
 from ...engram.config import EngramConfig
-from ...engram.rows import decode_rows
 from ...errors import ChecksumError, EngramError, TableFormatError, TierError
-from ...table.format import TableHeader, read_header
-from ...table.pagesum import page_sums
-from ...tiers import as_row_ids
+from ...table.format import read_header
 from ...tiers.mmap import MmapTier
-from ..dedup import dedup
+from ..rowstore import RowStore
 from ..sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 from . import protocol as p
 
@@ -77,10 +73,6 @@ class RemoteLease:
     def host_raw(self) -> np.ndarray:
         return self.raw.numpy()
 
-    @property
-    def pinned_rows(self) -> int:
-        return int(self.ids.size) if self._numbers else 0
-
     def release(self) -> None:
         with self._lock:
             numbers, self._numbers = self._numbers, []
@@ -100,7 +92,7 @@ class RemoteLease:
             pass
 
 
-class RowClient:
+class RowClient(RowStore):
     """A connection to the row server at ``socket_path``; thread-safe (one request at a time).
 
     ``table``: the table file this rank expects; a server serving another table (another
@@ -141,30 +133,26 @@ class RowClient:
             self._sock.close()
             raise TierError(f"the row server at {self.socket_path} serves {hello['table']}, not {table} (their "
                             "headers or checksums differ): start a server for this table on another socket")
-        self._config = header.config if header is not None else EngramConfig(**hello["config"])
-        self._num_rows = header.layout.num_rows if header is not None else int(hello["num_rows"])
-        self._rb = int(hello["row_bytes"])
+        super().__init__(header.config if header is not None else EngramConfig(**hello["config"]),
+                         header.layout.num_rows if header is not None else int(hello["num_rows"]))
+        self._rb = int(hello["row_bytes"])  # the buffer's rows (the table's, when it is given)
         self.max_rows = int(hello["max_rows"])
         self.table = hello["table"]
         self.tier = str(hello.get("tier", "direct"))  # the server's tier
-        self.columns: Columns | None = None
         self._shard: ShardRows | None = None
         self._ids = np.frombuffer(self._buffer, np.int64, count=self.max_rows)  # [max_rows]
         self._rows = np.frombuffer(self._buffer, np.uint8, count=self.max_rows * self._rb,
                                    offset=hello["rows_offset"]).reshape(-1, self._rb)  # [max_rows, row_bytes]
-        self.device = torch.device("cpu")
-        self.sync = None  # rows are in host memory when a fetch returns
         self._lock = threading.RLock()  # a lease collected during a request may release from within it
         self._round_trips = 0
-        self.closed = False
         self.verify = verify if header is not None else "none"
         self._rng = np.random.default_rng()
-        self._file: _FileRows | None = None
+        self._file: MmapTier | None = None
         self.rows_verified = 0
         if self.verify != "none":
             assert header is not None
             try:
-                self._file = _FileRows(header)
+                self._file = MmapTier(header)  # each row from a page that passed its checksum
                 count = min(VERIFY_AT_CONNECT, self._num_rows)  # distinct rows: a repeat would leave the count short
                 probe = np.sort(self._rng.choice(self._num_rows, count, replace=False))
                 self._fetch(probe, False, None)  # compared with the file in full
@@ -209,50 +197,13 @@ class RowClient:
             raise TierError(f"{self.socket_path} is not an engram-offload row server (it said {op!r})")
         return hello, fds[0]
 
-    # ------------------------------------------------------------------ the table
-    @property
-    def config(self) -> EngramConfig:
-        return self._config
-
-    @property
-    def num_rows(self) -> int:
-        return self._num_rows
-
-    @property
-    def row_bytes(self) -> int:
-        return self._rb
-
     # ------------------------------------------------------------------ reading rows
-    def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,
-              in_place: bool = False) -> RemoteLease:
-        """Raw rows of sorted distinct ids ``[u]`` -> ``RemoteLease`` (``raw: uint8 [u, row_bytes]``).
-
-        With ``hold`` the rows stay pinned in the server's cache until the lease is released
-        (or this client's connection ends). ``in_place`` is allowed and has no effect: the
-        rows always come as this client's copy."""
-        ids = as_row_ids(unique_ids, self._num_rows, sorted_distinct=True)
+    def _lease(self, ids: np.ndarray, hold: bool, requested: int | None, in_place: bool) -> RemoteLease:
+        """With ``hold`` the rows stay pinned in the server's cache until the lease is released
+        (or this client's connection ends); ``in_place`` has no effect: the rows always come as
+        this client's copy."""
         raw, numbers = self._fetch(ids, hold, requested)
         return RemoteLease(ids, raw, self, numbers)
-
-    def read_raw(self, row_ids: Any) -> torch.Tensor:
-        """Raw rows ``uint8 [n, row_bytes]`` for ``row_ids`` (any int array-like, flattened)."""
-        d = dedup(row_ids)
-        raw, _ = self._fetch(as_row_ids(d.unique, self._num_rows), False, d.requested)
-        return raw.index_select(0, torch.from_numpy(d.inverse))
-
-    def gather(self, row_ids: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows: ids of shape ``S`` -> ``[*S, head_dim]`` of ``dtype``."""
-        d = dedup(row_ids)
-        raw, _ = self._fetch(as_row_ids(d.unique, self._num_rows), False, d.requested)
-        rows = self.decode(raw, dtype)  # [u, head_dim]
-        return rows.index_select(0, torch.from_numpy(d.inverse)).reshape(*(d.shape or (1,)), -1)
-
-    def decode(self, raw: torch.Tensor | np.ndarray, dtype: torch.dtype = torch.float32, *,
-               index: np.ndarray | None = None, index_base: int = 0,
-               shape: tuple[int, ...] | None = None, buffers: RecycledArrays | None = None,
-               slots: np.ndarray | None = None) -> torch.Tensor:
-        return decode_rows(raw, self._config.row_format, self._config.head_dim, dtype, index=index,
-                           index_base=index_base, shape=shape, buffers=buffers, slots=slots)
 
     def _fetch(self, ids: np.ndarray, hold: bool, requested: int | None) -> tuple[torch.Tensor, list[int]]:
         """Rows ``[u, row_bytes]`` of checked distinct ids, in pieces of ``max_rows``; the
@@ -293,13 +244,13 @@ class RowClient:
         pick = np.arange(ids.size)
         if self.verify == "sample" and ids.size > VERIFY_PER_FETCH and self.rows_verified >= VERIFY_AT_CONNECT:
             pick = np.unique(self._rng.integers(0, ids.size, VERIFY_PER_FETCH))
-        want = self._file.rows(ids[pick])  # [k, row_bytes]
+        want = self._file.read_rows(ids[pick], torch.empty((pick.size, self._rb), dtype=torch.uint8)).numpy()
         wrong = np.flatnonzero((want != rows[pick]).any(axis=1))
         self.rows_verified += int(pick.size)
         if wrong.size:
             row = int(ids[pick[wrong[0]]])
             raise TierError(f"the row server at {self.socket_path} sent row {row} different from "
-                            f"{self._file.path} ({wrong.size} of {pick.size} rows checked): it serves wrong "
+                            f"{self._file.header.path} ({wrong.size} of {pick.size} rows checked): it serves wrong "
                             "rows; stop it and start a server for this table")
 
     def _ask(self, message: bytes, what: str) -> tuple[int, int, Any]:
@@ -370,12 +321,6 @@ class RowClient:
         if self._file is not None:
             self._file.close()
 
-    def __enter__(self) -> "RowClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"RowClient({self.socket_path!r}, table={self.table!r}, rows={self._num_rows:,})"
 
@@ -394,56 +339,17 @@ def _map_buffer(fd: int, hello: dict[str, Any], socket_path: str) -> mmap.mmap:
     return mmap.mmap(fd, nbytes)
 
 
-class _FileRows:
-    """Rows read from the table file itself, checked against its page checksums (format 2:
-    one ``pread`` of each row's page), else through an ``mmap`` tier checking blocks."""
-
-    def __init__(self, header: TableHeader) -> None:
-        self.path = header.path
-        self._layout = header.layout
-        self._sums = header.page_sums
-        self._fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC) if self._sums is not None else -1
-        self._tier = MmapTier(header, verify_reads=True) if self._sums is None else None
-
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows ``uint8 [k, row_bytes]`` of ``ids``, each from a page that passed its checksum."""
-        layout = self._layout
-        if self._tier is not None:
-            read = torch.empty((ids.size, layout.row_bytes), dtype=torch.uint8)
-            return self._tier.read_rows(ids, read).numpy()
-        assert self._sums is not None
-        rpp, page_bytes, rb = layout.rows_per_page, layout.page_bytes, layout.row_bytes
-        out = np.empty((ids.size, rb), np.uint8)
-        for i, row in enumerate(ids.tolist()):
-            page = row // rpp
-            data = os.pread(self._fd, page_bytes, layout.data_offset + page * page_bytes)
-            if len(data) != page_bytes or int(page_sums(data, page_bytes)[0]) != int(self._sums[page]):
-                raise ChecksumError(f"{self.path}: data page {page} fails its checksum (or the file is short): "
-                                    "the table file is damaged; check it with engram-offload verify TABLE")
-            start = (row % rpp) * rb
-            out[i] = np.frombuffer(data, np.uint8, rb, start)
-        return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._tier is not None:
-            self._tier.close()
-
-
 def start_row_server(table: str | os.PathLike[str], socket_path: str | os.PathLike[str], *, tier: str = "direct",
-                     cache_bytes: int = 0, policy: str = "lru", max_rows: int | None = None,
+                     cache_bytes: int = 0, policy: str | None = None, max_rows: int | None = None,
                      max_connections: int | None = None, timeout: float = 60.0) -> subprocess.Popen:
-    """Start ``python -m engram_offload.serving.rowserver.server`` and wait until it answers at
-    ``socket_path``; ``EngramError`` with its message when it exits first. The server's stderr
-    goes to an unnamed temporary file (a pipe nobody reads would block it once full)."""
-    command = [sys.executable, "-m", "engram_offload.serving.rowserver.server", str(table), str(socket_path),
-               "--tier", tier, "--cache", str(int(cache_bytes)), "--policy", policy]
-    if max_rows is not None:
-        command += ["--max-rows", str(int(max_rows))]
-    if max_connections is not None:
-        command += ["--max-connections", str(int(max_connections))]
+    """Start ``engram-offload row-server`` (its default ``policy``: ``lfu``) and wait until it
+    answers at ``socket_path``; ``EngramError`` with its message when it exits first. The
+    server's stderr goes to an unnamed temporary file (a pipe nobody reads would block it once full)."""
+    command = [sys.executable, "-m", "engram_offload.cli", "row-server", "--table", str(table),
+               "--socket", str(socket_path), "--tier", tier, "--cache-bytes", str(int(cache_bytes))]
+    for option, value in (("--policy", policy), ("--max-rows", max_rows), ("--max-connections", max_connections)):
+        if value is not None:
+            command += [option, str(value)]
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout

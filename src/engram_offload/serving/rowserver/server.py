@@ -1,5 +1,6 @@
 """``RowServer``: one process per machine that owns a table's tier, its row cache and its
-reads, and serves every rank's fetches through shared memory.
+reads, and serves every rank's fetches through shared memory. ``engram-offload row-server``
+(``commands/rowserver.py``) runs one.
 
 Each connection gets its own exchange buffer (a memfd the client maps; see ``protocol``)
 and its own thread. A fetch is the store's ``fetch``: the rows go through the one
@@ -23,7 +24,6 @@ descriptor is kept for that): the server goes on serving the others.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import fcntl
 import itertools
@@ -31,23 +31,23 @@ import mmap
 import os
 import resource
 import select
-import signal
 import socket
 import stat
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import EngramError
-from ...units import size_arg
-from ..store import TableStore, open_table
 from . import protocol as p
 
-__all__ = ["RowServer", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_CONNECTIONS", "MAX_REQUESTED", "main"]
+if TYPE_CHECKING:
+    from ..store import TableStore
+
+__all__ = ["RowServer", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_CONNECTIONS", "MAX_REQUESTED"]
 
 DEFAULT_MAX_ROWS = 1 << 16  # ids per round trip; a larger fetch takes several
 DEFAULT_MAX_CONNECTIONS = 64  # ranks of one machine, with room to spare
@@ -395,31 +395,3 @@ def _remove_stale_socket(socket_path: Path) -> None:
 
 def _descriptor_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m engram_offload.serving.rowserver.server TABLE SOCKET [--tier direct] [--cache 4GiB]``."""
-    parser = argparse.ArgumentParser(prog="engram-offload-rowserver", description=main.__doc__)
-    parser.add_argument("table")
-    parser.add_argument("socket")
-    parser.add_argument("--tier", default="direct")
-    parser.add_argument("--cache", type=size_arg, default=0, help="DRAM row cache size, e.g. 4GiB")
-    parser.add_argument("--policy", default="lru")
-    parser.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS)
-    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
-    args = parser.parse_args(argv)
-    try:
-        store = open_table(args.table, args.tier, cache_bytes=args.cache, policy=args.policy)
-        server = RowServer(store, args.socket, max_rows=args.max_rows, max_connections=args.max_connections)
-    except (EngramError, ValueError, OSError) as exc:
-        print(f"engram-offload row server: {exc}", file=sys.stderr)
-        return 1
-    signal.signal(signal.SIGTERM, lambda *_: server.close())
-    signal.signal(signal.SIGINT, lambda *_: server.close())
-    print(f"serving {args.table} on {args.socket}", flush=True)
-    server.serve_forever()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
