@@ -152,3 +152,14 @@ def test_hbm_cache_and_staging_on_cuda_streams():
         sync.wait("main", ring.stage(read_into, dst))
     torch.cuda.synchronize()
     assert all(dst.eq(i + 1).all() for i, dst in enumerate(dsts))
+
+
+def test_upload_ring_grows_a_buffer_to_the_array_and_reuses_it_after_its_copy():
+    sync = TracingSync()
+    small, large = np.arange(5, dtype=np.int32), np.arange(40_000, dtype=np.int64)  # 320,000 bytes
+    for array in (small, large, large.reshape(200, 200), small):
+        got = sync.upload("side", array, "cpu")
+        assert got.dtype == torch.from_numpy(array).dtype and torch.equal(got, torch.from_numpy(array))
+    ring = sync.__dict__["_upload_rings"]["cpu"]
+    assert [b.numel() for b in ring.buffers[:4]] == [1 << 16, 1 << 19, 1 << 19, 1 << 16]
+    assert all(any(src.data_ptr() == b.data_ptr() for b in ring.buffers) for _, src in sync.copies)
