@@ -1,5 +1,5 @@
-"""What a (possibly damaged) table file gives each reader: ``verify`` and every tier, with
-and without ``verify_reads``. Runs inside the sandbox worker; returns plain data."""
+"""What a (possibly damaged) table file gives each reader: ``verify`` and every tier. Runs
+inside the sandbox worker; returns plain data."""
 
 from __future__ import annotations
 
@@ -15,12 +15,7 @@ TARGETS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "mmap": ("mmap", {}),
     "direct": ("direct", {}),
     "direct/threads": ("direct", {"engine": "threads"}),
-    "memory+verify_reads": ("memory", {"verify_reads": True}),
-    "pinned+verify_reads": ("pinned", {"verify_reads": True}),
-    "mmap+verify_reads": ("mmap", {"verify_reads": True}),
-    "direct+verify_reads": ("direct", {"verify_reads": True}),
 }
-VERIFYING = {name for name, (tier, options) in TARGETS.items() if tier is None or options.get("verify_reads")}
 
 
 def warm_up() -> None:

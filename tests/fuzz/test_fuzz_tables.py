@@ -1,19 +1,14 @@
 """Damaged table files against ``verify`` and every tier: refused, or the right rows.
 
 Every case runs in a sandbox process with a time bound, so a hang or a crash fails the test.
-The tables: two in format version 2 (page checksums) and one in version 1. What each
-format promises, and what is asserted:
+The tables: fp8 rows packed 62 a page and wide rows one a page. What is asserted:
 
 - a header or trailer that is damaged, a header whose fields are nonsense (even under a
   valid checksum), a truncated or extended file: refused at open with ``TableFormatError``
   (for a header whose change is harmless, such as its ``name``: the right rows);
-- flipped data bytes (rows or a page's padding) in a version-2 table: ALWAYS refused with
-  ``ChecksumError``, by ``verify`` and by every tier with its default options, with or
-  without ``verify_reads`` (direct and mmap check every page they read, memory and pinned
-  every page they load);
-- flipped data bytes in a version-1 table: ``verify`` and every tier opened with
-  ``verify_reads=True`` refuse with ``ChecksumError``; a tier without ``verify_reads``
-  returns exactly the bytes on disk (version 1 has no page checksums to check a read with);
+- flipped data bytes (rows or a page's padding): ALWAYS refused with ``ChecksumError``, by
+  ``verify`` and by every tier with its default options (direct and mmap check every page
+  they read, memory and pinned every page they load);
 - flipped bytes in the zero padding after the header JSON: nothing reads them, every
   reader returns the reference rows.
 """
@@ -26,7 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from fuzz.read_everywhere import TARGETS, VERIFYING, read_everywhere, warm_up
+from fuzz.read_everywhere import TARGETS, read_everywhere, warm_up
 from fuzz.sandbox import Sandbox
 from fuzz.table_damage import header_meta, rewrite_header, rows_on_disk
 from hypothesis import HealthCheck, given, settings
@@ -58,12 +53,11 @@ class Table(SimpleNamespace):
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory) -> dict[str, Table]:
-    """66-byte fp8 rows packed 62 a page (versions 2 and 1), and 4400-byte rows one a page."""
+    """66-byte fp8 rows packed 62 a page, and 4400-byte rows one a page."""
     d = tmp_path_factory.mktemp("fuzz")
     out = {}
-    for name, config, version in (("fp8", tiny_config(), 2), ("wide", tiny_config("fp32", 1100, starts=(20, 30)), 2),
-                                  ("fp8-v1", tiny_config(), 1)):
-        path = make_random_table(d / f"{name}.tbl", config, seed=1, block_size=8192, version=version)
+    for name, config in (("fp8", tiny_config()), ("wide", tiny_config("fp32", 1100, starts=(20, 30)))):
+        path = make_random_table(d / f"{name}.tbl", config, seed=1, block_size=8192)
         layout = read_header(path).layout
         out[name] = Table(path=path, bytes=path.read_bytes(), layout=layout,
                           rows=rows_on_disk(path, layout), case=d / f"{name}.case.tbl")
@@ -185,11 +179,8 @@ def test_flipped_bytes(sandbox, tables, data):
     outcomes = sandbox.run(read_everywhere, str(table.case), case=case)
     if regions & {"header", "trailer"}:
         expect = {t: "TableFormatError" for t in TARGETS}
-    elif "data" in regions and layout.has_page_sums:
-        expect = {t: "ChecksumError" for t in TARGETS}
     elif "data" in regions:
-        on_disk = rows_on_disk(table.case, layout)
-        expect = {t: "ChecksumError" if t in VERIFYING else on_disk for t in TARGETS}
+        expect = {t: "ChecksumError" for t in TARGETS}
     else:
         expect = {t: table.rows for t in TARGETS}
     check(outcomes, expect, case)

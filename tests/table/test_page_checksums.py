@@ -1,10 +1,9 @@
-"""Format version 2: page checksums (the native helper against the xxhash package), the
-layout and trailer, ``verify`` naming a bad page, and ``upgrade`` from version 1."""
+"""Page checksums (the native helper against the xxhash package), the layout and trailer,
+``verify`` naming a bad page, and the ``upgrade`` command refused."""
 
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -12,9 +11,7 @@ import xxhash
 
 from engram_offload import cli
 from engram_offload.errors import ChecksumError, TableFormatError
-from engram_offload.table import make_random_table, pagesum, random_rows, read_header, verify_table
-from engram_offload.table.upgrade import upgrade_table
-from engram_offload.tiers import open_tier
+from engram_offload.table import make_random_table, pagesum, read_header, verify_table
 
 from tiny_tables import tiny_config
 
@@ -37,7 +34,7 @@ def test_page_sums_are_the_low_half_of_xxh3_natively_and_without_the_helper(page
 
 
 @pytest.mark.parametrize("fmt,head_dim", [("fp8_e4m3_ue8m0", 64), ("fp32", 1100)])
-def test_version_2_trailer_holds_one_checksum_per_data_page(tmp_path, fmt, head_dim):
+def test_the_trailer_holds_one_checksum_per_data_page(tmp_path, fmt, head_dim):
     path = make_random_table(tmp_path / "t.tbl", tiny_config(fmt, head_dim), seed=3, block_size=8192)
     header = read_header(path)
     layout = header.layout
@@ -59,43 +56,17 @@ def test_verify_names_a_bad_page_and_a_damaged_page_trailer_fails_at_open(tmp_pa
     damaged.write_bytes(bytes(flipped))
     with pytest.raises(TableFormatError, match="trailer is damaged"):
         read_header(damaged)
-    # A flip that leaves the block checksums intact cannot exist; verify reports the block first.
     data[layout.data_offset + 5 * layout.page_bytes + 9] ^= 0x04
     path.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match=r"block 2 "):
+    first, last = layout.page_rows(5)
+    with pytest.raises(ChecksumError, match=rf"data page 5 \(rows {first:,}\.\.{last:,}\) does not match its checksum;"):
         verify_table(path)
 
 
-def test_upgrade_rewrites_a_version_1_table_with_the_same_rows(tmp_path, capsys):
-    config = tiny_config("bf16", 80)
-    path = make_random_table(tmp_path / "t.tbl", config, seed=4, block_size=8192, version=1)
-    expected = np.concatenate(list(random_rows(config, 4)))
-    old = read_header(path)
-    assert old.layout.version == 1
-    assert cli.main(["upgrade", str(path), "--no-progress"]) == 0
-    assert "upgraded from format version 1 to 2" in capsys.readouterr().out
-    new = read_header(path)
-    assert new.layout.version == 2 and new.page_sums is not None
-    assert new.config == old.config and new.layout.block_size == old.layout.block_size
-    verify_table(path)
-    with open_tier("memory", new) as t:
-        np.testing.assert_array_equal(t.rows.numpy(), expected)
-        assert t.stats()["verified_on_load"] is True
-    assert [p.name for p in tmp_path.iterdir()] == ["t.tbl"]  # no temporary file left
-    assert cli.main(["upgrade", str(path)]) == 0
-    assert "already format version 2; nothing to do" in capsys.readouterr().out
-
-
-def test_upgrade_refuses_a_damaged_version_1_table_and_leaves_it_as_it_was(tmp_path):
-    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=4, block_size=8192, version=1)
-    layout = read_header(path).layout
-    data = bytearray(path.read_bytes())
-    data[layout.data_offset + 3 * 8192 + 17] ^= 0x01  # block 3
-    path.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match="block 3 "):
-        upgrade_table(path, progress=False)
-    assert path.read_bytes() == bytes(data) and read_header(path).layout.version == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["t.tbl"]
-    copy = tmp_path / "copy.tbl"
-    shutil.copy(path, copy)
-    assert cli.main(["upgrade", str(copy)]) == 1
+def test_upgrade_is_refused_naming_convert(tmp_path, capsys):
+    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=4, block_size=8192)
+    before = path.read_bytes()
+    assert cli.main(["upgrade", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "upgrade was removed" in err and "rewrite an older table with engram-offload convert" in err
+    assert path.read_bytes() == before

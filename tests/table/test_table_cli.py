@@ -36,14 +36,15 @@ def test_verify_fails_on_a_flipped_byte(tmp_path, capsys):
     path = tmp_path / "t.tbl"
     assert cli.main(["make-table", "--scale", SCALE, "--out", str(path), "--block-size", "65536"]) == 0
     layout = read_header(path).layout
-    start, end = layout.block_range(3)
+    start = layout.data_offset + 3 * layout.page_bytes
     with open(path, "r+b") as f:
         f.seek(start + 7)
         f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
     capsys.readouterr()
     assert cli.main(["verify", str(path)]) == 1
     err = capsys.readouterr().err
-    assert f"block 3 (bytes {start:,}..{end:,})" in err
+    first, last = layout.page_rows(3)
+    assert f"data page 3 (rows {first:,}..{last:,})" in err
 
 
 def test_verify_foreign_and_missing_files(tmp_path, capsys):

@@ -198,17 +198,18 @@ def test_missing_file(tmp_path):
         read_header(tmp_path / "nope.tbl")
 
 
-def test_flipped_byte_fails_verify_naming_the_block(table):
+def test_flipped_byte_fails_verify_naming_the_page(table):
     header = read_header(table)
     layout = header.layout
-    block = layout.num_blocks // 2
-    start, end = layout.block_range(block)
+    page = layout.num_pages // 2
+    start = layout.data_offset + page * layout.page_bytes
     with open(table, "r+b") as f:
         f.seek(start + 1234)
         byte = f.read(1)
         f.seek(start + 1234)
         f.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(ChecksumError, match=rf"block {block} \(bytes {start:,}\.\.{end:,}\)"):
+    first, last = layout.page_rows(page)
+    with pytest.raises(ChecksumError, match=rf"data page {page} \(rows {first:,}\.\.{last:,}\)"):
         verify_table(table)
 
 
@@ -368,8 +369,12 @@ def test_open_errors_say_what_is_wrong(table, tmp_path):
     version = tmp_path / "v3.tbl"
     version.write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
     with pytest.raises(TableFormatError, match=rf"^{version} has table format version 3; this engram-offload "
-                                               r"reads versions 1, 2: rewrite the table with this version "
-                                               r"\(make-table or convert\)$"):
+                                               r"reads version 2 only: rewrite the table with engram-offload "
+                                               r"convert \(or make-table\)$"):
+        read_header(version)
+    version.write_bytes(data[:8] + struct.pack("<I", 1) + data[12:])  # version 1: no page checksums
+    with pytest.raises(TableFormatError, match=r"has table format version 1; this engram-offload reads version 2 "
+                                               r"only: rewrite the table with engram-offload convert"):
         read_header(version)
     (length,) = struct.unpack("<I", data[12:16])
     for bad_length, message in [(1 << 24 | 1, r"header length 16777217 is implausible; the file is damaged$"),
@@ -428,14 +433,9 @@ def test_layout_geometry_of_a_small_table(tmp_path):
     assert (config.num_rows, layout.page_bytes, layout.rows_per_page) == (11, 4096, 1)
     assert (layout.block_size, layout.num_pages, layout.data_bytes, layout.num_blocks) == (8192, 11, 11 * 4096, 6)
     assert layout.page_rows(0) == (0, 0) and layout.page_rows(10) == (10, 10)
-    assert layout.block_range(0) == (layout.data_offset, layout.data_offset + 8192)
-    assert layout.block_range(5) == (layout.data_offset + 5 * 8192, layout.trailer_offset)  # the short last block
     assert layout.trailer_offset == layout.data_offset + 11 * 4096
     assert layout.page_sums_bytes == 44 and layout.trailer_bytes == 44 + 8 * 7
     assert layout.file_bytes == layout.trailer_offset + layout.trailer_bytes
-    v1 = TableLayout.for_config(config, block_size=5000, version=1)
-    assert not v1.has_page_sums and v1.page_sums_bytes == 0 and v1.trailer_bytes == 8 * 7
-    assert "page_checksum" not in v1.header_dict() and v1.header_dict()["version"] == 1
     wide = TableLayout.for_config(config.replace(head_dim=1025))  # 4,100-byte rows: two pages each
     assert (wide.page_bytes, wide.rows_per_page) == (8192, 1)
     assert wide.row_offsets(np.array([0, 3])).tolist() == [wide.data_offset, wide.data_offset + 3 * 8192]
@@ -445,15 +445,11 @@ def test_layout_geometry_of_a_small_table(tmp_path):
     assert TableLayout.for_config(config, block_size=1 << 30).block_size == 1 << 30
     with pytest.raises(ValueError, match=r"^block_size must be in 1\.\.1,073,741,824 bytes, got 1073741825$"):
         TableLayout.for_config(config, block_size=(1 << 30) + 1)
-    with pytest.raises(ValueError, match=r"^format version must be one of \(1, 2\), got 3$"):
-        TableLayout.for_config(config, version=3)
     assert TableLayout.for_config(config, block_size=1).block_size == 4096  # rounded up to a page
     big = config.replace(layer_ids=tuple(range(200)))  # a header longer than one page
     layout = TableLayout.for_config(big)
     assert layout.data_offset > 4096 and layout.data_offset % 4096 == 0
     assert layout.data_offset == -(-(24 + len(layout.header_json())) // 4096) * 4096
-    old = TableLayout.for_config(big, version=1)  # the version survives settling the header size
-    assert old.version == 1 and old.header_dict()["version"] == 1 and not old.has_page_sums
 
 
 def test_fingerprints_tell_tables_apart(tmp_path, config):
@@ -598,19 +594,17 @@ def test_close_after_abort_raises(tmp_path, config):
 def test_trailer_checksums_are_read_as_written(tmp_path, config):
     import xxhash
 
-    for version in (1, 2):
-        path = make_random_table(tmp_path / f"v{version}.tbl", config, seed=3, block_size=8192, version=version)
-        header = read_header(path)
-        data = path.read_bytes()
-        blocks = [xxhash.xxh3_64_intdigest(data[slice(*header.layout.block_range(b))])
-                  for b in range(header.layout.num_blocks)]
-        assert header.block_digests.tolist() == blocks
-        if version == 1:
-            assert header.page_sums is None
-        else:
-            pages = [xxhash.xxh3_64_intdigest(data[header.layout.data_offset + p * 4096:][:4096]) & 0xFFFFFFFF
-                     for p in range(header.layout.num_pages)]
-            assert header.page_sums.tolist() == pages
+    path = make_random_table(tmp_path / "t.tbl", config, seed=3, block_size=8192)
+    header = read_header(path)
+    layout = header.layout
+    data = path.read_bytes()
+    blocks = [xxhash.xxh3_64_intdigest(data[layout.data_offset + b * 8192: min(layout.data_offset + (b + 1) * 8192,
+                                                                                layout.trailer_offset)])
+              for b in range(layout.num_blocks)]
+    assert header.block_digests.tolist() == blocks
+    pages = [xxhash.xxh3_64_intdigest(data[layout.data_offset + p * 4096:][:4096]) & 0xFFFFFFFF
+             for p in range(layout.num_pages)]
+    assert header.page_sums.tolist() == pages
 
 
 def test_a_header_config_is_read_as_a_config_is_built(table, tmp_path):
@@ -659,17 +653,17 @@ def test_cleaning_goes_on_when_another_cleaner_removed_a_file_first(tmp_path, mo
 
 HEADER_KEYS = {"magic", "version", "config", "layer_ids", "head_sizes", "layer_row_bases", "num_rows", "head_dim",
                "row_format", "row_bytes", "stride", "rows_per_page", "data_offset", "data_bytes", "block_size",
-               "num_blocks", "checksum", "trailer_offset", "file_bytes"}  # docs/table-format.md, "Header keys"
+               "num_blocks", "checksum", "trailer_offset", "file_bytes", "page_checksum",
+               "page_checksums_offset"}  # docs/table-format.md, "Header keys"
 
 
 def test_header_keys_are_the_documented_ones_sorted(tmp_path, config):
-    for version, extra in ((1, set()), (2, {"page_checksum", "page_checksums_offset"})):
-        path = make_random_table(tmp_path / f"v{version}.tbl", config, seed=0, version=version)
-        meta = header_meta(path)
-        assert set(meta) == HEADER_KEYS | extra
-        assert list(meta) == sorted(meta)  # written with sorted keys: the bytes (and fingerprint) are stable
-        layout = read_header(path).layout
-        assert (meta["layer_row_bases"], meta["head_dim"], meta["row_format"]) == \
-            (list(config.layer_row_bases), config.head_dim, config.row_format)
-        assert (meta["rows_per_page"], meta["data_bytes"], meta["file_bytes"]) == \
-            (layout.rows_per_page, layout.data_bytes, os.path.getsize(path))
+    path = make_random_table(tmp_path / "t.tbl", config, seed=0)
+    meta = header_meta(path)
+    assert set(meta) == HEADER_KEYS
+    assert list(meta) == sorted(meta)  # written with sorted keys: the bytes (and fingerprint) are stable
+    layout = read_header(path).layout
+    assert (meta["layer_row_bases"], meta["head_dim"], meta["row_format"]) == \
+        (list(config.layer_row_bases), config.head_dim, config.row_format)
+    assert (meta["rows_per_page"], meta["data_bytes"], meta["file_bytes"]) == \
+        (layout.rows_per_page, layout.data_bytes, os.path.getsize(path))

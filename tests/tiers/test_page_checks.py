@@ -1,6 +1,5 @@
-"""Format version 2: every page read is checked against its checksum, on every tier that
-reads pages (direct with either engine, mmap) and at load (memory, pinned); a transient bad
-read is read again; version-1 tables read as before."""
+"""Every page read is checked against its checksum, on every tier that reads pages (direct
+with either engine, mmap) and at load (memory, pinned); a transient bad read is read again."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
+from engram_offload._native import NO_NATIVE_ENV
 from engram_offload.errors import ChecksumError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import open_tier
@@ -18,16 +18,15 @@ from tier_cases import read, skip_unavailable
 from tiny_tables import tiny_config
 
 PAGE_READERS = [("direct", {"engine": "threads"}), ("direct", {"engine": "uring"}), ("mmap", {})]
-ALL_TIERS = PAGE_READERS + [("memory", {}), ("pinned", {})]
-# The Python read steps, where a wrapped engine read can corrupt a transfer (the native
-# call's own case: tests/tiers/test_native_rows.py).
-PYTHON_PAGE_READERS = [("direct", {"engine": "threads"}), ("direct", {"engine": "uring", "native_rows": False}),
-                       ("mmap", {})]
+# The Python read steps, where a wrapped engine read can corrupt a transfer (the uring engine's
+# with ENGRAM_OFFLOAD_NO_NATIVE set after the open; the native call's own case:
+# tests/tiers/test_native_rows.py).
+PYTHON_PAGE_READERS = [("direct", {"engine": "threads"}), ("direct", {"engine": "uring"}), ("mmap", {})]
 
 
 @pytest.fixture(scope="module")
 def v2_table(tmp_path_factory):
-    """(path, expected raw rows): fp8 rows, 62 a page, format version 2."""
+    """(path, expected raw rows): fp8 rows, 62 a page."""
     config = tiny_config()
     path = make_random_table(tmp_path_factory.mktemp("v2") / "t.tbl", config, seed=5, block_size=16384)
     return path, np.concatenate(list(random_rows(config, 5)))
@@ -111,11 +110,13 @@ def corrupt_first_call(real, buffer_arg: int):
 
 
 @pytest.mark.parametrize("tier,options", PYTHON_PAGE_READERS)
-def test_a_transient_bad_read_is_read_again_and_succeeds(v2_table, tier, options):
+def test_a_transient_bad_read_is_read_again_and_succeeds(v2_table, monkeypatch, tier, options):
     path, expected = v2_table
     skip_unavailable(tier, options, path.parent)
     ids = np.array([3, 400, 401, 2000])
     with open_quietly(tier, path, **options) as t:
+        if options.get("engine") == "uring":
+            monkeypatch.setenv(NO_NATIVE_ENV, "1")  # read on every call: the Python steps
         if tier == "direct":
             t._engine.read, calls = corrupt_first_call(t._engine.read, 2)  # (offsets, lengths, dest, dests)
         else:
@@ -145,27 +146,10 @@ def test_a_transient_bad_read_while_loading_is_read_again(v2_table, monkeypatch)
     assert calls[1] == read_header(path).layout.data_offset and calls.count(calls[0]) == 2
 
 
-@pytest.mark.parametrize("tier,options", ALL_TIERS)
-def test_version_1_tables_open_and_read_without_page_checks(tmp_path, tier, options):
-    skip_unavailable(tier, options, tmp_path)
-    config = tiny_config("bf16", 80)
-    path = make_random_table(tmp_path / "v1.tbl", config, seed=2, block_size=8192, version=1)
-    expected = np.concatenate(list(random_rows(config, 2)))
-    header = read_header(path)
-    assert header.layout.version == 1 and header.page_sums is None
-    with open_quietly(tier, path, **options) as t:
-        ids = np.random.default_rng(1).integers(0, t.num_rows, 300)
-        np.testing.assert_array_equal(read(t, ids), expected[ids])
-        assert t.stats()["pages_checked"] == 0
-
-
-def test_direct_reads_whole_pages_of_a_version_2_table(v2_table, tmp_path):
+def test_direct_reads_whole_pages(v2_table, tmp_path):
     path, _ = v2_table
     skip_unavailable("direct", {}, path.parent)
     with open_quietly("direct", path, engine="threads") as t:
         read(t, [0, 1, 200])  # two pages
         stats = t.stats()
         assert stats["reads"] == 2 and stats["bytes_read"] == 2 * 4096 and stats["pages_checked"] == 2
-    with open_quietly("direct", path, engine="threads", verify_pages=False) as t:
-        read(t, [0])
-        assert t.stats()["pages_checked"] == 0 and t.stats()["verify_pages"] is False

@@ -107,16 +107,6 @@ def test_open_by_fingerprint_without_the_file(tables, redis_cluster):
         open_pool_table(f"{redis_cluster.url}/0123456789abcdef")
 
 
-def test_a_version_1_table_opens_by_fingerprint_without_the_file(tmp_path, redis_single):
-    path = make_random_table(tmp_path / "v1.tbl", tiny_config("int8", 64), seed=5, block_size=16384, version=1)
-    result = publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)
-    with open_pool_table(f"{redis_single.url}/{result['fingerprint']}") as remote, \
-            open_tier("memory", read_header(path)) as memory:
-        assert remote.header.layout.version == 1
-        ids = np.arange(remote.num_rows)
-        assert np.array_equal(read(remote, ids), read(memory, ids))
-
-
 def test_a_file_that_is_not_the_named_table_is_refused(tables, second_table, redis_single):
     path, _ = tables[("bf16", 80)]
     publish_table(path, redis_single.url, extent_rows=EXTENT_ROWS, progress=False)

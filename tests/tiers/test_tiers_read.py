@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_offload.bench.cold import evict_file_pages
-from engram_offload.table import make_random_table, random_rows, read_header
+from engram_offload.table import read_header
 from engram_offload.tiers import TIERS, as_row_ids, get_tier_class, is_resident, open_tier, tier_names
-from engram_offload.tiers.direct import plan_spans
 from engram_offload.tiers.mmap import guarded_copy_available
 
 from tier_cases import FORMATS, TIER_CASES, read, skip_unavailable
@@ -99,26 +98,6 @@ def test_out_of_range_ids_raise_index_error(tables, tier, options):
             t.read_rows(np.zeros(3, np.int64), torch.empty((2, t.row_bytes), dtype=torch.uint8))
     with pytest.raises(ValueError, match="closed"):
         read(t, [0])
-
-
-def test_direct_reads_only_the_needed_sectors_of_a_version_1_table(tables, tmp_path):
-    """Without page checksums there is no page to check: the smallest sector-aligned spans
-    (a version-2 table is read in whole pages: test_page_checks)."""
-    config = read_header(tables[("fp8_e4m3_ue8m0", 64)][0]).config  # 66-byte rows, 62 a page
-    path = make_random_table(tmp_path / "v1.tbl", config, seed=11, block_size=16384, version=1)
-    expected = np.concatenate(list(random_rows(config, 11)))
-    layout = read_header(path).layout
-    ids = np.array([0, 1, 2, 61, 62, 5, 0], np.int64)  # pages 0 and 1
-    starts, lengths, dests, total, pos = plan_spans(layout.row_offsets(ids), 66, 4096, layout.data_offset)
-    assert len(starts) == 2  # rows sharing a page cost one read
-    assert np.all(starts % 512 == 0) and np.all(lengths % 512 == 0) and np.all(dests % 4096 == 0)
-    assert starts[0] == layout.data_offset and lengths[0] == 4096  # rows 0..61 span the page
-    assert lengths[1] == 512  # rows 62 (first of page 1)
-    skip_unavailable("direct", {}, path.parent)
-    with open_tier("direct", read_header(path), engine="threads") as t:
-        np.testing.assert_array_equal(read(t, ids), expected[ids])
-        stats = t.stats()
-        assert stats["reads"] == 2 and stats["bytes_read"] == 4096 + 512
 
 
 def test_registry_is_lazy_and_complete():

@@ -47,7 +47,7 @@ def test_closing_an_mmap_store_waits_for_a_read_in_flight(tables, tmp_path):
 
 def test_a_table_truncated_under_an_open_store_gives_an_error_or_its_rows(tables, tmp_path):
     """Streaming tiers refuse with ``TierError`` (never SIGBUS); resident ones keep their rows."""
-    cases = [("mmap", {}), ("mmap", {"verify_reads": True}), ("direct", {"engine": "threads"}),
+    cases = [("mmap", {}), ("direct", {"engine": "threads"}),
              ("direct", {"engine": "uring"}), ("memory", {})]
     if direct_io_refused(tmp_path):
         cases = [c for c in cases if c[0] != "direct"]
@@ -68,8 +68,7 @@ def test_a_table_truncated_under_an_open_store_gives_an_error_or_its_rows(tables
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["sigbus-guard", "pread"])
-@pytest.mark.parametrize("options", [{}, {"verify_pages": False}], ids=["pages", "rows"])
-def test_an_mmap_store_whose_file_shrinks_during_a_copy_gives_a_tier_error(tables, tmp_path, native, options):
+def test_an_mmap_store_whose_file_shrinks_during_a_copy_gives_a_tier_error(tables, tmp_path, native):
     """Truncation between the size check and the copy: SIGBUS caught (native helper) or never
     raised (pread), and the read fails with TierError; the child process exits cleanly."""
     from engram_offload.tiers.mmap import guarded_copy_available
@@ -81,7 +80,7 @@ def test_an_mmap_store_whose_file_shrinks_during_a_copy_gives_a_tier_error(table
     for path in paths:
         shutil.copy(src, path)
     env = {} if native else {"ENGRAM_OFFLOAD_NO_NATIVE": "1"}
-    result = run_child("truncated_mid_read", json.dumps(options), *map(str, paths), env=env)
+    result = run_child("truncated_mid_read", json.dumps({}), *map(str, paths), env=env)
     assert result["copy"].startswith(f"TierError: {paths[0]} "), result
     assert result["read_before"] == 4 and result["readers"] == ["TierError"] * 4, result
 
@@ -172,12 +171,12 @@ def test_resident_tiers_verify_blocks_larger_than_a_load_chunk(tmp_path, tier):
 
 def sparse_table(path: Path, config) -> Path:
     """A valid table file whose data region is a hole: a huge table costing no disk."""
-    layout = TableLayout.for_config(config, block_size=1 << 30, version=1)  # no page checksums to fake
-    digests = bytes(8 * layout.num_blocks)
+    layout = TableLayout.for_config(config, block_size=1 << 30)
+    trailer = bytes(layout.page_sums_bytes + 8 * layout.num_blocks)  # zero checksums: nothing reads the rows
     with open(path, "wb") as f:
         f.write(encode_header(layout))
         f.seek(layout.trailer_offset)
-        f.write(digests + struct.pack("<Q", xxhash.xxh3_64_intdigest(digests)))
+        f.write(trailer + struct.pack("<Q", xxhash.xxh3_64_intdigest(trailer)))
     return path
 
 

@@ -13,9 +13,8 @@ TIER_CASES = [
     ("memory", {}),
     ("pinned", {}),
     ("mmap", {}),
-    ("mmap", {"verify_reads": True}),
     ("direct", {"engine": "threads", "queue_depth": 4}),
-    ("direct", {"engine": "threads", "queue_depth": 1, "verify_reads": True}),
+    ("direct", {"engine": "threads", "queue_depth": 1}),
     ("direct", {"engine": "uring", "queue_depth": 8}),
 ]
 FORMATS = [("fp8_e4m3_ue8m0", 64), ("fp32", 64), ("bf16", 80), ("fp16", 48), ("int8", 64), ("fp32", 1100)]

@@ -1,4 +1,4 @@
-"""``make-table``, ``convert``, ``verify``, ``upgrade``, ``bench-tier``: table files and tier speed."""
+"""``make-table``, ``convert``, ``verify``, ``bench-tier``: table files and tier speed (``upgrade`` is refused)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--out", required=True, type=output_file, help="table file to write")
     make.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same file; default 0)")
     make.add_argument("--block-size", type=int_in_range(1, MAX_BLOCK_SIZE), default=1 << 20,
-                      help="checksum block bytes (default 1 MiB)")
+                      help="bytes a block digest covers (the table's identity; default 1 MiB)")
     make.add_argument("--force", action="store_true", help="write even if the disk looks too full")
     make.add_argument("--no-progress", action="store_true", help="no progress bar")
     make.set_defaults(func=cmd_make_table)
@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
-    ver = sub.add_parser("verify", help="check every block of a table against its checksum",
-                         description="Check a table's header, size and every block's checksum; "
+    ver = sub.add_parser("verify", help="check every page of a table against its checksum",
+                         description="Check a table's header, size and every data page's checksum; "
                          "or, with --clean DIR, remove the temporary files that dead writers left in DIR.")
     ver.add_argument("path", help="the table file (with --clean: a directory)")
     ver.add_argument("--clean", action="store_true",
@@ -66,13 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ver.add_argument("--no-progress", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
 
-    up = sub.add_parser("upgrade", help="rewrite a version-1 table in the current format (page checksums)",
-                        description="Rewrite a table in the current format (version 2: a checksum per data "
-                        "page, checked on every read), atomically: the old data is checked against its "
-                        "block checksums, a new file is written beside it and renamed over it.")
-    up.add_argument("path", metavar="TABLE", help="the table file")
-    up.add_argument("--force", action="store_true", help="write even if the disk looks too full")
-    up.add_argument("--no-progress", action="store_true", help="no progress bar")
+    up = sub.add_parser("upgrade", help="removed: rewrite an older table with convert",
+                        description="Removed: this engram-offload reads format version 2 only; rewrite "
+                        "an older table with engram-offload convert (or make-table).")
+    up.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_upgrade)
 
     bench = sub.add_parser(
@@ -177,27 +174,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"engram-offload verify: FAILED: {exc}", file=sys.stderr)
         return 1
     layout = header.layout
-    pages = f", {layout.num_pages:,} pages" if layout.has_page_sums else " (format version 1: no page checksums)"
-    print(f"{header.path}: OK, {layout.num_blocks:,} blocks{pages}, {layout.num_rows:,} rows "
+    print(f"{header.path}: OK, {layout.num_pages:,} pages, {layout.num_rows:,} rows "
           f"({layout.row_format}), {layout.file_bytes:,} bytes")
     return 0
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
-    from ..table import read_header
-    from ..table.upgrade import upgrade_table
-
-    if Path(args.path).is_dir():
-        raise UsageError(f"{args.path} is a directory: give a table file")
-    header = read_header(args.path)
-    if header.layout.version < TableLayout.for_config(header.config).version:
-        check_disk_for(header.config, args.path, "upgrade", args.force)
-    if upgrade_table(args.path, progress=False if args.no_progress else None):
-        print(f"{args.path}: upgraded from format version {header.layout.version} to "
-              f"{read_header(args.path).layout.version} (a checksum per data page)")
-    else:
-        print(f"{args.path}: already format version {header.layout.version}; nothing to do")
-    return 0
+    raise UsageError("upgrade was removed: this engram-offload reads table format version 2 only; "
+                     "rewrite an older table with engram-offload convert (or make-table)")
 
 
 def clean_directory(directory: str) -> int:

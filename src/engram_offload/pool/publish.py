@@ -1,7 +1,6 @@
 """Loading a table into a Redis pool, listing the pool, dropping a table from it.
 
-``publish_table`` streams the table file once, checking each block against its
-checksum (and, in table format version 2, each page against its page checksum), cuts
+``publish_table`` streams the table file once, checking each page against its checksum, cuts
 the rows into extents (``layout.PoolLayout``), each row followed by its checksum
 computed from those verified bytes, and writes each extent that the pool lacks:
 ``SET`` the extent, then record its xxh3_64 in the manifest. An extent already present
@@ -24,7 +23,7 @@ import xxhash
 from ..errors import TableFormatError
 from ..table.format import TableHeader, read_header
 from ..table.progress import byte_progress
-from ..table.verify import bad_pages, checksum_error, page_checksum_error
+from ..table.verify import bad_pages, page_checksum_error
 from .client import PoolClient, PoolError
 from .layout import (
     DEFAULT_EXTENT_ROWS,
@@ -56,12 +55,10 @@ FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
 
 
 def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterator[np.ndarray]:
-    """The table's rows in order, as uint8 chunks ``[rows, row_bytes]``, each block (and
-    each page, where the format has page checksums) verified."""
+    """The table's rows in order, as uint8 chunks ``[rows, row_bytes]``, each page verified."""
     layout = header.layout
     rb, rpp, page = layout.row_bytes, layout.rows_per_page, layout.page_bytes
-    # whole blocks, at least one (a block may exceed READ_CHUNK_BYTES; blocks are whole pages)
-    chunk_pages = max(1, READ_CHUNK_BYTES // layout.block_size) * layout.block_size // page
+    chunk_pages = max(1, READ_CHUNK_BYTES // page)
     staging = bytearray(chunk_pages * page)
     rows_left = layout.num_rows
     with open(header.path, "rb", buffering=0) as f:
@@ -71,15 +68,9 @@ def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterat
             view = memoryview(staging)[: pages * page]
             if f.readinto(view) != len(view):
                 raise EOFError(f"{header.path} ended early while publishing; the file changed under us")
-            if header.page_sums is not None:
-                bad = bad_pages(header, np.arange(first_page, first_page + pages), view)
-                if bad.size:
-                    raise page_checksum_error(header, first_page + int(bad[0]), reread=False)
-            start = first_page * page
-            for i in range(0, len(view), layout.block_size):  # chunks start on block boundaries
-                block = (start + i) // layout.block_size
-                if xxhash.xxh3_64_intdigest(view[i: i + layout.block_size]) != int(header.block_digests[block]):
-                    raise checksum_error(header, block)
+            bad = bad_pages(header, np.arange(first_page, first_page + pages), view)
+            if bad.size:
+                raise page_checksum_error(header, first_page + int(bad[0]), reread=False)
             rows = np.frombuffer(view, np.uint8).reshape(pages, page)[:, : rpp * rb].reshape(-1, rb)
             take = min(len(rows), rows_left)
             rows_left -= take

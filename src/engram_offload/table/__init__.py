@@ -1,12 +1,10 @@
-"""Table files: format, writing (streaming, atomic), random tables, conversion, verification,
-upgrading version-1 files."""
+"""Table files: format, writing (streaming, atomic), random tables, conversion, verification."""
 
 from __future__ import annotations
 
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableHeader, TableLayout, read_header
 from .generate import make_random_table, random_rows
-from .upgrade import upgrade_table
-from .verify import BlockVerifier, verify_table
+from .verify import verify_table
 from .writer import TableWriter, write_table
 
 __all__ = [
@@ -15,13 +13,11 @@ __all__ = [
     "TableHeader",
     "TableLayout",
     "TableWriter",
-    "BlockVerifier",
     "read_header",
     "write_table",
     "make_random_table",
     "random_rows",
     "verify_table",
-    "upgrade_table",
     "convert_checkpoint",
 ]
 

@@ -1,5 +1,5 @@
 /*
- * The page checksums of table format version 2: the low 32 bits of XXH3-64 (seed 0) of
+ * The page checksums of table files: the low 32 bits of XXH3-64 (seed 0) of
  * every page of a buffer, computed with the GIL released.
  *
  * page_sums(data, page_bytes, out)
@@ -9,10 +9,6 @@
  * row_sums(data, length, stride, out)
  *   the same checksum of each row: data[i*stride : i*stride+length] for i < len(data)/stride
  *   out    writable uint32 [rows] (written)
- *
- * count_bad_rows(data, length, stride) -> int
- *   rows whose checksum differs from the little-endian u32 stored right after them
- *   (at data[i*stride+length]; stride >= length + 4): the pool's rows with inline sums
  *
  * XXH3 comes from the vendored single-header xxHash (xxhash.h beside this file, BSD
  * 2-clause), inlined; it is the same function the xxhash Python package computes, which
@@ -61,11 +57,11 @@ done:
 }
 
 /* The rows of a buffer of n rows of `length` bytes at `stride`: checks the arguments. */
-static int row_shape(Py_buffer *data, Py_ssize_t length, Py_ssize_t stride, Py_ssize_t trailer, Py_ssize_t *rows) {
-    if (length <= 0 || stride < length + trailer || data->len % stride) {
+static int row_shape(Py_buffer *data, Py_ssize_t length, Py_ssize_t stride, Py_ssize_t *rows) {
+    if (length <= 0 || stride < length || data->len % stride) {
         PyErr_Format(PyExc_ValueError,
-                     "data of %zd bytes is not a whole number of %zd-byte strides holding a %zd-byte row "
-                     "(and %zd bytes after it)", data->len, stride, length, trailer);
+                     "data of %zd bytes is not a whole number of %zd-byte strides holding a %zd-byte row",
+                     data->len, stride, length);
         return -1;
     }
     *rows = data->len / stride;
@@ -77,7 +73,7 @@ static PyObject *row_sums(PyObject *self, PyObject *args) {
     Py_ssize_t length, stride, rows;
     if (!PyArg_ParseTuple(args, "y*nnw*", &data, &length, &stride, &out)) return NULL;
     PyObject *result = NULL;
-    if (row_shape(&data, length, stride, 0, &rows) < 0) goto done;
+    if (row_shape(&data, length, stride, &rows) < 0) goto done;
     if (!holds_sums(&out, rows, "row")) goto done;
     const uint8_t *src = data.buf;
     uint32_t *dst = out.buf;
@@ -91,26 +87,6 @@ done:
     return result;
 }
 
-static PyObject *count_bad_rows(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    Py_ssize_t length, stride, rows, bad = 0;
-    if (!PyArg_ParseTuple(args, "y*nn", &data, &length, &stride)) return NULL;
-    if (row_shape(&data, length, stride, 4, &rows) < 0) {
-        PyBuffer_Release(&data);
-        return NULL;
-    }
-    const uint8_t *src = data.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        const uint8_t *row = src + i * stride, *sum = row + length;
-        uint32_t stored = (uint32_t)sum[0] | (uint32_t)sum[1] << 8 | (uint32_t)sum[2] << 16 | (uint32_t)sum[3] << 24;
-        bad += (uint32_t)XXH3_64bits(row, (size_t)length) != stored;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&data);
-    return PyLong_FromSsize_t(bad);
-}
-
 static PyObject *uses_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(pagesum_avx2); }
 
 static PyMethodDef methods[] = {
@@ -120,9 +96,6 @@ static PyMethodDef methods[] = {
     {"row_sums", row_sums, METH_VARARGS,
      "row_sums(data, length, stride, out): low 32 bits of XXH3-64 of each row (length bytes at stride) "
      "into out (uint32)."},
-    {"count_bad_rows", count_bad_rows, METH_VARARGS,
-     "count_bad_rows(data, length, stride): rows whose checksum differs from the little-endian u32 "
-     "stored right after them."},
     {"uses_avx2", uses_avx2, METH_NOARGS, "Whether the AVX2 loop is used."},
     {NULL, NULL, 0, NULL},
 };

@@ -7,21 +7,20 @@ A table file is, in order::
              to ``data_offset`` (a multiple of 4096)
     data     ``num_pages`` pages of ``page_bytes``; page ``p`` holds rows
              ``p*rows_per_page .. (p+1)*rows_per_page-1`` back to back, zero padded
-    trailer  at ``trailer_offset``:
-             version 2 only: one little-endian u32 per data page, the low 32 bits of its
-             XXH3-64 (``page_sums``); then one u64 xxh3_64 digest per ``block_size``
+    trailer  at ``trailer_offset``: one little-endian u32 per data page, the low 32 bits of
+             its XXH3-64 (``page_sums``); then one u64 xxh3_64 digest per ``block_size``
              bytes of data (the last block may be shorter), then u64 xxh3_64 of
              everything before it in the trailer
 
-Version 2 adds the page checksums (loaded into DRAM at open, about 0.1% of the data), so a
-read of one page can be verified by itself; version 1 files are read as before, without
-page checks.
+The page checksums (loaded into DRAM at open, about 0.1% of the data) are what every read
+and ``verify`` checks: a page is verified by itself. The block digests are the table's
+identity (``TableHeader.fingerprint``: shared segments, row servers and pool keys are named
+by it), short enough to store with a published table.
 
 ``page_bytes`` is 4096 when a row fits in 4 KiB (``floor(4096 / row_bytes)`` rows a page,
 so no row straddles a page), else the row size rounded up to 4096 (one row a page, every
-row page aligned). Every row is therefore served by one direct read: its whole page (to
-check it, version 2) or the smallest 512-byte-aligned span holding it (version 1). All
-integers are little-endian; nothing is pickled.
+row page aligned). Every row is therefore served by one direct read of its whole page,
+checked against the page's checksum. All integers are little-endian; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from ..errors import TableFormatError
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
-    "READABLE_VERSIONS",
     "PAGE_BYTES",
     "SECTOR_BYTES",
     "DEFAULT_BLOCK_SIZE",
@@ -57,8 +55,7 @@ __all__ = [
 MAGIC = b"ENGRAMTB"
 MAGIC_NAME = "engram-offload-table"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-PAGE_SUM_BYTES = 4  # u32 low half of XXH3-64 per data page (version 2)
+PAGE_SUM_BYTES = 4  # u32 low half of XXH3-64 per data page
 PREFIX = struct.Struct("<8sIIQ")  # magic, version, JSON length, xxh3_64 of the JSON
 PAGE_BYTES = 4096
 SECTOR_BYTES = 512
@@ -83,21 +80,18 @@ class TableLayout:
     version: int = FORMAT_VERSION
 
     @classmethod
-    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE,
-                   version: int = FORMAT_VERSION) -> "TableLayout":
+    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "TableLayout":
         """The layout of ``config``'s table; ``block_size`` is rounded up to whole pages."""
         if not 0 < block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE:,} bytes, got {block_size}")
-        if version not in READABLE_VERSIONS:
-            raise ValueError(f"format version must be one of {READABLE_VERSIONS}, got {version}")
         page = _page_bytes(config.row_bytes)
-        layout = cls(config, round_up(block_size, page), PAGE_BYTES, version)
+        layout = cls(config, round_up(block_size, page), PAGE_BYTES)
         # The header size depends on data_offset only through its digits: settle it.
         while True:
             need = round_up(PREFIX.size + len(layout.header_json()), PAGE_BYTES)
             if need == layout.data_offset:
                 return layout
-            layout = cls(config, layout.block_size, need, version)
+            layout = cls(config, layout.block_size, need)
 
     # -- geometry ---------------------------------------------------------------------
     @property
@@ -141,13 +135,8 @@ class TableLayout:
         return self.data_offset + self.data_bytes
 
     @property
-    def has_page_sums(self) -> bool:
-        """Whether the file carries a checksum per data page (version 2)."""
-        return self.version >= 2
-
-    @property
     def page_sums_bytes(self) -> int:
-        return PAGE_SUM_BYTES * self.num_pages if self.has_page_sums else 0
+        return PAGE_SUM_BYTES * self.num_pages
 
     @property
     def trailer_bytes(self) -> int:
@@ -167,15 +156,10 @@ class TableLayout:
         first = page * self.rows_per_page
         return first, min(first + self.rows_per_page, self.num_rows) - 1
 
-    def block_range(self, block: int) -> tuple[int, int]:
-        """File byte range ``[start, end)`` of data block ``block``."""
-        start = self.data_offset + block * self.block_size
-        return start, min(start + self.block_size, self.trailer_offset)
-
     # -- header -----------------------------------------------------------------------
     def header_dict(self) -> dict[str, Any]:
         c = self.config
-        header = {
+        return {
             "magic": MAGIC_NAME,
             "version": self.version,
             "config": c.to_dict(),
@@ -195,11 +179,9 @@ class TableLayout:
             "checksum": "xxh3_64",
             "trailer_offset": self.trailer_offset,
             "file_bytes": self.file_bytes,
+            "page_checksum": "xxh3_64_low32",
+            "page_checksums_offset": self.trailer_offset,
         }
-        if self.has_page_sums:
-            header["page_checksum"] = "xxh3_64_low32"
-            header["page_checksums_offset"] = self.trailer_offset
-        return header
 
     def header_json(self) -> bytes:
         return json.dumps(self.header_dict(), sort_keys=True).encode()
@@ -223,7 +205,7 @@ class TableHeader:
     path: Path
     layout: TableLayout
     block_digests: np.ndarray  # uint64 [num_blocks]
-    page_sums: np.ndarray | None = None  # uint32 [num_pages] low 32 bits of XXH3-64 per data page; None in version 1
+    page_sums: np.ndarray | None = None  # uint32 [num_pages] low 32 bits of XXH3-64 per data page; None in a pool's copy
 
     @property
     def config(self) -> EngramConfig:
@@ -261,11 +243,10 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             raise TableFormatError(
                 f"{path} is not an engram-offload table (starts with {magic!r}, expected {MAGIC!r})"
             )
-        if version not in READABLE_VERSIONS:
+        if version != FORMAT_VERSION:
             raise TableFormatError(
-                f"{path} has table format version {version}; this engram-offload reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}: rewrite the table with this version "
-                "(make-table or convert)"
+                f"{path} has table format version {version}; this engram-offload reads version "
+                f"{FORMAT_VERSION} only: rewrite the table with engram-offload convert (or make-table)"
             )
         if length > MAX_HEADER_BYTES:
             raise TableFormatError(f"{path}: header length {length} is implausible; the file is damaged")
@@ -275,7 +256,7 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
         if xxhash.xxh3_64_intdigest(body) != digest:
             raise TableFormatError(f"{path}: the header does not match its checksum; the file is damaged")
         data_offset = round_up(PREFIX.size + length, PAGE_BYTES)
-        layout = _layout_from_header(path, body, data_offset, version)
+        layout = _layout_from_header(path, body, data_offset)
         if size != layout.file_bytes:
             what = "truncated" if size < layout.file_bytes else "longer than its header says"
             raise TableFormatError(
@@ -287,13 +268,12 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
     (check,) = struct.unpack("<Q", trailer[-8:])
     if len(trailer) != layout.trailer_bytes or xxhash.xxh3_64_intdigest(memoryview(trailer)[:-8]) != check:
         raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
-    split = layout.page_sums_bytes
-    digests = np.frombuffer(trailer, dtype="<u8", count=layout.num_blocks, offset=split).copy()
-    page_sums = np.frombuffer(trailer, dtype="<u4", count=layout.num_pages).copy() if split else None
+    digests = np.frombuffer(trailer, dtype="<u8", count=layout.num_blocks, offset=layout.page_sums_bytes).copy()
+    page_sums = np.frombuffer(trailer, dtype="<u4", count=layout.num_pages).copy()
     return TableHeader(path, layout, digests, page_sums)
 
 
-def _layout_from_header(path: Path, body: bytes, data_offset: int, version: int) -> TableLayout:
+def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayout:
     """The layout a header's JSON describes, every field checked (type, range, agreement with
     the layout derived from its config) before it is used."""
     try:
@@ -306,7 +286,7 @@ def _layout_from_header(path: Path, body: bytes, data_offset: int, version: int)
         _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         if block_size % _page_bytes(config.row_bytes):
             raise ValueError(f"block_size {block_size} is not a whole number of pages")
-        layout = TableLayout(config, block_size, data_offset, version)
+        layout = TableLayout(config, block_size, data_offset)
         expected = layout.header_dict()
     except (ValueError, KeyError, TypeError) as exc:
         raise TableFormatError(f"{path}: unreadable table header ({exc}); the file is damaged") from None

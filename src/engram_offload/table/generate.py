@@ -14,7 +14,7 @@ import numpy as np
 
 from ..engram.config import EngramConfig
 from ..engram.rows import FP8_BLOCK
-from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION
+from .format import DEFAULT_BLOCK_SIZE
 from .writer import write_table
 
 __all__ = ["random_rows", "make_random_table"]
@@ -61,8 +61,6 @@ def make_random_table(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
-    version: int = FORMAT_VERSION,
 ) -> Path:
-    """Write a table of seeded random rows at ``config``'s layout (format ``version``)."""
-    return write_table(path, config, random_rows(config, seed), block_size=block_size, progress=progress,
-                       version=version)
+    """Write a table of seeded random rows at ``config``'s layout."""
+    return write_table(path, config, random_rows(config, seed), block_size=block_size, progress=progress)

@@ -1,8 +1,7 @@
-"""Checksums of data pages (table format version 2): the low 32 bits of XXH3-64.
+"""Checksums of data pages: the low 32 bits of XXH3-64.
 
 ``page_sums(data, page_bytes)`` returns one ``uint32`` per page; ``row_sums`` the same of
-rows laid at a stride, and ``bad_row_sums`` finds the rows (of a buffer of rows each
-followed by its little-endian ``uint32`` checksum, the pool's layout) that fail it. The native helper
+rows laid at a stride (the pool's row checksums). The native helper
 (``table/_pagesum.c``, XXH3 from the vendored ``xxhash.h``) releases the GIL, so a reader
 thread overlaps it with I/O. Without it (not built, or ``ENGRAM_OFFLOAD_NO_NATIVE`` set)
 the ``xxhash`` package computes the same values, one call per page.
@@ -19,7 +18,7 @@ import xxhash
 
 from .._native import native_disabled
 
-__all__ = ["CHECKSUM_NAME", "page_sums", "row_sums", "bad_row_sums", "native_available"]
+__all__ = ["CHECKSUM_NAME", "page_sums", "row_sums", "native_available"]
 
 CHECKSUM_NAME = "xxh3_64_low32"
 
@@ -49,18 +48,13 @@ def page_sums(data, page_bytes: int, *, portable: bool = False) -> np.ndarray:
     return out
 
 
-def _rows_view(data, length: int, stride: int, after: int) -> memoryview:
-    view = memoryview(data).cast("B")
-    if length <= 0 or stride < length + after or len(view) % stride:
-        raise ValueError(f"data of {len(view)} bytes is not a whole number of {stride}-byte strides holding "
-                         f"a {length}-byte row (and {after} bytes after it)")
-    return view
-
-
 def row_sums(data, length: int, stride: int) -> np.ndarray:
     """Checksum of the ``length``-byte row at the start of each ``stride`` bytes of ``data``
     -> ``uint32 [rows]`` (the page checksum's function: low 32 bits of XXH3-64)."""
-    view = _rows_view(data, length, stride, 0)
+    view = memoryview(data).cast("B")
+    if length <= 0 or stride < length or len(view) % stride:
+        raise ValueError(f"data of {len(view)} bytes is not a whole number of {stride}-byte strides holding "
+                         f"a {length}-byte row")
     out = np.empty(len(view) // stride, np.uint32)
     if native_available():
         _pagesum.row_sums(view, length, stride, out)
@@ -73,14 +67,3 @@ def _python_sums(view: memoryview, length: int, stride: int) -> list[int]:
     """The fallback of both: low 32 bits of XXH3-64 of the ``length`` bytes at each ``stride``."""
     digest = xxhash.xxh3_64_intdigest
     return [digest(view[i: i + length]) & 0xFFFFFFFF for i in range(0, len(view), stride)]
-
-
-def bad_row_sums(data, length: int, stride: int) -> np.ndarray:
-    """Positions (int64 ``[bad]``) of the rows of ``data`` whose checksum differs from the
-    little-endian ``uint32`` stored right after them: each ``stride`` bytes hold a
-    ``length``-byte row, then its sum (``stride >= length + 4``). Empty when all match."""
-    view = _rows_view(data, length, stride, 4)
-    if native_available() and _pagesum.count_bad_rows(view, length, stride) == 0:
-        return np.empty(0, np.int64)  # the usual case: one pass in C
-    stored = np.frombuffer(view, np.uint8).reshape(-1, stride)[:, length: length + 4].copy().view("<u4")[:, 0]
-    return np.flatnonzero(row_sums(view, length, stride) != stored)

@@ -26,7 +26,7 @@ import xxhash
 from ..atomic import fsync_dir
 from ..engram.config import EngramConfig
 from ..engram.rows import encode_rows
-from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableLayout, encode_header
+from .format import DEFAULT_BLOCK_SIZE, TableLayout, encode_header
 from .pagesum import page_sums
 from .progress import byte_progress
 
@@ -110,7 +110,8 @@ def clean_temp_files(directory: str | os.PathLike[str], target: str | None = Non
 
 
 class _BlockSink:
-    """Writes data bytes to a file while hashing each ``block_size`` block (xxh3_64)."""
+    """Writes data bytes to a file while hashing each ``block_size`` block (xxh3_64: the
+    table's identity, ``TableHeader.fingerprint``)."""
 
     def __init__(self, f, block_size: int) -> None:
         self.f, self.block_size = f, block_size
@@ -142,9 +143,7 @@ class TableWriter:
 
     ``write(rows)`` takes float rows ``[n, head_dim]`` or raw ``uint8 [n, row_bytes]``, in
     table row order. Exactly ``config.num_rows`` rows must be written before ``close``.
-    Used as a context manager, an exception discards the temporary file. ``version`` 2
-    (the default) stores a checksum per data page; 1 writes the older format (for tests and
-    for readers that predate version 2).
+    Used as a context manager, an exception discards the temporary file.
     """
 
     def __init__(
@@ -154,13 +153,12 @@ class TableWriter:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         progress: bool | None = None,
-        version: int = FORMAT_VERSION,
     ) -> None:
         if not str(path):
             raise ValueError("the output path is empty: give a file name to write the table to")
         self.path = Path(path)
         self.config = config
-        self.layout = TableLayout.for_config(config, block_size, version)
+        self.layout = TableLayout.for_config(config, block_size)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"directory {self.path.parent} does not exist")
         if self.path.is_dir():
@@ -178,7 +176,7 @@ class TableWriter:
             self._tmp.unlink(missing_ok=True)
             raise
         self._sink = _BlockSink(self._f, self.layout.block_size)
-        self._page_sums: list[np.ndarray] = []  # uint32 [pages] per written chunk (version 2)
+        self._page_sums: list[np.ndarray] = []  # uint32 [pages] per written chunk
         self._pending = np.empty((0, config.row_bytes), np.uint8)
         self.rows_written = 0
         self._progress = byte_progress(f"writing {self.path.name}", self.layout.data_bytes, progress)
@@ -216,8 +214,7 @@ class TableWriter:
             packed = np.zeros((pages, page), np.uint8)  # [pages, page_bytes]
             packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
         data = memoryview(packed).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
-        if self.layout.has_page_sums:
-            self._page_sums.append(page_sums(data, page))
+        self._page_sums.append(page_sums(data, page))
         self._sink.write(data)
         self._advance(pages * page)
 
@@ -288,7 +285,6 @@ def write_table(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
-    version: int = FORMAT_VERSION,
 ) -> Path:
     """Write a table atomically.
 
@@ -296,7 +292,7 @@ def write_table(
     ``config.row_format``), raw ``uint8 [num_rows, row_bytes]``, or an iterator of chunks
     of either, in row order.
     """
-    with TableWriter(path, config, block_size=block_size, progress=progress, version=version) as writer:
+    with TableWriter(path, config, block_size=block_size, progress=progress) as writer:
         for chunk in _chunks(rows):
             writer.write(chunk)
     return writer.path

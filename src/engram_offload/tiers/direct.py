@@ -1,29 +1,12 @@
-"""``direct`` tier: O_DIRECT reads of the pages (or sectors) holding the requested rows.
+"""``direct`` tier: O_DIRECT reads of the pages holding the requested rows.
 
-Per request, rows are grouped by 4 KiB page and each touched page costs one read. A table
-with page checksums (format version 2) is read in whole pages, and every page is checked
-against its checksum before a row of it is returned (``tiers.pagecheck``: a bad page is
-read once more, then ``ChecksumError``), whichever engine read it. A version-1 table has
-nothing to check a page against: each read is the smallest 512-byte-aligned span covering
-that page's requested rows (a lone 264-byte row costs at most 1 KiB). Pages or spans are
-read into a page-aligned buffer, then rows are copied out. With the ``uring`` engine, a
-version-2 table's rows are read in one native call per request
+Per request, rows are grouped by page and each touched page costs one read of the whole
+page, which is checked against its checksum before a row of it is returned
+(``tiers.pagecheck``: a bad page is read once more, then ``ChecksumError``), whichever
+engine read it. Pages are read into a page-aligned buffer, then rows are copied out. With
+the ``uring`` engine, a request's rows are read in one native call
 (``UringReader.read_rows``: pages read, checked, re-read once, rows copied out, the GIL
-released throughout); ``ENGRAM_OFFLOAD_NO_NATIVE`` or ``native_rows=False`` keeps the
-Python steps above.
-
-Pipelining: one native call keeps its ring full until its last reads, then drains it; a
-caller that reads one batch at a time leaves the drive idle while the tail drains and
-while it does its own work between calls. A native read of more than ``2 x pipeline_rows``
-rows in ascending order (a store's distinct ids) is cut into chunks of about
-``pipeline_rows`` (at page boundaries) read on two lanes,
-the caller's thread and a helper, each on a ring of half the queue depth (so as many reads
-are in flight as before): while one lane checks and copies out a chunk's pages, the other
-lane's reads are in flight. Both lanes end before the call returns, and a failure is
-raised as the one call raised it (the failing chunk first in the batch's order wins).
-It is off by default (``pipeline_rows=0``; ``PIPELINE_ROWS`` is the chunk size to try): on
-the two-core machine it was measured on (``benchmarks/bench_tier.py --one-caller``, loaded by
-other work), it read 0.95-1.04x the one-call read's rows/s at 1.13-1.17x its CPU a read.
+released throughout); ``ENGRAM_OFFLOAD_NO_NATIVE`` keeps the Python steps above.
 
 Engines: ``uring`` (the native io_uring helper, ``engram_offload.tiers.uring``, many
 reads in flight per system call, a small pool of rings shared by all caller threads) and
@@ -48,48 +31,19 @@ import torch
 from .._native import native_disabled
 from ..errors import TierError
 from ..table.format import PAGE_BYTES, SECTOR_BYTES, TableHeader
-from ..table.verify import BlockVerifier, page_checksum_error
+from ..table.verify import page_checksum_error
 from ._buffers import ThreadBuffers, aligned_empty, gather_at
 from .base import Tier
 from .pagecheck import check_pages, plan_pages
 from .policy import DEFAULT_QUEUE_DEPTH, DEFAULT_RETRIES, failure_message, is_transient
 
-__all__ = ["DEFAULT_RINGS", "DirectTier", "ENGINES", "PIPELINE_ROWS", "ThreadEngine", "UringEngine", "plan_spans"]
+__all__ = ["DEFAULT_RINGS", "DirectTier", "ENGINES", "ThreadEngine", "UringEngine"]
 
 ENGINES = ("auto", "uring", "threads")
 DEFAULT_RINGS = 4
 """io_uring rings a direct store keeps at most, shared by all its caller threads."""
-PIPELINE_ROWS = 256
-"""Rows a chunk of a pipelined native read, when asked for (``pipeline_rows``; see the module doc)."""
 
 Pread = Callable[[int, list, int], int]  # os.preadv's signature
-
-
-def plan_spans(offsets: np.ndarray, row_bytes: int, page_bytes: int, data_offset: int):
-    """Group rows by page into sector-aligned read spans.
-
-    ``offsets``: file offsets of the rows (int64 ``[n]``). Returns (span starts ``[m]``,
-    span lengths ``[m]``, destination offsets ``[m]`` (4 KiB aligned), buffer bytes, and
-    each row's byte position in the buffer ``[n]``).
-    """
-    pages = (offsets - data_offset) // page_bytes
-    starts = offsets & ~np.int64(SECTOR_BYTES - 1)
-    ends = (offsets + (row_bytes + SECTOR_BYTES - 1)) & ~np.int64(SECTOR_BYTES - 1)
-    order = np.argsort(pages, kind="stable")
-    sorted_pages = pages[order]
-    new = np.empty(len(order), bool)
-    new[0] = True
-    np.not_equal(sorted_pages[1:], sorted_pages[:-1], out=new[1:])
-    first = np.flatnonzero(new)
-    span_start = np.minimum.reduceat(starts[order], first)
-    span_len = np.maximum.reduceat(ends[order], first) - span_start
-    slots = (span_len + (PAGE_BYTES - 1)) & ~np.int64(PAGE_BYTES - 1)
-    dest = np.zeros(len(first), np.int64)
-    np.cumsum(slots[:-1], out=dest[1:])
-    span_of = np.empty(len(order), np.int64)
-    span_of[order] = np.cumsum(new) - 1
-    position = dest[span_of] + (offsets - span_start[span_of])
-    return span_start, span_len, dest, int(dest[-1] + slots[-1]), position
 
 
 class Engine(Protocol):
@@ -236,12 +190,12 @@ class UringEngine:
         finally:
             self._give_back(reader)
 
-    def read_rows(self, ids: np.ndarray, out: np.ndarray, header: TableHeader, verify: bool):
-        """Rows ``ids`` of a version-2 table into ``out`` (uint8 ``[n, row_bytes]``) in one
+    def read_rows(self, ids: np.ndarray, out: np.ndarray, header: TableHeader):
+        """Rows ``ids`` of a table into ``out`` (uint8 ``[n, row_bytes]``), pages checked, in one
         native call: ``uring.UringReader.read_rows``, whose ``RowsRead`` it returns."""
         reader = self._take()
         try:
-            return reader.read_rows(ids, out, header.layout, header.page_sums if verify else None)
+            return reader.read_rows(ids, out, header.layout, header.page_sums)
         finally:
             self._give_back(reader)
 
@@ -278,14 +232,10 @@ class DirectTier(Tier):
 
     Options: ``engine`` (``auto`` | ``uring`` | ``threads``), ``queue_depth`` (reads in
     flight: io_uring queue depth per ring, or thread count for ``threads``), ``rings`` (io_uring
-    rings shared by the caller threads), ``retries`` (per read), ``verify_reads`` (check
-    each block's checksum the first time a read touches it), ``verify_pages`` (check every
-    page read against its checksum, version-2 tables; on by default, off only to measure
-    what the check costs), ``native_rows`` (read a version-2 table's rows in one native
-    call with the ``uring`` engine; off: the Python steps, as the ``threads`` engine),
-    ``pread`` (the ``os.preadv``-like function of the threads engine; a fault-injection hook),
-    ``pipeline_rows`` (chunk rows of a pipelined native read, e.g. ``PIPELINE_ROWS``; 0, the
-    default: one call; see the module doc).
+    rings shared by the caller threads), ``retries`` (per read), ``pread`` (the
+    ``os.preadv``-like function of the threads engine; a fault-injection hook). Every page
+    read is checked; ``verify_reads`` (the resident tiers' option, passed to any tier) changes
+    nothing here.
     """
 
     name = "direct"
@@ -297,23 +247,13 @@ class DirectTier(Tier):
         engine: str = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         retries: int = DEFAULT_RETRIES,
-        verify_reads: bool = False,
-        verify_pages: bool = True,
+        verify_reads: bool | None = None,
         pread: Pread | None = None,
         rings: int = DEFAULT_RINGS,
-        native_rows: bool = True,
-        pipeline_rows: int = 0,
     ) -> None:
         super().__init__(header)
-        if pipeline_rows < 0:
-            raise ValueError(f"pipeline_rows must be >= 0 (0: off), got {pipeline_rows}")
-        self.pipeline_rows = int(pipeline_rows)
-        self._lanes: UringEngine | None = None  # rings of half the queue depth, for pipelined reads
-        self._helper: ThreadPoolExecutor | None = None
-        self._pipeline_lock = threading.Lock()
-        self.whole_pages = header.page_sums is not None  # version 2: read pages whole
-        self.verify_pages = verify_pages and self.whole_pages
-        self.native_rows = native_rows
+        if header.page_sums is None:
+            raise ValueError(f"{header.path}: the direct tier reads a table file opened with read_header")
         if engine not in ENGINES:
             raise ValueError(f"unknown direct engine {engine!r}; choose one of: {', '.join(ENGINES)}")
         if queue_depth < 1:
@@ -334,14 +274,10 @@ class DirectTier(Tier):
         self._engine: Engine
         if engine == "uring":
             self._engine = UringEngine(self._fd, queue_depth, retries, rings)
-            if self.pipeline_rows and queue_depth >= 2:
-                self._lanes = UringEngine(self._fd, queue_depth // 2, retries, rings)
         else:
             self._engine = ThreadEngine(self._fd, queue_depth, pread or os.preadv, retries)
         self.engine = engine
         self._buffers = ThreadBuffers()
-        self._verifier = BlockVerifier(header, self._read_block) if verify_reads else None
-        self._block_buf: np.ndarray | None = None
         try:  # some file systems accept O_DIRECT at open and refuse it at read
             self._read_spans(np.array([header.layout.data_offset], np.int64), np.array([PAGE_BYTES], np.int64),
                              aligned_empty(PAGE_BYTES), np.zeros(1, np.int64))
@@ -369,155 +305,52 @@ class DirectTier(Tier):
     def _read_failed(self, exc: OSError, context: str) -> TierError:
         return TierError(f"{self.header.path}: {exc.strerror or exc}{context}")
 
-    def _read_block(self, block: int) -> memoryview:
-        start, end = self.layout.block_range(block)
-        if self._block_buf is None:
-            self._block_buf = aligned_empty(self.layout.block_size)
-        self._read_spans(np.array([start], np.int64), np.array([end - start], np.int64),
-                         self._block_buf, np.zeros(1, np.int64))
-        self._count(reads=1, bytes_read=end - start)
-        return memoryview(self._block_buf)[: end - start]  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
-
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        layout = self.layout
-        if self._verifier is not None:
-            self._verifier.ensure(layout.row_offsets(ids))
-        if self.whole_pages and self._reads_rows_natively():
+        if isinstance(self._engine, UringEngine) and not native_disabled():
             self._read_rows_natively(ids, out)
-            return
-        offsets = layout.row_offsets(ids)
-        if self.whole_pages:
-            self._read_pages(offsets, out)
-            return
-        starts, lengths, dests, total, positions = plan_spans(
-            offsets, layout.row_bytes, layout.page_bytes, layout.data_offset
-        )
-        buf = self._buffers.get(total)
-        self._read_spans(starts, lengths, buf, dests)
-        gather_at(torch.from_numpy(buf[:total]), positions, out)
-        self._count(reads=len(starts), bytes_read=int(lengths.sum()))
+        else:
+            self._read_pages(self.layout.row_offsets(ids), out)
 
     def _read_pages(self, offsets: np.ndarray, out: torch.Tensor) -> None:
-        """Whole pages, each checked against its checksum (``verify_pages``) before use."""
+        """Whole pages, each checked against its checksum before use."""
         plan = plan_pages(offsets, self.layout)
         page = self.layout.page_bytes
         buf = self._buffers.get(plan.nbytes)
         self._read_spans(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests)
-        self._count(reads=len(plan.starts), bytes_read=plan.nbytes)
-        if self.verify_pages:
-            def reread(bad: np.ndarray) -> None:
-                self._count(reads=len(bad), bytes_read=len(bad) * page, page_rereads=len(bad))
-                self._read_spans(plan.starts[bad], np.full(len(bad), page, np.int64), buf, plan.dests[bad])
+        self._count(reads=len(plan.starts), bytes_read=plan.nbytes, pages_checked=len(plan.pages))
 
-            self._count(pages_checked=len(plan.pages))
-            check_pages(self.header, plan, buf, reread)
+        def reread(bad: np.ndarray) -> None:
+            self._count(reads=len(bad), bytes_read=len(bad) * page, page_rereads=len(bad))
+            self._read_spans(plan.starts[bad], np.full(len(bad), page, np.int64), buf, plan.dests[bad])
+
+        check_pages(self.header, plan, buf, reread)
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
-    def _reads_rows_natively(self) -> bool:
-        return self.native_rows and isinstance(self._engine, UringEngine) and not native_disabled()
-
     def _read_rows_natively(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        """Pages read, checked (``verify_pages``) and rows copied out in one native call, or
-        pipelined over two lanes (see the module doc)."""
+        """Pages read, checked and rows copied out in one native call."""
         assert isinstance(self._engine, UringEngine)
         direct_out = out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct_out else torch.empty(out.shape, dtype=torch.uint8)  # [n, row_bytes]
-        cuts = self._chunks(ids)
         try:
-            if cuts is None:
-                got = [self._engine.read_rows(ids, dest.numpy(), self.header, self.verify_pages)]
-            else:
-                got = self._read_pipelined(ids, dest.numpy(), cuts)
+            got = self._engine.read_rows(ids, dest.numpy(), self.header)
         except OSError as exc:
             raise self._read_failed(exc, f" (reading the pages of {len(ids)} rows)") from exc
-        page = self.layout.page_bytes
-        reads = sum(g.reads for g in got)
-        self._count(reads=reads, bytes_read=reads * page, pages_checked=sum(g.pages_checked for g in got),
-                    page_rereads=sum(g.page_rereads for g in got))
-        bad = next((g.bad_page for g in got if g.bad_page >= 0), -1)
-        if bad >= 0:
-            raise page_checksum_error(self.header, bad)
+        self._count(reads=got.reads, bytes_read=got.reads * self.layout.page_bytes, pages_checked=got.pages_checked,
+                    page_rereads=got.page_rereads)
+        if got.bad_page >= 0:
+            raise page_checksum_error(self.header, got.bad_page)
         if not direct_out:
             out.copy_(dest)
 
-    def _chunks(self, ids: np.ndarray) -> list[int] | None:
-        """Chunk boundaries of a pipelined read of ``ids`` (``[0, ..., n]``, never between two
-        neighbouring ids of one page); None when the read is too small, pipelining is off, or
-        the ids are not in ascending order (chunks of ids in any order would share pages, each
-        read once a chunk: a store's ids are sorted)."""
-        chunk, n = self.pipeline_rows, len(ids)
-        if self._lanes is None or n <= 2 * chunk or not bool((ids[1:] >= ids[:-1]).all()):
-            return None
-        rpp = self.layout.rows_per_page
-        cuts = [0]
-        for cut in range(chunk, n, chunk):
-            cut = max(cut, cuts[-1] + 1)
-            while cut < n and ids[cut] // rpp == ids[cut - 1] // rpp:
-                cut += 1
-            if cut < n:
-                cuts.append(cut)
-        cuts.append(n)
-        return cuts
-
-    def _read_pipelined(self, ids: np.ndarray, dest: np.ndarray, cuts: list[int]) -> list:
-        """Chunks ``ids[cuts[k]:cuts[k+1]]`` read into ``dest`` on two lanes: even chunks on
-        the caller's thread, odd ones on a helper. Returns every chunk's ``RowsRead`` in order;
-        after a failure each lane stops at its next chunk, both end, and the failure of the
-        earliest failing chunk is raised (an ``OSError``; a bad page is its ``RowsRead``'s)."""
-        lanes = self._lanes
-        assert lanes is not None
-        chunks = len(cuts) - 1
-        results: list = [None] * chunks
-        errors: list[BaseException | None] = [None] * chunks
-        stop = threading.Event()
-
-        def lane(first: int) -> None:
-            for k in range(first, chunks, 2):
-                if stop.is_set():
-                    return
-                a, b = cuts[k], cuts[k + 1]
-                try:
-                    results[k] = lanes.read_rows(ids[a:b], dest[a:b], self.header, self.verify_pages)
-                except BaseException as exc:  # noqa: BLE001 - raised below, in the batch's order
-                    errors[k] = exc
-                    stop.set()
-                    return
-                if results[k].bad_page >= 0:
-                    stop.set()
-                    return
-
-        helper = self._helper_pool().submit(lane, 1)
-        try:
-            lane(0)
-        finally:
-            helper.result()  # lane 1 never raises: it keeps its errors; no read of it is left running
-        for k in range(chunks):
-            if errors[k] is not None:
-                raise errors[k]  # type: ignore[misc]
-            if results[k] is not None and results[k].bad_page >= 0:
-                break
-        return [r for r in results if r is not None]
-
-    def _helper_pool(self) -> ThreadPoolExecutor:
-        with self._pipeline_lock:
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(max_workers=DEFAULT_RINGS, thread_name_prefix="engram-lane")
-            return self._helper
-
     def stats(self) -> dict:
-        verified = self._verifier.blocks_verified if self._verifier else 0
         stats = super().stats()
-        stats["retries"] += self._engine.retried + (self._lanes.retried if self._lanes is not None else 0)
-        return {**stats, "engine": self.engine, "queue_depth": self.queue_depth, "blocks_verified": verified,
-                "verify_pages": self.verify_pages}
+        stats["retries"] += self._engine.retried
+        return {**stats, "engine": self.engine, "queue_depth": self.queue_depth}
 
     def _release(self) -> None:
-        helper = getattr(self, "_helper", None)
-        if helper is not None:
-            helper.shutdown(wait=True)
-        for engine in (getattr(self, "_engine", None), getattr(self, "_lanes", None)):
-            if engine is not None:
-                engine.close()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
         os.close(self._fd)
 
 

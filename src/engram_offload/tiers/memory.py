@@ -3,7 +3,7 @@ pages on request).
 
 Loading streams the data region at the disk's sequential rate: a thread reads 16 MiB
 chunks (O_DIRECT where the file system allows) while the caller checks the previous chunk's
-page checksums (version 2; native XXH3, GIL released) and copies its rows into place, and
+page checksums (native XXH3, GIL released) and copies its rows into place, and
 up to four threads fault the destination's pages in ahead of the copy. Reading, checking
 and copying cost about 0.3 s of CPU per GB; faulting fresh memory in is the rest, and
 what it costs depends on the machine (measured on a two-core virtual machine whose host
@@ -35,7 +35,6 @@ from ..errors import TierError
 from ..machine import available_memory_bytes
 from ..table.format import PAGE_BYTES, TableHeader
 from ..table.progress import byte_progress
-from ..table.verify import BlockStreamChecker
 from ._buffers import aligned_empty, madvise_quietly, private_mapping
 from .base import Tier
 from .pagecheck import check_pages, run_of_pages
@@ -186,10 +185,9 @@ def load_dense_rows(
     """Read a table's rows into a private anonymous mapping as dense ``uint8 [num_rows, row_bytes]``.
 
     Returns (rows, the mapping, whether MADV_HUGEPAGE was asked for and accepted). Reading (a thread,
-    O_DIRECT where possible) overlaps checking and copying. ``verify``: None checks the
-    page checksums of a version-2 table (a bad page is read once more, then
-    ``ChecksumError`` naming it); True also checks a version-1 table's blocks
-    (``ChecksumError`` naming the block); False checks nothing.
+    O_DIRECT where possible) overlaps checking and copying. ``verify`` (None or True) checks
+    the page checksums (a bad page is read once more, then ``ChecksumError`` naming it);
+    False checks nothing.
     """
     layout = header.layout
     nbytes = layout.num_rows * layout.row_bytes
@@ -207,8 +205,7 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
     segment), checking as ``load_dense_rows`` says; ``on_chunk(bytes done)`` after each chunk."""
     layout = header.layout
     page = layout.page_bytes
-    pages_checked = verify is not False and header.page_sums is not None
-    checker = BlockStreamChecker(header) if verify and not pages_checked else None
+    pages_checked = verify is not False
     prefaulter = _Prefaulter(dense)
     try:
         fd = _open_for_load(header.path)
@@ -223,8 +220,6 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
                 view = buf[: pages * page]
                 if pages_checked:
                     _check_loaded_pages(header, fd, first, view)
-                if checker is not None:
-                    checker.feed(memoryview(view))  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
                 _compact(view, first, pages, layout, dense)
                 reader.release(buf)
                 advance(len(view))
@@ -267,8 +262,8 @@ def _compact(view: np.ndarray, first: int, pages: int, layout, dense: np.ndarray
 class MemoryTier(Tier):
     """All rows in host memory; a read is one row gather (``rowcopy.move_rows``).
 
-    Options: ``verify_reads`` (None, the default: check a version-2 table's page checksums
-    while loading; True: also a version-1 table's block checksums; False: no check),
+    Options: ``verify_reads`` (None or True, the default: check the page checksums while
+    loading; False: no check),
     ``progress`` (bar while loading, with its GB/s; default for large tables),
     ``check_memory`` (refuse with ``TierError`` when the rows exceed ``MemAvailable``;
     False to insist), ``huge_pages`` (False, the default: 4 KiB pages; True: ask for
@@ -288,7 +283,7 @@ class MemoryTier(Tier):
         started = time.perf_counter()
         self._rows, self._mm, self.huge_pages = load_dense_rows(header, verify_reads, progress, huge_pages)
         self.load_seconds = time.perf_counter() - started
-        self.verified_on_load = verify_reads is not False and (header.page_sums is not None or bool(verify_reads))
+        self.verified_on_load = verify_reads is not False
 
     @property
     def rows(self) -> torch.Tensor:

@@ -1,11 +1,9 @@
 """``mmap`` tier: the file memory-mapped, rows served by the page cache (the baseline).
 
 Reads fault in 4 KiB pages on demand (MADV_RANDOM turns readahead off; ``stats()``
-reports whether the kernel took the advice). A table with page checksums (format
-version 2) has every page holding a requested row copied out whole and checked against
-its checksum (``verify_pages``, on by default; a bad page is read once more with ``pread``,
-then ``ChecksumError``). With ``verify_reads`` each block is also checked against its
-block checksum the first time a read touches it.
+reports whether the kernel took the advice). Every page holding a requested row is copied
+out whole and checked against its checksum (a bad page is read once more with ``pread``,
+then ``ChecksumError``).
 
 ``stats()["page_faults"]`` counts the major page faults the copies took (the calling
 thread's, from ``getrusage(RUSAGE_THREAD)`` around each copy): the 4 KiB reads the drive
@@ -35,7 +33,6 @@ import torch
 
 from ..errors import TierError
 from ..table.format import TableHeader
-from ..table.verify import BlockVerifier
 from ._buffers import ThreadBuffers, gather_at, madvise_quietly
 from .base import Tier
 from .guarded import guarded_copy, guarded_copy_available
@@ -44,9 +41,12 @@ from .pagecheck import check_pages, plan_pages
 __all__ = ["MmapTier", "guarded_copy_available"]
 
 class MmapTier(Tier):
+    """Rows copied out of the mapped table file, every page checked; ``verify_reads`` (the
+    resident tiers' option, passed to any tier) changes nothing here."""
+
     name = "mmap"
 
-    def __init__(self, header: TableHeader, *, verify_reads: bool = False, verify_pages: bool = True) -> None:
+    def __init__(self, header: TableHeader, *, verify_reads: bool | None = None) -> None:
         super().__init__(header)
         self._fd = os.open(header.path, os.O_RDONLY)  # kept for the size check and the pread path
         try:
@@ -58,8 +58,6 @@ class MmapTier(Tier):
         self._mtime_ns = os.fstat(self._fd).st_mtime_ns
         self.random_advice = madvise_quietly(self._mm, "MADV_RANDOM")
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # [file_bytes]
-        self._verifier = BlockVerifier(header, self._block) if verify_reads else None
-        self.verify_pages = verify_pages and header.page_sums is not None
         self._staging = ThreadBuffers()
 
     def _check_unchanged(self) -> None:
@@ -86,41 +84,20 @@ class MmapTier(Tier):
                                 else "ended early during a read")
 
     def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
-                       pages: int | None = None) -> None:
-        """``_copy``, counting the pages it touches (``pages``, or those holding ``offsets``)
-        and the major faults (drive reads) it took; the ``pread`` fallback takes no faults
-        and counts neither."""
+                       pages: int) -> None:
+        """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it
+        took; the ``pread`` fallback takes no faults and counts neither."""
         if not guarded_copy_available():
             self._copy(offsets, lengths, dest, dests)
             return
-        if pages is None:
-            pages = np.unique((offsets - self.layout.data_offset) // self.layout.page_bytes).size
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
         self._copy(offsets, lengths, dest, dests)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - before
         self._count(pages_touched=pages, page_faults=faults)
 
-    def _block(self, block: int) -> bytes:
-        start, end = self.layout.block_range(block)
-        buf = np.empty(end - start, np.uint8)
-        self._copy(np.array([start], np.int64), np.array([end - start], np.int64), buf, np.zeros(1, np.int64))
-        return buf.tobytes()
-
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
-        offsets = self.layout.row_offsets(ids)
-        if self._verifier is not None:
-            self._verifier.ensure(offsets)
-        if not self.verify_pages:
-            rb = self.row_bytes
-            dest = out.numpy() if out.is_contiguous() else np.empty(tuple(out.shape), np.uint8)  # [n, rb]
-            self._faulting_copy(offsets, np.full(len(ids), rb, np.int64), dest,
-                                np.arange(len(ids), dtype=np.int64) * rb)
-            if not out.is_contiguous():
-                out.copy_(torch.from_numpy(dest))
-            self._count(reads=len(ids), bytes_read=len(ids) * rb)
-            return
-        plan = plan_pages(offsets, self.layout)
+        plan = plan_pages(self.layout.row_offsets(ids), self.layout)
         page = self.layout.page_bytes
         buf = self._staging.get(plan.nbytes)
         self._faulting_copy(plan.starts, np.full(len(plan.starts), page, np.int64), buf, plan.dests, len(plan.pages))
@@ -137,9 +114,7 @@ class MmapTier(Tier):
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
     def stats(self) -> dict:
-        verified = self._verifier.blocks_verified if self._verifier else 0
-        return {**super().stats(), "madv_random": self.random_advice, "blocks_verified": verified,
-                "verify_pages": self.verify_pages, "guarded_copy": guarded_copy_available()}
+        return {**super().stats(), "madv_random": self.random_advice, "guarded_copy": guarded_copy_available()}
 
     def _release(self) -> None:
         self._bytes = None  # type: ignore[assignment]

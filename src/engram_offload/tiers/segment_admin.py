@@ -3,20 +3,14 @@
 Built on ``tiers/segments.py`` (the folder ``<shm_dir>/engram-uid-<uid>/``, each file opened
 without following links and checked to be this uid's): a segment in use (a process loads,
 attaches or reads it: it holds a ``flock``) is never dropped; a lock file whose segment is gone
-is dropped when no process holds it. Files an earlier release kept directly in ``shm_dir``
-(``engram-<16 hex>`` and its ``.lock``, this uid's) are listed as legacy and dropped when no
-process maps the segment (``/proc/*/maps``) or holds the lock.
+is dropped when no process holds it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-import re
-import stat
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import TierError
@@ -34,8 +28,6 @@ from .segments import (
 
 __all__ = ["SegmentEntry", "drop_segments", "list_segments"]
 
-LEGACY = re.compile(r"engram-[0-9a-f]{16}(\.lock)?")  # an earlier release's files, directly in shm_dir
-
 
 @dataclass(frozen=True)
 class SegmentEntry:
@@ -44,7 +36,7 @@ class SegmentEntry:
 
     name: str
     path: str
-    kind: str  # "segment", "lock", "legacy segment" or "legacy lock"
+    kind: str  # "segment" or "lock"
     bytes: int
     state: str  # "ready", "loading", "unreadable" (no head: a dead loader's or an older release's), "orphan lock"
     fingerprint: str | None
@@ -78,12 +70,7 @@ def _flocked_elsewhere(fd: int) -> bool:
 
 
 def list_segments(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> list[SegmentEntry]:
-    """Every segment of this uid in ``shm_dir``, every lock file left without its segment, and
-    an earlier release's files (``legacy``)."""
-    return _current_entries(shm_dir) + _legacy_entries(shm_dir)
-
-
-def _current_entries(shm_dir: str | os.PathLike[str]) -> list[SegmentEntry]:
+    """Every segment of this uid in ``shm_dir`` and every lock file left without its segment."""
     folder = _folder(shm_dir)
     if folder is None:
         return []
@@ -115,15 +102,11 @@ def _current_entries(shm_dir: str | os.PathLike[str]) -> list[SegmentEntry]:
 
 def drop_segments(names: list[str] | None, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR
                   ) -> tuple[list[str], list[str]]:
-    """Remove the named segments (or, with ``names`` None, every unused one, every orphan lock
-    file and every unused file of an earlier release) with their lock files; returns (dropped,
-    kept because in use). A name that is not there is a ``TierError`` saying how to list them."""
-    legacy = {e.name: e for e in _legacy_entries(shm_dir)}
+    """Remove the named segments (or, with ``names`` None, every unused one and every orphan
+    lock file) with their lock files; returns (dropped, kept because in use). A name that is
+    not there is a ``TierError`` saying how to list them."""
     dropped: list[str] = []
     kept: list[str] = []
-    for name in sorted(legacy) if names is None else [n for n in names if n in legacy]:
-        (dropped if _drop_legacy(Path(shm_dir), name) else kept).append(name)
-    names = None if names is None else [n for n in names if n not in legacy]
     if names == []:
         return dropped, kept
     folder = _folder(shm_dir)
@@ -173,55 +156,3 @@ def _drop_orphan_lock(folder: SegmentFolder, name: str) -> bool:
         return True
     finally:
         os.close(fd)
-
-
-def _legacy_entries(shm_dir: str | os.PathLike[str]) -> list[SegmentEntry]:
-    """This uid's files an earlier release kept directly in ``shm_dir``."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(shm_dir):
-            if not LEGACY.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if st.st_uid != os.geteuid():
-                continue
-            lock = entry.name.endswith(LOCK_SUFFIX)
-            found.append(SegmentEntry(entry.name, entry.path, "legacy lock" if lock else "legacy segment", st.st_size,
-                                      "left by an earlier release", None, None, _legacy_in_use(Path(entry.path))))
-    return sorted(found, key=lambda e: e.name)
-
-
-def _legacy_in_use(path: Path) -> bool:
-    """Whether a process holds ``path`` (an ``flock``, the way an earlier release's loader held
-    its lock) or maps it (an earlier release's attached processes held no lock)."""
-    if _held(path):
-        return True
-    if path.name.endswith(LOCK_SUFFIX):
-        return False
-    target = str(path)
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            if target in maps.read_text():
-                return True
-    return False
-
-
-def _held(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return True  # not ours to judge: leave it
-    return _flocked_elsewhere(fd)
-
-
-def _drop_legacy(shm_dir: Path, name: str) -> bool:
-    """Remove an earlier release's file unless a process holds or maps it; whether removed."""
-    path = shm_dir / name
-    if _legacy_in_use(path):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return True

@@ -18,7 +18,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
 import stat
 import struct
 import time
@@ -44,7 +43,6 @@ PROGRESS_OFFSET = 40  # the u64 progress inside HEAD
 DATA_OFFSET = 4096
 MAX_PATH = DATA_OFFSET - HEAD.size
 LOCK_SUFFIX = ".lock"
-LEGACY_NAME = re.compile(r"engram-[0-9a-f]{16}")  # where releases before the per-uid folder kept segments
 LOCK_ATTEMPTS = 100  # lock files found replaced after taking them, then an error
 POLL_MAX_SECONDS = 0.05
 READ_ONLY, NO_FOLLOW = os.O_RDONLY | os.O_CLOEXEC, os.O_NOFOLLOW | os.O_NONBLOCK
@@ -315,20 +313,4 @@ def listing(folder: SegmentFolder, skip: str) -> str:
     message = (f"this uid's other segments there: {'; '.join(entries)} (remove unused ones with "
                "engram_offload.tiers.shared.remove_segment, or rm; those in use go when their processes exit)"
                if entries else "no other segments of this uid are there")
-    legacy = _legacy_segments(folder.path.parent)
-    if legacy:
-        message += (f"; segments an earlier release left in {folder.path.parent}, unused by this one: "
-                    f"{'; '.join(legacy)} (rm them once no process of that release runs)")
     return message
-
-
-def _legacy_segments(shm_dir: Path) -> list[str]:
-    """This uid's segments an earlier release kept directly in ``shm_dir`` (``engram-<16 hex>``)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(shm_dir):
-            if LEGACY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                if st.st_uid == os.geteuid():
-                    found.append(f"{entry.name} ({format_bytes(st.st_size)})")
-    return sorted(found)

@@ -27,8 +27,7 @@ it. A waiter gives up with a ``TierError`` naming the lock and the loader after
 ``lock_timeout`` seconds in which the loader made no progress.
 
 Attaching: the head (fingerprint, size) is checked under the lock, then, without it, every
-page of the segment is compared with the table's page checksums (a version-1 table: its
-block checksums), on a few threads. A segment that fails (changed, truncated) is replaced by
+page of the segment is compared with the table's page checksums, on a few threads. A segment that fails (changed, truncated) is replaced by
 a fresh load, with a ``RuntimeWarning`` saying why; processes still attached to the damaged
 one keep their mapping. A ready segment of another table (a reused ``segment=`` name) is
 refused.
@@ -65,7 +64,6 @@ from types import FrameType
 
 import numpy as np
 import torch
-import xxhash
 
 from ..errors import ChecksumError, TierError
 from ..table.format import TableHeader
@@ -236,7 +234,7 @@ class SharedTier(MemoryTier):
         directory = _check_options(segment, shm_dir, lock_timeout, sample_pages)
         self.fingerprint = header.fingerprint()
         self.verify_reads = bool(verify_reads)
-        self.sample_pages = sample_pages if header.page_sums is not None else 0
+        self.sample_pages = sample_pages
         self.huge_pages = False  # tmpfs pages
         self.loaded = False
         self.replaced: str | None = None
@@ -396,25 +394,18 @@ class SharedTier(MemoryTier):
         return ok
 
     def _check_all_pages(self, fd: int, mm: mmap.mmap) -> str | None:
-        """Every page of the segment against the table's page checksums (version 1: its
-        block checksums), on a few threads; what differs, or None."""
+        """Every page of the segment against the table's page checksums, on a few threads;
+        what differs, or None."""
         layout = self.layout
         address = _address_of(mm)
-        by_blocks = self.header.page_sums is None
-        step = layout.block_size // layout.page_bytes if by_blocks else max(1, CHECK_CHUNK_BYTES // layout.page_bytes)
+        step = max(1, CHECK_CHUNK_BYTES // layout.page_bytes)
 
         def check(first: int) -> str | None:
             pages = np.arange(first, min(first + step, layout.num_pages), dtype=np.int64)
             buf = self._staging.get(len(pages) * layout.page_bytes)
             if not self._rebuild_pages(fd, address, pages, buf):
                 return f"ended early ({os.fstat(fd).st_size:,} bytes; SIGBUS caught)"
-            data = buf[: len(pages) * layout.page_bytes]
-            if by_blocks:
-                block = first // step
-                if xxhash.xxh3_64_intdigest(data.data) != int(self.header.block_digests[block]):
-                    return f"differs from the table in block {block}"
-                return None
-            bad = bad_pages(self.header, pages, data)
+            bad = bad_pages(self.header, pages, buf[: len(pages) * layout.page_bytes])
             if bad.size:
                 page = int(pages[bad[0]])
                 rows = layout.page_rows(page)
@@ -469,7 +460,7 @@ class SharedTier(MemoryTier):
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
         rb, n = self._rb, len(ids)
-        if self.verify_reads and self.header.page_sums is not None:
+        if self.verify_reads:
             plan = plan_pages(self.layout.row_offsets(ids), self.layout)
             gather_at(torch.from_numpy(self._check_pages(plan.pages)), plan.positions, out)
             self._count(bytes_read=n * rb)
