@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...cache.lease import RowsInPlace
 from ...engram.config import EngramConfig
 from ...errors import ChecksumError, EngramError, TableFormatError, TierError
 from ...table.format import read_header
@@ -60,7 +61,7 @@ class RemoteLease:
     server-side leases that keep them pinned in the shared cache until ``release``."""
 
     ready: object = None  # rows are in ``raw`` (on the host) when fetch returns
-    in_place: None = None  # the rows are the client's own copy, never left in a cache
+    in_place: RowsInPlace | None = None  # always None: the rows are the client's own copy, never left in a cache
 
     def __init__(self, ids: np.ndarray, raw: torch.Tensor, client: "RowClient", numbers: list[int]) -> None:
         self.ids = ids
