@@ -8,8 +8,8 @@ found in a lower cache are promoted to the ones above it: a row asked for again 
 
 ``fetch(unique_ids, hold=True)`` returns a ``Lease`` whose pins last until it is released,
 which is how a prefetcher keeps a step's rows resident while the step runs. ``gather`` and
-``read_raw`` deduplicate their ids, fetch, and put the rows back in the caller's order; rows
-are decoded in ``decode`` only.
+``read_raw`` (``rowstore.RowStore``'s, shared by every store) deduplicate their ids, fetch,
+and put the rows back in the caller's order; rows are decoded in ``decode`` only.
 
 With a ``device`` (``open_table(..., device="cuda")``) the store delivers rows to that device
 (``gpu.delivery.DeviceRows``): the fast level is an ``HbmRowCache`` (device slots, host-side
@@ -99,7 +99,7 @@ class TableStore(RowStore):
     Thread-safe; use as a context manager."""
 
     def __init__(self, tier: RowSource, config: EngramConfig, levels: Sequence[RowCache] = (), *,
-                 promote: bool = True, header: TableHeader | None = None,
+                 header: TableHeader | None = None,
                  device_rows: DeviceRows | None = None, columns: Columns | None = None) -> None:
         if tier.row_bytes != config.row_bytes:
             raise ValueError(f"the tier's rows are {tier.row_bytes} bytes, the config's {config.row_bytes}")
@@ -110,7 +110,6 @@ class TableStore(RowStore):
         self.tier = tier
         self.header = header
         self.levels = list(levels)
-        self.promote = promote
         self.device = self.levels[0].device if self.levels else self.device
         self._device_rows = device_rows
         self.hbm: HbmRowCache | None = None
@@ -326,10 +325,9 @@ class TableStore(RowStore):
         """Tier rows go into the last cache; rows found in a lower cache rise into the ones
         above. Returns the pins of the filled slots (none unless ``hold``)."""
         plans: Pins = [(self.levels[-1], missed)]
-        if self.promote:
-            for j, below in enumerate(served[1:], start=1):
-                positions = _EMPTY if below.positions is None else below.positions
-                plans.extend((self.levels[above], positions) for above in range(j))
+        for j, below in enumerate(served[1:], start=1):
+            positions = _EMPTY if below.positions is None else below.positions
+            plans.extend((self.levels[above], positions) for above in range(j))
         pins = []
         for level, positions in plans:
             slots = _fill_level(level, ids, out, positions, hold)
