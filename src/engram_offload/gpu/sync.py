@@ -184,6 +184,11 @@ class StagingRing:
         event = self._events[k] = self.sync.record(stream)
         return event
 
+    def hold(self, k: int, event: object) -> None:
+        """Buffer ``k`` is written again only after ``event`` too (work after its copy that
+        still reads what the copy wrote, perhaps on another stream)."""
+        self._events[k] = event
+
     def stage(self, read_into: Callable[[torch.Tensor], int], dst: torch.Tensor, *, stream: str | None = None,
               writes: Access | None = None) -> object:
         """Fill the next buffer with ``read_into(buffer) -> bytes read`` (on the host), then copy

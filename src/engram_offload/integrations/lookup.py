@@ -22,8 +22,8 @@ Two backends:
   always raised, so nothing waits for ever). ``finish`` (the consumer, before the rows are
   read) waits for the flag (bounded by ``timeout_s``), raises a failed read, and enqueues the
   ring's copy to the device and the dequantization into ``out`` on the current stream. A slot
-  is written again only after the ring's event for its last copy. Every piece of device work
-  goes through a ``DeviceSync``, so a test checks this order on a CPU.
+  is written again only after the event recorded after its rows were consumed. Every piece of
+  device work goes through a ``DeviceSync``, so a test checks this order on a CPU.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ class HostReadLookup(_Logged):
                              f"layer {self.shard.layer_id} was sized for")
         if indices.dim() != 2 or indices.shape[1] != self.shard.num_columns:
             raise ValueError(f"Engram ids must be [T, {self.shard.num_columns}], got {tuple(indices.shape)}")
-        k = self.ring.claim()  # the slot's rows were copied out by the step before
+        k = self.ring.claim()  # the slot's rows were consumed by the step before
         self._settle(k)
         self.sync.wait(self.ids_stream, self._flags[k])  # and its ids read
         ids = indices[:, self.shard.c0:self.shard.c1]  # [T, c], a view of the engine's ids
@@ -322,6 +322,7 @@ class HostReadLookup(_Logged):
                 out.copy_(dequant_rows(device_rows, config, dtype=out.dtype).view(out.shape))
 
         self.sync.run(MAIN, write_rows, reads={self._names["device"]: [k]}, writes={"engram_out": None})
+        self.ring.hold(k, self.sync.record(MAIN))  # the slot's device rows are read until here
         job.out = None
         self._count(n)
 
