@@ -22,15 +22,6 @@ reads, fills and decode: ``fetch_cpu_us_per_*``).
 A missed row's CPU is also split into the kernel's part (system time: the reads) and the
 process's (checks, decode, caches, Python), beside fio's own split.
 
-``--decode auto,table`` (or ``avx2``) runs the fetch loop once per float32 fp8 decode in every
-repeat (``ENGRAM_OFFLOAD_FP8_DECODE``), taking turns, each against the same fio runs: the
-figures of each under ``by_decode``. ``--stores auto,cached`` does the same for the way the
-decode writes its rows (``ENGRAM_OFFLOAD_FP8_STORES``: streaming stores for large outputs, or
-never), and ``--hit-rows in-place,copied`` for the way rows a cache holds reach the decode
-(``ENGRAM_OFFLOAD_HIT_ROWS``: read where the cache holds them, or copied out first): every
-combination, named by its decode, then ``/stores`` and ``/hit rows`` where not the default
-(``auto/cached/copied``, say).
-
 The process's environment (``OMP_WAIT_POLICY`` included: torch's OpenMP pool spin-waits
 after parallel ops by default) is recorded with the results.
 """
@@ -43,15 +34,12 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 from bench_tier import bracketed_ratios, fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
 
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.commands.bench import PREFETCH_SEQUENCES
-from engram_offload.engram.rows import FP8_DECODE_ENV, FP8_DECODES, FP8_STORES, FP8_STORES_ENV
-from engram_offload.serving.prefetch import HIT_ROWS, HIT_ROWS_ENV
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
@@ -81,28 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-ahead", type=int, default=2, help="steps in flight (default 2)")
     p.add_argument("--corpus", default="stdlib", help="the text (default stdlib)")
     p.add_argument("--corpus-tokens", type=int, default=300_000, help="tokens of the corpus (default 300,000)")
-    p.add_argument("--decode", default="auto",
-                   help="the float32 fp8 decodes to run, comma-separated (default auto): auto (the widest vector "
-                        "arithmetic the CPU has), avx2, table (lookups); several take turns within each repeat, "
-                        "each against the fio runs either side, and the results give each one's figures")
     p.add_argument("--out", default="engram-bench/fetch.json",
                    help="the results JSON (default engram-bench/fetch.json; benchmarks/results/fetch.json is the committed record: write there only to update it)")
-    p.add_argument("--stores", default="auto",
-                   help="how the float32 decode writes its rows, comma-separated (default auto): auto (streaming "
-                        "stores for outputs from 4 MiB on), cached (never streaming); several take turns as "
-                        "--decode's do, with each decode")
-    p.add_argument("--hit-rows", default="in-place",
-                   help="how rows a cache holds reach the decode, comma-separated (default in-place): in-place "
-                        "(read where the cache holds them), copied (copied out first); several take turns as "
-                        "--decode's do")
     args = p.parse_args(argv)
-    decodes = _names(p, "--decode", args.decode, FP8_DECODES)
-    stores = _names(p, "--stores", args.stores, FP8_STORES)
-    hit_rows = _names(p, "--hit-rows", args.hit_rows, HIT_ROWS)
-    variants = {"/".join([d] + [v for v, default in ((s, "auto"), (h, HIT_ROWS[0])) if v != default]):
-                {FP8_DECODE_ENV: d, FP8_STORES_ENV: s, HIT_ROWS_ENV: h}
-                for d in decodes for s in stores for h in hit_rows}  # name -> the settings of its runs
-    names = list(variants)
     table = Path(args.table)
     layout = read_header(table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
@@ -110,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--cache-bytes must be > 0: the CPU of a hit row is measured on cached rows")
     load_start = os.getloadavg()
     corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
-    runs: dict[str, list] = {"fio": [], **{v: [] for v in names}}
+    runs: dict[str, list] = {"fio": [], "prefetcher": []}
     for rep in range(args.repeats + 1):  # fio before every repeat and after the last
         fio = fio_randread(table, args.seconds, args.fio_queue_depth)
         if fio is None:
@@ -120,49 +89,33 @@ def main(argv: list[str] | None = None) -> int:
         if rep == args.repeats:
             break
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        for name in names if rep % 2 == 0 else names[::-1]:  # each variant first as often as last
-            with mock.patch.dict(os.environ, variants[name]):  # for this run only
-                runs[name].append(run_tier_bench(
-                    table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
-                    cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
-                    corpus=corpus))
-    by_decode = {v: summarize(runs[v], runs["fio"]) for v in names}
-    med, ratios = by_decode[names[0]]
+        runs["prefetcher"].append(run_tier_bench(
+            table, "direct", seconds=args.seconds, queue_depth=args.queue_depth, cold=True,
+            cache_bytes=cache_bytes, prefetcher=True, sequences=args.sequences, run_ahead=args.run_ahead,
+            corpus=corpus))
+    med, ratios = summarize(runs["prefetcher"], runs["fio"])
     result = {
         "benchmark": "bench_fetch",
         "command": "python benchmarks/bench_fetch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "table": str(table), "table_bytes": table.stat().st_size,
         "params": {"repeats": args.repeats, "seconds": args.seconds, "cache_bytes": cache_bytes,
                    "queue_depth": args.queue_depth, "fio_queue_depth": args.fio_queue_depth,
-                   "sequences": args.sequences, "run_ahead": args.run_ahead, "decodes": decodes, "stores": stores, "hit_rows": hit_rows,
+                   "sequences": args.sequences, "run_ahead": args.run_ahead,
                    "corpus": {"name": corpus.name, "tokens": corpus.tokens, "source": corpus.source}},
         "targets": TARGETS,
         "machine": {**machine_facts(table), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "fp8_decode": {v: runs[v][0]["fp8_decode"] for v in names},
-                    "fp8_stores": {v: runs[v][0]["fp8_stores"] for v in names},
-                    "hit_rows": {v: runs[v][0]["hit_rows"] for v in names}},
-        "method": runs[names[0]][0]["method"],
-        "median": med,  # the first variant's (the only one by default)
+                    "fp8_decode": runs["prefetcher"][0]["fp8_decode"]},
+        "method": runs["prefetcher"][0]["method"],
+        "median": med,
         "ratios": ratios,
-        "by_decode": {d: {"median": m, "ratios": r} for d, (m, r) in by_decode.items()},
-        "runs": {"fio": runs["fio"], "prefetcher": runs[names[0]],
-                 **{f"prefetcher_{v}": runs[v] for v in names[1:]}},
+        "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({d: {"median": m, "ratios": r} for d, (m, r) in by_decode.items()}
-                     if len(names) > 1 else {"median": med, "ratios": ratios}, indent=2))
+    print(json.dumps({"median": med, "ratios": ratios}, indent=2))
     return 0
-
-
-def _names(p: argparse.ArgumentParser, option: str, value: str, known: tuple[str, ...]) -> list[str]:
-    """``value``'s comma-separated names, each one of ``known`` and none twice."""
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if not names or any(n not in known for n in names) or len(set(names)) < len(names):
-        p.error(f"{option} takes distinct names among {', '.join(known)}, comma-separated; got {value!r}")
-    return names
 
 
 def _ratio(ours: float, fio: float) -> float | None:

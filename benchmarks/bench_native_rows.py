@@ -1,11 +1,12 @@
-"""The direct tier's native row read beside fio, on the same version-2 table, in one run.
+"""The direct tier's native row read beside fio, on the same table, in one run.
 
     nice python benchmarks/bench_native_rows.py --table T.table --repeats 3 --seconds 5 --out R.json
 
 Per repeat: ``fio --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=Q`` (the
 command of ``bench_tier.fio_randread``), then the direct tier (``uring`` engine, queue depth
-Q) reading batches of random sorted distinct row ids, for each batch size, with page checks
-on and off, through the native call and (for reference) the Python steps. Reports medians of
+Q) reading batches of random sorted distinct row ids, for each batch size, pages checked,
+through the native call and (for reference) the Python steps (the tier's ``native_disabled``
+patched for the run: the page checksums still take their C helper). Reports medians of
 reads/s (page reads) and CPU us per read (``os.times`` user + system of this process).
 ``torch.set_num_threads(1)``: the gather of the Python steps would otherwise spin torch's
 thread pool.
@@ -20,24 +21,26 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
 
 from engram_offload.bench.cold import evict_file_pages
 from engram_offload.table import read_header
+from engram_offload.tiers import direct as direct_module
 from engram_offload.tiers import open_tier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tier import fio_randread  # noqa: E402
 
 
-def direct_run(table: Path, seconds: float, queue_depth: int, batch: int, verify: bool, native: bool) -> dict:
+def direct_run(table: Path, seconds: float, queue_depth: int, batch: int, native: bool) -> dict:
     """Batches of ``batch`` random ids for ``seconds``: page reads/s and CPU us per read."""
     evict_file_pages(table)
     rng = np.random.default_rng(batch)
-    with open_tier("direct", read_header(table), engine="uring", queue_depth=queue_depth,
-                   verify_pages=verify, native_rows=native) as t:
+    with open_tier("direct", read_header(table), engine="uring", queue_depth=queue_depth) as t, \
+            mock.patch.object(direct_module, "native_disabled", lambda: not native):
         batches = [np.unique(rng.integers(0, t.num_rows, batch)) for _ in range(32)]
         out = torch.empty((batch, t.row_bytes), dtype=torch.uint8)  # [batch, row_bytes]
         before, cpu0, start = t.stats(), os.times(), time.perf_counter()
@@ -55,7 +58,7 @@ def direct_run(table: Path, seconds: float, queue_depth: int, batch: int, verify
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", required=True, help="a version-2 table on a file system with O_DIRECT")
+    p.add_argument("--table", required=True, help="a table on a file system with O_DIRECT")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     p.add_argument("--queue-depth", type=int, default=128)
@@ -65,21 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     table, q, s = Path(args.table), args.queue_depth, args.seconds
-    if read_header(table).page_sums is None:
-        p.error(f"{table} is a version-1 table (no page checksums): run engram-offload upgrade first")
-
-    configs = [(f"{'native' if native else 'python'}_b{batch}_{'checked' if verify else 'unchecked'}",
-                batch, verify, native)
-               for native in ([True] if args.no_python else [True, False])
-               for batch in args.batches for verify in (True, False)]
+    configs = [(f"{'native' if native else 'python'}_b{batch}", batch, native)
+               for native in ([True] if args.no_python else [True, False]) for batch in args.batches]
     runs: dict[str, list[dict]] = {"fio": [], **{name: [] for name, *_ in configs}}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         fio = fio_randread(table, s, q)
         if fio:
             runs["fio"].append(fio)
-        for name, batch, verify, native in configs:
-            runs[name].append(direct_run(table, s, q, batch, verify, native))
+        for name, batch, native in configs:
+            runs[name].append(direct_run(table, s, q, batch, native))
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])

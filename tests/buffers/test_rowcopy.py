@@ -142,17 +142,6 @@ def test_host_fetches_never_copy_rows_with_tensor_ops(tmp_path, monkeypatch, tie
             prefetcher.end_step(step)
 
 
-@pytest.mark.parametrize("rb,dtype", [(264, torch.int64), (12, torch.int32), (6, torch.int16), (7, torch.uint8),
-                                      (9, torch.uint8)])
-def test_wide_view_takes_the_widest_integer_dividing_a_row(rb, dtype):
-    rows = _rows(5, rb)
-    wide = rowcopy.wide_view(rows)
-    assert wide.dtype == dtype and wide.shape == (5, rb * rows.element_size() // wide.element_size())
-    assert torch.equal(wide.view(torch.uint8), rows)
-    strided = _rows(5, 2 * rb)[:, :rb]  # not contiguous: left as it is
-    assert rowcopy.wide_view(strided) is strided
-
-
 def test_the_helper_is_looked_up_once_and_none_when_missing(monkeypatch):
     import sys
 

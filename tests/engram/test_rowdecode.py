@@ -92,18 +92,16 @@ def test_the_arithmetic_path_is_the_one_the_cpu_allows():
         torch.set_flush_denormal(False)
 
 
-@pytest.mark.parametrize("setting, mode", [("table", 0), ("avx2", 2), ("AUTO", 1), ("", 1)])
-def test_the_decode_setting_picks_the_arithmetic_and_its_path(monkeypatch, setting, mode):
-    """ENGRAM_OFFLOAD_FP8_DECODE asks the C helper for one float32 decode (to measure one
-    against another); the rows stay the reference's whichever it is."""
+def test_a_decode_asks_for_the_widest_arithmetic_and_reports_its_path(monkeypatch):
+    """decode_rows asks the C helper for its automatic float32 decode (bfloat16 always looks
+    up); the rows are the reference's."""
     if _native_decode() is None:
         pytest.skip("the C decoder is not built")
     from engram_offload.engram import _rowdecode
-    from engram_offload.engram.rows import FP8_DECODE_ENV, fp8_decode_path
+    from engram_offload.engram.rows import fp8_decode_path
 
-    monkeypatch.setenv(FP8_DECODE_ENV, setting)
-    assert _asked_of_the_c_helper(monkeypatch, 5) == [mode, 0]  # a[5], the arithmetic: bfloat16 always looks up
-    assert fp8_decode_path() == _rowdecode.arithmetic_path(mode)
+    assert _asked_of_the_c_helper(monkeypatch, 5) == [1, 0]  # a[5], the arithmetic
+    assert fp8_decode_path() == _rowdecode.arithmetic_path(1)
 
 
 def _asked_of_the_c_helper(monkeypatch, argument: int) -> list:
@@ -119,18 +117,6 @@ def _asked_of_the_c_helper(monkeypatch, argument: int) -> list:
     want = dequantize_fp8_ue8m0(raw[:, :256].contiguous().view(torch.float8_e4m3fn), raw[:, 256:], torch.float32)
     assert torch.equal(_bits(got), _bits(want))
     return asked
-
-
-@pytest.mark.parametrize("setting, value, message", [
-    ("ENGRAM_OFFLOAD_FP8_DECODE", "avx1024", "is not a decode: set it to auto, avx2 or table, or unset it"),
-    ("ENGRAM_OFFLOAD_FP8_STORES", "uncached", "is not a way to store rows: set it to auto, cached or streaming, "
-                                              "or unset it")])
-def test_a_decode_setting_that_names_nothing_it_knows_is_refused(monkeypatch, setting, value, message):
-    if _native_decode() is None:
-        pytest.skip("the C decoder is not built")
-    monkeypatch.setenv(setting, value)
-    with pytest.raises(ValueError, match=f"^{setting}='{value}' {message}$"):
-        decode_rows(_every_pair_rows(), FMT, 256, torch.float32, index=np.arange(4))
 
 
 def test_without_the_c_helper_the_decode_path_is_numpy(monkeypatch):
@@ -355,17 +341,12 @@ def test_two_byte_decodes_never_stream_and_a_bad_stores_value_is_refused():
         _native_decode()(raw, 256, _fp8_table_bits(torch.float32), _aligned_out(512), None, 1, 0, 3)
 
 
-@pytest.mark.parametrize("setting, stores", [("cached", 1), ("Streaming", 2), ("auto", 0), ("", 0)])
-def test_the_stores_setting_reaches_the_c_helper(monkeypatch, setting, stores):
-    """ENGRAM_OFFLOAD_FP8_STORES picks the float32 decode's stores (to measure one against
-    another); two-byte decodes are asked for cached ones. The rows are the same."""
+def test_a_decode_asks_for_the_automatic_stores(monkeypatch):
+    """The float32 decode's stores are the C helper's automatic choice; two-byte decodes are
+    asked for cached ones. The rows are the reference's."""
     if _native_decode() is None:
         pytest.skip("the C decoder is not built")
-    from engram_offload.engram.rows import FP8_STORES_ENV, fp8_stores
-
-    monkeypatch.setenv(FP8_STORES_ENV, setting)
-    assert _asked_of_the_c_helper(monkeypatch, 7) == [stores, 1]  # a[7], the stores: bfloat16's cached
-    assert fp8_stores() == (setting.lower() or "auto")
+    assert _asked_of_the_c_helper(monkeypatch, 7) == [0, 1]  # a[7], the stores: bfloat16's cached
 
 
 def test_a_large_decode_into_recycled_buffers_streams(monkeypatch):

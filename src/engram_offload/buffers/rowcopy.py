@@ -19,17 +19,7 @@ import torch
 
 from .._native import native_disabled
 
-__all__ = ["move_rows", "native_move_rows", "wide_view"]
-
-
-def wide_view(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, row_bytes]`` viewed with the widest integer dtype that divides a row
-    (int64 for 264-byte rows): row copies then move 8 bytes per element, not 1."""
-    rb = rows.shape[-1]
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rb % size == 0 and rows.is_contiguous():
-            return rows.view(dtype)
-    return rows
+__all__ = ["move_rows", "native_move_rows"]
 
 
 _UNRESOLVED = object()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._native import env_choice, native_disabled
+from .._native import native_disabled
 from ..buffers.recycle import RecycledArrays
 from ..buffers.rowcopy import move_rows
 
@@ -37,11 +37,6 @@ __all__ = [
     "row_bytes",
     "encode_rows",
     "decode_rows",
-    "FP8_DECODE_ENV",
-    "FP8_DECODES",
-    "FP8_STORES_ENV",
-    "FP8_STORES",
-    "fp8_stores",
     "fp8_decode_path",
     "quantize_fp8_ue8m0",
     "dequantize_fp8_ue8m0",
@@ -225,37 +220,17 @@ def _native_decode() -> Any:
     return _rowdecode.decode_fp8
 
 
-FP8_DECODE_ENV = "ENGRAM_OFFLOAD_FP8_DECODE"
-_ARITHMETIC_MODES = {"auto": 1, "avx2": 2, "table": 0}  # the setting's values: the C helper's arithmetic argument
-FP8_DECODES = tuple(_ARITHMETIC_MODES)
-
-
-def _arithmetic_mode() -> int:
-    """The float32 decode the C helper is asked for: ``ENGRAM_OFFLOAD_FP8_DECODE`` unset or
-    "auto" (vector arithmetic, the widest the CPU has), "avx2" (AVX2 even where AVX-512 is
-    there) or "table" (lookups only): a switch for measuring one against another. Read on
-    every decode, as ``ENGRAM_OFFLOAD_NO_NATIVE`` is."""
-    return _ARITHMETIC_MODES[env_choice(FP8_DECODE_ENV, FP8_DECODES, "a decode")]
-
-
-FP8_STORES_ENV = "ENGRAM_OFFLOAD_FP8_STORES"
-_STORES_MODES = {"auto": 0, "cached": 1, "streaming": 2}  # the setting's values: the C helper's stores argument
-FP8_STORES = tuple(_STORES_MODES)
-
-
-def _stores_mode() -> int:
-    """How the C helper writes float32 rows it computes: ``ENGRAM_OFFLOAD_FP8_STORES`` unset or
-    "auto" (streaming stores for a decode's output from 4 MiB on, which bypass the caches:
-    large outputs are not read again from them), "cached" (never) or "streaming" (always,
-    where the output is 64-byte aligned): a switch for measuring one against another. Read
-    on every decode."""
-    return _STORES_MODES[fp8_stores()]
+ARITHMETIC_AUTO = 1
+"""The C helper's float32 decode: vector arithmetic, the widest the CPU has (0 asks for
+lookups only, 2 for AVX2 even where AVX-512 is there: its tests compare them)."""
+STORES_AUTO = 0
+"""The C helper's float32 stores: streaming (bypassing the caches) for a decode's output from
+4 MiB on, which is not read again from them (1: always cached, 2: always streaming)."""
 
 
 def fp8_stores() -> str:
-    """The ``ENGRAM_OFFLOAD_FP8_STORES`` setting in force ("auto", "cached" or "streaming"),
-    for benchmark records; a bad setting raises as a decode would."""
-    return env_choice(FP8_STORES_ENV, FP8_STORES, "a way to store rows")
+    """The float32 decode's stores, for benchmark records: always "auto" (``STORES_AUTO``)."""
+    return "auto"
 
 
 def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
@@ -269,7 +244,7 @@ def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
         return "table"
     from . import _rowdecode  # type: ignore[attr-defined]
 
-    return str(_rowdecode.arithmetic_path(_arithmetic_mode()))
+    return str(_rowdecode.arithmetic_path(ARITHMETIC_AUTO))
 
 
 def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtype, picks: np.ndarray | None = None,
@@ -299,7 +274,7 @@ def _decode_fp8(raw: torch.Tensor | np.ndarray, head_dim: int, dtype: torch.dtyp
         raw_np = raw if isinstance(raw, np.ndarray) else raw.numpy()
         float32 = dtype == torch.float32
         native(raw_np, head_dim, _fp8_table_bits(dtype), out.reshape(n, head_dim), picks,
-               _arithmetic_mode() if float32 else 0, picks_base, _stores_mode() if float32 else 1, slots)
+               ARITHMETIC_AUTO if float32 else 0, picks_base, STORES_AUTO if float32 else 1, slots)
         return torch.from_numpy(out) if dtype in _NUMPY_OUT else torch.from_numpy(out).view(dtype)
     assert picks is None and slots is None, "a decode with picks or slots goes through the C helper only"
     raw = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
