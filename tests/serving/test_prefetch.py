@@ -391,6 +391,7 @@ def test_device_prefetch_hands_each_layer_its_rows_after_their_event(table, hash
 
 def test_a_layer_reading_before_its_event_is_caught(table, hasher):
     from engram_offload.gpu import OrderingError
+
     from tracing_sync import TracingSync
 
     sync = TracingSync()
@@ -818,20 +819,14 @@ def test_a_steps_table_ids_are_a_contiguous_tensor_of_the_hashed_ids(table, hash
         pf.end_step(step)
 
 
-@pytest.mark.parametrize("setting", ["", "in-place", "COPIED"])
-def test_hit_rows_are_decoded_where_the_cache_holds_them_unless_set_to_be_copied(table, hasher, monkeypatch, setting):
+def test_hit_rows_are_decoded_where_the_cache_holds_them(table, hasher):
     """Steps whose rows the cache holds every one of are decoded from its arena (a lease
-    ``in_place``), unless ``ENGRAM_OFFLOAD_HIT_ROWS=copied``; the rows are the tier's either
-    way, under a cache small enough that every step evicts rows of the ones before."""
-    from engram_offload.serving.prefetch import HIT_ROWS_ENV
-
-    monkeypatch.setenv(HIT_ROWS_ENV, setting)
+    ``in_place``); the rows are the tier's, under a cache small enough that every step evicts
+    rows of the ones before."""
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, VOCAB, size=(4, 10))
-    in_place = setting.lower() != "copied"
     with open_table(table, "mmap") as plain, open_table(table, "mmap", cache_bytes=150 * CONFIG.row_bytes) as store, \
             Prefetcher(store, hasher, split_min_rows=1) as pf:
-        assert pf.rows_in_place is in_place
         leases = []
         fetch = store.fetch
         store.fetch = lambda ids, **kw: leases.append((kw["in_place"], fetch(ids, **kw))) or leases[-1][1]
@@ -841,17 +836,7 @@ def test_hit_rows_are_decoded_where_the_cache_holds_them_unless_set_to_be_copied
                 for pos, layer in enumerate(CONFIG.layer_ids):
                     assert torch.equal(pf.rows(layer), expected_rows(plain, hasher, tokens, pos)[:, t])
                 pf.end_step()
-        assert {asked for asked, _ in leases} == {in_place}
+        assert {asked for asked, _ in leases} == {True}
         left = [lease.in_place is not None for _, lease in leases]
-        assert any(left) is in_place and not all(left)  # the first of each step's fetches missed
+        assert any(left) and not all(left)  # the first of each step's fetches missed
         assert store.levels[0].pinned() == 0
-
-
-def test_a_hit_rows_setting_that_names_no_way_is_refused(table, hasher, monkeypatch):
-    from engram_offload.serving.prefetch import HIT_ROWS_ENV
-
-    monkeypatch.setenv(HIT_ROWS_ENV, "moved")
-    with open_table(table, "mmap") as store, pytest.raises(
-            ValueError, match="^ENGRAM_OFFLOAD_HIT_ROWS='moved' is not a way to take hit rows: set it to in-place or "
-                              "copied, or unset it$"):
-        Prefetcher(store, hasher)

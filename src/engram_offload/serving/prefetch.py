@@ -17,7 +17,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .._native import env_choice
 from ..buffers.recycle import RecycledArrays
 from ..engram.hashing import NgramHasher, SequenceHistory
 from ..errors import PrefetchError, StepCancelled
@@ -30,19 +29,9 @@ from .sharding import Columns, check_columns, shard_ids
 from .step import Part, Step
 from .store import RowLease, RowStore
 
-__all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled", "HIT_ROWS_ENV", "HIT_ROWS"]
+__all__ = ["Prefetcher", "PrefetchError", "Step", "StepCancelled"]
 
 SPLIT_MIN_ROWS = 512  # a step with fewer distinct rows is fetched in one part (one fetch call)
-HIT_ROWS_ENV = "ENGRAM_OFFLOAD_HIT_ROWS"
-HIT_ROWS = ("in-place", "copied")
-
-
-def _hit_rows_in_place() -> bool:
-    """Whether host rows a cache holds every one of are decoded where it holds them
-    (``ENGRAM_OFFLOAD_HIT_ROWS`` unset or "in-place") or copied out of it first ("copied"): a
-    switch for measuring one against the other, read when a Prefetcher is made."""
-    return env_choice(HIT_ROWS_ENV, HIT_ROWS, "a way to take hit rows") == HIT_ROWS[0]
-
 
 
 class Prefetcher:
@@ -125,7 +114,6 @@ class Prefetcher:
         # host rows decoded into arrays used again once the caller lets go of them (a new
         # array a step comes back from the kernel as fresh pages: see recycle)
         self._decoded = RecycledArrays()
-        self.rows_in_place = _hit_rows_in_place()  # host rows decoded where a cache holds them, if it does
         self._outputs = None if self.sync is None else OutputPool(
             self.sync, (num_columns, self.config.head_dim), len(self.config.layer_ids), dtype,
             self.device, max_tokens)
@@ -205,7 +193,7 @@ class Prefetcher:
         try:
             ids, requested = step.part_ids(p)
             lease = self.store.fetch(ids, hold=True, requested=requested,
-                                     in_place=self.rows_in_place and step.outputs is None)
+                                     in_place=step.outputs is None)
             if step.outputs is None:
                 step.deliver(p, self._decode_layers(step, p, lease), lease)
             else:
