@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from ..engram.hashing import NgramHasher
-from ..engram.rows import fp8_decode_path, fp8_stores
+from ..engram.rows import fp8_decode_path
 from ..serving.layered import LayeredStore
-from ..serving.prefetch import HIT_ROWS, Prefetcher, Step
+from ..serving.prefetch import Prefetcher, Step
 from ..serving.store import TableStore, open_table
 from .corpus import Corpus, load_corpus
 from .workload import RequestStream, WorkloadShape
@@ -274,7 +274,6 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
     hasher = NgramHasher(store.config, token_map)
     with Prefetcher(store, hasher, dtype=torch.float32) as prefetcher:
         cold = _drive(prefetcher, iter(DecodeSteps(corpus, sequences, seed)), seconds, run_ahead, check)
-        hit_rows = HIT_ROWS[0] if prefetcher.rows_in_place else HIT_ROWS[1]
     warm, warm_steps = None, []
     if store.levels:
         warm_steps = _warm_set(hasher, corpus, sequences, seed, min(level.capacity for level in store.levels))
@@ -307,8 +306,6 @@ def run_prefetch_phases(store: TableStore, table: str, corpus: Corpus, token_map
         "kernel_cpu_us_per_miss": _us(kernel_per_miss),
         "user_cpu_us_per_miss": _us(None if cpu_per_miss is None else cpu_per_miss - (kernel_per_miss or 0.0)),
         "fp8_decode": fp8_decode_path(torch.float32),
-        "fp8_stores": fp8_stores(),
-        "hit_rows": hit_rows,  # decoded where the cache holds them, or copied out first
         "fetch_cpu_us_per_hit": _us(fetch_per_hit),
         "method": METHOD,
         "sequences": sequences,

@@ -228,11 +228,6 @@ STORES_AUTO = 0
 4 MiB on, which is not read again from them (1: always cached, 2: always streaming)."""
 
 
-def fp8_stores() -> str:
-    """The float32 decode's stores, for benchmark records: always "auto" (``STORES_AUTO``)."""
-    return "auto"
-
-
 def fp8_decode_path(dtype: torch.dtype = torch.float32) -> str:
     """How a host decode of fp8 rows into ``dtype`` runs here, for benchmark records:
     "avx512" or "avx2" (the C helper's vector arithmetic, float32 only), "table" (its
