@@ -130,16 +130,16 @@ def test_a_missing_table_is_explained(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--seconds", "nan"], "argument --seconds: 'nan': give a number of seconds > 0"),
-    (["--seconds", "0"], "argument --seconds: '0': give a number of seconds > 0"),
-    (["--seconds", "-5"], "argument --seconds: '-5': give a number of seconds > 0"),
-    (["--seconds", "soon"], "argument --seconds: 'soon' is not a number of seconds"),
-    (["--warmup-seconds", "inf"], "argument --warmup-seconds: 'inf': give a number of seconds >= 0"),
-    (["--repeats", "0"], "argument --repeats: '0': give an integer >= 1"),
-    (["--lookahead-tokens", "-1"], "argument --lookahead-tokens: '-1': give an integer >= 0"),
-    (["--scale", "2"], "argument --scale: '2': give a fraction > 0 and <= 1"),
-    (["--tp", "0"], "argument --tp: '0': give an integer >= 1"),
-    (["--nvme-iops", "0"], "argument --nvme-iops: '0': give a rate > 0"),
+    (["--seconds", "nan"], "argument --seconds: 'nan' is not a finite number > 0"),
+    (["--seconds", "0"], "argument --seconds: '0' is not a finite number > 0"),
+    (["--seconds", "-5"], "argument --seconds: '-5' is not a finite number > 0"),
+    (["--seconds", "soon"], "argument --seconds: 'soon' is not a finite number > 0"),
+    (["--warmup-seconds", "inf"], "argument --warmup-seconds: 'inf' is not a finite number >= 0"),
+    (["--repeats", "0"], "argument --repeats: '0' is not an integer >= 1"),
+    (["--lookahead-tokens", "-1"], "argument --lookahead-tokens: '-1' is not an integer >= 0"),
+    (["--scale", "2"], "argument --scale: '2' is not a number in (0, 1]"),
+    (["--tp", "0"], "argument --tp: '0' is not an integer >= 1"),
+    (["--nvme-iops", "0"], "argument --nvme-iops: '0' is not a finite number > 0"),
 ])
 def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
     assert main(["bench", "--table", str(tmp_path / "t.table"), "--no-progress", *flags]) == 2  # a usage error: exit status 2, no traceback

@@ -107,7 +107,7 @@ def test_flags_of_the_other_mode_are_usage_errors(table, capsys, flags, message)
 def test_bad_counts_are_usage_errors(table, capsys, flag):
     assert cli.main(["bench-tier", "--table", table, "--tier", "mmap", "--prefetcher", flag, "0"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"engram-offload bench-tier: error: argument {flag}: '0': give an integer >= 1 "
+        f"engram-offload bench-tier: error: argument {flag}: '0' is not an integer >= 1 "
         "(see engram-offload bench-tier --help)"]
 
 
