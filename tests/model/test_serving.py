@@ -18,7 +18,7 @@ def test_an_unknown_tier_is_refused_naming_the_choices(model_dir):
         with served_table(model_dir, "pinned"):
             pass
     assert str(caught.value) == "unknown tier 'pinned': choose one of memory, mmap, direct"
-    assert TIERS == ("memory", "mmap", "direct")
+    assert TIERS == ("memory", "pinned", "mmap", "direct")
 
 
 def test_a_table_converted_on_the_fly_serves_the_checkpoints_rows_and_is_removed_after(model_dir, tmp_path):

@@ -57,7 +57,7 @@ from ..serving.layered import dram_bytes, is_layered, parse_placement
 from ..serving.prefetch import Prefetcher
 from ..serving.store import TableStore, open_table
 from ..table.format import read_header
-from ..tiers import TIERS, is_resident
+from ..tiers import TIERS, is_resident, tier_names
 from .backbone import EngramBackbone
 from .cold import make_cold
 from .corpus import Corpus
@@ -182,7 +182,7 @@ def _check_run(tier: str, state: str) -> None:
 
 
 MMAP_PAGE_BYTES = 4096  # what the mmap tier's page cache holds and a page fault reads
-CACHED_TIERS = ("direct", "remote")  # the tiers served through DRAM row caches (the others are baselines)
+CACHED_TIERS = tier_names(row_reads=True)  # the tiers served through DRAM row caches (the others are baselines)
 
 
 def _cache_options(tier: str, settings: BenchSettings) -> dict[str, Any]:

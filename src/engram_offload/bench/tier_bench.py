@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.policy import DEFAULT_POLICY
 from ..serving.store import TableStore, open_table
+from ..tiers import is_resident
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from .cold import make_cold
 from .corpus import Corpus
@@ -116,7 +118,6 @@ def _load_rate(tier_stats: dict[str, Any]) -> float | None:
 
 # The least memory a caller thread takes (its stack pages, thread state and Python frame).
 THREAD_BYTES = 32 << 10
-RESIDENT_TIERS = ("memory", "pinned", "shared")
 
 
 def caller_threads(tier: str, callers: int | None, queue_depth: int) -> tuple[str, int]:
@@ -135,7 +136,7 @@ def memory_needs(tier: str, num_rows: int, row_bytes: int, rows_per_token: int, 
     ``(setting, its value, bytes, how)``, to refuse a run that cannot fit before it allocates."""
     row = 8 + row_bytes  # a row id in, a row out
     needs = [("cache_bytes", cache_bytes, cache_bytes, "the row cache")]
-    if tier in RESIDENT_TIERS:
+    if is_resident(tier):
         needs.append(("tier", 0, num_rows * row_bytes, f"{tier}: the whole table, {num_rows:,} rows x {row_bytes} B"))
     if prefetcher:
         needs += [
@@ -170,7 +171,7 @@ def run_tier_bench(
     seed: int = 0,
     callers: int | None = None,
     cache_bytes: int = 0,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     prefetcher: bool = False,
     sequences: int = 32,
     run_ahead: int = 2,

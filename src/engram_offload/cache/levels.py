@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .policy import DEFAULT_POLICY
 from .row_cache import RowCache
 
 __all__ = ["build_levels", "capped_bytes"]
@@ -17,7 +18,7 @@ def capped_bytes(nbytes: int, row_bytes: int, num_rows: int | None) -> int:
 def build_levels(
     row_bytes: int,
     cache_bytes: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     *,
     fast_cache_bytes: int = 0,
     fast_device: str | torch.device | None = None,

@@ -33,7 +33,7 @@ from .._native import native_disabled
 from ..buffers.rowcopy import move_rows
 from .admission import FrequencySketch
 from .index import DirectIndex, RowIndex, make_index
-from .policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
+from .policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
 from .stats import LevelStats
 
 __all__ = ["RowCache", "native_hitpath"]
@@ -79,7 +79,7 @@ class RowCache:
         self,
         capacity_bytes: int,
         row_bytes: int,
-        policy: str | EvictionPolicy = "lru",
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
         *,
         device: str | torch.device = "cpu",
         admission: bool = False,

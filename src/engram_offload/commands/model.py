@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_json_atomic
+from ..tiers import tier_names
 from ..units import MAX_THREADS, format_bytes, int_in_range, non_negative_int, positive_int
 from . import UsageError
 from .core import MemoryNeed, check_memory_needs
@@ -66,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "documentation, prose), with Engram rows from the checkpoint or served from a tier; beside it, on the same "
         "tokens, its twin trained without Engram and the model with every gate forced to 0 (a lesion).",
     )
-    ev.add_argument("--tier", choices=("memory", "mmap", "direct"),
+    ev.add_argument("--tier", choices=tier_names(local=True, private=True),
                     help="serve the rows from this tier (the table is converted from the checkpoint "
                     "unless --table is given); default: the checkpoint's own rows")
     ev.add_argument("--table", help="an already converted table file of the model (with --tier; default: converted from the checkpoint)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from ..cache.policy import DEFAULT_POLICY, POLICIES
 from ..units import size_arg, size_or_percent_arg
 
 __all__ = [
@@ -29,8 +30,7 @@ __all__ = [
     "removed_option",
 ]
 
-DEFAULT_POLICY = "lfu"  # a serving cache keeps the rows read often; measured in bench (README)
-POLICY_CHOICES = ("lru", "lfu")
+POLICY_CHOICES = tuple(POLICIES)
 
 
 class _Removed(argparse.Action):

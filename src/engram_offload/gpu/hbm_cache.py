@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..cache.admission import FrequencySketch
-from ..cache.policy import make_policy
+from ..cache.policy import DEFAULT_POLICY, make_policy
 from ..cache.stats import LevelStats
 from ..engram.config import EngramConfig
 from .kernels import gather_raw, tiered_gather
@@ -48,7 +48,7 @@ class HbmRowCache:
     and ``row_bytes``)."""
 
     def __init__(self, table: torch.Tensor | None, capacity: int, *, device: torch.device | str,
-                 policy: str = "lru", sync: DeviceSync | None = None,
+                 policy: str = DEFAULT_POLICY, sync: DeviceSync | None = None,
                  admission: FrequencySketch | None = None, num_rows: int | None = None,
                  row_bytes: int | None = None, name: str = "hbm", device_map: bool = True) -> None:
         if table is not None:

@@ -22,16 +22,18 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence, cast
 
+from ..cache.policy import DEFAULT_POLICY, POLICIES
 from ..engram.config import EngramConfig
 from ..serving.sharding import Columns
 from ..serving.store import RowStore, open_table
+from ..tiers import tier_names
 from ..units import parse_size
 
 __all__ = ["ADDRESSABLE_TIERS", "HOST_READ_TIERS", "OffloadSettings", "check_graph_mode", "check_layout",
            "open_store", "parse_settings", "settings_from_json"]
 
-ADDRESSABLE_TIERS = ("memory", "pinned", "shared")  # the GPU reads the table in place
-HOST_READ_TIERS = ("mmap", "direct", "remote")  # a host thread reads the rows
+ADDRESSABLE_TIERS = tier_names(addressable=True)  # the GPU reads the table in place
+HOST_READ_TIERS = tier_names(addressable=False)  # a host thread reads the rows
 ENGRAM_ROW_FORMAT = "fp8_e4m3_ue8m0"  # what DeepSeek-V4.1's checkpoint holds and both engines read
 ENGRAM_BLOCK = 32  # values per ue8m0 scale
 
@@ -44,7 +46,7 @@ class OffloadSettings:
     tier: str = "mmap"
     cache_bytes: int | None = None  # DRAM row cache in front of a host-read tier
     fast_cache_bytes: int = 0  # a faster cache above it (host RAM; not with an addressable tier)
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     admission: bool | None = None
     row_server: str | None = None  # the machine's row server socket: it owns the tier and the cache
     pool: str | None = None  # the remote tier's Redis pool URL
@@ -109,8 +111,8 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
     tiers = ADDRESSABLE_TIERS + HOST_READ_TIERS
     if settings.tier not in tiers:
         raise ValueError(f"engram_offload tier {settings.tier!r} is unknown: choose one of {', '.join(tiers)}")
-    if settings.policy not in ("lru", "lfu"):
-        raise ValueError(f"engram_offload policy {settings.policy!r} is unknown: choose lru or lfu")
+    if settings.policy not in POLICIES:
+        raise ValueError(f"engram_offload policy {settings.policy!r} is unknown: choose one of {', '.join(POLICIES)}")
     if (settings.pool or settings.fallback) and settings.tier != "remote":
         raise ValueError(f"pool and fallback are the remote tier's settings, not the {settings.tier} tier's: "
                          "set tier to remote or drop them")

@@ -8,18 +8,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from ..cache.policy import DEFAULT_POLICY
 from ..engram.config import EngramConfig
 from ..serving.store import TableStore, open_table
 from ..table.convert import convert_checkpoint
+from ..tiers import tier_names
 
 __all__ = ["served_table", "TIERS"]
 
-TIERS = ("memory", "mmap", "direct")
+TIERS = tier_names(local=True, private=True)  # the process's own copy of a model's table
 
 
 @contextmanager
 def served_table(model_dir: str | os.PathLike[str], tier: str, *, table: str | os.PathLike[str] | None = None,
-                 cache_bytes: int = 0, policy: str = "lru") -> Iterator[TableStore]:
+                 cache_bytes: int = 0, policy: str = DEFAULT_POLICY) -> Iterator[TableStore]:
     """The model's table opened on ``tier``: ``table`` if given, else converted from the
     checkpoint into a temporary file (removed on exit)."""
     if tier not in TIERS:

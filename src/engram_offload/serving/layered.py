@@ -33,6 +33,7 @@ import xxhash
 
 from ..cache.lease import Lease, Pins, RowsInPlace
 from ..cache.levels import build_levels
+from ..cache.policy import DEFAULT_POLICY
 from ..cache.row_cache import RowCache
 from ..cache.stats import LATENCY_SAMPLES, percentiles_ms
 from ..engram.config import EngramConfig
@@ -319,7 +320,7 @@ def _tier_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def open_layered(path: Any, tier: str | Mapping[int, str], layer_store: LayerStore, *, cache_bytes: int | None = None,
-                 policy: str = "lru", fast_cache_bytes: int = 0, admission: bool | None = None,
+                 policy: str = DEFAULT_POLICY, fast_cache_bytes: int = 0, admission: bool | None = None,
                  **options: Any) -> LayeredStore:
     """Open ``path`` with each Engram layer on the tier ``tier`` names (see the module doc);
     ``open_table`` calls it for a placement, with ``layer_store`` its ``TableStore`` class

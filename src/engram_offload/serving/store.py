@@ -45,6 +45,7 @@ from ..buffers.rowcopy import move_rows, native_move_rows
 from ..cache.admission import FrequencySketch
 from ..cache.lease import Lease, Pins, RowsInPlace
 from ..cache.levels import build_levels, capped_bytes
+from ..cache.policy import DEFAULT_POLICY
 from ..cache.row_cache import RowCache, native_hitpath
 from ..cache.stats import LATENCY_SAMPLES, LevelStats, percentiles_ms
 from ..engram.config import EngramConfig
@@ -473,7 +474,7 @@ def open_table(
     tier: str | Mapping[int, str] = "mmap",
     *,
     cache_bytes: int | None = None,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     fast_cache_bytes: int = 0,
     admission: bool | None = None,
     device: str | torch.device | None = None,

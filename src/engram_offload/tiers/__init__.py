@@ -1,9 +1,9 @@
 """Storage tiers: where a table's rows are read from, all behind ``base.Tier``.
 
 ``TIERS`` is the one list of tiers: each is registered by name with its ``"module:Class"``
-(imported only when asked for) and whether it is *resident* (the whole table loaded into
-DRAM at open, so there is nothing to warm or to evict). Adding a tier is a new file plus
-one line here. A tier never imports the store or the benchmarks.
+(imported only when asked for) and the facts every other layer asks of a tier; each subset of
+tiers anywhere in the package is ``tier_names(...)`` of these flags. Adding a tier is a new file
+plus one line here. A tier never imports the store or the benchmarks.
 """
 
 from __future__ import annotations
@@ -21,22 +21,33 @@ __all__ = ["DEFAULT_QUEUE_DEPTH", "TIERS", "Tier", "TierEntry", "as_row_ids", "g
 
 class TierEntry(NamedTuple):
     target: str  # "module:Class"
-    resident: bool  # the whole table in DRAM
+    resident: bool  # the whole table in DRAM: nothing to warm or to evict
+    addressable: bool  # a device reads the rows in place (over UVA); the others are read by a host thread
+    row_reads: bool  # each row is read from a device or a server, which a DRAM row cache saves (mmap: the page cache)
+    local: bool = True  # the rows are on this machine
+    private: bool = True  # the process's own copy (shared: one copy a machine that outlives its processes)
 
 
 TIERS: dict[str, TierEntry] = {
-    "memory": TierEntry("engram_offload.tiers.memory:MemoryTier", resident=True),
-    "pinned": TierEntry("engram_offload.tiers.pinned:PinnedTier", resident=True),
-    "mmap": TierEntry("engram_offload.tiers.mmap:MmapTier", resident=False),
-    "direct": TierEntry("engram_offload.tiers.direct:DirectTier", resident=False),
-    "shared": TierEntry("engram_offload.tiers.shared:SharedTier", resident=True),
-    "remote": TierEntry("engram_offload.tiers.remote:RemoteTier", resident=False),
+    "memory": TierEntry("engram_offload.tiers.memory:MemoryTier", resident=True, addressable=True, row_reads=False),
+    "pinned": TierEntry("engram_offload.tiers.pinned:PinnedTier", resident=True, addressable=True, row_reads=False),
+    "mmap": TierEntry("engram_offload.tiers.mmap:MmapTier", resident=False, addressable=False, row_reads=False),
+    "direct": TierEntry("engram_offload.tiers.direct:DirectTier", resident=False, addressable=False, row_reads=True),
+    "shared": TierEntry("engram_offload.tiers.shared:SharedTier", resident=True, addressable=True, row_reads=False,
+                        private=False),
+    "remote": TierEntry("engram_offload.tiers.remote:RemoteTier", resident=False, addressable=False, row_reads=True,
+                        local=False),
 }
 
 
-def tier_names() -> tuple[str, ...]:
-    """The registered tier names, in registry order."""
-    return tuple(TIERS)
+def tier_names(**flags: bool) -> tuple[str, ...]:
+    """The registered tier names whose entries have every one of ``flags`` (e.g.
+    ``addressable=True``), in registry order; no flags: all of them."""
+    unknown = set(flags) - set(TierEntry._fields[1:])
+    if unknown:
+        raise ValueError(f"no tier flag {', '.join(sorted(unknown))}; the flags: {', '.join(TierEntry._fields[1:])}")
+    return tuple(name for name, entry in TIERS.items()
+                 if all(getattr(entry, flag) == value for flag, value in flags.items()))
 
 
 def _entry(name: str) -> TierEntry:
@@ -47,7 +58,7 @@ def _entry(name: str) -> TierEntry:
 
 
 def is_resident(name: str) -> bool:
-    """Whether tier ``name`` holds the whole table in DRAM (``memory``, ``pinned``)."""
+    """Whether tier ``name`` holds the whole table in DRAM (``tier_names(resident=True)``)."""
     return _entry(name).resident
 
 
