@@ -55,14 +55,14 @@ def _budget_arg(text: str) -> str:
 
 def _local_tier(text: str) -> str:
     """argparse type of ``bench-tier --tier``: a tier that reads this machine's table file."""
-    from ..tiers import TIERS
+    from ..tiers import TIERS, tier_names
 
-    if text == "remote":
+    if text in TIERS and text not in tier_names(local=True):
         raise argparse.ArgumentTypeError("the remote tier reads a Redis pool, not the table file: measure it with "
                                          "engram-offload bench --tiers remote [--pool URL]")
     if text not in TIERS:
         raise argparse.ArgumentTypeError(f"unknown tier {text!r}; choose one of: "
-                                         f"{', '.join(t for t in TIERS if t != 'remote')}")
+                                         f"{', '.join(tier_names(local=True))}")
     return text
 
 

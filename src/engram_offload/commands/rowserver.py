@@ -13,7 +13,7 @@ from .options import add_cache_bytes, add_policy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..tiers import TIERS
+    from ..tiers import tier_names
 
     p = sub.add_parser(
         "row-server", help="serve a table's rows to the ranks of this machine over a Unix socket",
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--table", required=True, help="the table file to serve (required)")
     p.add_argument("--socket", required=True, metavar="PATH",
                    help="the Unix socket to listen on, created 0600 (required; its folder should be yours only)")
-    p.add_argument("--tier", default="direct", choices=[t for t in TIERS if t != "remote"],
+    p.add_argument("--tier", default="direct", choices=tier_names(local=True),
                    help="where the rows are read from (default direct)")
     add_cache_bytes(p)
     add_policy(p)
