@@ -29,10 +29,11 @@ CONFIG = v41_config()
 def test_every_key_parsed():
     s = parse_settings({"table": "/t.table", "tier": "direct", "cache_bytes": "2GiB", "fast_cache_bytes": 4096,
                         "policy": "lfu", "admission": True, "row_server": None, "staging_bytes": "64M",
-                        "queue_depth": 32, "verify_reads": False, "log_every": 10, "wait_timeout_s": 5})
+                        "queue_depth": 32, "log_every": 10, "wait_timeout_s": 5})
     assert s == OffloadSettings(table="/t.table", tier="direct", cache_bytes=2 << 30, fast_cache_bytes=4096,
                                 policy="lfu", admission=True, staging_bytes=64 << 20, queue_depth=32,
-                                verify_reads=False, log_every=10, wait_timeout_s=5.0)
+                                log_every=10, wait_timeout_s=5.0)
+    assert parse_settings({"table": "t", "tier": "shared", "verify_reads": False}).verify_reads is False
     remote = parse_settings({"table": "/t.table", "tier": "remote", "pool": "redis://127.0.0.1:7000",
                              "fallback": "/f.table"})
     assert (remote.pool, remote.fallback) == ("redis://127.0.0.1:7000", "/f.table") and remote.host_read
@@ -120,8 +121,8 @@ def table(tmp_path_factory):
 
 
 def test_open_store_direct_with_cache_and_columns(table):
-    store = open_store(parse_settings({"table": str(table), "tier": "direct", "cache_bytes": 100 * 264,
-                                       "verify_reads": True}), (6, 12))
+    store = open_store(parse_settings({"table": str(table), "tier": "direct", "cache_bytes": 100 * 264}),
+                       (6, 12))
     try:
         assert isinstance(store, TableStore) and store.columns == (6, 12) and store.levels
     finally:
@@ -152,6 +153,8 @@ def test_open_store_through_a_row_server(table):
     ({"table": "t", "tier": "remote"}, "the remote tier needs 'pool' (the pool's redis:// URL) or a pool URL as 'table'"),
     ({"table": "redis://h:1/ab", "tier": "remote", "verify_reads": False},
      "the remote tier checks every row against its pool checksum: drop verify_reads"),
+    ({"table": "t", "tier": "direct", "verify_reads": True}, "the direct tier checks every page it reads: drop verify_reads"),
+    ({"table": "t", "tier": "mmap", "verify_reads": False}, "the mmap tier checks every page it reads: drop verify_reads"),
     ({"table": "t", "tier": "shared", "fast_cache_bytes": 4096},
      "the shared tier holds the whole table in memory the GPU reads in place: drop cache_bytes and fast_cache_bytes"),
     ({"table": "t", "tier": "direct", "fallback": "/f.table"},
@@ -220,7 +223,7 @@ def test_the_store_key_leaves_out_only_what_does_not_change_the_store():
     plain = parse_settings({"table": "t"})
     assert parse_settings({"table": "t", "log_every": 5, "wait_timeout_s": 3}).store_key() == plain.store_key()
     assert plain.store_key() == tuple(getattr(plain, k) for k in KEYS if k not in ("log_every", "wait_timeout_s"))
-    assert parse_settings({"table": "t", "policy": "lfu"}).store_key() != plain.store_key()
+    assert parse_settings({"table": "t", "policy": "lru"}).store_key() != plain.store_key()
 
 
 def test_open_store_takes_a_staging_size(table):

@@ -26,7 +26,7 @@ from ..cache.policy import DEFAULT_POLICY, POLICIES
 from ..engram.config import EngramConfig
 from ..serving.sharding import Columns
 from ..serving.store import RowStore, open_table
-from ..tiers import tier_names
+from ..tiers import is_resident, tier_names
 from ..units import parse_size
 
 __all__ = ["ADDRESSABLE_TIERS", "HOST_READ_TIERS", "OffloadSettings", "check_graph_mode", "check_layout",
@@ -123,6 +123,8 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
         raise ValueError(f"queue_depth is the direct tier's io_uring depth, not the {settings.tier} tier's: drop it")
     if settings.verify_reads is not None and settings.tier == "remote":
         raise ValueError("the remote tier checks every row against its pool checksum: drop verify_reads")
+    if settings.verify_reads is not None and not is_resident(settings.tier):
+        raise ValueError(f"the {settings.tier} tier checks every page it reads: drop verify_reads")
     if not settings.host_read and (settings.cache_bytes or settings.fast_cache_bytes):
         raise ValueError(f"the {settings.tier} tier holds the whole table in memory the GPU reads in place: "
                          "drop cache_bytes and fast_cache_bytes")

@@ -234,8 +234,7 @@ class DirectTier(Tier):
     flight: io_uring queue depth per ring, or thread count for ``threads``), ``rings`` (io_uring
     rings shared by the caller threads), ``retries`` (per read), ``pread`` (the
     ``os.preadv``-like function of the threads engine; a fault-injection hook). Every page
-    read is checked; ``verify_reads`` (the resident tiers' option, passed to any tier) changes
-    nothing here.
+    read is checked against the table's page sums.
     """
 
     name = "direct"
@@ -247,7 +246,6 @@ class DirectTier(Tier):
         engine: str = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         retries: int = DEFAULT_RETRIES,
-        verify_reads: bool | None = None,
         pread: Pread | None = None,
         rings: int = DEFAULT_RINGS,
     ) -> None:

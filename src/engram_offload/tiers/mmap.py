@@ -41,12 +41,11 @@ from .pagecheck import check_pages, plan_pages
 __all__ = ["MmapTier", "guarded_copy_available"]
 
 class MmapTier(Tier):
-    """Rows copied out of the mapped table file, every page checked; ``verify_reads`` (the
-    resident tiers' option, passed to any tier) changes nothing here."""
+    """Rows copied out of the mapped table file, every page checked against the table's page sums."""
 
     name = "mmap"
 
-    def __init__(self, header: TableHeader, *, verify_reads: bool | None = None) -> None:
+    def __init__(self, header: TableHeader) -> None:
         super().__init__(header)
         self._fd = os.open(header.path, os.O_RDONLY)  # kept for the size check and the pread path
         try:
