@@ -79,7 +79,7 @@ def _run(argv: list[str], capsys) -> str:
 
 def test_eval_command_prints_tokens_and_perplexity(capsys):
     on = json.loads(_run(["eval", "--json", "--max-tokens", "1500"], capsys))
-    off = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--no-engram"], capsys))
+    off = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--lesion"], capsys))
     served = json.loads(_run(["eval", "--json", "--max-tokens", "1500", "--tier", "mmap", "--cache-bytes", "64KiB"], capsys))
     assert on["tokens"] == off["tokens"] == served["tokens"] > 1000
     assert served["perplexity"] == on["perplexity"] < off["perplexity"]

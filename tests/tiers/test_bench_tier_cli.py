@@ -79,12 +79,12 @@ def test_a_cold_run_evicts_the_table_only_unless_asked(tmp_path, capsys, monkeyp
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--seconds", "0"], "argument --seconds: '0': give a number of seconds > 0"),
-    (["--seconds", "-5"], "argument --seconds: '-5': give a number of seconds > 0"),
-    (["--seconds", "nan"], "argument --seconds: 'nan': give a number of seconds > 0"),
-    (["--callers", "0"], "argument --callers: '0': give an integer >= 1"),
-    (["--batch", "0"], "argument --batch: '0': give an integer >= 1"),
-    (["--queue-depth", "x"], "argument --queue-depth: 'x' is not an integer"),
+    (["--seconds", "0"], "argument --seconds: '0' is not a finite number > 0"),
+    (["--seconds", "-5"], "argument --seconds: '-5' is not a finite number > 0"),
+    (["--seconds", "nan"], "argument --seconds: 'nan' is not a finite number > 0"),
+    (["--callers", "0"], "argument --callers: '0' is not an integer >= 1"),
+    (["--batch", "0"], "argument --batch: '0' is not an integer >= 1"),
+    (["--queue-depth", "x"], "argument --queue-depth: 'x' is not an integer >= 1"),
 ])
 def test_bad_numbers_are_usage_errors(tmp_path, capsys, flags, message):
     assert bench_tier(["--table", str(tmp_path / "t.tbl"), "--tier", "mmap", *flags]) == 2  # a usage error: exit status 2, no traceback
