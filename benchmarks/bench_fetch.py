@@ -35,14 +35,17 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench_tier import bracketed_ratios, fio_randread, machine_facts  # the same fio run and machine facts as bench_tier.py
+from bench_tier import bracketed_ratios
 
+from engram_offload.atomic import write_json_atomic
 from engram_offload.bench.prefetch_bench import load_text
 from engram_offload.bench.tier_bench import run_tier_bench
 from engram_offload.commands.bench import PREFETCH_SEQUENCES
 from engram_offload.table import read_header
 from engram_offload.tiers.policy import DEFAULT_QUEUE_DEPTH
 from engram_offload.units import parse_size
+
+from fio import machine_facts, run_fio
 
 TARGETS = {"misses_vs_fio_min": 0.8, "cpu_per_miss_vs_fio_max": 1.2, "cpu_us_per_hit_max": 0.3}
 FIGURES = ("rows_per_s", "misses_per_s", "hit_rate", "reads_per_s", "tokens_per_s", "cpu_us_per_miss",
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus, _ = load_text(args.corpus, args.corpus_tokens, 0)
     runs: dict[str, list] = {"fio": [], "prefetcher": []}
     for rep in range(args.repeats + 1):  # fio before every repeat and after the last
-        fio = fio_randread(table, args.seconds, args.fio_queue_depth)
+        fio = run_fio(table, iodepth=args.fio_queue_depth, seconds=args.seconds)
         if fio is None:
             print("fio not found (apt-get install fio): the ratios need it", file=sys.stderr)
             return 1
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     print(json.dumps({"median": med, "ratios": ratios}, indent=2))
     return 0
 

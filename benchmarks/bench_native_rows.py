@@ -3,7 +3,7 @@
     nice python benchmarks/bench_native_rows.py --table T.table --repeats 3 --seconds 5 --out R.json
 
 Per repeat: ``fio --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=Q`` (the
-command of ``bench_tier.fio_randread``), then the direct tier (``uring`` engine, queue depth
+command of ``fio.run_fio``), then the direct tier (``uring`` engine, queue depth
 Q) reading batches of random sorted distinct row ids, for each batch size, pages checked,
 through the native call and (for reference) the Python steps (the tier's ``native_disabled``
 patched for the run: the page checksums still take their C helper). Reports medians of
@@ -15,7 +15,6 @@ thread pool.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,13 +25,14 @@ from unittest import mock
 import numpy as np
 import torch
 
+from engram_offload.atomic import write_json_atomic
 from engram_offload.bench.cold import evict_file_pages
 from engram_offload.table import read_header
 from engram_offload.tiers import direct as direct_module
 from engram_offload.tiers import open_tier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tier import fio_randread  # noqa: E402
+from fio import run_fio  # noqa: E402
 
 
 def direct_run(table: Path, seconds: float, queue_depth: int, batch: int, native: bool) -> dict:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {"fio": [], **{name: [] for name, *_ in configs}}
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
-        fio = fio_randread(table, s, q)
+        fio = run_fio(table, iodepth=q, seconds=s)
         if fio:
             runs["fio"].append(fio)
         for name, batch, native in configs:
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                   "table": str(table), "table_bytes": table.stat().st_size,
                   "params": {"repeats": args.repeats, "seconds": s, "queue_depth": q, "batches": args.batches},
                   "loadavg_end": os.getloadavg(), "median": median, "runs": runs}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(args.out, result)
     return 0
 
 

@@ -41,11 +41,6 @@ from engram_offload.tiers import open_tier
 from fio import machine_facts, run_fio
 
 
-def fio_randread(table: Path, seconds: float, queue_depth: int) -> dict | None:
-    """fio's cold random 4 KiB reads of ``table`` at ``queue_depth`` (None without fio)."""
-    return run_fio(table, iodepth=queue_depth, seconds=seconds)
-
-
 def memory_vs_index_select(table: Path, seconds: float, batch: int) -> dict:
     tier = open_tier("memory", read_header(table))
     rows = tier.rows  # [num_rows, row_bytes]
@@ -110,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             engine="uring", callers=2))
         runs["direct_threads"].append(run_tier_bench(table, "direct", seconds=s, batch=args.batch,
                                                      queue_depth=q, cold=True, engine="threads"))
-        fio = fio_randread(table, s, q)
+        fio = run_fio(table, iodepth=q, seconds=s)
         if fio:
             runs["fio"].append(fio)
         runs["memory"].append(memory_vs_index_select(table, min(s, 3.0), args.batch))
@@ -178,14 +173,14 @@ def one_caller(table: Path, args: argparse.Namespace, argv: list[str] | None, lo
     q, s = args.queue_depth, args.seconds
     reads = ("one_call",)
     runs: dict[str, list] = {"one_call": [], "fio": []}
-    fio = fio_randread(table, s, q)
+    fio = run_fio(table, iodepth=q, seconds=s)
     if fio:
         runs["fio"].append(fio)
     for rep in range(args.repeats):
         print(f"repeat {rep + 1}/{args.repeats}", file=sys.stderr)
         runs["one_call"].append(run_tier_bench(table, "direct", seconds=s, batch=args.caller_batch, queue_depth=q,
                                                cold=True, engine="uring"))
-        fio = fio_randread(table, s, q)
+        fio = run_fio(table, iodepth=q, seconds=s)
         if fio:
             runs["fio"].append(fio)
     split = ("cpu_us_per_read", "user_cpu_us_per_read", "kernel_cpu_us_per_read")  # a read's CPU: all, process, kernel

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import sys
@@ -401,10 +400,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if args.json:
-            tmp = f"{args.json}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f, indent=2, default=str)
-            os.replace(tmp, args.json)  # a reader never sees half a file
+            from engram_offload.atomic import write_json_atomic
+
+            write_json_atomic(args.json, report)  # a reader never sees half a file
 
     failed = False
     try:

@@ -62,9 +62,9 @@ def test_one_caller_runs_are_compared_with_the_fio_runs_on_either_side():
     assert [round(r["cpu"], 6) for r in ratios] == [1.2, 1.2]  # 1.8 / mean(2, 1), 2.4 / mean(1, 3)
 
 
-def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
-    """bench_fetch.py --decode auto,table: both decodes in every repeat, first in turn, each
-    summed up against the same fio runs, with the decode each one took."""
+def test_the_fetch_benchmark_runs_the_fetch_loop_between_fio_runs(tmp_path):
+    """bench_fetch.py: the fetch loop in every repeat between fio runs, summed up against them,
+    with the decode it took and its CPU split run by run."""
     import json
     import shutil
 
@@ -78,62 +78,16 @@ def test_the_fetch_benchmark_runs_each_decode_between_fio_runs(tmp_path):
     out = tmp_path / "fetch.json"
     module = _script("bench_fetch")
     assert module.main(["--table", str(table), "--seconds", "0.3", "--repeats", "2", "--sequences", "4",
-                        "--corpus-tokens", "20000", "--decode", "auto,table", "--out", str(out)]) == 0
+                        "--corpus-tokens", "20000", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["params"]["decodes"] == ["auto", "table"]
-    assert len(result["runs"]["fio"]) == 3
-    assert len(result["runs"]["prefetcher"]) == len(result["runs"]["prefetcher_table"]) == 2
-    assert result["machine"]["fp8_decode"] == {"auto": fp8_decode_path(), "table": "table"}
-    assert result["machine"]["hit_rows"] == {"auto": "in-place", "table": "in-place"}  # the default
-    assert result["median"] == result["by_decode"]["auto"]["median"]
-    for run in result["runs"]["prefetcher"] + result["runs"]["prefetcher_table"]:  # a CPU split, run by run
+    assert len(result["runs"]["fio"]) == 3 and len(result["runs"]["prefetcher"]) == 2
+    assert result["machine"]["fp8_decode"] == fp8_decode_path()
+    for run in result["runs"]["prefetcher"]:  # a CPU split, run by run
         assert run["kernel_cpu_us_per_miss"] + run["user_cpu_us_per_miss"] == pytest.approx(run["cpu_us_per_miss"])
     for run in result["runs"]["fio"]:
         assert run["kernel_cpu_us_per_read"] + run["user_cpu_us_per_read"] == pytest.approx(run["cpu_us_per_read"])
-    for decode in ("auto", "table"):
-        med, runs = result["by_decode"][decode]["median"], result["runs"]["prefetcher" if decode == "auto" else
-                                                                           "prefetcher_table"]
-        assert min(r["cpu_us_per_hit"] for r in runs) <= med["cpu_us_per_hit"] <= max(r["cpu_us_per_hit"] for r in runs)
-
-
-def test_the_fetch_benchmark_runs_each_way_of_storing_and_of_taking_hit_rows(tmp_path):
-    """bench_fetch.py --stores cached,auto --hit-rows copied: each combination in every
-    repeat (named by the decode, then each setting that is not the default), with the
-    settings each run took."""
-    import json
-    import shutil
-
-    from engram_offload import cli
-
-    if not shutil.which("fio"):
-        pytest.skip("fio is not installed (apt-get install fio)")
-    table = tmp_path / "t.tbl"
-    assert cli.main(["make-table", "--scale", "2e-5", "--out", str(table), "--no-progress"]) == 0
-    out = tmp_path / "fetch.json"
-    assert _script("bench_fetch").main(["--table", str(table), "--seconds", "0.3", "--repeats", "1", "--sequences", "4",
-                                        "--corpus-tokens", "20000", "--stores", "cached,auto", "--hit-rows", "copied",
-                                        "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert (result["params"]["stores"], result["params"]["hit_rows"]) == (["cached", "auto"], ["copied"])
-    assert list(result["by_decode"]) == ["auto/cached/copied", "auto/copied"]
-    assert result["machine"]["fp8_stores"] == {"auto/cached/copied": "cached", "auto/copied": "auto"}
-    assert result["machine"]["hit_rows"] == {"auto/cached/copied": "copied", "auto/copied": "copied"}
-    assert [(run["fp8_stores"], run["hit_rows"]) for run in result["runs"]["prefetcher"]] == [("cached", "copied")]
-    assert [run["fp8_stores"] for run in result["runs"]["prefetcher_auto/copied"]] == ["auto"]
-    assert result["median"] == result["by_decode"]["auto/cached/copied"]["median"]
-
-
-@pytest.mark.parametrize("option, value, known", [("--decode", "avx1024", "auto, avx2, table"),
-                                                  ("--decode", "auto,auto", "auto, avx2, table"),
-                                                  ("--decode", "", "auto, avx2, table"),
-                                                  ("--stores", "uncached", "auto, cached, streaming"),
-                                                  ("--stores", "cached,cached", "auto, cached, streaming"),
-                                                  ("--hit-rows", "moved", "in-place, copied")])
-def test_the_fetch_benchmark_refuses_a_decode_or_stores_it_does_not_know(tmp_path, capsys, option, value, known):
-    module = _script("bench_fetch")
-    with pytest.raises(SystemExit):
-        module.main(["--table", str(tmp_path / "absent.tbl"), option, value])
-    assert f"{option} takes distinct names among {known}" in capsys.readouterr().err
+    med, runs = result["median"], result["runs"]["prefetcher"]
+    assert min(r["cpu_us_per_hit"] for r in runs) <= med["cpu_us_per_hit"] <= max(r["cpu_us_per_hit"] for r in runs)
 
 
 def test_the_hashing_benchmark_times_both_dedups_on_the_same_step_ids(monkeypatch):
