@@ -34,7 +34,6 @@ import time
 
 import numpy as np
 import torch
-from wiring import forward_with_prefetch, forward_with_store  # beside this script
 
 from engram_offload import open_table
 from engram_offload.atomic import write_json_atomic
@@ -48,6 +47,8 @@ from engram_offload.planner.trace import serving_steps, stdlib_token_sequences
 from engram_offload.serving.dedup import dedup
 from engram_offload.serving.prefetch import Prefetcher
 from engram_offload.serving.store import TableStore
+
+from wiring import forward_with_prefetch, forward_with_store  # beside this script
 
 POLICIES = [("lru", False), ("lru", True), ("lfu", False), ("lfu", True)]
 

@@ -36,7 +36,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engram_offload import EngramConfig, open_table  # noqa: E402
 from engram_offload.atomic import write_json_atomic  # noqa: E402
-from engram_offload.bench.pss import summed_pss  # noqa: E402
 from engram_offload.engram.tokenizer import cached_token_map  # noqa: E402
 from engram_offload.machine import machine_facts  # noqa: E402
 from engram_offload.planner.trace import stdlib_token_sequences  # noqa: E402
@@ -45,6 +44,7 @@ from engram_offload.serving.rowserver import RowClient, start_row_server  # noqa
 from engram_offload.table import make_random_table  # noqa: E402
 
 from bench_cache import full_batch_trace, replay_hit_rate  # noqa: E402  (the same trace and replay)
+from pss import summed_pss  # noqa: E402
 
 
 # ---------------------------------------------------------------------- 1. one cache vs private caches

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,12 @@ def tiny_config():
 @pytest.fixture
 def config() -> EngramConfig:
     return _tiny_config()
+
+
+@pytest.fixture
+def shm_dir():
+    """A private folder on the machine's tmpfs (removed afterwards), where shared segments go."""
+    shm = Path("/dev/shm")
+    directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=shm if shm.is_dir() else None))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,15 +1,19 @@
-"""bench.pss.summed_pss: copies of a table held by several processes, every wait bounded."""
+"""benchmarks/pss.py summed_pss: copies of a table held by several processes, every wait bounded."""
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from engram_offload.bench import pss
-from engram_offload.bench.pss import summed_pss
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # spawned workers import pss too
 from engram_offload.engram.config import EngramConfig
 from engram_offload.table import make_random_table
+
+import pss  # noqa: E402
+from pss import summed_pss  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +66,15 @@ def test_an_answer_is_awaited_within_the_timeout_only():
 
     with pytest.raises(TimeoutError, match="still running"):
         pss._answer(parent, Alive(), 0.05)
+
+
+@pytest.mark.slow
+def test_summed_pss_of_1_2_and_4_attached_processes_is_about_one_copy(tmp_path, shm_dir):
+    # 8 heads x ~8k rows x 1 KiB: a 64 MiB table, large beside any per-process noise
+    config = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=256, prime_starts=(8192, 8192))
+    path = make_random_table(tmp_path / "big.table", config, seed=1)
+    one_copy = config.num_rows * config.row_bytes
+    for row in summed_pss(path, "shared", shm_dir):
+        n, segment, rollup = row["processes"], row["summed_segment_pss_bytes"], row["summed_pss_growth_bytes"]
+        assert one_copy * 0.9 < segment < 1.2 * one_copy, (n, segment, one_copy)
+        assert rollup < 1.2 * one_copy, (n, rollup, one_copy)

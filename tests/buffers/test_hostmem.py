@@ -109,9 +109,9 @@ def test_the_shared_tiers_segment_registers_read_only(tmp_path):
     """The shared tier maps its segment read-only: registration must pass the read-only flag
     (without it cuMemHostRegister fails on x86 hosts), and a store on a CPU device reads it in place."""
     from engram_offload import open_table, write_table
-    from tracing_sync import TracingSync
 
     from tiny_tables import tiny_config
+    from tracing_sync import TracingSync
 
     config = tiny_config(head_dim=64)
     x = torch.randn(config.num_rows, config.head_dim, generator=torch.Generator().manual_seed(1))

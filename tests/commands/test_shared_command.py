@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-
-import pytest
 
 from engram_offload.cli import main
 from engram_offload.table import make_random_table
@@ -18,15 +14,6 @@ from engram_offload.tiers.segments import LOCK_SUFFIX, uid_folder
 from engram_offload.tiers.shared import SharedTier, segment_name
 
 from tiny_tables import tiny_config
-
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def shm_dir():
-    directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=SHM if SHM.is_dir() else None))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def listed(shm_dir: Path, capsys) -> dict[str, dict]:

@@ -32,16 +32,7 @@ from second_uid import NOBODY, Held, in_child, needs_root
 from tier_cases import read
 from tiny_tables import tiny_config
 
-SHM = Path("/dev/shm")
 CONFIG = tiny_config("bf16", 80)  # 3,304 rows of 160 bytes, 25 a page
-
-
-@pytest.fixture
-def shm_dir():
-    """A private folder on the machine's tmpfs (removed afterwards)."""
-    directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=SHM if SHM.is_dir() else None))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

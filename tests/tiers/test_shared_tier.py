@@ -9,18 +9,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engram_offload.bench.pss import summed_pss
-from engram_offload.engram.config import EngramConfig
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import make_random_table, random_rows, read_header
 from engram_offload.tiers import memory, shared
@@ -30,16 +26,6 @@ from engram_offload.tiers.shared import SharedTier, process_pss, remove_segment,
 
 from tier_cases import read
 from tiny_tables import tiny_config
-
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def shm_dir():
-    """A private folder on the machine's tmpfs (removed afterwards)."""
-    directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=SHM if SHM.is_dir() else None))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def head(shm_dir, name):
@@ -179,19 +165,6 @@ def test_a_waiter_gives_up_once_the_loader_makes_no_progress_for_lock_timeout(ta
     finally:
         loader.send_signal(signal.SIGKILL)
         loader.wait()
-
-
-# ---------------------------------------------------------------------- one copy: summed PSS
-@pytest.mark.slow
-def test_summed_pss_of_1_2_and_4_attached_processes_is_about_one_copy(tmp_path, shm_dir):
-    # 8 heads x ~8k rows x 1 KiB: a 64 MiB table, large beside any per-process noise
-    config = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=2, head_dim=256, prime_starts=(8192, 8192))
-    path = make_random_table(tmp_path / "big.table", config, seed=1)
-    one_copy = config.num_rows * config.row_bytes
-    for row in summed_pss(path, "shared", shm_dir):
-        n, segment, rollup = row["processes"], row["summed_segment_pss_bytes"], row["summed_pss_growth_bytes"]
-        assert one_copy * 0.9 < segment < 1.2 * one_copy, (n, segment, one_copy)
-        assert rollup < 1.2 * one_copy, (n, rollup, one_copy)
 
 
 def test_a_damaged_table_is_refused_while_loading_and_leaves_no_segment(table, tmp_path, shm_dir):

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..table.format import read_header
-from ..tiers.memory import MemoryTier
-from ..tiers.shared import SharedTier, process_pss
+from engram_offload.table.format import read_header
+from engram_offload.tiers.memory import MemoryTier
+from engram_offload.tiers.shared import SharedTier, process_pss
 
 __all__ = ["PSS_TIERS", "summed_pss"]
 
