@@ -172,9 +172,9 @@ def test_config_json_in_a_checkpoint_folder_is_named_after_the_folder_or_its_nam
     assert run_json(capsys, *args)["model"]["name"] == "DeepSeek-V4.1-Flash"
 
 
-def test_the_readme_example_is_the_commands_real_output(capsys):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("### Where should the table live?", 1)[1].split("```console\n", 1)[1].split("\n```", 1)[0]
+def test_the_documented_example_is_the_commands_real_output(capsys):
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    block = guide.split("## An example", 1)[1].split("```console\n", 1)[1].split("\n```", 1)[0]
     command, shown = block.split("\n", 1)
     assert command.startswith("$ engram-offload plan ") and "--host-dram 1T" in command
     assert main(command.split()[2:]) == 0
