@@ -36,7 +36,7 @@ def test_levels_fastest_first_each_capped():
 def test_levels_defaults():
     (dram,) = build_levels(RB, 64 * RB)
     d = dram.describe()
-    assert (dram.name, dram.capacity, d["policy"], d["admission"], d["index"]) == ("dram", 64, "lru", False, "RowIndex")
+    assert (dram.name, dram.capacity, d["policy"], d["admission"], d["index"]) == ("dram", 64, "lfu", False, "RowIndex")
     assert build_levels(RB, 0) == []
     (fast,) = build_levels(RB, 0, fast_cache_bytes=4 * RB, fast_device="cpu", admission=False)
     assert fast.name == "fast" and fast.describe()["admission"] is False and fast.describe()["index"] == "RowIndex"

@@ -218,10 +218,11 @@ def test_describe_reports_the_level_its_layout_and_its_counters():
             "aging_period": cache.policy.aging_period}
     assert cache.describe() == want
     assert cache.stats.as_dict()["level"] == "fast"
-    plain = RowCache(2 * RB, RB, num_rows=20)  # the defaults: LRU, no admission, a "dram" level, auto index
+    plain = RowCache(2 * RB, RB, num_rows=20)  # the defaults: LFU, no admission, a "dram" level, auto index
     assert plain.describe() == {"level": "dram", "device": "cpu", "capacity_rows": 2, "capacity_bytes": 2 * RB,
                                 "resident_rows": 0, "evictions": 0, "rejected": 0, "admission": False,
-                                "index": "DirectIndex", "policy": "lru"}
+                                "index": "DirectIndex", "policy": "lfu", "aging_period": plain.policy.aging_period}
+    assert RowCache(2 * RB, RB, "lru", num_rows=20).describe()["policy"] == "lru"
     assert plain.stats.as_dict()["level"] == "dram"
     for round_ in range(1, 4):  # counters add up over calls
         ids = np.arange(3, dtype=np.int64) + 3 * round_

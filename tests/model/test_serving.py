@@ -15,9 +15,9 @@ from engram_offload.table.convert import convert_checkpoint
 
 def test_an_unknown_tier_is_refused_naming_the_choices(model_dir):
     with pytest.raises(ValueError) as caught:
-        with served_table(model_dir, "pinned"):
+        with served_table(model_dir, "shared"):
             pass
-    assert str(caught.value) == "unknown tier 'pinned': choose one of memory, mmap, direct"
+    assert str(caught.value) == "unknown tier 'shared': choose one of memory, pinned, mmap, direct"
     assert TIERS == ("memory", "pinned", "mmap", "direct")
 
 

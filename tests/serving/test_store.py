@@ -306,14 +306,14 @@ def test_a_device_stores_hbm_level_is_wired_to_its_options(v41_table):
 
     path, config, _ = v41_table
     sync = TracingSync()
-    with open_table(path, "mmap", device="cpu", sync=sync, fast_cache_bytes=64 * 264, policy="lfu",
+    with open_table(path, "mmap", device="cpu", sync=sync, fast_cache_bytes=64 * 264, policy="lru",
                     admission=True) as store:
         hbm = store.hbm
-        assert hbm.sync is sync and hbm.policy.name == "lfu" and hbm.capacity == 64
+        assert hbm.sync is sync and hbm.policy.name == "lru" and hbm.capacity == 64
         assert hbm.admission is not None and hbm.admission.width == 256  # 4 counters a row, at least 256
         assert store.stats()["levels"][0]["admission"] is True
     with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264) as store:
-        assert store.hbm.admission is None and store.hbm.policy.name == "lru"
+        assert store.hbm.admission is None and store.hbm.policy.name == "lfu"  # the default
     with open_table(path, "mmap", device="cpu", fast_cache_bytes=100 * 264, admission=True) as store:
         assert store.hbm.admission.width == 512
     with open_table(path, "mmap", device="cpu", fast_cache_bytes=10 << 30) as store:
