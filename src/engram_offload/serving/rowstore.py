@@ -47,7 +47,7 @@ class RowLease(Protocol):
 
 class RowStore(ABC):
     """Rows of one table (``num_rows`` of ``config``): what a consumer (the prefetcher, the
-    benchmarks, the wiring) needs of a store. Subclasses implement ``_lease``, ``stats`` and
+    plugins, the benchmarks) needs of a store. Subclasses implement ``_lease``, ``stats`` and
     ``close``."""
 
     device: torch.device = torch.device("cpu")  # where fetched raw rows are
