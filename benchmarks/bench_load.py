@@ -5,7 +5,7 @@ Side by side in one run, repeated (default 3x), medians reported:
 
 * fio, 1 MiB sequential O_DIRECT reads of the whole table file, at queue depth 1 (psync)
   and 8 (io_uring): the disk's sequential rate;
-* the ``memory`` tier opening the table (format version 2): load bytes/s with every page
+* the ``memory`` tier opening the table (format version 3): load bytes/s with every page
   checked (the default, 4 KiB pages), without checks (``verify_reads=False``), and into
   transparent huge pages (``huge_pages=True``); the ``pinned`` tier too where CUDA is present
   (without it, it is the memory tier); each load's ratio to that repeat's fio rate (the

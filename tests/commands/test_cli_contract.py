@@ -15,7 +15,7 @@ from engram_offload.units import size_arg, size_or_percent_arg
 
 # The removed spellings: refused, never shown in any help.
 # --json: bench's old --json PATH; --no-engram: eval's old name of --lesion (train's --no-engram is the twin)
-REMOVED = {"--model", "--cache", "--redis", "--nodes", "--json", "--no-engram"}
+REMOVED = {"--model", "--cache", "--redis", "--nodes", "--json", "--no-engram", "--block-size"}
 SHOWN_TOO = {"--json", "--no-engram"}  # removed in one command, current in another
 # Options that take no default worth naming (a switch, a required or positional value).
 SHARED = ("--preset", "--config", "--checkpoint", "--cache-bytes", "--policy", "--json", "--json-out", "--pool",
@@ -121,6 +121,14 @@ def test_removed_spellings_are_refused_naming_the_new_one(line, new, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     old = next(w for w in line if w in REMOVED)
     assert f"error: {old} was removed; use {new}" in err, err
+
+
+def test_a_removed_option_without_a_replacement_says_why(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["make-table", "--full", "--out", "t.tbl", "--block-size", "65536"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --block-size was removed: tables carry page checksums only" in err, err
 
 
 def test_sizes_are_printed_in_the_binary_unit_they_fill(tmp_path, capsys):

@@ -39,7 +39,7 @@ def socket_dir():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_row_server_serves_until_sigterm_then_removes_its_socket(tmp_path, socket_dir, sig):
     config = tiny_config("fp8_e4m3_ue8m0", 64)
-    table = make_random_table(tmp_path / "t.table", config, seed=3, block_size=16384)
+    table = make_random_table(tmp_path / "t.table", config, seed=3)
     expected = np.concatenate(list(random_rows(config, 3)))
     sock = socket_dir / "rows.sock"
     server = subprocess.Popen([sys.executable, "-c", CLI, "row-server", "--table", str(table), "--socket", str(sock),
@@ -63,7 +63,7 @@ def test_row_server_serves_until_sigterm_then_removes_its_socket(tmp_path, socke
 
 def test_row_server_refuses_a_second_server_on_the_socket(tmp_path, socket_dir):
     config = tiny_config("fp8_e4m3_ue8m0", 64)
-    table = make_random_table(tmp_path / "t.table", config, seed=3, block_size=16384)
+    table = make_random_table(tmp_path / "t.table", config, seed=3)
     sock = socket_dir / "rows.sock"
     first = subprocess.Popen([sys.executable, "-c", CLI, "row-server", "--table", str(table), "--socket", str(sock)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -86,7 +86,7 @@ def test_row_server_refuses_a_second_server_on_the_socket(tmp_path, socket_dir):
 def table(tmp_path_factory):
     """A small fp8 table and its rows (``[num_rows, row_bytes]`` uint8)."""
     config = tiny_config("fp8_e4m3_ue8m0", 64)
-    path = make_random_table(tmp_path_factory.mktemp("rowserver") / "t.table", config, seed=8, block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("rowserver") / "t.table", config, seed=8)
     return path, np.concatenate(list(random_rows(config, 8)))
 
 

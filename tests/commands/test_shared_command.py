@@ -23,7 +23,7 @@ def listed(shm_dir: Path, capsys) -> dict[str, dict]:
 
 def test_list_and_drop_segments_but_never_one_in_use(tmp_path, shm_dir, capsys):
     assert listed(shm_dir, capsys) == {}  # no folder yet: nothing, no error
-    path = make_random_table(tmp_path / "t.table", tiny_config("bf16", 80), seed=4, block_size=16384)
+    path = make_random_table(tmp_path / "t.table", tiny_config("bf16", 80), seed=4)
     header = read_header(path)
     name = segment_name(header)
     with SharedTier(header, shm_dir=shm_dir):
@@ -45,7 +45,7 @@ def test_list_and_drop_segments_but_never_one_in_use(tmp_path, shm_dir, capsys):
 
 
 def test_a_lock_file_left_without_its_segment_is_listed_and_dropped(tmp_path, shm_dir, capsys):
-    path = make_random_table(tmp_path / "t.table", tiny_config("bf16", 80), seed=4, block_size=16384)
+    path = make_random_table(tmp_path / "t.table", tiny_config("bf16", 80), seed=4)
     header = read_header(path)
     name = segment_name(header)
     with SharedTier(header, shm_dir=shm_dir):

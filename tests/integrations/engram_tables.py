@@ -50,13 +50,13 @@ def table_rows(config: EngramConfig, seed: int = 0) -> np.ndarray:
 
 def write_v41_table(path: Path, config: EngramConfig, seed: int = 0) -> tuple[Path, np.ndarray]:
     raw = table_rows(config, seed)
-    return write_table(path, config, raw, block_size=16384), raw
+    return write_table(path, config, raw), raw
 
 
 def write_other_model_table(path: Path) -> Path:
     """A table of another model's layout: V4.1's shape, other bucket primes (a start of 71)."""
     other = v41_config().replace(prime_starts=(71, 71, 71))
-    return write_table(path, other, np.concatenate(list(random_rows(other, 1))), block_size=16384)
+    return write_table(path, other, np.concatenate(list(random_rows(other, 1))))
 
 
 @contextmanager

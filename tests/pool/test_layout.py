@@ -27,8 +27,7 @@ from tiny_tables import tiny_config
 
 @pytest.fixture(scope="module")
 def playout(tmp_path_factory):
-    path = make_random_table(tmp_path_factory.mktemp("layout") / "t.tbl", tiny_config("int8", 64), seed=4,
-                             block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("layout") / "t.tbl", tiny_config("int8", 64), seed=4)
     return PoolLayout(read_header(path), 97)
 
 
@@ -49,7 +48,8 @@ def test_a_version_that_is_not_an_integer_is_unreadable(playout, version):
 
 
 @pytest.mark.parametrize("version,why", [(0, ""), (1, " (rows without checksums)"),
-                                         (2, " (row checksums not bound to the rows' places)"), (4, "")])
+                                         (2, " (row checksums not bound to the rows' places)"),
+                                         (3, " (tables named by their block digests)"), (5, "")])
 def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
     expected = (f"pool table x was published with pool layout version {version}{why}; this engram-offload reads "
                 f"version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish TABLE --pool URL "
@@ -64,7 +64,7 @@ def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
     assert header.path == Path(playout.fingerprint)  # a table opened from the pool is named by its fingerprint
 
 
-@pytest.mark.parametrize("drop", ["table", "block_digests", "extent_rows"])
+@pytest.mark.parametrize("drop", ["table", "sums_digest", "extent_rows"])
 def test_a_record_missing_a_field_is_unreadable(playout, drop):
     meta = json.loads(playout.header_record())
     del meta[drop]

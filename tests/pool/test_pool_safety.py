@@ -28,8 +28,7 @@ CLI = "import sys; from engram_offload.cli import main; sys.exit(main())"
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    return make_random_table(tmp_path_factory.mktemp("pool-safety") / "t.tbl", tiny_config("int8", 64), seed=3,
-                             block_size=16384)
+    return make_random_table(tmp_path_factory.mktemp("pool-safety") / "t.tbl", tiny_config("int8", 64), seed=3)
 
 
 def pool_cli(argv: list[str]) -> int:

@@ -8,7 +8,6 @@ import re
 import signal
 import threading
 
-import numpy as np
 import pytest
 import xxhash
 
@@ -39,8 +38,7 @@ EXTENT_ROWS = 97
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    return make_random_table(tmp_path_factory.mktemp("publish") / "t.tbl", tiny_config("int8", 64), seed=11,
-                             block_size=16384)
+    return make_random_table(tmp_path_factory.mktemp("publish") / "t.tbl", tiny_config("int8", 64), seed=11)
 
 
 def test_a_republish_never_shows_a_complete_table_while_it_rewrites(table, fresh_pool):  # noqa: F811
@@ -78,10 +76,8 @@ def test_a_republish_never_shows_a_complete_table_while_it_rewrites(table, fresh
 
 def _tampered(record: bytes, how: str) -> bytes:
     meta = json.loads(record)
-    if how == "block digest":
-        digests = bytearray(bytes.fromhex(meta["block_digests"]))
-        digests[0] ^= 1
-        meta["block_digests"] = digests.hex()
+    if how == "page sums digest":
+        meta["sums_digest"] = f"{int(meta['sums_digest'], 16) ^ 1:016x}"
     elif how == "row format":
         meta["table"]["config"]["row_format"] = "int8" if meta["table"]["config"]["row_format"] != "int8" else "bf16"
     else:
@@ -89,16 +85,16 @@ def _tampered(record: bytes, how: str) -> bytes:
     return json.dumps(meta, sort_keys=True).encode()
 
 
-@pytest.mark.parametrize("how", ["block digest", "row format", "fingerprint"])
+@pytest.mark.parametrize("how", ["page sums digest", "row format", "fingerprint"])
 def test_a_stored_header_that_does_not_match_its_fingerprint_is_refused(table, redis_single, how):  # noqa: F811
     """The header record in the pool is believed only when it hashes to its fingerprint: a
-    changed block digest or row format (rows read under another header) or a record naming
+    changed page sums digest or row format (rows read under another header) or a record naming
     another fingerprint is refused, by ``header_from_record`` and by opening the table by
     fingerprint without its file."""
     playout = PoolLayout(read_header(table), EXTENT_ROWS)
     record = playout.header_record()
     header, rows = header_from_record(record, "t")
-    assert rows == EXTENT_ROWS and np.array_equal(header.block_digests, playout.header.block_digests)
+    assert rows == EXTENT_ROWS and header.sums_digest == playout.header.sums_digest
     bad = _tampered(record, how)
     with pytest.raises(TableFormatError, match="^t: the stored table header does not match its fingerprint$"):
         header_from_record(bad, "t")
@@ -123,7 +119,7 @@ def _extent_values(url: str, playout: PoolLayout) -> list[bytes]:
 
 
 def test_a_publish_read_in_small_chunks_stores_the_same_extents(table, fresh_pool, monkeypatch):  # noqa: F811
-    """The file is read in chunks of whole blocks: chunks of 5 blocks (20 pages; the table's
+    """The file is read in chunks of whole pages: chunks of 20 pages (the table's
     56 pages end in a short chunk, and extents straddle chunks) store the extents a publish in
     one chunk stores."""
     from engram_offload.pool import publish
@@ -134,7 +130,7 @@ def test_a_publish_read_in_small_chunks_stores_the_same_extents(table, fresh_poo
     publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     whole = _extent_values(pool.url, playout)
     assert drop_table(pool.url, playout.fingerprint) == playout.num_extents + 3  # header, manifest, complete
-    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 5 * playout.header.layout.block_size)
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 20 * playout.header.layout.page_bytes)
     result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert (result["sent"], result["skipped"]) == (playout.num_extents, 0)
     assert _extent_values(pool.url, playout) == whole
@@ -145,14 +141,14 @@ def test_pool_status_reports_each_table_and_each_key_it_cannot_read(table, tmp_p
     layout version but no table, and a header key that is not a table's (not even UTF-8)."""
     pool = fresh_pool(1)
     publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    old = make_random_table(tmp_path / "old.tbl", tiny_config("int8", 64), seed=12, block_size=16384)
+    old = make_random_table(tmp_path / "old.tbl", tiny_config("int8", 64), seed=12)
     publish_table(old, pool.url, extent_rows=500, progress=False)
     playout, old_layout = PoolLayout(read_header(table), EXTENT_ROWS), PoolLayout(read_header(old), 500)
     with PoolClient(pool.url) as client:
         record = json.loads(client.call("GET", old_layout.header_key))
         record["pool_layout"] = 2
         client.call("SET", old_layout.header_key, json.dumps(record).encode())
-        client.call("SET", "{0123456789abcdef}:engram:header", json.dumps({"pool_layout": 3}).encode())
+        client.call("SET", "{0123456789abcdef}:engram:header", json.dumps({"pool_layout": POOL_LAYOUT_VERSION}).encode())
         client.call("SET", b"{\xff}:engram:header", b"x")
         used = _info_field(client.each_node("INFO", "memory")[0], "used_memory")
     status = pool_status(pool.url)
@@ -172,7 +168,7 @@ def test_pool_status_reports_each_table_and_each_key_it_cannot_read(table, tmp_p
     assert tables[fp]["problems"] == [layout_version_problem(f"table {fp}", 2)]
     assert tables[fp]["manifest_extents"] == old_layout.num_extents
     assert tables["0123456789abcdef"] == {
-        "fingerprint": "0123456789abcdef", "pool_layout": 3, "complete": False,
+        "fingerprint": "0123456789abcdef", "pool_layout": POOL_LAYOUT_VERSION, "complete": False,
         "problems": ["unreadable: table 0123456789abcdef: unreadable table header in the pool ('table'); drop it "
                      "(engram-offload pool drop 0123456789abcdef) and publish it again"]}
     assert tables[r"{\xff}:engram:header"] == {
@@ -242,14 +238,14 @@ def test_a_drop_deletes_the_complete_marker_first(table, fresh_pool):  # noqa: F
         assert list(client.scan("*")) == []
 
 
-def test_a_publish_read_in_chunks_smaller_than_a_block_still_checks_whole_blocks(table, fresh_pool, monkeypatch):  # noqa: F811
-    """A block larger than the read chunk (blocks of up to 1 GiB are allowed, chunks are 32 MiB)
-    is read whole: a chunk of one page would hash a part of the block against its digest."""
+def test_a_publish_read_in_chunks_smaller_than_a_page_still_checks_whole_pages(table, fresh_pool, monkeypatch):  # noqa: F811
+    """A read chunk smaller than a page reads one whole page at a time: a part of a page
+    would be checked against the whole page's checksum."""
     from engram_offload.pool import publish
 
     pool = fresh_pool(1)
     playout = PoolLayout(read_header(table), EXTENT_ROWS)
-    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", playout.header.layout.block_size // 2)
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", playout.header.layout.page_bytes // 2)
     result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert result["sent"] == playout.num_extents
     with PoolClient(pool.url) as client:
@@ -269,9 +265,8 @@ def _flip(path, offset: int) -> None:
 
 
 def test_a_damaged_or_shortened_table_file_is_never_published(table, tmp_path, fresh_pool, monkeypatch):  # noqa: F811
-    """A damaged page (format 2: page checksums), a damaged block (format 1: block digests
-    only) and a file cut short while it is read each stop the publish with the reason, and
-    no complete marker is written."""
+    """A damaged page and a file cut short while it is read each stop the publish with the
+    reason, and no complete marker is written."""
     from engram_offload.pool import publish
     from engram_offload.table.verify import page_checksum_error
 
@@ -284,7 +279,7 @@ def test_a_damaged_or_shortened_table_file_is_never_published(table, tmp_path, f
     assert str(caught.value) == str(page_checksum_error(read_header(damaged), 23, reread=False))
 
     short = _copy(table, tmp_path, "short.tbl")
-    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 5 * layout.block_size)
+    monkeypatch.setattr(publish, "READ_CHUNK_BYTES", 20 * layout.page_bytes)
 
     def cut(extent: int) -> None:  # the file changes under the publish, after its first chunk was read
         if extent == 0:

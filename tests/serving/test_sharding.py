@@ -142,7 +142,7 @@ def test_all_gathered_shards_equal_single_process_rows(tmp_path, world, max_ngra
     """world 2 over C = 7 (4 + 3 columns: the last rank fewer); world 4 over C = 6 (2, 2, 2, 0:
     the last rank owns nothing)."""
     config = sharded_config(max_ngram_size, n_heads)
-    table = make_random_table(tmp_path / "t.table", config, seed=3, block_size=16384)
+    table = make_random_table(tmp_path / "t.table", config, seed=3)
     expected = np.concatenate(list(random_rows(config, 3)))
     mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), str(table), expected), nprocs=world)
 
@@ -180,7 +180,7 @@ def _prefetch_rank_main(rank: int, world: int, init_file: str, table: str) -> No
 def test_all_gathered_prefetcher_rows_equal_single_process_rows(tmp_path):
     """Two ranks over C = 7 columns (4 + 3), each with a store and a Prefetcher of its columns."""
     config = sharded_config(2, 7)
-    table = make_random_table(tmp_path / "t.table", config, seed=4, block_size=16384)
+    table = make_random_table(tmp_path / "t.table", config, seed=4)
     mp.spawn(_prefetch_rank_main, args=(2, str(tmp_path / "rendezvous"), str(table)), nprocs=2)
 
 

@@ -35,10 +35,10 @@ def test_page_sums_are_the_low_half_of_xxh3_natively_and_without_the_helper(page
 
 @pytest.mark.parametrize("fmt,head_dim", [("fp8_e4m3_ue8m0", 64), ("fp32", 1100)])
 def test_the_trailer_holds_one_checksum_per_data_page(tmp_path, fmt, head_dim):
-    path = make_random_table(tmp_path / "t.tbl", tiny_config(fmt, head_dim), seed=3, block_size=8192)
+    path = make_random_table(tmp_path / "t.tbl", tiny_config(fmt, head_dim), seed=3)
     header = read_header(path)
     layout = header.layout
-    assert layout.version == 2 and layout.page_sums_bytes == 4 * layout.num_pages
+    assert layout.version == 3 and layout.page_sums_bytes == 4 * layout.num_pages
     data = path.read_bytes()[layout.data_offset:layout.trailer_offset]
     assert header.page_sums.tolist() == reference_sums(data, layout.page_bytes)
     assert layout.file_bytes == os.path.getsize(path)
@@ -47,7 +47,7 @@ def test_the_trailer_holds_one_checksum_per_data_page(tmp_path, fmt, head_dim):
 
 
 def test_verify_names_a_bad_page_and_a_damaged_page_trailer_fails_at_open(tmp_path):
-    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=3, block_size=8192)
+    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=3)
     layout = read_header(path).layout
     data = bytearray(path.read_bytes())
     damaged = tmp_path / "trailer.tbl"
@@ -64,7 +64,7 @@ def test_verify_names_a_bad_page_and_a_damaged_page_trailer_fails_at_open(tmp_pa
 
 
 def test_upgrade_is_refused_naming_convert(tmp_path, capsys):
-    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=4, block_size=8192)
+    path = make_random_table(tmp_path / "t.tbl", tiny_config(), seed=4)
     before = path.read_bytes()
     assert cli.main(["upgrade", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err

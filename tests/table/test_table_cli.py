@@ -34,7 +34,7 @@ def test_make_table_is_seeded_and_verifies(tmp_path, capsys):
 
 def test_verify_fails_on_a_flipped_byte(tmp_path, capsys):
     path = tmp_path / "t.tbl"
-    assert cli.main(["make-table", "--scale", SCALE, "--out", str(path), "--block-size", "65536"]) == 0
+    assert cli.main(["make-table", "--scale", SCALE, "--out", str(path)]) == 0
     layout = read_header(path).layout
     start = layout.data_offset + 3 * layout.page_bytes
     with open(path, "r+b") as f:

@@ -51,7 +51,7 @@ def test_layout_rows_never_straddle_a_page(fmt, head_dim, tiny_config):
     layout = TableLayout.for_config(config)
     offs = layout.row_offsets(np.arange(config.num_rows))
     rb = config.row_bytes
-    assert layout.data_offset % PAGE_BYTES == 0 and layout.block_size % layout.page_bytes == 0
+    assert layout.data_offset % PAGE_BYTES == 0
     if rb <= PAGE_BYTES:
         assert layout.rows_per_page == PAGE_BYTES // rb
         assert np.all((offs % PAGE_BYTES) + rb <= PAGE_BYTES)
@@ -100,9 +100,9 @@ def test_chunked_writes_match_one_write(tmp_path_factory, sizes, tiny_config):
     chunks = [raw[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     d = tmp_path_factory.mktemp("chunks")
     one = write_table(d / "one.tbl", config, raw)
-    many = write_table(d / "many.tbl", config, iter(chunks), block_size=8192)
+    many = write_table(d / "many.tbl", config, iter(chunks))
     np.testing.assert_array_equal(read_all_rows(many), read_all_rows(one))
-    assert read_header(many).layout.num_blocks > read_header(one).layout.num_blocks
+    assert read_header(many).fingerprint() == read_header(one).fingerprint()  # the same rows, the same table
 
 
 def test_wrong_row_count_leaves_no_file(tmp_path, config):
@@ -152,7 +152,7 @@ def test_random_rows_are_finite(fmt, head_dim, tiny_config):
 # ---------------------------------------------------------------- damaged and foreign files
 @pytest.fixture
 def table(tmp_path, config):
-    return make_random_table(tmp_path / "t.tbl", config, seed=0, block_size=8192)
+    return make_random_table(tmp_path / "t.tbl", config, seed=0)
 
 
 def test_truncated_file_fails_at_open(table):
@@ -217,19 +217,17 @@ def test_header_is_json_with_the_layout(table):
     data = table.read_bytes()
     (length,) = struct.unpack("<I", data[12:16])
     meta = json.loads(data[24:24 + length])
-    assert meta["magic"] == "engram-offload-table" and meta["version"] == 2
+    assert meta["magic"] == "engram-offload-table" and meta["version"] == 3
     assert meta["data_offset"] % 4096 == 0 and meta["checksum"] == "xxh3_64"
     assert meta["page_checksum"] == "xxh3_64_low32" and meta["page_checksums_offset"] == meta["trailer_offset"]
     assert meta["config"]["row_format"] == "fp8_e4m3_ue8m0"
-    assert set(meta) >= {"layer_ids", "head_sizes", "row_bytes", "stride", "block_size", "trailer_offset"}
+    assert set(meta) >= {"layer_ids", "head_sizes", "row_bytes", "stride", "trailer_offset"}
 
 
 # ---------------------------------------------------------------- headers with a valid checksum
 @pytest.mark.parametrize("key,value", [
-    ("block_size", 0), ("block_size", -8192), ("block_size", 2**70), ("block_size", "8192"),
-    ("block_size", 8192.0), ("block_size", True), ("block_size", 8193), ("block_size", 16384),
-    ("block_size", None), ("data_offset", 8192), ("data_offset", 0), ("num_rows", 5),
-    ("num_blocks", 0), ("head_sizes", {}), ("checksum", "md5"), ("version", 1), ("version", 3), ("magic", "x"),
+    ("data_offset", 8192), ("data_offset", 0), ("num_rows", 5), ("data_bytes", 0), ("file_bytes", 2.0),
+    ("head_sizes", {}), ("checksum", "md5"), ("version", 2), ("version", 4), ("magic", "x"),
     ("page_checksum", "crc32c"), ("page_checksums_offset", 0),
     ("config.n_heads", 10_000_000), ("config.n_heads", 0), ("config.n_heads", 2.0),
     ("config.head_dim", 0), ("config.head_dim", -64), ("config.layer_ids", []),
@@ -269,13 +267,6 @@ def test_directory_is_not_a_table(tmp_path):
         read_header(tmp_path)
 
 
-def test_block_size_is_bounded_when_writing(tmp_path, config):
-    with pytest.raises(ValueError, match="block_size must be in"):
-        TableLayout.for_config(config, 0)
-    with pytest.raises(ValueError, match="block_size must be in"):
-        TableLayout.for_config(config, 2**31)
-
-
 # ---------------------------------------------------------------- atomic writes
 def test_table_is_complete_and_synced_when_renamed(tmp_path, config, monkeypatch):
     """The temporary file is fsynced after its last byte (trailer included) and before the
@@ -298,7 +289,7 @@ def test_table_is_complete_and_synced_when_renamed(tmp_path, config, monkeypatch
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    path = make_random_table(tmp_path / "t.tbl", config, seed=1, block_size=8192)
+    path = make_random_table(tmp_path / "t.tbl", config, seed=1)
     kinds = [e[0] for e in events]
     assert kinds.count("replace") == 1
     after = events[kinds.index("replace") + 1:]
@@ -366,15 +357,16 @@ def test_open_errors_say_what_is_wrong(table, tmp_path):
     with pytest.raises(TableFormatError, match=rf"^{foreign} is not an engram-offload table \(starts with "
                                                r"b'GGUFAMTB', expected b'ENGRAMTB'\)$"):
         read_header(foreign)
-    version = tmp_path / "v3.tbl"
-    version.write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
-    with pytest.raises(TableFormatError, match=rf"^{version} has table format version 3; this engram-offload "
-                                               r"reads version 2 only: rewrite the table with engram-offload "
+    version = tmp_path / "v4.tbl"
+    version.write_bytes(data[:8] + struct.pack("<I", 4) + data[12:])
+    with pytest.raises(TableFormatError, match=rf"^{version} has table format version 4; this engram-offload "
+                                               r"reads version 3 only: rewrite the table with engram-offload "
                                                r"convert \(or make-table\)$"):
         read_header(version)
     version.write_bytes(data[:8] + struct.pack("<I", 1) + data[12:])  # version 1: no page checksums
-    with pytest.raises(TableFormatError, match=r"has table format version 1; this engram-offload reads version 2 "
-                                               r"only: rewrite the table with engram-offload convert"):
+    with pytest.raises(TableFormatError, match=r"has table format version 1 \(block checksums only\); this "
+                                               r"engram-offload reads version 3 only: rewrite the table with "
+                                               r"engram-offload convert"):
         read_header(version)
     (length,) = struct.unpack("<I", data[12:16])
     for bad_length, message in [(1 << 24 | 1, r"header length 16777217 is implausible; the file is damaged$"),
@@ -417,9 +409,9 @@ def test_header_field_errors_name_the_field(table, tmp_path):
                                                rf"the layout derived from its config \({meta['num_rows']}\); "
                                                "the file is damaged$"):
         read_header(tmp_path / "bad.tbl")
-    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "block_size": 8192 + 4096 * 0 + 100})
-    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \(block_size "
-                                               r"8292 is not a whole number of pages\); the file is damaged$"):
+    rewrite_header(table, tmp_path / "bad.tbl", {**meta, "config": {**meta["config"], "head_dim": 0}})
+    with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \(.*head_dim.*\); "
+                                               "the file is damaged$"):
         read_header(tmp_path / "bad.tbl")
     rewrite_header(table, tmp_path / "bad.tbl", {k: v for k, v in meta.items() if k != "page_checksum"})
     with pytest.raises(TableFormatError, match=r"header field page_checksum=None disagrees"):
@@ -429,12 +421,12 @@ def test_header_field_errors_name_the_field(table, tmp_path):
 def test_layout_geometry_of_a_small_table(tmp_path):
     from engram_offload.engram.config import EngramConfig
     config = EngramConfig(layer_ids=(1,), max_ngram_size=2, n_heads=1, head_dim=1000, prime_starts=(10,))
-    layout = TableLayout.for_config(config, block_size=5000)  # 4,000-byte rows: one a page
+    layout = TableLayout.for_config(config)  # 4,000-byte rows: one a page
     assert (config.num_rows, layout.page_bytes, layout.rows_per_page) == (11, 4096, 1)
-    assert (layout.block_size, layout.num_pages, layout.data_bytes, layout.num_blocks) == (8192, 11, 11 * 4096, 6)
+    assert (layout.num_pages, layout.data_bytes) == (11, 11 * 4096)
     assert layout.page_rows(0) == (0, 0) and layout.page_rows(10) == (10, 10)
     assert layout.trailer_offset == layout.data_offset + 11 * 4096
-    assert layout.page_sums_bytes == 44 and layout.trailer_bytes == 44 + 8 * 7
+    assert layout.page_sums_bytes == 44 and layout.trailer_bytes == 44 + 8 + 8  # page sums, their digest, check
     assert layout.file_bytes == layout.trailer_offset + layout.trailer_bytes
     wide = TableLayout.for_config(config.replace(head_dim=1025))  # 4,100-byte rows: two pages each
     assert (wide.page_bytes, wide.rows_per_page) == (8192, 1)
@@ -442,10 +434,6 @@ def test_layout_geometry_of_a_small_table(tmp_path):
     packed = TableLayout.for_config(config.replace(head_dim=100))  # 400-byte rows: 10 a page
     assert packed.rows_per_page == 10 and packed.page_rows(1) == (10, 10) and packed.num_pages == 2
     assert packed.row_offsets(np.array([9, 10])).tolist() == [packed.data_offset + 3600, packed.data_offset + 4096]
-    assert TableLayout.for_config(config, block_size=1 << 30).block_size == 1 << 30
-    with pytest.raises(ValueError, match=r"^block_size must be in 1\.\.1,073,741,824 bytes, got 1073741825$"):
-        TableLayout.for_config(config, block_size=(1 << 30) + 1)
-    assert TableLayout.for_config(config, block_size=1).block_size == 4096  # rounded up to a page
     big = config.replace(layer_ids=tuple(range(200)))  # a header longer than one page
     layout = TableLayout.for_config(big)
     assert layout.data_offset > 4096 and layout.data_offset % 4096 == 0
@@ -453,12 +441,17 @@ def test_layout_geometry_of_a_small_table(tmp_path):
 
 
 def test_fingerprints_tell_tables_apart(tmp_path, config):
+    """Two tables written from the same rows share a fingerprint; another seed, another layout
+    or one changed data byte (through its page's checksum) gives another."""
     a = make_random_table(tmp_path / "a.tbl", config, seed=1)
     b = make_random_table(tmp_path / "b.tbl", config, seed=1)
     c = make_random_table(tmp_path / "c.tbl", config, seed=2)
-    d = make_random_table(tmp_path / "d.tbl", config, seed=1, block_size=8192)
-    prints = [read_header(p).fingerprint() for p in (a, b, c, d)]
-    assert prints[0] == prints[1] and len(set(prints)) == 3
+    d = make_random_table(tmp_path / "d.tbl", config.replace(seed=config.seed + 1), seed=1)
+    rows = read_all_rows(a)
+    rows[7, 3] ^= 1
+    e = write_table(tmp_path / "e.tbl", config, rows)
+    prints = [read_header(p).fingerprint() for p in (a, b, c, d, e)]
+    assert prints[0] == prints[1] and len(set(prints)) == 4
     assert all(isinstance(p, int) and 0 <= p < 2**64 for p in prints)
 
 
@@ -535,24 +528,16 @@ def test_boot_id_without_the_kernel_file_and_writers_without_a_pid(tmp_path, mon
         assert boot_id() == want
 
 
-def test_block_size_errors_in_a_header_name_the_field(table, tmp_path):
-    meta = header_meta(table)
-    for value, reason in [(0, r"block_size must be an integer in \[1, 1073741824\], got 0"),
-                          (1, r"block_size 1 is not a whole number of pages")]:
-        rewrite_header(table, tmp_path / "bad.tbl", {**meta, "block_size": value})
-        with pytest.raises(TableFormatError, match=rf"^{tmp_path / 'bad.tbl'}: unreadable table header \({reason}\); "
-                                                   "the file is damaged$"):
-            read_header(tmp_path / "bad.tbl")
-
-
 def test_the_fingerprint_is_its_documented_hash(table):
-    """xxh3_64 of the header JSON then the block checksums as little-endian u64: shared segments,
-    row servers and pool keys are named by it, so it must not drift between versions."""
+    """xxh3_64 of the header JSON then the page sums' digest (xxh3_64 of the page sums' bytes)
+    as a little-endian u64: shared segments, row servers and pool keys are named by it, so it
+    must not drift between versions."""
     import xxhash
 
     header = read_header(table)
-    want = xxhash.xxh3_64(header.layout.header_json() + header.block_digests.astype("<u8").tobytes()).intdigest()
-    assert header.fingerprint() == want
+    digest = xxhash.xxh3_64_intdigest(header.page_sums.astype("<u4").tobytes())
+    assert header.sums_digest == digest
+    assert header.fingerprint() == xxhash.xxh3_64_intdigest(header.layout.header_json() + struct.pack("<Q", digest))
 
 
 def test_a_live_writer_is_never_disturbed_and_pid_1_is_alive(tmp_path):
@@ -594,17 +579,54 @@ def test_close_after_abort_raises(tmp_path, config):
 def test_trailer_checksums_are_read_as_written(tmp_path, config):
     import xxhash
 
-    path = make_random_table(tmp_path / "t.tbl", config, seed=3, block_size=8192)
+    path = make_random_table(tmp_path / "t.tbl", config, seed=3)
     header = read_header(path)
     layout = header.layout
     data = path.read_bytes()
-    blocks = [xxhash.xxh3_64_intdigest(data[layout.data_offset + b * 8192: min(layout.data_offset + (b + 1) * 8192,
-                                                                                layout.trailer_offset)])
-              for b in range(layout.num_blocks)]
-    assert header.block_digests.tolist() == blocks
     pages = [xxhash.xxh3_64_intdigest(data[layout.data_offset + p * 4096:][:4096]) & 0xFFFFFFFF
              for p in range(layout.num_pages)]
     assert header.page_sums.tolist() == pages
+    sums = data[layout.trailer_offset:][:4 * layout.num_pages]
+    digest, check = struct.unpack("<QQ", data[-16:])
+    assert header.sums_digest == digest == xxhash.xxh3_64_intdigest(sums)
+    assert check == xxhash.xxh3_64_intdigest(data[layout.trailer_offset:-8])
+    # a digest that is not the page sums' is refused even under a valid trailer check
+    wrong = data[:-16] + struct.pack("<Q", digest ^ 1)
+    (tmp_path / "wrong.tbl").write_bytes(wrong + struct.pack("<Q", xxhash.xxh3_64_intdigest(wrong[layout.trailer_offset:])))
+    with pytest.raises(TableFormatError, match=r"wrong\.tbl: the checksum trailer is damaged; rewrite the table$"):
+        read_header(tmp_path / "wrong.tbl")
+
+
+def format2_table(table, path):
+    """``table`` as format 2 wrote it: ``block_size`` and ``num_blocks`` in the header, one u64
+    xxh3_64 per block of data after the page sums, then the trailer's check."""
+    import xxhash
+
+    from engram_offload.table.format import MAGIC, PREFIX
+
+    layout, data = read_header(table).layout, table.read_bytes()
+    block, body = 1 << 20, data[layout.data_offset:layout.trailer_offset]
+    meta = {**header_meta(table), "version": 2, "block_size": block, "num_blocks": -(-len(body) // block)}
+    head = json.dumps(meta, sort_keys=True).encode()
+    head = PREFIX.pack(MAGIC, 2, len(head), xxhash.xxh3_64_intdigest(head)) + head
+    trailer = data[layout.trailer_offset:][:layout.page_sums_bytes] + b"".join(
+        struct.pack("<Q", xxhash.xxh3_64_intdigest(body[i:i + block])) for i in range(0, len(body), block))
+    path.write_bytes(head.ljust(layout.data_offset, b"\0") + body + trailer
+                     + struct.pack("<Q", xxhash.xxh3_64_intdigest(trailer)))
+    return path
+
+
+def test_a_format_2_table_is_refused_with_one_line_saying_how_to_rewrite_it(table, tmp_path, capsys):
+    from engram_offload import cli
+
+    old = format2_table(table, tmp_path / "old.tbl")
+    want = (f"{old} has table format version 2 (page and block checksums); this engram-offload reads version 3 "
+            "only: rewrite the table with engram-offload convert (or make-table)")
+    with pytest.raises(TableFormatError) as caught:
+        read_header(old)
+    assert str(caught.value) == want
+    assert cli.main(["verify", str(old)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"engram-offload verify: error: {want}"]
 
 
 def test_a_header_config_is_read_as_a_config_is_built(table, tmp_path):
@@ -652,8 +674,7 @@ def test_cleaning_goes_on_when_another_cleaner_removed_a_file_first(tmp_path, mo
 
 
 HEADER_KEYS = {"magic", "version", "config", "layer_ids", "head_sizes", "layer_row_bases", "num_rows", "head_dim",
-               "row_format", "row_bytes", "stride", "rows_per_page", "data_offset", "data_bytes", "block_size",
-               "num_blocks", "checksum", "trailer_offset", "file_bytes", "page_checksum",
+               "row_format", "row_bytes", "stride", "rows_per_page", "data_offset", "data_bytes", "checksum", "trailer_offset", "file_bytes", "page_checksum",
                "page_checksums_offset"}  # docs/table-format.md, "Header keys"
 
 

@@ -18,6 +18,6 @@ def tables(tmp_path_factory):
     out = {}
     for fmt, head_dim in FORMATS:
         config = _tiny_config(fmt, head_dim)
-        path = make_random_table(directory / f"{fmt}-{head_dim}.tbl", config, seed=11, block_size=16384)
+        path = make_random_table(directory / f"{fmt}-{head_dim}.tbl", config, seed=11)
         out[(fmt, head_dim)] = (path, np.concatenate(list(random_rows(config, 11))))
     return out

@@ -31,7 +31,7 @@ READERS = [("native", NATIVE), ("uring, Python steps", NATIVE), ("threads", {"en
 @pytest.fixture(scope="module")
 def v2_table(tmp_path_factory):
     """(path, the memory tier's rows): fp8 rows, 62 a page, a partial last page."""
-    path = make_random_table(tmp_path_factory.mktemp("native") / "t.tbl", tiny_config(), seed=7, block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("native") / "t.tbl", tiny_config(), seed=7)
     with open_tier("memory", read_header(path)) as t:
         rows = t.rows.numpy().copy()
     layout = read_header(path).layout

@@ -28,7 +28,7 @@ PYTHON_PAGE_READERS = [("direct", {"engine": "threads"}), ("direct", {"engine": 
 def v2_table(tmp_path_factory):
     """(path, expected raw rows): fp8 rows, 62 a page."""
     config = tiny_config()
-    path = make_random_table(tmp_path_factory.mktemp("v2") / "t.tbl", config, seed=5, block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("v2") / "t.tbl", config, seed=5)
     return path, np.concatenate(list(random_rows(config, 5)))
 
 

@@ -47,7 +47,7 @@ def public_table():
     """A table every local user may read: (path, its rows ``[num_rows, row_bytes]``)."""
     folder = Path(tempfile.mkdtemp(prefix="engram-public-"))
     folder.chmod(0o755)
-    path = make_random_table(folder / "t.table", CONFIG, seed=4, block_size=16384)
+    path = make_random_table(folder / "t.table", CONFIG, seed=4)
     path.chmod(0o644)
     yield path, np.concatenate(list(random_rows(CONFIG, 4)))
     shutil.rmtree(folder, ignore_errors=True)
@@ -320,12 +320,12 @@ def segments(shm_dir: Path) -> set[str]:
 
 def test_unused_old_versions_go_when_a_rewritten_table_loads_and_those_in_use_stay(tmp_path, shm_dir):
     path, other = tmp_path / "t.table", tmp_path / "other.table"
-    make_random_table(other, CONFIG, seed=9, block_size=16384)
+    make_random_table(other, CONFIG, seed=9)
     with SharedTier(read_header(other), shm_dir=shm_dir):  # another table's segment: never touched
         pass
 
     def version(seed: int) -> SharedTier:
-        make_random_table(path, CONFIG, seed=seed, block_size=16384)  # rewritten: renamed over the old file
+        make_random_table(path, CONFIG, seed=seed)  # rewritten: renamed over the old file
         return SharedTier(read_header(path), shm_dir=shm_dir)
 
     first = version(1)
@@ -345,7 +345,7 @@ def test_unused_old_versions_go_when_a_rewritten_table_loads_and_those_in_use_st
 def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
     mount = tmp_path / "small-shm"
     mount.mkdir()
-    path = make_random_table(tmp_path / "t.table", CONFIG, seed=1, block_size=16384)
+    path = make_random_table(tmp_path / "t.table", CONFIG, seed=1)
     size = (DATA_OFFSET + CONFIG.num_rows * CONFIG.row_bytes) * 3 // 2  # room for one segment, not two
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(mount)],
                           capture_output=True, text=True)
@@ -354,7 +354,7 @@ def test_a_load_that_does_not_fit_names_the_old_versions_still_in_use(tmp_path):
     try:
         old = read_header(path)
         with SharedTier(old, shm_dir=mount):
-            make_random_table(path, CONFIG, seed=2, block_size=16384)
+            make_random_table(path, CONFIG, seed=2)
             with pytest.raises(TierError) as caught:
                 SharedTier(read_header(path), shm_dir=mount)
         message = one_line(caught.value)
@@ -536,9 +536,9 @@ def test_a_changed_page_is_named_in_one_line_with_what_to_do(public_table, shm_d
 # ------------------------------------------------------ one segment name, two versions or two tables
 def test_a_named_segment_of_an_older_version_is_replaced_unless_in_use(tmp_path, shm_dir):
     path, other = tmp_path / "t.table", tmp_path / "other.table"
-    old = read_header(make_random_table(path, CONFIG, seed=1, block_size=16384))
+    old = read_header(make_random_table(path, CONFIG, seed=1))
     held = SharedTier(old, segment="engram-model", shm_dir=shm_dir)
-    new = read_header(make_random_table(path, CONFIG, seed=2, block_size=16384))  # rewritten in place
+    new = read_header(make_random_table(path, CONFIG, seed=2))  # rewritten in place
     with pytest.raises(TierError) as caught:
         SharedTier(new, segment="engram-model", shm_dir=shm_dir)
     assert one_line(caught.value) == (
@@ -550,7 +550,7 @@ def test_a_named_segment_of_an_older_version_is_replaced_unless_in_use(tmp_path,
         warnings.simplefilter("error")  # an unused older version goes without a word
         with SharedTier(new, segment="engram-model", shm_dir=shm_dir) as tier:
             assert tier.loaded and np.array_equal(all_rows(tier), np.concatenate(list(random_rows(CONFIG, 2))))
-    with SharedTier(read_header(make_random_table(other, CONFIG, seed=3, block_size=16384)), shm_dir=shm_dir,
+    with SharedTier(read_header(make_random_table(other, CONFIG, seed=3)), shm_dir=shm_dir,
                     segment="engram-other") as in_use:
         with pytest.raises(TierError) as caught:
             SharedTier(new, segment="engram-other", shm_dir=shm_dir)
@@ -702,7 +702,7 @@ def test_a_folder_with_room_for_exactly_the_segment_loads_it_and_a_page_less_is_
     from engram_offload.units import format_bytes
 
     config = tiny_config("bf16", 256)  # 3,304 rows of 512 bytes: whole pages
-    path = make_random_table(tmp_path / "t.table", config, seed=1, block_size=65536)
+    path = make_random_table(tmp_path / "t.table", config, seed=1)
     header = read_header(path)
     need = DATA_OFFSET + config.num_rows * config.row_bytes
     assert need % 4096 == 0
@@ -733,7 +733,7 @@ def test_a_table_whose_path_is_cut_inside_a_character_in_the_head_opens_and_atta
     folder = folder / ("x" * pad + "é" * 15)
     folder.mkdir(parents=True)
     path = folder / "t.table"  # made beside, then moved: the writer's temporary name would be too long there
-    make_random_table(tmp_path / "t.table", CONFIG, seed=8, block_size=16384).rename(path)
+    make_random_table(tmp_path / "t.table", CONFIG, seed=8).rename(path)
     assert str(path).encode()[MAX_PATH - 1] >= 0x80  # the head keeps the first byte of a character only
     header = read_header(path)
     with SharedTier(header, shm_dir=shm_dir) as first, SharedTier(header, shm_dir=shm_dir) as second:
@@ -744,7 +744,7 @@ def test_a_table_whose_path_is_cut_inside_a_character_in_the_head_opens_and_atta
 def test_a_table_whose_path_is_not_utf8_opens_and_attaches(tmp_path, shm_dir):
     folder = tmp_path / os.fsdecode(b"tables-\xff\xfe")  # a byte name no UTF-8 decoder accepts
     folder.mkdir()
-    path = make_random_table(folder / "t.table", CONFIG, seed=9, block_size=16384)
+    path = make_random_table(folder / "t.table", CONFIG, seed=9)
     header = read_header(path)
     with SharedTier(header, shm_dir=shm_dir) as first, SharedTier(header, shm_dir=shm_dir) as second:
         assert first.loaded and not second.loaded and second.replaced is None

@@ -43,7 +43,7 @@ def head(shm_dir, name):
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     config = tiny_config("bf16", 80)
-    path = make_random_table(tmp_path_factory.mktemp("shared") / "t.table", config, seed=4, block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("shared") / "t.table", config, seed=4)
     return path, np.concatenate(list(random_rows(config, 4)))
 
 
@@ -71,7 +71,7 @@ def test_rows_equal_the_memory_tiers_and_the_second_open_attaches(table, shm_dir
 
 def test_a_ready_segment_of_another_table_is_refused(table, tmp_path, shm_dir):
     path, _ = table
-    other = make_random_table(tmp_path / "other.table", tiny_config("bf16", 80), seed=99, block_size=16384)
+    other = make_random_table(tmp_path / "other.table", tiny_config("bf16", 80), seed=99)
     with SharedTier(read_header(other), segment="engram-model", shm_dir=shm_dir):
         pass
     with pytest.raises(TierError, match=r"holds another table \(.*other.table.*remove the stale one"):
@@ -251,7 +251,7 @@ def test_process_pss_sums_a_processs_mappings_of_one_file_and_its_whole_rollup(t
 def big_table(tmp_path_factory):
     """1.6 MiB of rows, whole pages (8 rows of 512 bytes a page): larger than one scratch buffer."""
     config = tiny_config("bf16", 256)
-    path = make_random_table(tmp_path_factory.mktemp("shared-big") / "big.table", config, seed=5, block_size=65536)
+    path = make_random_table(tmp_path_factory.mktemp("shared-big") / "big.table", config, seed=5)
     return path, np.concatenate(list(random_rows(config, 5)))
 
 

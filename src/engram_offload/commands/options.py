@@ -34,21 +34,23 @@ POLICY_CHOICES = tuple(POLICIES)
 
 
 class _Removed(argparse.Action):
-    """An option spelling that was removed: a usage error naming its replacement."""
+    """An option spelling that was removed: a usage error naming its replacement, or why it went."""
 
-    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any) -> None:
-        self.new = new
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", why: str = "", **kwargs: Any) -> None:
+        self.new, self.why = new, why
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was removed; use {self.new}")
+        parser.error(f"{option_string} was removed: {self.why}" if self.why else
+                     f"{option_string} was removed; use {self.new}")
 
 
-def removed_option(parser: Any, old: str, new: str) -> None:
-    """Refuse ``old`` (hidden from the help) with a usage error naming ``new``, exit code 2; an
-    exact spelling, so argparse never reads it as an abbreviation of another option."""
-    parser.add_argument(old, action=_Removed, new=new, nargs="?", dest=argparse.SUPPRESS,
+def removed_option(parser: Any, old: str, new: str = "", *, why: str = "") -> None:
+    """Refuse ``old`` (hidden from the help) with a usage error naming ``new`` (or, with no
+    replacement, saying ``why`` it went), exit code 2; an exact spelling, so argparse never
+    reads it as an abbreviation of another option."""
+    parser.add_argument(old, action=_Removed, new=new, why=why, nargs="?", dest=argparse.SUPPRESS,
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 

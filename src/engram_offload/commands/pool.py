@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = pool.add_subparsers(dest="pool_command", metavar="POOL_COMMAND", required=True)
 
     pub = cmds.add_parser("publish", help="load a table into the pool (resumes an interrupted publish)",
-                          description="Stream a table into the pool, extent by extent, checking every block "
-                          "(and page) of the file and storing a checksum with every row; extents already there with the right checksum are skipped, and the "
+                          description="Stream a table into the pool, extent by extent, checking every page "
+                          "of the file and storing a checksum with every row; extents already there with the right checksum are skipped, and the "
                           "table is marked complete only when every extent is in.")
     pub.add_argument("table", metavar="TABLE", help="the table file to publish")
     _add_url(pub)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from ..engram.config import EngramConfig, check_config_fields
 from ..errors import ChecksumError
-from ..table.format import MAX_BLOCK_SIZE, TableLayout
-from ..units import format_bytes, fraction, int_in_range, non_negative_int, positive_int
+from ..table.format import TableLayout
+from ..units import format_bytes, fraction, non_negative_int, positive_int
 from . import UsageError
 from .bench import add_bench_tier_arguments
 from .core import load_hf_config
-from .options import preset_arg
+from .options import preset_arg, removed_option
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--full", action="store_true", help="the preset's full-size table (e.g. 189 GiB)")
     make.add_argument("--out", required=True, type=output_file, help="table file to write")
     make.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same file; default 0)")
-    make.add_argument("--block-size", type=int_in_range(1, MAX_BLOCK_SIZE), default=1 << 20,
-                      help="bytes a block digest covers (the table's identity; default 1 MiB)")
+    removed_option(make, "--block-size", why="tables carry page checksums only")
     make.add_argument("--force", action="store_true", help="write even if the disk looks too full")
     make.add_argument("--no-progress", action="store_true", help="no progress bar")
     make.set_defaults(func=cmd_make_table)
@@ -67,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ver.set_defaults(func=cmd_verify)
 
     up = sub.add_parser("upgrade", help="removed: rewrite an older table with convert",
-                        description="Removed: this engram-offload reads format version 2 only; rewrite "
+                        description="Removed: this engram-offload reads format version 3 only; rewrite "
                         "an older table with engram-offload convert (or make-table).")
     up.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_upgrade)
@@ -107,8 +106,7 @@ def cmd_make_table(args: argparse.Namespace) -> int:
     if not args.full:
         config = config.scaled(args.scale)
     check_disk_for(config, args.out, "make-table", args.force)
-    path = make_random_table(args.out, config, args.seed, block_size=args.block_size,
-                             progress=False if args.no_progress else None)
+    path = make_random_table(args.out, config, args.seed, progress=False if args.no_progress else None)
     print(f"wrote {path}: {config.num_rows:,} rows of {config.row_bytes} bytes "
           f"({format_bytes(path.stat().st_size)}), layout {config.name}")
     return 0
@@ -180,7 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
-    raise UsageError("upgrade was removed: this engram-offload reads table format version 2 only; "
+    raise UsageError("upgrade was removed: this engram-offload reads table format version 3 only; "
                      "rewrite an older table with engram-offload convert (or make-table)")
 
 

@@ -16,16 +16,17 @@ this table's key fails the check, not only a changed byte::
     {<fp>}:engram:manifest          hash: extent index -> xxh3_64 of the extent's bytes
     {<fp>}:engram:complete          JSON written last: extent count, digest of the manifest
 
-``<fp>`` is the table's fingerprint: xxh3_64 of its header JSON and of its block
-checksums (so two tables of one layout but other rows differ). Extent keys carry no
+``<fp>`` is the table's fingerprint: xxh3_64 of its header JSON and of its page sums'
+digest (so two tables of one layout but other rows differ). Extent keys carry no
 braces, so Redis Cluster hashes the whole key and spreads a table's extents over the
 16,384 slots and so over the nodes; the meta keys share the hash tag ``{<fp>}`` and sit
 together in one slot. Every key of a table starts with its fingerprint, so dropping a
 table never touches another's.
 
 Pool layout versions: 1 held bare rows (no per-row checksums); 2 added checksums of the
-rows' bytes alone; 3 (this one) binds them to the row id and the table's fingerprint. A
-pool of another version is refused with a request to publish the table again.
+rows' bytes alone; 3 bound them to the row id and the table's fingerprint; 4 (this one)
+stores the table's page sums' digest in the header instead of its block digests. A pool of
+another version is refused with a request to publish the table again.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ __all__ = ["POOL_LAYOUT_VERSION", "ROW_SUM_BYTES", "ROW_CHECKSUM", "DEFAULT_EXTE
            "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums", "row_keys",
            "bad_rows"]
 
-POOL_LAYOUT_VERSION = 3
+POOL_LAYOUT_VERSION = 4
 ROW_SUM_BYTES = 4  # after every row: u32 little-endian, its checksum XOR its key (row_keys)
 ROW_CHECKSUM = f"{CHECKSUM_NAME}^splitmix64(fingerprint,row)"
 DEFAULT_EXTENT_ROWS = 1 << 18
@@ -137,7 +138,7 @@ class PoolLayout:
             "fingerprint": self.fingerprint,
             "extent_rows": self.extent_rows,
             "table": self.header.layout.header_dict(),
-            "block_digests": np.ascontiguousarray(self.header.block_digests, "<u8").tobytes().hex(),
+            "sums_digest": f"{self.header.sums_digest:016x}",
         }, sort_keys=True).encode()
 
 
@@ -198,7 +199,8 @@ def stored_layout_version(record: bytes) -> int | None:
     return version if isinstance(version, int) else None
 
 
-_OLD_LAYOUTS = {1: " (rows without checksums)", 2: " (row checksums not bound to the rows' places)"}
+_OLD_LAYOUTS = {1: " (rows without checksums)", 2: " (row checksums not bound to the rows' places)",
+                3: " (tables named by their block digests)"}
 
 
 def layout_version_problem(where: str, version: int | None) -> str:
@@ -221,13 +223,11 @@ def header_from_record(record: bytes, where: str, *, any_version: bool = False) 
     try:
         meta: dict[str, Any] = json.loads(record)
         table = meta["table"]
-        layout = TableLayout(EngramConfig(**table["config"]), int(table["block_size"]), int(table["data_offset"]),
-                             int(table["version"]))
-        digests = np.frombuffer(bytes.fromhex(meta["block_digests"]), "<u8").copy()
-        header = TableHeader(Path(meta["fingerprint"]), layout, digests)
+        layout = TableLayout(EngramConfig(**table["config"]), int(table["data_offset"]), int(table["version"]))
+        header = TableHeader(Path(meta["fingerprint"]), layout, int(meta["sums_digest"], 16))
         extent_rows = int(meta["extent_rows"])
     except (ValueError, KeyError, TypeError) as exc:
         raise TableFormatError(f"{where}: unreadable table header in the pool ({exc})") from None
-    if fingerprint(header) != meta["fingerprint"] or len(digests) != layout.num_blocks:
+    if fingerprint(header) != meta["fingerprint"]:
         raise TableFormatError(f"{where}: the stored table header does not match its fingerprint")
     return header, extent_rows

@@ -254,8 +254,10 @@ def _table_status(client: PoolClient, key: bytes) -> dict[str, Any]:
         header, extent_rows = header_from_record(record, f"table {fp}", any_version=True)
         playout = PoolLayout(header, extent_rows)
     except (TableFormatError, PoolError, ValueError, TypeError) as exc:
-        return {"fingerprint": fp, "pool_layout": stored_layout_version(record or b""), "complete": False,
-                "problems": [f"unreadable: {exc}; drop it (engram-offload pool drop {fp}) and publish it again"]}
+        version = stored_layout_version(record or b"")
+        problem = (layout_version_problem(f"table {fp}", version) if version not in (None, POOL_LAYOUT_VERSION)
+                   else f"unreadable: {exc}; drop it (engram-offload pool drop {fp}) and publish it again")
+        return {"fingerprint": fp, "pool_layout": version, "complete": False, "problems": [problem]}
     version = stored_layout_version(record)
     problems = (check_complete(client, playout) if version == POOL_LAYOUT_VERSION
                 else [layout_version_problem(f"table {fp}", version)])

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, TableHeader, TableLayout, read_header
+from .format import FORMAT_VERSION, TableHeader, TableLayout, read_header
 from .generate import make_random_table, random_rows
 from .verify import verify_table
 from .writer import TableWriter, write_table
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE",
     "FORMAT_VERSION",
     "TableHeader",
     "TableLayout",

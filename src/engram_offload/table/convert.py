@@ -37,7 +37,6 @@ from ..engram.checkpoint import (
 )
 from ..engram.config import EngramConfig
 from ..engram.rows import UE8M0_BIAS, dequantize_fp8_ue8m0, encode_rows
-from .format import DEFAULT_BLOCK_SIZE
 from .writer import TableWriter
 
 __all__ = ["convert_checkpoint", "find_engram_tensors", "EngramTensors"]
@@ -184,7 +183,6 @@ def convert_checkpoint(
     out: str | os.PathLike[str],
     config: EngramConfig,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
 ) -> Path:
     """Write the Engram embeddings of ``checkpoint`` as one table at ``out`` (atomically)."""
@@ -196,7 +194,7 @@ def convert_checkpoint(
             f"the checkpoint's Engram layers {sorted(tensors)} do not match the config's "
             f"{list(config.layer_ids)}"
         )
-    with TableWriter(out, config, block_size=block_size, progress=progress) as writer:
+    with TableWriter(out, config, progress=progress) as writer:
         for layer in config.layer_ids:
             for chunk in _raw_chunks(tensors[layer], config, config.rows_per_layer[layer]):
                 writer.write(chunk)

@@ -8,12 +8,11 @@ A table file is, in order::
     data     ``num_pages`` pages of ``page_bytes``; page ``p`` holds rows
              ``p*rows_per_page .. (p+1)*rows_per_page-1`` back to back, zero padded
     trailer  at ``trailer_offset``: one little-endian u32 per data page, the low 32 bits of
-             its XXH3-64 (``page_sums``); then one u64 xxh3_64 digest per ``block_size``
-             bytes of data (the last block may be shorter), then u64 xxh3_64 of
-             everything before it in the trailer
+             its XXH3-64 (``page_sums``); then u64 xxh3_64 of the page sums' bytes
+             (``sums_digest``), then u64 xxh3_64 of everything before it in the trailer
 
 The page checksums (loaded into DRAM at open, about 0.1% of the data) are what every read
-and ``verify`` checks: a page is verified by itself. The block digests are the table's
+and ``verify`` checks: a page is verified by itself. Their digest is the table's content
 identity (``TableHeader.fingerprint``: shared segments, row servers and pool keys are named
 by it), short enough to store with a published table.
 
@@ -36,7 +35,6 @@ import numpy as np
 import xxhash
 
 from ..engram.config import EngramConfig, check_config_fields
-from ..engram.config import check_int as _check_int
 from ..errors import TableFormatError
 
 __all__ = [
@@ -44,7 +42,6 @@ __all__ = [
     "FORMAT_VERSION",
     "PAGE_BYTES",
     "SECTOR_BYTES",
-    "DEFAULT_BLOCK_SIZE",
     "TableLayout",
     "TableHeader",
     "read_header",
@@ -54,14 +51,13 @@ __all__ = [
 
 MAGIC = b"ENGRAMTB"
 MAGIC_NAME = "engram-offload-table"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 PAGE_SUM_BYTES = 4  # u32 low half of XXH3-64 per data page
 PREFIX = struct.Struct("<8sIIQ")  # magic, version, JSON length, xxh3_64 of the JSON
 PAGE_BYTES = 4096
 SECTOR_BYTES = 512
-DEFAULT_BLOCK_SIZE = 1 << 20
 MAX_HEADER_BYTES = 1 << 24
-MAX_BLOCK_SIZE = 1 << 30  # verify reads a block into one buffer
+_OLD_FORMATS = {1: " (block checksums only)", 2: " (page and block checksums)"}
 # Bounds of a layout's fields. DeepSeek-V4.1 has 2 layers x 3 orders x 8 heads = 48 primes;
 # the head count bounds the prime search (a few seconds at most), the others typos.
 
@@ -72,26 +68,22 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class TableLayout:
-    """Where every byte of a table goes, derived from its config and block size."""
+    """Where every byte of a table goes, derived from its config."""
 
     config: EngramConfig
-    block_size: int
     data_offset: int
     version: int = FORMAT_VERSION
 
     @classmethod
-    def for_config(cls, config: EngramConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> "TableLayout":
-        """The layout of ``config``'s table; ``block_size`` is rounded up to whole pages."""
-        if not 0 < block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE:,} bytes, got {block_size}")
-        page = _page_bytes(config.row_bytes)
-        layout = cls(config, round_up(block_size, page), PAGE_BYTES)
+    def for_config(cls, config: EngramConfig) -> "TableLayout":
+        """The layout of ``config``'s table."""
+        layout = cls(config, PAGE_BYTES)
         # The header size depends on data_offset only through its digits: settle it.
         while True:
             need = round_up(PREFIX.size + len(layout.header_json()), PAGE_BYTES)
             if need == layout.data_offset:
                 return layout
-            layout = cls(config, layout.block_size, need)
+            layout = cls(config, need)
 
     # -- geometry ---------------------------------------------------------------------
     @property
@@ -127,10 +119,6 @@ class TableLayout:
         return self.num_pages * self.page_bytes
 
     @property
-    def num_blocks(self) -> int:
-        return -(-self.data_bytes // self.block_size)
-
-    @property
     def trailer_offset(self) -> int:
         return self.data_offset + self.data_bytes
 
@@ -140,7 +128,7 @@ class TableLayout:
 
     @property
     def trailer_bytes(self) -> int:
-        return self.page_sums_bytes + 8 * (self.num_blocks + 1)
+        return self.page_sums_bytes + 16  # page sums, their digest, the trailer's check
 
     @property
     def file_bytes(self) -> int:
@@ -174,8 +162,6 @@ class TableLayout:
             "rows_per_page": self.rows_per_page,
             "data_offset": self.data_offset,
             "data_bytes": self.data_bytes,
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
             "checksum": "xxh3_64",
             "trailer_offset": self.trailer_offset,
             "file_bytes": self.file_bytes,
@@ -204,7 +190,7 @@ class TableHeader:
 
     path: Path
     layout: TableLayout
-    block_digests: np.ndarray  # uint64 [num_blocks]
+    sums_digest: int  # xxh3_64 of the page sums' bytes: the table's content identity
     page_sums: np.ndarray | None = None  # uint32 [num_pages] low 32 bits of XXH3-64 per data page; None in a pool's copy
 
     @property
@@ -212,11 +198,9 @@ class TableHeader:
         return self.layout.config
 
     def fingerprint(self) -> int:
-        """xxh3_64 of the header JSON and the block checksums: equal tables, equal prints
+        """xxh3_64 of the header JSON and the page sums' digest (u64): equal tables, equal prints
         (the name of a table's shared segment, row server and pool keys)."""
-        h = xxhash.xxh3_64(self.layout.header_json())
-        h.update(np.ascontiguousarray(self.block_digests, "<u8").tobytes())
-        return h.intdigest()
+        return xxhash.xxh3_64_intdigest(self.layout.header_json() + struct.pack("<Q", self.sums_digest))
 
 
 def read_header(path: str | os.PathLike[str]) -> TableHeader:
@@ -245,8 +229,8 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             )
         if version != FORMAT_VERSION:
             raise TableFormatError(
-                f"{path} has table format version {version}; this engram-offload reads version "
-                f"{FORMAT_VERSION} only: rewrite the table with engram-offload convert (or make-table)"
+                f"{path} has table format version {version}{_OLD_FORMATS.get(version, '')}; this engram-offload "
+                f"reads version {FORMAT_VERSION} only: rewrite the table with engram-offload convert (or make-table)"
             )
         if length > MAX_HEADER_BYTES:
             raise TableFormatError(f"{path}: header length {length} is implausible; the file is damaged")
@@ -265,12 +249,12 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
             )
         f.seek(layout.trailer_offset)
         trailer = f.read(layout.trailer_bytes)
-    (check,) = struct.unpack("<Q", trailer[-8:])
-    if len(trailer) != layout.trailer_bytes or xxhash.xxh3_64_intdigest(memoryview(trailer)[:-8]) != check:
-        raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
-    digests = np.frombuffer(trailer, dtype="<u8", count=layout.num_blocks, offset=layout.page_sums_bytes).copy()
-    page_sums = np.frombuffer(trailer, dtype="<u4", count=layout.num_pages).copy()
-    return TableHeader(path, layout, digests, page_sums)
+    if len(trailer) == layout.trailer_bytes:
+        view, (sums_digest, check) = memoryview(trailer), struct.unpack("<QQ", trailer[-16:])
+        sums = view[:-16]
+        if xxhash.xxh3_64_intdigest(view[:-8]) == check and xxhash.xxh3_64_intdigest(sums) == sums_digest:
+            return TableHeader(path, layout, sums_digest, np.frombuffer(sums, dtype="<u4").copy())
+    raise TableFormatError(f"{path}: the checksum trailer is damaged; rewrite the table")
 
 
 def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayout:
@@ -282,11 +266,7 @@ def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayou
             raise ValueError(f"the header is a JSON {type(meta).__name__}, not an object")
         check_config_fields(meta.get("config"))
         config = EngramConfig(**meta["config"])
-        block_size = meta["block_size"]
-        _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
-        if block_size % _page_bytes(config.row_bytes):
-            raise ValueError(f"block_size {block_size} is not a whole number of pages")
-        layout = TableLayout(config, block_size, data_offset)
+        layout = TableLayout(config, data_offset)
         expected = layout.header_dict()
     except (ValueError, KeyError, TypeError) as exc:
         raise TableFormatError(f"{path}: unreadable table header ({exc}); the file is damaged") from None

@@ -14,7 +14,6 @@ import numpy as np
 
 from ..engram.config import EngramConfig
 from ..engram.rows import FP8_BLOCK
-from .format import DEFAULT_BLOCK_SIZE
 from .writer import write_table
 
 __all__ = ["random_rows", "make_random_table"]
@@ -59,8 +58,7 @@ def make_random_table(
     config: EngramConfig,
     seed: int = 0,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
 ) -> Path:
     """Write a table of seeded random rows at ``config``'s layout."""
-    return write_table(path, config, random_rows(config, seed), block_size=block_size, progress=progress)
+    return write_table(path, config, random_rows(config, seed), progress=progress)

@@ -1,5 +1,5 @@
 /*
- * The page checksum of format version 2, one definition for every C helper that computes
+ * The page checksum of format version 3, one definition for every C helper that computes
  * it (table/_pagesum.c, tiers/_uring.c): the low 32 bits of XXH3-64 (seed 0) of each page,
  * through _pagesum_avx2.c (compiled into the same extension) when the CPU has AVX2, else
  * the portable XXH3 loop; both give the same values.

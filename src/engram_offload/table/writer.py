@@ -26,7 +26,7 @@ import xxhash
 from ..atomic import fsync_dir
 from ..engram.config import EngramConfig
 from ..engram.rows import encode_rows
-from .format import DEFAULT_BLOCK_SIZE, TableLayout, encode_header
+from .format import TableLayout, encode_header
 from .pagesum import page_sums
 from .progress import byte_progress
 
@@ -109,35 +109,6 @@ def clean_temp_files(directory: str | os.PathLike[str], target: str | None = Non
     return removed
 
 
-class _BlockSink:
-    """Writes data bytes to a file while hashing each ``block_size`` block (xxh3_64: the
-    table's identity, ``TableHeader.fingerprint``)."""
-
-    def __init__(self, f, block_size: int) -> None:
-        self.f, self.block_size = f, block_size
-        self.digests: list[int] = []
-        self._hash, self._filled = xxhash.xxh3_64(), 0
-
-    def write(self, data: memoryview) -> None:
-        self.f.write(data)
-        while len(data):
-            take = min(len(data), self.block_size - self._filled)
-            self._hash.update(data[:take])
-            self._filled += take
-            data = data[take:]
-            if self._filled == self.block_size:
-                self._close_block()
-
-    def _close_block(self) -> None:
-        self.digests.append(self._hash.intdigest())
-        self._hash, self._filled = xxhash.xxh3_64(), 0
-
-    def finish(self) -> list[int]:
-        if self._filled:
-            self._close_block()
-        return self.digests
-
-
 class TableWriter:
     """Streams rows into a new table file; ``close()`` publishes it atomically.
 
@@ -151,14 +122,13 @@ class TableWriter:
         path: str | os.PathLike[str],
         config: EngramConfig,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
         progress: bool | None = None,
     ) -> None:
         if not str(path):
             raise ValueError("the output path is empty: give a file name to write the table to")
         self.path = Path(path)
         self.config = config
-        self.layout = TableLayout.for_config(config, block_size)
+        self.layout = TableLayout.for_config(config)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"directory {self.path.parent} does not exist")
         if self.path.is_dir():
@@ -175,7 +145,6 @@ class TableWriter:
             self._f.close()
             self._tmp.unlink(missing_ok=True)
             raise
-        self._sink = _BlockSink(self._f, self.layout.block_size)
         self._page_sums: list[np.ndarray] = []  # uint32 [pages] per written chunk
         self._pending = np.empty((0, config.row_bytes), np.uint8)
         self.rows_written = 0
@@ -215,7 +184,7 @@ class TableWriter:
             packed[:, : len(raw) // pages * rb] = raw.reshape(pages, -1)
         data = memoryview(packed).cast("B")  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
         self._page_sums.append(page_sums(data, page))
-        self._sink.write(data)
+        self._f.write(data)
         self._advance(pages * page)
 
     def close(self) -> Path:
@@ -237,9 +206,8 @@ class TableWriter:
                 padded[: len(self._pending)] = self._pending
                 self._write_pages(padded, 1)
             sums = np.concatenate(self._page_sums).astype("<u4").tobytes() if self._page_sums else b""
-            digests = np.asarray(self._sink.finish(), dtype="<u8").tobytes()
-            assert len(digests) == 8 * self.layout.num_blocks and len(sums) == self.layout.page_sums_bytes
-            trailer = sums + digests
+            assert len(sums) == self.layout.page_sums_bytes
+            trailer = sums + struct.pack("<Q", xxhash.xxh3_64_intdigest(sums))
             self._f.write(trailer + struct.pack("<Q", xxhash.xxh3_64_intdigest(trailer)))
             os.fsync(self._f.fileno())
             self._f.close()
@@ -283,7 +251,6 @@ def write_table(
     config: EngramConfig,
     rows: RowSource,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool | None = None,
 ) -> Path:
     """Write a table atomically.
@@ -292,7 +259,7 @@ def write_table(
     ``config.row_format``), raw ``uint8 [num_rows, row_bytes]``, or an iterator of chunks
     of either, in row order.
     """
-    with TableWriter(path, config, block_size=block_size, progress=progress) as writer:
+    with TableWriter(path, config, progress=progress) as writer:
         for chunk in _chunks(rows):
             writer.write(chunk)
     return writer.path

@@ -41,7 +41,7 @@
  *   Ring.read_rows(fd, ids, out, data_offset, page_bytes, rows_per_page, row_bytes,
  *                  num_rows, page_sums=None, retries=3, wait_batch=-1, damage=0)
  *       -> (reads, pages_checked, page_rereads, bad_page)
- *       Rows `ids` (int64 [n], any order) of a paged table (format version 2:
+ *       Rows `ids` (int64 [n], any order) of a paged table (format version 3:
  *       row i at data_offset + (i / rows_per_page) * page_bytes
  *       + (i % rows_per_page) * row_bytes) into `out` (n * row_bytes bytes,
  *       C-contiguous), in id order.  Each distinct page is read whole into

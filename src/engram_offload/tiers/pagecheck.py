@@ -1,4 +1,4 @@
-"""Whole-page reads checked against the table's page checksums (format version 2).
+"""Whole-page reads checked against the table's page checksums (format version 3).
 
 A tier that checks pages reads every page holding a requested row in full (rows never
 straddle pages), back to back into one buffer, then ``check_pages`` compares each page's

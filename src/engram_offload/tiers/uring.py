@@ -29,7 +29,7 @@ Read semantics (:meth:`UringReader.read`):
 * after a failure, the part of ``dest`` covered by the batch is unspecified
   (some reads completed, others did not), but no read is still in flight.
 
-:meth:`UringReader.read_rows` reads rows of a paged table (format version 2) in one
+:meth:`UringReader.read_rows` reads rows of a paged table (format version 3) in one
 call: each distinct page holding a requested row is read whole into one of the ring's
 page slots (the same failure semantics), checked against the table's page checksum
 when given one (read once more from the medium if it differs), and its rows are copied

@@ -18,7 +18,7 @@ from tiny_tables import tiny_config
 def table(tmp_path_factory):
     """A small fp8 table and its rows (``[num_rows, row_bytes]`` uint8)."""
     config = tiny_config("fp8_e4m3_ue8m0", 64)
-    path = make_random_table(tmp_path_factory.mktemp("rowserver") / "t.table", config, seed=8, block_size=16384)
+    path = make_random_table(tmp_path_factory.mktemp("rowserver") / "t.table", config, seed=8)
     return path, np.concatenate(list(random_rows(config, 8)))
 
 

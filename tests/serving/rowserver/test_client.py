@@ -325,7 +325,7 @@ def test_a_buffer_short_of_its_layout_is_refused(table, socket_dir, change, size
 def test_a_server_of_another_table_is_refused_by_name(table, socket_dir, tmp_path):
     path, _ = table
     sock = socket_dir / "rows.sock"
-    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9, block_size=16384)
+    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9)
     for table_file, change in ((other, {}), (path, {"row_bytes": read_header(path).layout.row_bytes - 1})):
         before = open_descriptors()
         hello, fd = hello_of(path, **change)

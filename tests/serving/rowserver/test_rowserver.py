@@ -173,7 +173,7 @@ def test_a_rank_killed_holding_pins_leaves_none_behind(table, server):
 
 def test_a_server_of_another_table_is_refused(table, server, tmp_path):
     path, _ = table
-    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9, block_size=16384)
+    other = make_random_table(tmp_path / "other.table", tiny_config("fp8_e4m3_ue8m0", 64), seed=9)
     with RowClient(server, table=path) as client:
         assert client.table == str(path)
     with pytest.raises(TierError, match="serves .*t.table, not .*other.table"):
