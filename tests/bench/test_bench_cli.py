@@ -248,3 +248,19 @@ def test_model_drafts_come_from_the_trained_model(tiny_table, tmp_path, capsys):
     assert main(["bench", "--table", str(tiny_table), "--drafts", "ngram", "--draft-model", str(tmp_path),
                  "--out", str(tmp_path), "--no-progress"]) == 2
     assert "is for --drafts model" in capsys.readouterr().err
+
+
+def test_a_cached_benchmark_table_this_version_cannot_read_is_made_again(tmp_path, monkeypatch, capsys):
+    """The default table is a derived file: one of an older format (or damaged) is remade, not an error."""
+    from engram_offload.commands.bench import default_table
+    from engram_offload.table import read_header
+
+    monkeypatch.setenv("ENGRAM_OFFLOAD_CACHE", str(tmp_path))
+    path = default_table("deepseek-demo", 1e-3, 7, progress=False)
+    fingerprint = read_header(path).fingerprint()
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write((2).to_bytes(4, "little"))  # an older format version
+    assert default_table("deepseek-demo", 1e-3, 7, progress=False) == path
+    assert read_header(path).fingerprint() == fingerprint  # the same seed: the same table
+    assert "making the benchmark table" in capsys.readouterr().err

@@ -188,14 +188,20 @@ def _concurrency(text: str) -> list[int]:
 
 
 def default_table(preset: str, scale: float, seed: int, progress: bool) -> Path:
-    """The cached table for (preset, scale, seed), made on first use."""
+    """The cached table for (preset, scale, seed), made on first use and made again when this
+    version cannot read it (an older format, a damaged file: it is derived, never the user's)."""
     from ..engram.config import EngramConfig
     from ..engram.tokenizer import engram_cache_dir
-    from ..table import make_random_table
+    from ..errors import TableFormatError
+    from ..table import make_random_table, read_header
 
     path = engram_cache_dir() / "tables" / f"{preset}-x{scale:g}-seed{seed}.table"
     if path.exists():
-        return path
+        try:
+            read_header(path)
+            return path
+        except TableFormatError as exc:
+            print(f"remaking the benchmark table: {exc}", file=sys.stderr)
     config = EngramConfig.from_name(preset).scaled(scale)
     print(f"making the benchmark table {path} ({format_bytes(config.num_rows * config.row_bytes)}, once)",
           file=sys.stderr)
