@@ -66,7 +66,7 @@ def test_two_ranks_serve_from_one_shared_table_and_one_row_server(tiny_table, tm
 
 def test_ranks_refuse_tiers_they_cannot_share_and_uneven_groups(tiny_table, tmp_path, capsys):
     assert main(bench_args(tiny_table, tmp_path, "--tiers", "mmap", "--ranks", "2")) == 2
-    assert "choose from memory, pinned, direct, shared" in capsys.readouterr().err
+    assert "choose from memory, pinned, shared, direct" in capsys.readouterr().err
     assert main(bench_args(tiny_table, tmp_path, "--tiers", "memory", "--ranks", "3", "--tp", "2")) == 2
     assert "--ranks (3) must be a multiple of --tp (2)" in capsys.readouterr().err
 

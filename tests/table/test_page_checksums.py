@@ -38,7 +38,7 @@ def test_the_trailer_holds_one_checksum_per_data_page(tmp_path, fmt, head_dim):
     path = make_random_table(tmp_path / "t.tbl", tiny_config(fmt, head_dim), seed=3)
     header = read_header(path)
     layout = header.layout
-    assert layout.version == 3 and layout.page_sums_bytes == 4 * layout.num_pages
+    assert layout.header_dict()["version"] == 3 and layout.page_sums_bytes == 4 * layout.num_pages
     data = path.read_bytes()[layout.data_offset:layout.trailer_offset]
     assert header.page_sums.tolist() == reference_sums(data, layout.page_bytes)
     assert layout.file_bytes == os.path.getsize(path)

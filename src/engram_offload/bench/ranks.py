@@ -38,14 +38,14 @@ import torch
 from ..engram.config import EngramConfig
 from ..serving.sharding import Columns, assemble_columns, shard_columns
 from ..table.format import read_header
-from ..tiers import is_resident, tier_names
+from ..tiers import tier_names
 from .engine import BackboneStep, EngineRun, RowsFor, StepShape
 from .workload import Request, RequestStream
 
 __all__ = ["RANK_TIERS", "RankRole", "RankRequests", "AssembledRows", "execute_ranked_run"]
 
 # resident ones become one shared copy; the others read this machine's file per row
-RANK_TIERS = tuple(t for t in tier_names(local=True) if is_resident(t) or t in tier_names(row_reads=True))
+RANK_TIERS = tier_names(local=True, resident=True) + tier_names(local=True, row_reads=True)
 PER_RANK = ("tokens", "throughput_tok_s", "rows_per_s", "stall_fraction", "hit_rate", "pss_bytes")
 
 

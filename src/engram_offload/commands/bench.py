@@ -16,12 +16,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import units
 from ..atomic import write_json_atomic
 from ..bench.report import MIN_STEPS, MIN_USERS
 from ..tiers.policy import DEFAULT_QUEUE_DEPTH
 from ..units import (
+    MAX_THREADS,
     format_bytes,
+    fraction,
+    int_in_range,
     non_negative_float,
     non_negative_int,
     parse_size,
@@ -79,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("table")
     t.add_argument("--table", help="an existing table file (default: make one in the cache folder)")
     t.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg, help=f"layout of the table to make (default {DEFAULT_PRESET})")
-    t.add_argument("--scale", type=units.fraction, default=DEFAULT_SCALE,
+    t.add_argument("--scale", type=fraction, default=DEFAULT_SCALE,
                    help=f"fraction of the preset's table size to make (default {DEFAULT_SCALE})")
     t.add_argument("--seed", type=int, default=7, help="seed of the table's random rows and of the workload (default 7)")
     r = p.add_argument_group("runs")
@@ -155,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--layers", type=positive_int, default=None, help="transformer layers (default: last Engram layer + 2)")
     b.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")
     b.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    b.add_argument("--threads", type=units.int_in_range(1, units.MAX_THREADS), default=None,
+    b.add_argument("--threads", type=int_in_range(1, MAX_THREADS), default=None,
                    help="torch threads for the backbone (default: cores - 1)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="engram-bench", help="folder for results.json and frontier.png (default ./engram-bench)")

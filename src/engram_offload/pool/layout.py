@@ -223,7 +223,7 @@ def header_from_record(record: bytes, where: str, *, any_version: bool = False) 
     try:
         meta: dict[str, Any] = json.loads(record)
         table = meta["table"]
-        layout = TableLayout(EngramConfig(**table["config"]), int(table["data_offset"]), int(table["version"]))
+        layout = TableLayout(EngramConfig(**table["config"]), int(table["data_offset"]))
         header = TableHeader(Path(meta["fingerprint"]), layout, int(meta["sums_digest"], 16))
         extent_rows = int(meta["extent_rows"])
     except (ValueError, KeyError, TypeError) as exc:

@@ -133,8 +133,8 @@ def window_header(header: TableHeader, start: int, end: int) -> TableHeader:
     rpp = layout.rows_per_page
     first_page, end_page = start // rpp, -(-end // rpp)
     first_row = first_page * rpp
-    window = _WindowLayout(layout.config, layout.data_offset + first_page * layout.page_bytes, layout.version,
-                           first_page=first_page, window_rows=min(end_page * rpp, layout.num_rows) - first_row)
+    window = _WindowLayout(layout.config, layout.data_offset + first_page * layout.page_bytes, first_page=first_page,
+                           window_rows=min(end_page * rpp, layout.num_rows) - first_row)
     sums = None if header.page_sums is None else header.page_sums[first_page:end_page]
     return _WindowHeader(header.path, window, header.sums_digest, sums, first_row=first_row)
 

@@ -72,7 +72,6 @@ class TableLayout:
 
     config: EngramConfig
     data_offset: int
-    version: int = FORMAT_VERSION
 
     @classmethod
     def for_config(cls, config: EngramConfig) -> "TableLayout":
@@ -149,7 +148,7 @@ class TableLayout:
         c = self.config
         return {
             "magic": MAGIC_NAME,
-            "version": self.version,
+            "version": FORMAT_VERSION,
             "config": c.to_dict(),
             "layer_ids": list(c.layer_ids),
             "head_sizes": {str(i): list(c.head_sizes(i)) for i in c.layer_ids},
@@ -180,7 +179,7 @@ def _page_bytes(row_bytes: int) -> int:
 def encode_header(layout: TableLayout) -> bytes:
     """The file's first ``data_offset`` bytes: prefix, JSON, zero padding."""
     body = layout.header_json()
-    head = PREFIX.pack(MAGIC, layout.version, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
     return head + bytes(layout.data_offset - len(head))
 
 
