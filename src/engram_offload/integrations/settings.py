@@ -56,6 +56,7 @@ class OffloadSettings:
     verify_reads: bool | None = None  # check every page read against the table's checksums
     log_every: int = 1000  # log the tier, hit rate and stall every N lookups of a layer (0: never)
     wait_timeout_s: float = 60.0  # the longest a lookup waits for a host read before raising
+    allow_untested_engine: bool = False  # run on an engine version the plugin was not tested with (warned)
 
     @property
     def host_read(self) -> bool:
@@ -64,11 +65,11 @@ class OffloadSettings:
 
     def store_key(self) -> tuple[Any, ...]:
         """Settings that open the same store (one store per process and column shard)."""
-        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in ("log_every", "wait_timeout_s"))
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in ("log_every", "wait_timeout_s", "allow_untested_engine"))
 
 
 _SIZES = ("cache_bytes", "fast_cache_bytes", "staging_bytes")
-_BOOLS = ("admission", "verify_reads")
+_BOOLS = ("admission", "verify_reads", "allow_untested_engine")
 _STRINGS = ("table", "tier", "policy", "row_server", "pool", "fallback")
 KEYS = tuple(f.name for f in fields(OffloadSettings))
 

@@ -51,7 +51,7 @@ __all__ = ["ENGRAM_MODULE", "SETTINGS_KEY", "TESTED_VERSIONS", "register", "sett
 
 log = logging.getLogger("engram_offload.integrations.vllm")
 
-TESTED_VERSIONS = ("0.33.0",)
+TESTED_VERSIONS = ("0.33.0", "0.34.0")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 SETTINGS_KEY = "engram_offload"  # in --additional-config
 CHECKED_ROWS = 8  # checkpoint rows compared with the table's, per tensor and rank
