@@ -72,14 +72,49 @@ def test_without_vllm_register_warns_and_touches_nothing(monkeypatch, hooks, cap
     assert hook_count() == 0 and hooks == []
 
 
-def test_an_untested_vllm_is_named_with_the_tested_ones_and_left_alone(monkeypatch, hooks, caplog):
-    vllm_version(monkeypatch, "0.34.0")
-    monkeypatch.setattr(plugin, "TESTED_VERSIONS", ("0.33.0", "0.33.1"))
+def test_an_untested_vllm_is_patched_too_and_judged_when_settings_are_given(monkeypatch, hooks, caplog):
+    vllm_version(monkeypatch, "0.35.0")
     with caplog.at_level(logging.WARNING):
         plugin.register()
-    assert warnings_of(caplog) == ["engram-offload: vLLM 0.34.0 is not a tested version (0.33.0, 0.33.1); the "
-                                   "plugin does nothing and vLLM keeps its own Engram table"]
-    assert hook_count() == 0 and hooks == []
+    assert hook_count() == 1 and warnings_of(caplog) == []  # without settings the patch calls vLLM's own code
+    settings = parse_settings({"table": "t.table", "tier": "pinned"})
+    with pytest.raises(ValueError) as refused:
+        plugin.check_engine(settings)
+    assert str(refused.value) == (
+        f"engram-offload was tested with vLLM {', '.join(plugin.TESTED_VERSIONS)}, not 0.35.0: install one of "
+        'those, or add "allow_untested_engine": true to the engram_offload settings to run it anyway (every vLLM '
+        "name the plugin uses is there)")
+    monkeypatch.setattr(plugin, "_warned_untested", [])
+    allowed = parse_settings({"table": "t.table", "tier": "pinned", "allow_untested_engine": True})
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # every layer of every rank asks: one warning a process
+            plugin.check_engine(allowed)
+    assert warnings_of(caplog) == ["engram-offload: running on vLLM 0.35.0, which it was not tested with "
+                                   f"({', '.join(plugin.TESTED_VERSIONS)}), because allow_untested_engine is set; "
+                                   "every vLLM name it uses is there"]
+    vllm_version(monkeypatch, plugin.TESTED_VERSIONS[-1])
+    plugin.check_engine(settings)  # a tested version: nothing to say
+
+
+def test_a_vllm_without_a_name_the_plugin_uses_is_left_alone_with_the_names(monkeypatch, caplog):
+    module = types.ModuleType(STAND_IN)
+
+    class Engram:
+        def _create_embedding(self, layout, index):
+            return "vLLM's own"
+
+        def _finish_prefetch(self, event):  # not under vLLM's capture decorator
+            pass
+
+    module.Engram = Engram
+    with caplog.at_level(logging.ERROR):
+        plugin.patch(module)
+    assert not getattr(Engram, "_engram_offload_patched", False)
+    assert Engram.__dict__["_create_embedding"] is not None and Engram()._create_embedding(None, 0) == "vLLM's own"
+    missing = plugin.missing_names(module)
+    assert "Engram._finish_prefetch's eager_break_during_capture" in missing and "ParallelEngramEmbedding" in missing
+    assert any(", ".join(missing) in r.getMessage() and "engram_offload settings are not applied" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.ERROR)
 
 
 def test_a_tested_vllm_gets_one_import_hook_first_in_line_however_often_registered(monkeypatch, hooks, caplog):

@@ -2,26 +2,34 @@
 
 Installed as the ``vllm.general_plugins`` entry point ``engram_offload``, so vLLM calls
 ``register()`` in every process before any model is built. ``register`` imports nothing
-heavy: it checks vLLM's version (another version leaves vLLM untouched, with a warning) and
-arranges for two methods of ``vllm.models.deepseek_v41.common.engram.Engram`` to be replaced
-when that module is imported (at once when it already is):
+heavy: it arranges for two methods of ``vllm.models.deepseek_v41.common.engram.Engram`` to be
+replaced when that module is imported (at once when it already is), provided every vLLM name
+the plugin uses is there (``missing_names``; else it logs them and does nothing):
 
 - ``Engram._create_embedding(layout, layer_hash_index)``, which builds each Engram layer's
   table module. The replacement reads ``get_current_vllm_config().additional_config``; unless
   it holds ``"engram_offload": {...}`` it calls vLLM's own method (vLLM's table, as before).
-  Otherwise it returns an ``OffloadedEngramEmbedding``: a ``ParallelEngramEmbedding`` built
-  without its constructor (no table allocated), holding this rank's columns (vLLM's split,
-  rank and size from vLLM's tensor-parallel group, no collective) and a lookup from
-  ``integrations.lookup``. It reports ``dp_size = 1``: each data-parallel replica looks up its
-  own tokens (``nvidia/model.py`` then gathers no ids). Its ``weight``/``weight_scale_inv``
-  are empty placeholders whose loader compares a few of the checkpoint's rows with the
-  table's (a table converted from another checkpoint is refused) and keeps nothing.
+  Otherwise it checks vLLM's version (``check_engine``: an untested one is refused unless
+  ``allow_untested_engine``) and returns an ``OffloadedEngramEmbedding``: a
+  ``ParallelEngramEmbedding`` built without its constructor (no table allocated), holding this
+  rank's columns (vLLM's split, rank and size from vLLM's tensor-parallel group, no
+  collective) and a lookup from ``integrations.lookup``. The store is opened with the rank's
+  columns, so a ``memory`` or ``pinned`` table holds only the rank's share of the rows. It
+  reports ``dp_size = 1``: each data-parallel replica looks up its own tokens
+  (``nvidia/model.py`` then gathers no ids). Its ``weight``/``weight_scale_inv`` are empty
+  placeholders whose loader compares a few of the checkpoint's rows with the table's (a table
+  converted from another checkpoint is refused) and keeps nothing.
 - ``Engram._finish_prefetch(event)``, which a layer calls before it reads its rows: for a
   host-read tier the CPU waits there for the read and enqueues the copy to the GPU.
 
-Start-up fails closed (one line each): a table whose Engram layout is not the checkpoint's; a
-host-read tier under a CUDA-graph mode with FULL graphs (the host read would be captured once
-and never run again: ``--enforce-eager``, or ``-cc.cudagraph_mode=PIECEWISE``).
+An in-place tier's rows are read by the GPU where they lie; where it cannot (a read-only
+``shared`` segment on a GPU that cannot register read-only memory, no coherent UVA) they are
+staged like a host-read tier's, and the start-up line says which.
+
+Start-up fails closed (one line each): an untested vLLM; a table whose Engram layout is not
+the checkpoint's; a host-read (or staged) tier under a CUDA-graph mode with FULL graphs (the
+host read would be captured once and never run again: ``--enforce-eager``, or
+``-cc.cudagraph_mode=PIECEWISE``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..buffers.hostmem import device_reads_in_place
 from ..engram.config import EngramConfig
 from ..gpu.device_table import DeviceTable
 from ..gpu.sync import make_sync
@@ -55,8 +64,7 @@ TESTED_VERSIONS = ("0.33.0", "0.34.0")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 SETTINGS_KEY = "engram_offload"  # in --additional-config
 CHECKED_ROWS = 8  # checkpoint rows compared with the table's, per tensor and rank
-GRAPH_FIX = ("start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEWISE (and "
-             "VLLM_USE_BREAKABLE_CUDAGRAPH=1 to keep piecewise graphs)")
+GRAPH_FIX = "start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEWISE"
 
 _PATCHED = "_engram_offload_patched"
 _lock = threading.Lock()
@@ -67,15 +75,12 @@ _modules: list[Any] = []  # every OffloadedEngramEmbedding built in this process
 
 # ---------------------------------------------------------------------- the entry point
 def register() -> None:
-    """vLLM's ``general_plugins`` hook: patch ``Engram`` when vLLM's Engram module loads."""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
+    """vLLM's ``general_plugins`` hook: patch ``Engram`` when vLLM's Engram module loads.
+
+    Any vLLM version is patched (the patch calls vLLM's own methods unless ``engram_offload``
+    settings are given); the version is judged when settings are (``check_engine``)."""
+    if _vllm_version() is None:
         log.warning("engram-offload: vLLM is not installed; the plugin does nothing")
-        return
-    if version not in TESTED_VERSIONS:
-        log.warning("engram-offload: vLLM %s is not a tested version (%s); the plugin does nothing and vLLM "
-                    "keeps its own Engram table", version, ", ".join(TESTED_VERSIONS))
         return
     module = sys.modules.get(ENGRAM_MODULE)
     if module is not None:
@@ -84,6 +89,57 @@ def register() -> None:
     with _lock:
         if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_engine(settings: OffloadSettings) -> None:
+    """Refuse an untested vLLM when settings are given, unless ``allow_untested_engine`` (then warn
+    once); the seams were checked when the module was patched."""
+    version = _vllm_version()
+    if version in TESTED_VERSIONS:
+        return
+    tested = ", ".join(TESTED_VERSIONS)
+    if not settings.allow_untested_engine:
+        raise ValueError(f"engram-offload was tested with vLLM {tested}, not {version}: install one of those, or "
+                         'add "allow_untested_engine": true to the engram_offload settings to run it anyway '
+                         "(every vLLM name the plugin uses is there)")
+    if not _warned_untested:
+        _warned_untested.append(version)
+        log.warning("engram-offload: running on vLLM %s, which it was not tested with (%s), because "
+                    "allow_untested_engine is set; every vLLM name it uses is there", version, tested)
+
+
+_warned_untested: list[str | None] = []
+
+
+def missing_names(engram: ModuleType) -> list[str]:
+    """The vLLM names the plugin uses that ``engram`` (vLLM's Engram module) and vLLM lack."""
+    missing = []
+    cls = getattr(engram, "Engram", None)
+    for name in ("_create_embedding", "_finish_prefetch"):
+        if not callable(getattr(cls, name, None)):
+            missing.append(f"Engram.{name}")
+    if cls is not None and not hasattr(getattr(cls, "_finish_prefetch", None), "__wrapped__"):
+        missing.append("Engram._finish_prefetch's eager_break_during_capture")
+    if not isinstance(getattr(engram, "ParallelEngramEmbedding", None), type):
+        missing.append("ParallelEngramEmbedding")
+    for module, names in (("vllm.compilation.breakable_cudagraph", ("eager_break_during_capture",)),
+                          ("vllm.config", ("get_current_vllm_config",)),
+                          ("vllm.distributed", ("get_tensor_model_parallel_rank",
+                                                "get_tensor_model_parallel_world_size"))):
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            missing.extend(f"{module}.{n}" for n in names)
+            continue
+        missing.extend(f"{module}.{n}" for n in names if not hasattr(found, n))
+    return missing
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -110,20 +166,28 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def patch(engram: ModuleType) -> None:
-    """Replace ``Engram._create_embedding`` and ``Engram._finish_prefetch`` (once)."""
+    """Replace ``Engram._create_embedding`` and ``Engram._finish_prefetch`` (once); a vLLM that
+    lacks a name the plugin uses is left alone, with an error line naming it."""
     with _lock:
-        cls = engram.Engram
+        cls = getattr(engram, "Engram", None)
         if getattr(cls, _PATCHED, False):
+            return
+        missing = missing_names(engram)
+        if missing:
+            log.error("engram-offload: vLLM %s lacks %s, which the plugin uses: it does nothing, and engram_offload "
+                      "settings are not applied (vLLM keeps its own Engram table)", _vllm_version(), ", ".join(missing))
             return
         from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
+        assert cls is not None
         create, finish = cls._create_embedding, cls._finish_prefetch
-        finish_body = getattr(finish, "__wrapped__", finish)  # under vLLM's capture decorator
+        finish_body = finish.__wrapped__  # under vLLM's capture decorator
 
         def _create_embedding(self: Any, layout: Any, layer_hash_index: int) -> Any:
             settings = settings_from_vllm()
             if settings is None:
                 return create(self, layout, layer_hash_index)
+            check_engine(settings)
             return build_embedding(engram, layout, layer_hash_index, settings)
 
         def _finish_prefetch(self: Any, event: Any) -> None:
@@ -167,10 +231,10 @@ def _full_graphs() -> bool:
 # ---------------------------------------------------------------------- the module
 def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, settings: OffloadSettings) -> Any:
     """An ``OffloadedEngramEmbedding`` for one Engram layer of this rank (after the checks)."""
-    from vllm.config import get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    check_graph_mode(settings, _full_graphs(), GRAPH_FIX)
+    full_graphs = _full_graphs()
+    check_graph_mode(settings, full_graphs, GRAPH_FIX)
     rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     layer_ids = tuple(int(i) for i in layout.layer_ids)
     store, config = _store(settings, layout, rank, world)
@@ -179,26 +243,45 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     device = torch.get_default_device()
     describe = f"{settings.table} on {settings.row_server or settings.tier}"
     backend: AddressableLookup | HostReadLookup
-    if settings.host_read:
-        max_tokens = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
-        slot_bytes = max_tokens * shard.part * config.row_bytes
-        slots = 2
-        if settings.staging_bytes is not None:
-            if settings.staging_bytes < slot_bytes:
-                raise ValueError(f"staging_bytes {settings.staging_bytes} holds less than one step's rows of "
-                                 f"layer {layer_id} ({slot_bytes} bytes at {max_tokens} tokens): raise it")
-            slots = max(1, min(4, settings.staging_bytes // slot_bytes))
-        backend = HostReadLookup(shard, store, config, max_tokens=max_tokens, device=device,
-                                 sync=make_sync(device), slots=slots, timeout_s=settings.wait_timeout_s,
-                                 describe=describe, log_every=settings.log_every)
+    how = "read on the host"
+    found = None if settings.host_read else _device_table(settings, rank, world, store, layer_id, device)
+    if found is not None:
+        table, first = found
+        backend = AddressableLookup(shard, store, table, config, first_row=first, describe=describe,
+                                    log_every=settings.log_every)
+        how = "read by the GPU in place"
     else:
-        table = _device_table(settings, rank, world, store, device)
-        backend = AddressableLookup(shard, store, table, config, describe=describe, log_every=settings.log_every)
+        if not settings.host_read:  # e.g. a read-only segment the device cannot register
+            why = (f"this GPU cannot read the {settings.tier} tier's rows in place (read-only host memory it "
+                   "cannot register, or no coherent UVA)")
+            if full_graphs:
+                raise ValueError(f"{why}: they would be staged on the host, which a FULL CUDA graph cannot "
+                                 f"replay: {GRAPH_FIX}, or use the pinned tier")
+            how = f"staged on the host: {why}"
+        backend = _host_read_backend(settings, shard, store, config, device, describe)
     module = _embedding_class(engram)._build(layout, layer_hash_index, shard, store, backend, device, world)
     _modules.append(module)
-    log.info("engram-offload: Engram layer %d of rank %d/%d on %s (%s backend, columns [%d, %d) of %d)",
-             layer_id, rank, world, describe, backend.kind, shard.c0, shard.c1, shard.num_columns)
+    log.info("engram-offload: Engram layer %d of rank %d/%d on %s (%s backend, %s; columns [%d, %d) of %d)",
+             layer_id, rank, world, describe, backend.kind, how, shard.c0, shard.c1, shard.num_columns)
     return module
+
+
+def _host_read_backend(settings: OffloadSettings, shard: LayerShard, store: RowStore, config: EngramConfig,
+                       device: torch.device, describe: str) -> HostReadLookup:
+    """A layer's host-read lookup, its pinned staging sized from vLLM's step and ``staging_bytes``."""
+    from vllm.config import get_current_vllm_config
+
+    max_tokens = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
+    slot_bytes = max_tokens * shard.part * config.row_bytes
+    slots = 2
+    if settings.staging_bytes is not None:
+        if settings.staging_bytes < slot_bytes:
+            raise ValueError(f"staging_bytes {settings.staging_bytes} holds less than one step's rows of layer "
+                             f"{shard.layer_id} ({slot_bytes} bytes at {max_tokens} tokens): raise it")
+        slots = max(1, min(4, settings.staging_bytes // slot_bytes))
+    return HostReadLookup(shard, store, config, max_tokens=max_tokens, device=device, sync=make_sync(device),
+                          slots=slots, timeout_s=settings.wait_timeout_s, describe=describe,
+                          log_every=settings.log_every)
 
 
 def _store(settings: OffloadSettings, layout: Any, rank: int, world: int) -> tuple[RowStore, EngramConfig]:
@@ -228,15 +311,21 @@ def _store(settings: OffloadSettings, layout: Any, rank: int, world: int) -> tup
         return store, store.config
 
 
-def _device_table(settings: OffloadSettings, rank: int, world: int, store: RowStore,
-                  device: torch.device) -> DeviceTable:
-    """The store's resident rows as the device reads them: one registration for every layer."""
-    key = (settings.store_key(), rank, world)
+def _device_table(settings: OffloadSettings, rank: int, world: int, store: RowStore, layer_id: int,
+                  device: torch.device) -> tuple[DeviceTable, int] | None:
+    """The host rows holding ``layer_id``'s rows as the device reads them in place, and the
+    flat table row of their row 0: one registration for every layer those rows hold. None
+    where the device cannot read them in place (the rows are then staged)."""
+    found = store.in_place_rows(layer_id)
+    if found is None or not device_reads_in_place(found[0], device):
+        return None
+    rows, first = found
+    key = (settings.store_key(), rank, world, rows.data_ptr())
     with _lock:
         table = _tables.get(key)
         if table is None:
-            table = _tables[key] = DeviceTable(store.tier.rows, device)  # type: ignore[attr-defined]
-        return table
+            table = _tables[key] = DeviceTable(rows, device)
+        return table, first
 
 
 _classes: dict[int, type] = {}
