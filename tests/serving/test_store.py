@@ -292,10 +292,11 @@ def test_repr_names_the_file_the_levels_the_tier_and_the_shard(v41_table):
     path, config, _ = v41_table
     with open_table(path) as plain, \
             open_table(path, "direct", cache_bytes=64 * 264, fast_cache_bytes=8 * 264) as cached, \
-            open_table(path, "memory", columns=(0, 12)) as shard:
+            open_table(path, "mmap", columns=(0, 12)) as shard, open_table(path, "memory", columns=(0, 12)) as share:
         assert repr(plain) == f"TableStore({str(path)!r}, [no cache] over MmapTier, rows=22,830)"
         assert repr(cached) == f"TableStore({str(path)!r}, [fast:8 rows, dram:64 rows] over DirectTier, rows=22,830)"
-        assert repr(shard) == f"TableStore({str(path)!r}, [no cache] over MemoryTier, rows=22,830, columns=(0, 12))"
+        assert repr(shard) == f"TableStore({str(path)!r}, [no cache] over MmapTier, rows=22,830, columns=(0, 12))"
+        assert repr(share) == f"LayeredStore({str(path)!r}, 1=memory/14=memory, rows=22,830, columns=(0, 12))"
         bare = TableStore(plain.tier, config)  # no header: no file to name
         assert repr(bare) == "TableStore([no cache] over MmapTier, rows=22,830)"
         assert bare.stats()["table"] is None and plain.stats()["table"] == str(path)

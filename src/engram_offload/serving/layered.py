@@ -13,6 +13,13 @@ non-resident tier (``mmap``, ``direct``, ``remote``) share one opened tier. The 
 budget goes to the layers on non-resident tiers only, split in proportion to their rows (a
 token asks every layer for the same number of rows).
 
+With ``columns`` (a tensor-parallel rank's column shard, ``sharding.shard_columns``) each
+layer's range is that shard's rows of the layer (``sharding.shard_rows``): a layer on a
+private resident tier (``memory``, ``pinned``) loads only the pages of those rows, a
+non-resident layer's caches are sized for them, and any other id raises ``IndexError``. A
+``shared`` layer still loads the whole layer: one copy a machine, whichever rank attaches.
+``open_table(path, "pinned", columns=...)`` is this store with every layer on ``pinned``.
+
 A placement is a mapping ``{layer_id: tier}`` or its text form ``"1=memory/14=direct"``
 (wherever a tier name is accepted); every layer of the table must be named.
 """
@@ -40,6 +47,7 @@ from ..engram.config import EngramConfig
 from ..table.format import TableHeader, TableLayout, read_header
 from ..tiers import TIERS, Tier, get_tier_class, is_resident, open_tier
 from .rowstore import RowStore
+from .sharding import Columns, check_columns, require_in_shard, shard_rows
 
 __all__ = ["LayeredStore", "Placement", "dram_bytes", "is_layered", "open_layered", "parse_placement",
            "placement_text", "window_header"]
@@ -141,24 +149,22 @@ def window_header(header: TableHeader, start: int, end: int) -> TableHeader:
 
 class _LayerRows:
     """One layer's rows ``[0, count)`` as rows ``[offset, offset + count)`` of ``tier`` (a
-    ``RowSource`` for that layer's ``TableStore``); the tier is closed by the ``LayeredStore``."""
+    ``RowSource`` for that layer's ``TableStore``; no tier for a shard with no rows in the
+    layer); the tier is closed by the ``LayeredStore``."""
 
-    def __init__(self, tier: Tier, offset: int, count: int) -> None:
-        self.tier, self.offset, self.count = tier, int(offset), int(count)
+    def __init__(self, tier: Tier | None, offset: int, count: int, row_bytes: int) -> None:
+        self.tier, self.offset, self.count, self.row_bytes = tier, int(offset), int(count), int(row_bytes)
 
     @property
     def num_rows(self) -> int:
         return self.count
 
-    @property
-    def row_bytes(self) -> int:
-        return self.tier.row_bytes
-
     def read_rows(self, ids: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        assert self.tier is not None, "a layer without rows is never read"
         return self.tier.read_rows(ids + self.offset, out)
 
     def stats(self) -> dict[str, Any]:
-        return self.tier.stats()
+        return {} if self.tier is None else self.tier.stats()
 
     def close(self) -> None:
         """The tier may serve other layers: ``LayeredStore.close`` closes it."""
@@ -169,22 +175,27 @@ class _LayerRows:
 class _Layer:
     layer_id: int
     tier_name: str
-    base: int  # first row in the flat row space
+    base: int  # first row in the flat row space (with columns: the shard's first row of the layer)
     count: int
     store: Any  # the layer's TableStore (ids 0..count-1)
     resident: Tier | None  # the window tier this layer alone holds in DRAM
+    first_row: int = 0  # the flat row id of the resident window's row 0
 
 
 class LayeredStore(RowStore):
     """Rows of one table, each Engram layer through its own ``TableStore`` on its own tier
-    (a ``RowStore``; see the module doc). Host rows only. Thread-safe; a context manager."""
+    (a ``RowStore``; see the module doc); with ``columns``, only that shard's rows. Host rows
+    only. Thread-safe; a context manager."""
 
-    def __init__(self, config: EngramConfig, header: TableHeader, layers: list[_Layer], tiers: list[Tier]) -> None:
+    def __init__(self, config: EngramConfig, header: TableHeader, layers: list[_Layer], tiers: list[Tier],
+                 columns: Columns | None = None) -> None:
         super().__init__(config, config.num_rows)
         self.header = header
         self.layers = sorted(layers, key=lambda lay: lay.base)
         self._tiers = tiers  # every tier opened, each closed once
         self._bounds = np.array([lay.base for lay in self.layers[1:]], np.int64)
+        self.columns = None if columns is None else check_columns(columns, config.cols_per_layer)
+        self._shard = None if self.columns is None else shard_rows(config, self.columns)
         self.placement = {lay.layer_id: lay.tier_name for lay in self.layers}
         self._lock = threading.Lock()
         self._requested = 0
@@ -201,6 +212,8 @@ class LayeredStore(RowStore):
         as ``TableStore``'s, for ids of one layer (those of several are copied together)."""
         if self.closed:
             raise ValueError("this store is closed: open the table again")
+        if self._shard is not None and self.columns is not None:
+            require_in_shard(self._shard, self.columns, ids)
         t0 = time.perf_counter()
         out, pins = self._fetch_layers(ids, hold, in_place)
         with self._lock:
@@ -230,6 +243,14 @@ class LayeredStore(RowStore):
             Lease(ids, out, pins).release()
             raise
         return out, pins
+
+    def in_place_rows(self, layer_id: int) -> tuple[torch.Tensor, int] | None:
+        """A resident layer's window rows ``uint8 [R, row_bytes]`` and the flat row id of its row
+        0 (``RowStore.in_place_rows``); None for a layer on a non-resident tier."""
+        lay = next((lay for lay in self.layers if lay.layer_id == layer_id), None)
+        if lay is None:
+            raise KeyError(f"layer {layer_id} is not an Engram layer; Engram layers: {list(self.config.layer_ids)}")
+        return None if lay.resident is None else (lay.resident.rows, lay.first_row)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
@@ -272,7 +293,8 @@ class LayeredStore(RowStore):
                  "hit_rate": 1.0 - device_rows / unique if unique else 0.0, "bytes_read": bytes_read, **latency}
         return {"store": store, "levels": levels, "tier": tier, "layers": per_layer,
                 "placement": placement_text(self.placement), "table": str(self.header.path),
-                "table_bytes": self.header.layout.file_bytes, "columns": None, "dram_bytes": dram_bytes(self)}
+                "table_bytes": self.header.layout.file_bytes, "dram_bytes": dram_bytes(self),
+                "columns": None if self.columns is None else list(self.columns)}
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -283,7 +305,8 @@ class LayeredStore(RowStore):
             t.close()
 
     def __repr__(self) -> str:
-        return f"LayeredStore({str(self.header.path)!r}, {placement_text(self.placement)}, rows={self.num_rows:,})"
+        shard = f", columns={self.columns}" if self.columns is not None else ""
+        return f"LayeredStore({str(self.header.path)!r}, {placement_text(self.placement)}, rows={self.num_rows:,}{shard})"
 
 
 def _layer_dram(lay: _Layer) -> int:
@@ -294,8 +317,8 @@ def _layer_dram(lay: _Layer) -> int:
 
 
 def dram_bytes(store: Any) -> int:
-    """The DRAM a store holds: a resident tier's rows (a layered store's: its layers' slices),
-    its host row caches and, with a device, its staging buffers."""
+    """The DRAM a store holds: a resident tier's rows (a layered store's: its layers' slices, a
+    rank's share: its columns' pages), its host row caches and, with a device, its staging buffers."""
     if isinstance(store, LayeredStore):
         return sum(_layer_dram(lay) for lay in store.layers)
     held = sum(level.capacity * level.row_bytes for level in getattr(store, "levels", ())
@@ -320,48 +343,56 @@ def _tier_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 def open_layered(path: Any, tier: str | Mapping[int, str], layer_store: LayerStore, *, cache_bytes: int | None = None,
                  policy: str = DEFAULT_POLICY, fast_cache_bytes: int = 0, admission: bool | None = None,
-                 **options: Any) -> LayeredStore:
-    """Open ``path`` with each Engram layer on the tier ``tier`` names (see the module doc);
-    ``open_table`` calls it for a placement, with ``layer_store`` its ``TableStore`` class
-    (each layer's store over that layer's rows, config and caches). ``options`` go to the
-    tiers that take them."""
+                 columns: Columns | None = None, **options: Any) -> LayeredStore:
+    """Open ``path`` with each Engram layer on the tier ``tier`` names (a placement, or one tier
+    name for every layer), serving only the rows of ``columns`` when given (see the module doc);
+    ``open_table`` calls it, with ``layer_store`` its ``TableStore`` class (each layer's store
+    over that layer's rows, config and caches). ``options`` go to the tiers that take them."""
     if str(path).startswith("redis://"):
-        raise ValueError("a per-layer placement needs the table file (its layers' slices): pass its path, "
-                         "and the pool as pool=")
+        raise ValueError("a per-layer placement or a rank's share of a resident tier loads slices of the table "
+                         "file: pass its path, and the pool as pool=")
     header = read_header(path)
     config = header.config
-    placement = parse_placement(tier, config.layer_ids)
+    placement = parse_placement(tier if is_layered(tier) else {i: str(tier) for i in config.layer_ids},
+                                config.layer_ids)
     unused = [k for k in options if not any(k in _tier_options(n, {k: 1}) for n in set(placement.values()))]
     if unused:
         raise ValueError(f"no tier of placement {placement_text(placement)} takes option(s) {', '.join(unused)}")
     rows = config.rows_per_layer
-    cached_rows = sum(rows[i] for i, name in placement.items() if not is_resident(name))
+    whole = {i: (config.layer_row_base(i), config.layer_row_base(i) + rows[i]) for i in config.layer_ids}
+    spans = whole if columns is None else dict(zip(config.layer_ids, shard_rows(config, columns).ranges.tolist()))
+    cached_rows = sum(hi - lo for i, (lo, hi) in spans.items() if not is_resident(placement[i]))
     tiers: list[Tier] = []
     shared: dict[str, Tier] = {}  # non-resident tiers, one per name
     layers: list[_Layer] = []
     try:
         for layer_id in config.layer_ids:
-            name, base, count = placement[layer_id], config.layer_row_base(layer_id), rows[layer_id]
-            if is_resident(name):
-                window = window_header(header, base, base + count)
-                opened = open_tier(name, window, **_tier_options(name, options))
+            name, (lo, hi) = placement[layer_id], spans[layer_id]
+            opened: Tier | None
+            resident: Tier | None = None
+            levels: list[RowCache] = []
+            first_row = 0
+            if lo == hi:  # a rank past the last column: no rows of this layer to hold or read
+                opened, offset = None, 0
+            elif is_resident(name):  # a private tier loads the range's pages; shared, the whole layer's
+                window = window_header(header, *((lo, hi) if TIERS[name].private else whole[layer_id]))
+                opened = resident = open_tier(name, window, **_tier_options(name, options))
                 tiers.append(opened)
-                offset = base - window.first_row  # type: ignore[attr-defined]
-                resident: Tier | None = opened
-                levels: list[RowCache] = []
+                first_row = window.first_row  # type: ignore[attr-defined]
+                offset = lo - first_row
             else:
                 if name not in shared:
                     shared[name] = open_tier(name, header, **_tier_options(name, options))
                     tiers.append(shared[name])
-                opened, offset, resident = shared[name], base, None
-                share = count / cached_rows
+                opened, offset = shared[name], lo
+                share = (hi - lo) / cached_rows
                 levels = build_levels(config.row_bytes, int((cache_bytes or 0) * share), policy,
                                       fast_cache_bytes=int(fast_cache_bytes * share), admission=admission,
-                                      num_rows=count)
-            layers.append(_Layer(layer_id, name, base, count,
-                                 layer_store(_LayerRows(opened, offset, count), config, levels), resident))
+                                      num_rows=hi - lo)
+            source = _LayerRows(opened, offset, hi - lo, config.row_bytes)
+            layers.append(_Layer(layer_id, name, lo, hi - lo, layer_store(source, config, levels), resident, first_row))
     except BaseException:
         for t in tiers:
             t.close()
         raise
-    return LayeredStore(config, header, layers, tiers)
+    return LayeredStore(config, header, layers, tiers, columns)

@@ -3,7 +3,8 @@
 A store implements one primitive, ``_lease``: rows of checked, sorted distinct ids as a
 ``RowLease``, plus ``stats`` and ``close``. The rest is here: ``fetch`` (the ids' check),
 ``read_raw`` and ``gather`` (deduplicate, fetch without holding, put the rows back in the
-caller's order), ``decode`` and the context manager.
+caller's order), ``decode``, ``in_place_rows`` (None unless a store holds rows resident)
+and the context manager.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ class RowStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def in_place_rows(self, layer_id: int) -> tuple[torch.Tensor, int] | None:
+        """Where this process holds layer ``layer_id``'s rows resident, for a device to read them
+        in place: the host tensor ``uint8 [R, row_bytes]`` holding them and ``first``, the flat
+        row id of its row 0 (flat id ``f`` is row ``f - first``; with ``columns``, only the
+        shard's rows are there). None when this process does not hold them (a host-read tier, a
+        row server's client, a pool)."""
+        return None
 
     # ------------------------------------------------------------------ reading rows
     def fetch(self, unique_ids: np.ndarray, *, hold: bool = True, requested: int | None = None,

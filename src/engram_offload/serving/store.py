@@ -22,7 +22,8 @@ Without a device nothing of this runs.
 With ``columns`` (``open_table(..., columns=(c0, c1))``, a tensor-parallel rank's column
 shard, ``sharding.shard_columns``) the store serves only the rows of those columns' heads
 (``sharding.shard_rows``): any other id raises ``IndexError``, so its caches hold only the
-shard's rows and two ranks never cache the same row.
+shard's rows and two ranks never cache the same row. On ``memory`` or ``pinned`` the rank's
+store is a ``layered.LayeredStore`` that loads only those rows (a rank's share of the table).
 
 With ``row_server`` (``open_table(path, tier, row_server=socket)``) there is no local store:
 the result is a ``rowserver.RowClient`` of the machine's row server, another ``RowStore``.
@@ -54,13 +55,13 @@ from ..gpu.device_table import DeviceTable
 from ..gpu.hbm_cache import HbmRowCache
 from ..gpu.sync import DeviceSync, make_sync
 from ..table.format import TableHeader, read_header
-from ..tiers import Tier, as_row_ids, open_tier
+from ..tiers import Tier, as_row_ids, open_tier, tier_names
 from ..tiers.memory import MemoryTier
+from .layered import LayeredStore, open_layered
 from .rowstore import RowLease, RowStore
 from .sharding import Columns, ShardRows, check_columns, require_in_shard, shard_rows
 
 if TYPE_CHECKING:
-    from .layered import LayeredStore
     from .rowserver.client import RowClient
 
 __all__ = ["Lease", "RowLease", "RowSource", "RowStore", "TableStore", "open_table"]
@@ -343,6 +344,12 @@ class TableStore(RowStore):
             self._unique += u
             self._fetch_samples.append(seconds)
 
+    def in_place_rows(self, layer_id: int) -> tuple[torch.Tensor, int] | None:
+        """The whole table's rows and 0 on a resident tier (``memory``, ``pinned``, ``shared``),
+        else None (``RowStore.in_place_rows``)."""
+        self.config.layer_row_base(layer_id)  # KeyError for a layer the table lacks
+        return (self.tier.rows, 0) if isinstance(self.tier, MemoryTier) else None
+
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         """Zero the store's and the levels' counters (the tier's own counters run on)."""
@@ -458,7 +465,7 @@ def open_table(path: str | os.PathLike[str], tier: str = ..., *, cache_bytes: in
 @overload
 def open_table(path: str | os.PathLike[str], tier: Mapping[int, str], *, cache_bytes: int | None = ...,
                policy: str = ..., fast_cache_bytes: int = ..., admission: bool | None = ..., device: None = ...,
-               sync: None = ..., staging_bytes: int = ..., columns: None = ..., row_server: None = ...,
+               sync: None = ..., staging_bytes: int = ..., columns: Columns | None = ..., row_server: None = ...,
                **options: Any) -> LayeredStore: ...
 
 
@@ -508,8 +515,10 @@ def open_table(
 
     ``columns=(c0, c1)`` (``shard_columns(config, rank, world)``): a tensor-parallel rank's
     store, serving only the rows of those columns' heads (others raise ``IndexError``); its
-    caches hold those rows only. A resident tier (``memory``, ``pinned``, ``shared``) still
-    loads the whole table: for one copy a machine, use ``shared``.
+    caches hold those rows only. On ``memory`` or ``pinned`` it loads only those rows, a
+    quarter of the table at 4 ranks: the result is a ``layered.LayeredStore`` with every layer
+    on that tier (host rows, no ``device``; ``in_place_rows`` gives each layer's rows to a
+    device). ``shared`` still holds the whole table, one copy a machine for every rank.
 
     ``row_server`` (the socket of ``rowserver.start_row_server``): connect to the machine's
     row server instead of opening the file, and return its ``RowClient`` (a ``RowStore``).
@@ -518,17 +527,18 @@ def open_table(
 
     ``tier`` may also place each Engram layer on its own tier: ``{1: "memory", 14: "direct"}``
     or ``"1=memory/14=direct"`` (every layer named); the result is then a ``layered.LayeredStore``
-    (host rows; no ``device``, ``columns`` or ``row_server``), see ``serving.layered``.
+    (host rows; no ``device`` or ``row_server``; ``columns`` as above), see ``serving.layered``.
     """
-    if not isinstance(tier, str) or "=" in tier:
-        given = [name for name, value in (("device", device), ("sync", sync), ("columns", columns),
-                                          ("row_server", row_server)) if value is not None]
+    share = columns is not None and row_server is None and tier in tier_names(resident=True, private=True)
+    if share or not isinstance(tier, str) or "=" in tier:  # layered.is_layered, narrowing tier
+        given = [name for name, value in (("device", device), ("sync", sync), ("row_server", row_server))
+                 if value is not None]
         if given:
-            raise ValueError(f"a per-layer placement serves host rows from this process: drop {', '.join(given)}")
-        from .layered import open_layered
-
+            what = f"a rank's share of the {tier} tier" if share else "a per-layer placement"
+            raise ValueError(f"{what} serves host rows from this process: drop {', '.join(given)} "
+                             "(a device reads its rows in place through in_place_rows)")
         return open_layered(path, tier, TableStore, cache_bytes=cache_bytes, policy=policy, fast_cache_bytes=fast_cache_bytes,
-                            admission=admission, **options)
+                            admission=admission, columns=columns, **options)
     if row_server is not None:
         return _connect(path, tier, row_server, columns, cache_bytes=cache_bytes, fast_cache_bytes=fast_cache_bytes,
                         device=device, sync=sync, **options)
