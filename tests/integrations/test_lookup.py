@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engram_offload.engram.rows import decode_rows
 from engram_offload.errors import PrefetchError
@@ -124,9 +125,10 @@ def test_flat_ids_layer_local_to_table_rows():
 # ---------------------------------------------------------------------- rows
 def addressable(config, path, layer_id, rank, world, tier="memory"):
     options = {"shm_dir": path.parent} if tier == "shared" else {}  # the test's own folder, not /dev/shm
-    store = open_table(path, tier, columns=LayerShard.of(config, layer_id, rank, world).columns, **options)
     shard = LayerShard.of(config, layer_id, rank, world)
-    return AddressableLookup(shard, store, DeviceTable(store.tier.rows, "cpu"), config)
+    store = open_table(path, tier, columns=shard.columns, **options)
+    rows, first = store.in_place_rows(layer_id)  # memory: the rank's share of the layer; shared: every row
+    return AddressableLookup(shard, store, DeviceTable(rows, "cpu"), config, first_row=first)
 
 
 def host_read(config, path, layer_id, rank, world, tier="direct", sync=None, **options):
@@ -495,7 +497,8 @@ def test_stats_name_the_layer_the_backend_the_table_and_every_counter(table, cap
         store = lookup.store.stats()
         assert lookup.stats() == {"layer": layer_id, "backend": "addressable", "table": "", "columns": [12, 24],
                                   "lookups": 2, "rows": 2 * 3 * 12, "stall_s": 0.0, "max_stall_s": 0.0,
-                                  "failures": 0, "hit_rate": store["store"]["hit_rate"], "store": store}
+                                  "failures": 0, "not_counted": ["stall_s", "max_stall_s"],
+                                  "hit_rate": store["store"]["hit_rate"], "store": store}
         lookup.store = _Gone(lookup.store)
         gone = lookup.stats()
         assert gone["store"] == {} and gone["hit_rate"] is None and gone["lookups"] == 2
@@ -645,14 +648,84 @@ def test_the_log_line_of_a_store_without_a_hit_rate(table, caplog):
     layer_id = CONFIG.layer_ids[0]
     shard = LayerShard.of(CONFIG, layer_id, 0, 1)
     store = _Gone(open_table(path, "memory", columns=shard.columns))
-    lookup = AddressableLookup(shard, store, DeviceTable(store.store.tier.rows, "cpu"), CONFIG,
+    rows, first = store.store.in_place_rows(layer_id)
+    lookup = AddressableLookup(shard, store, DeviceTable(rows, "cpu"), CONFIG, first_row=first,
                                describe="v41.table in memory", log_every=1)
     lookup.counters.stall_s, lookup.counters.max_stall_s = 1.25, 0.75  # an addressable lookup never stalls
     with closed_after(lookup), caplog.at_level(logging.INFO, "engram_offload.integrations"):
         run_steps(lookup, CONFIG, layer_id, steps=1, tokens=2)
+        assert caplog.records == []  # no Python runs per replay: the line comes with stats()
+        lookup.stats()
+        lookup.stats()  # no lookup since: no second line
     assert [r.getMessage() for r in caplog.records] == [
         "engram-offload layer 1 (addressable, v41.table in memory): 1 lookups, 48 rows, hit rate n/a, "
         "stall 1250.0 ms total, 750.0 ms max"]
+
+
+class _Recorded(TorchDispatchMode):
+    """The torch ops a call ran, each with the tensors it ran on: what a CUDA graph captures of
+    the call, and ``replay`` runs them again without the call's Python (as a graph replay; the
+    Triton interpreter's gather is Python, not a torch op, so it is not run again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def replay(self):
+        for func, args, kwargs in self.ops:
+            func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+def test_replayed_lookups_are_counted_and_logged_at_stats(table, caplog, packed):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    with closed_after(addressable(CONFIG, path, layer_id, 1, 2)) as lookup:
+        lookup.log_every = 4
+        part = lookup.shard.part
+        eager = step_ids(CONFIG, layer_id, 3, seed=0)
+        lookup.lookup(eager, out_buffer(CONFIG, lookup.shard, 3, packed))  # an eager call: 3 * 12 rows
+        ids = step_ids(CONFIG, layer_id, 2, seed=1)
+        out = out_buffer(CONFIG, lookup.shard, 2, packed)
+        recorded = _Recorded()
+        with recorded:
+            lookup.lookup(ids, out)  # the captured call
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, packed))
+        for _ in range(5):
+            recorded.replay()  # five replays: no Python of the lookup runs
+        with caplog.at_level(logging.INFO, "engram_offload.integrations"):
+            stats = lookup.stats()
+        assert (stats["lookups"], stats["rows"]) == (1 + 6, 3 * part + 6 * 2 * part)
+        assert stats["not_counted"] == ["stall_s", "max_stall_s"]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"engram-offload layer 14 (addressable, ): 7 lookups, {stats['rows']} rows, hit rate "
+            f"{stats['hit_rate']:.3f}, stall 0.0 ms total, 0.0 ms max"]
+
+
+def test_a_device_table_of_a_slice_reads_from_its_first_row(table):
+    """A rank holding only its share of a layer's rows: flat row f is the slice's row f - first_row."""
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    shard = LayerShard.of(CONFIG, layer_id, 1, 2)
+    lo, hi = shard.row_base + shard.vocab_start, shard.row_base + shard.vocab_end
+    with open_table(path, "direct") as store:
+        held = torch.from_numpy(raw[lo - 3:hi].copy())  # the rank's rows and three before them, alone
+        lookup = AddressableLookup(shard, store, DeviceTable(held, "cpu"), CONFIG, first_row=lo - 3)
+        for packed in (False, True):
+            ids = step_ids(CONFIG, layer_id, 4, seed=7)  # -1, ids of other ranks and past the layer: zero rows
+            out = out_buffer(CONFIG, shard, 4, packed)
+            lookup.lookup(ids, out)
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 1, 2, ids, packed))
+        for first in (lo + 1, hi - held.shape[0] - 1):  # the slice misses the rank's first or last row
+            with pytest.raises(ValueError, match=rf"^the device table holds flat rows \[{first}, "
+                                                 rf"{first + held.shape[0]}\), not rows \[{lo}, {hi}\) of layer "
+                                                 rf"{layer_id}'s columns \[12, 24\]: give the rows holding them "
+                                                 r"and the flat row of their row 0$"):
+                AddressableLookup(shard, store, DeviceTable(held, "cpu"), CONFIG, first_row=first)
 
 
 def test_close_waits_for_a_stuck_read_no_longer_than_the_timeout(table):

@@ -14,7 +14,8 @@ Two backends:
 
 - ``AddressableLookup``: the table in host memory the device reads in place (``memory``,
   ``pinned``, ``shared``): one gather kernel (``gpu.gather_rows`` / ``gather_raw``) on the current
-  stream, ids masked on the device. No host sync, so a CUDA graph can capture it.
+  stream, ids masked on the device, and its counters added up on the device too. No host sync,
+  so a CUDA graph can capture it, and a replay counts as a lookup.
 - ``HostReadLookup``: a host-read tier (``direct``, ``mmap``, ``remote``, a row server). ``lookup``
   copies the rank's ids into a slot of its pinned ``StagingRing`` on the current stream and
   hands the slot to this layer's worker thread; the worker waits for that copy, reads the rows
@@ -83,9 +84,10 @@ class LayerShard:
         return self.c0, self.c1
 
 
-def flat_ids(shard: LayerShard, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_ids(shard: LayerShard, indices: torch.Tensor, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer-local ids ``[T, C]`` (any integer dtype and strides, any device) -> the rank's table
-    ids ``int64 [T, part]`` (0 where not owned) and whether each is owned ``bool [T, part]``."""
+    ids ``int64 [T, part]`` (0 where not owned) and whether each is owned ``bool [T, part]``.
+    ``first_row``: the ids count from that flat row (rows held from there on)."""
     if indices.dim() != 2 or indices.shape[1] != shard.num_columns:
         raise ValueError(f"Engram ids must be [T, {shard.num_columns}] (every column of layer {shard.layer_id}), "
                          f"got {tuple(indices.shape)}")
@@ -94,7 +96,7 @@ def flat_ids(shard: LayerShard, indices: torch.Tensor) -> tuple[torch.Tensor, to
     if pad:
         local = torch.nn.functional.pad(local, (0, pad), value=-1)  # [T, part]
     owned = (local >= shard.vocab_start) & (local < shard.vocab_end)
-    return torch.where(owned, local + shard.row_base, 0), owned
+    return torch.where(owned, local + (shard.row_base - first_row), 0), owned
 
 
 def _out_rows(out: torch.Tensor, n: int, width: int) -> torch.Tensor | None:
@@ -114,7 +116,7 @@ def _check_out(shard: LayerShard, out: torch.Tensor, t: int, head_dim: int, row_
 
 @dataclass
 class LookupStats:
-    """Counters of one layer's lookups (``stats()``), logged every ``log_every`` lookups."""
+    """Counters of one layer's lookups kept on the host (``stats()``)."""
 
     lookups: int = 0
     rows: int = 0
@@ -132,6 +134,7 @@ class _Logged:
     """Counting and the periodic log line shared by both backends."""
 
     kind = ""
+    not_counted: tuple[str, ...] = ()  # counters this backend cannot measure (left at 0)
 
     def __init__(self, shard: LayerShard, store: RowStore, describe: str, log_every: int) -> None:
         self.shard = shard
@@ -139,51 +142,81 @@ class _Logged:
         self.describe = describe
         self.log_every = log_every
         self.counters = LookupStats()
+        self._logged = 0  # lookups at the last periodic line
 
     def _count(self, rows: int) -> None:
         c = self.counters
         c.lookups += 1
         c.rows += rows
         if self.log_every and c.lookups % self.log_every == 0:
-            s = self.stats()
-            hit = s.get("hit_rate")
-            log.info("engram-offload layer %d (%s, %s): %d lookups, %d rows, hit rate %s, stall %.1f ms total, "
-                     "%.1f ms max", self.shard.layer_id, self.kind, self.describe, c.lookups, c.rows,
-                     "n/a" if hit is None else f"{hit:.3f}", 1e3 * c.stall_s, 1e3 * c.max_stall_s)
+            self.stats()  # logs the line
+
+    def _totals(self) -> tuple[int, int]:
+        """Lookups and rows so far."""
+        return self.counters.lookups, self.counters.rows
 
     def stats(self) -> dict[str, Any]:
-        """This layer's counters plus the store's hit rate (None where the store has no caches)."""
+        """This layer's counters plus the store's hit rate (None where the store has no caches).
+
+        ``rows``: ids x the rank's columns (padding tokens and columns included); ``not_counted``
+        names the counters this backend cannot measure. Logs the periodic line when ``lookups``
+        passed another multiple of ``log_every`` since the last one.
+        """
+        lookups, rows = self._totals()
         out = {"layer": self.shard.layer_id, "backend": self.kind, "table": self.describe,
-               "columns": list(self.shard.columns), **self.counters.as_dict()}
+               "columns": list(self.shard.columns), **self.counters.as_dict(), "lookups": lookups, "rows": rows,
+               "not_counted": list(self.not_counted)}
         try:
             store = self.store.stats()
         except Exception:  # a closed store or a row server gone: the counters still stand
             store = {}
         out["hit_rate"] = (store.get("store") or {}).get("hit_rate")
         out["store"] = store
+        if self.log_every and lookups // self.log_every > self._logged // self.log_every:
+            self._logged = lookups
+            hit = out["hit_rate"]
+            log.info("engram-offload layer %d (%s, %s): %d lookups, %d rows, hit rate %s, stall %.1f ms total, "
+                     "%.1f ms max", self.shard.layer_id, self.kind, self.describe, lookups, rows,
+                     "n/a" if hit is None else f"{hit:.3f}", 1e3 * out["stall_s"], 1e3 * out["max_stall_s"])
         return out
 
 
 class AddressableLookup(_Logged):
-    """Rows gathered by the device from a table it reads in place (``DeviceTable``)."""
+    """Rows gathered by the device from a table it reads in place (``DeviceTable``).
+
+    ``first_row``: the flat table row that is the device table's row 0 (a rank holding only its
+    share of the layer's rows). The lookups and rows are counted on the device, in the work a
+    CUDA graph captures, so replays count; ``stats()`` reads them (one host sync). No Python
+    runs per replay, so the periodic log line appears when ``stats()`` is called (the plugin's
+    ``stats()``) after another ``log_every`` lookups.
+    """
 
     kind = "addressable"
+    not_counted = ("stall_s", "max_stall_s")  # the wait for host memory is inside the gather kernel
 
     def __init__(self, shard: LayerShard, store: RowStore, table: DeviceTable, config: EngramConfig, *,
-                 describe: str = "", log_every: int = 0) -> None:
+                 first_row: int = 0, describe: str = "", log_every: int = 0) -> None:
         super().__init__(shard, store, describe, log_every)
+        lo, hi = shard.row_base + shard.vocab_start, shard.row_base + shard.vocab_end
+        if lo < hi and not first_row <= lo < hi <= first_row + table.num_rows:
+            raise ValueError(f"the device table holds flat rows [{first_row}, {first_row + table.num_rows}), not "
+                             f"rows [{lo}, {hi}) of layer {shard.layer_id}'s columns {list(shard.columns)}: give "
+                             "the rows holding them and the flat row of their row 0")
         self.table = table
         self.config = config
+        self.first_row = first_row
+        self.device_counts = torch.zeros(2, dtype=torch.int64, device=table.device)  # [2]: lookups, rows
 
     def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
-        """Enqueue on the current stream the gather of ``indices [T, C]``'s rows into ``out``."""
+        """Enqueue on the current stream the gather of ``indices [T, C]``'s rows into ``out`` and
+        the counters' update."""
         t = int(indices.shape[0])
         cfg = self.config
         packed = _check_out(self.shard, out, t, cfg.head_dim, cfg.row_bytes)
         n = t * self.shard.part
         if n == 0:
             return
-        flat, owned = flat_ids(self.shard, indices.to(out.device))  # [T, part] each
+        flat, owned = flat_ids(self.shard, indices.to(out.device), self.first_row)  # [T, part] each
         width = cfg.row_bytes if packed else cfg.head_dim
         rows = _out_rows(out, n, width)
         target = rows if rows is not None else torch.empty((n, width), dtype=out.dtype, device=out.device)
@@ -194,7 +227,12 @@ class AddressableLookup(_Logged):
         target.masked_fill_(~owned.reshape(n, 1), 0)
         if rows is None:
             out.copy_(target.view(out.shape))
-        self._count(n)
+        self.device_counts[0].add_(1)
+        self.device_counts[1].add_(n)
+
+    def _totals(self) -> tuple[int, int]:
+        lookups, rows = self.device_counts.tolist()
+        return int(lookups), int(rows)
 
     def finish(self, out: torch.Tensor | None = None) -> None:
         """Nothing to finish: the rows are written by the gather on the stream."""

@@ -2,8 +2,9 @@
 
 Both engines take one JSON dict with the same keys (vLLM: ``--additional-config
 '{"engram_offload": {...}}'``; SGLang: the ``ENGRAM_OFFLOAD_CONFIG`` environment variable).
-Only ``table`` is required. A key this module does not know is refused (a typo would
-otherwise silently serve from the wrong tier).
+``table`` and ``tier`` are required: a tier, or ``auto`` for one chosen from this machine's free
+DRAM and disk at start-up (``auto.resolve_tier``). A key this module does not know is refused
+(a typo would otherwise silently serve from the wrong tier).
 
 A tier is either *addressable* (``memory``, ``pinned``, ``shared``: the whole table in host
 memory the GPU reads in place, so a lookup is one kernel on the current stream) or *host
@@ -29,11 +30,14 @@ from ..serving.store import RowStore, open_table
 from ..tiers import is_resident, tier_names
 from ..units import parse_size
 
-__all__ = ["ADDRESSABLE_TIERS", "HOST_READ_TIERS", "OffloadSettings", "check_graph_mode", "check_layout",
+__all__ = ["ADDRESSABLE_TIERS", "AUTO", "HOST_READ_TIERS", "OffloadSettings", "check_graph_mode", "check_layout",
            "open_store", "parse_settings", "settings_from_json"]
 
 ADDRESSABLE_TIERS = tier_names(addressable=True)  # the GPU reads the table in place
 HOST_READ_TIERS = tier_names(addressable=False)  # a host thread reads the rows
+AUTO = "auto"  # the tier chosen at start-up from the machine's facts (``auto.resolve_tier``)
+AUTO_TIERS = ("pinned", "shared", "direct")  # what auto chooses among (never remote: a pool is the operator's)
+AUTO_REFUSES = ("cache_bytes", "fast_cache_bytes", "queue_depth", "verify_reads", "row_server", "pool", "fallback")
 ENGRAM_ROW_FORMAT = "fp8_e4m3_ue8m0"  # what DeepSeek-V4.1's checkpoint holds and both engines read
 ENGRAM_BLOCK = 32  # values per ue8m0 scale
 
@@ -43,7 +47,7 @@ class OffloadSettings:
     """What an operator sets (see ``docs/serving.md``); sizes in bytes."""
 
     table: str  # a table file from `engram-offload convert`, or a pool URL redis://.../FINGERPRINT
-    tier: str = "mmap"
+    tier: str  # one of ADDRESSABLE_TIERS + HOST_READ_TIERS, or AUTO (resolved at start-up)
     cache_bytes: int | None = None  # DRAM row cache in front of a host-read tier
     fast_cache_bytes: int = 0  # a faster cache above it (host RAM; not with an addressable tier)
     policy: str = DEFAULT_POLICY
@@ -76,7 +80,7 @@ KEYS = tuple(f.name for f in fields(OffloadSettings))
 
 def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
     """A settings dict -> ``OffloadSettings``; ``ValueError`` (one line) for an unknown key, a
-    missing ``table``, a wrong type, an unknown tier or policy."""
+    missing ``table`` or ``tier``, a wrong type, an unknown tier or policy."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"engram_offload settings must be a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(KEYS))
@@ -85,6 +89,10 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                          f"the keys are {', '.join(KEYS)}")
     if not raw.get("table"):
         raise ValueError("engram_offload needs 'table': a table file from `engram-offload convert` or a pool URL")
+    tiers = ADDRESSABLE_TIERS + HOST_READ_TIERS
+    if raw.get("tier") is None:
+        raise ValueError(f"engram_offload needs 'tier': one of {', '.join(tiers)}, or \"{AUTO}\" to choose from this "
+                         "machine's free DRAM and disk")
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if value is None:
@@ -109,9 +117,17 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                 raise ValueError(f"engram_offload setting {key!r} must be a number of seconds > 0, got {value!r}")
             values[key] = float(value)
     settings = OffloadSettings(**values)
-    tiers = ADDRESSABLE_TIERS + HOST_READ_TIERS
-    if settings.tier not in tiers:
-        raise ValueError(f"engram_offload tier {settings.tier!r} is unknown: choose one of {', '.join(tiers)}")
+    if settings.tier not in tiers + (AUTO,):
+        raise ValueError(f"engram_offload tier {settings.tier!r} is unknown: choose one of {', '.join(tiers)}, "
+                         f"or {AUTO}")
+    if settings.tier == AUTO:
+        given = [key for key in AUTO_REFUSES if raw.get(key) is not None]
+        if given:
+            raise ValueError(f"tier auto chooses among {', '.join(AUTO_TIERS)} and sizes the row cache itself: drop "
+                             f"{', '.join(given)}, or name a tier")
+        if settings.table.startswith("redis://"):
+            raise ValueError("tier auto chooses a tier of this machine, and a pool URL is read by the remote tier: "
+                             "set tier to remote")
     if settings.policy not in POLICIES:
         raise ValueError(f"engram_offload policy {settings.policy!r} is unknown: choose one of {', '.join(POLICIES)}")
     if (settings.pool or settings.fallback) and settings.tier != "remote":
@@ -141,8 +157,15 @@ def settings_from_json(text: str, where: str) -> OffloadSettings:
     return parse_settings(raw)
 
 
+def _resolved(settings: OffloadSettings) -> None:
+    """Refuse settings whose tier is still ``auto``."""
+    if settings.tier == AUTO:
+        raise ValueError("tier auto is chosen at start-up: pass the settings through auto.resolve_tier first")
+
+
 def open_store(settings: OffloadSettings, columns: Columns | None) -> RowStore:
     """The host store the settings describe, serving the rows of ``columns`` (a rank's shard)."""
+    _resolved(settings)
     options: dict[str, Any] = {}
     for key in ("queue_depth", "verify_reads", "pool", "fallback"):
         value = getattr(settings, key)
@@ -189,6 +212,7 @@ def check_layout(table: EngramConfig, where: str, *, layer_ids: Sequence[int], h
 def check_graph_mode(settings: OffloadSettings, full_graphs: bool, fix: str) -> None:
     """Refuse a host-read tier when the engine replays FULL CUDA graphs (the host read would run
     once at capture and never again); ``fix`` names the engine's flag that avoids it."""
+    _resolved(settings)
     if settings.host_read and full_graphs:
         where = f"the row server at {settings.row_server}" if settings.row_server else f"the {settings.tier} tier"
         raise ValueError(f"{where} reads rows on the host, which a FULL CUDA graph cannot replay: {fix}, "
