@@ -9,6 +9,7 @@ under the Engram module's name. The weight loader's check reads a real table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import sys
@@ -96,25 +97,53 @@ def test_an_untested_vllm_is_patched_too_and_judged_when_settings_are_given(monk
     plugin.check_engine(settings)  # a tested version: nothing to say
 
 
-def test_a_vllm_without_a_name_the_plugin_uses_is_left_alone_with_the_names(monkeypatch, caplog):
+def stand_in_engram(decorated: bool = False) -> types.ModuleType:
+    """A module with an ``Engram`` whose ``_finish_prefetch`` is (or not) under a capture decorator."""
     module = types.ModuleType(STAND_IN)
 
     class Engram:
         def _create_embedding(self, layout, index):
             return "vLLM's own"
 
-        def _finish_prefetch(self, event):  # not under vLLM's capture decorator
+        def _finish_prefetch(self, event):
             pass
 
+    if decorated:
+        body = Engram._finish_prefetch
+        Engram._finish_prefetch = functools.wraps(body)(lambda self, event: body(self, event))
     module.Engram = Engram
-    with caplog.at_level(logging.ERROR):
-        plugin.patch(module)
-    assert not getattr(Engram, "_engram_offload_patched", False)
-    assert Engram.__dict__["_create_embedding"] is not None and Engram()._create_embedding(None, 0) == "vLLM's own"
+    return module
+
+
+def test_a_vllm_without_a_name_the_plugin_uses_keeps_its_table_and_refuses_settings(monkeypatch, caplog):
+    module = stand_in_engram()  # no capture decorator, no ParallelEngramEmbedding
     missing = plugin.missing_names(module)
     assert "Engram._finish_prefetch's eager_break_during_capture" in missing and "ParallelEngramEmbedding" in missing
-    assert any(", ".join(missing) in r.getMessage() and "engram_offload settings are not applied" in r.getMessage()
+    monkeypatch.setattr(plugin, "missing_names", lambda engram: missing[:2])  # as if vLLM's config were there
+    given: list = [None]
+    monkeypatch.setattr(plugin, "settings_from_vllm", lambda: given[0])
+    vllm_version(monkeypatch, "0.35.0")
+    with caplog.at_level(logging.ERROR):
+        plugin.patch(module)
+    assert any(f"vLLM 0.35.0 lacks {', '.join(missing[:2])}, which the plugin uses" in r.getMessage()
                for r in caplog.records if r.levelno == logging.ERROR)
+    engram = module.Engram()
+    assert engram._create_embedding(None, 0) == "vLLM's own"  # without settings: vLLM's table
+    given[0] = parse_settings({"table": "t.table", "tier": "pinned"})
+    with pytest.raises(ValueError, match=r"^engram_offload settings are given but vLLM 0\.35\.0 lacks "):
+        engram._create_embedding(None, 0)
+    before = module.Engram.__dict__["_finish_prefetch"]
+    plugin.patch(module)  # once
+    assert module.Engram.__dict__["_finish_prefetch"] is before
+
+
+def test_a_vllm_without_its_config_getter_is_left_wholly_alone(monkeypatch):
+    module = stand_in_engram(decorated=True)
+    monkeypatch.setattr(plugin, "missing_names", lambda engram: ["vllm.config.get_current_vllm_config"])
+    create = module.Engram.__dict__["_create_embedding"]
+    plugin.patch(module)
+    assert module.Engram.__dict__["_create_embedding"] is create
+    assert not getattr(module.Engram, "_engram_offload_patched", False)
 
 
 def test_a_tested_vllm_gets_one_import_hook_first_in_line_however_often_registered(monkeypatch, hooks, caplog):

@@ -53,8 +53,9 @@ from ..gpu.sync import make_sync
 from ..serving.sharding import column_range
 from ..serving.store import RowStore
 from ..table.format import read_header
+from .auto import resolve_tier
 from .lookup import AddressableLookup, HostReadLookup, LayerShard
-from .settings import ENGRAM_BLOCK, OffloadSettings, check_graph_mode, check_layout, open_store, parse_settings
+from .settings import AUTO, ENGRAM_BLOCK, OffloadSettings, check_graph_mode, check_layout, open_store, parse_settings
 
 __all__ = ["ENGRAM_MODULE", "SETTINGS_KEY", "TESTED_VERSIONS", "register", "settings_from_vllm", "stats"]
 
@@ -174,8 +175,7 @@ def patch(engram: ModuleType) -> None:
             return
         missing = missing_names(engram)
         if missing:
-            log.error("engram-offload: vLLM %s lacks %s, which the plugin uses: it does nothing, and engram_offload "
-                      "settings are not applied (vLLM keeps its own Engram table)", _vllm_version(), ", ".join(missing))
+            _refuse_settings(cls, missing)
             return
         from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
@@ -200,6 +200,26 @@ def patch(engram: ModuleType) -> None:
         cls._create_embedding = _create_embedding
         cls._finish_prefetch = eager_break_during_capture(_finish_prefetch)
         setattr(cls, _PATCHED, True)
+
+
+def _refuse_settings(cls: Any, missing: list[str]) -> None:
+    """A vLLM without a name the plugin uses: vLLM's own table, and start-up stopped in one line
+    where ``engram_offload`` settings are given (when ``_create_embedding`` is there to say it)."""
+    names = ", ".join(missing)
+    log.error("engram-offload: vLLM %s lacks %s, which the plugin uses: it cannot serve the Engram table",
+              _vllm_version(), names)
+    create = getattr(cls, "_create_embedding", None)
+    if not callable(create) or "vllm.config.get_current_vllm_config" in missing:  # no way to see the settings
+        return
+
+    def _create_embedding(self: Any, layout: Any, layer_hash_index: int) -> Any:
+        if settings_from_vllm() is not None:
+            raise ValueError(f"engram_offload settings are given but vLLM {_vllm_version()} lacks {names}, which "
+                             f"the plugin uses: install vLLM {' or '.join(TESTED_VERSIONS)}, or drop the settings")
+        return create(self, layout, layer_hash_index)
+
+    cls._create_embedding = _create_embedding
+    setattr(cls, _PATCHED, True)
 
 
 # ---------------------------------------------------------------------- settings
@@ -233,9 +253,10 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     """An ``OffloadedEngramEmbedding`` for one Engram layer of this rank (after the checks)."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    settings = _resolved(settings, world)
     full_graphs = _full_graphs()
     check_graph_mode(settings, full_graphs, GRAPH_FIX)
-    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     layer_ids = tuple(int(i) for i in layout.layer_ids)
     store, config = _store(settings, layout, rank, world)
     layer_id = layer_ids[layer_hash_index]
@@ -264,6 +285,27 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     log.info("engram-offload: Engram layer %d of rank %d/%d on %s (%s backend, %s; columns [%d, %d) of %d)",
              layer_id, rank, world, describe, backend.kind, how, shard.c0, shard.c1, shard.num_columns)
     return module
+
+
+def _resolved(settings: OffloadSettings, world: int) -> OffloadSettings:
+    """``settings`` with ``tier: "auto"`` resolved once a process (``auto.resolve_tier``), the choice logged."""
+    key = (settings.store_key(), world)
+    with _lock:
+        found = _resolutions.get(key)
+        if found is None:
+            from vllm.config import get_current_vllm_config
+
+            parallel = getattr(get_current_vllm_config(), "parallel_config", None)
+            replicas = int(getattr(parallel, "data_parallel_size_local", None)
+                           or getattr(parallel, "data_parallel_size", 1) or 1)
+            found, why = resolve_tier(settings, world, replicas=replicas)
+            _resolutions[key] = found
+            if settings.tier == AUTO:
+                log.info("engram-offload: %s (%s)", why, settings.table)
+        return found
+
+
+_resolutions: dict[tuple[Any, ...], OffloadSettings] = {}
 
 
 def _host_read_backend(settings: OffloadSettings, shard: LayerShard, store: RowStore, config: EngramConfig,
