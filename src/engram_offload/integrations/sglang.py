@@ -210,7 +210,7 @@ class OwnedRows:
         if not bool(owned.any()):
             return out
         flat = (indices.to(torch.int64)[owned] + self.row_base).cpu().numpy()
-        out[owned] = _dequant(self.store.read_raw(flat), d).to(out.device)  # the CPU waits for the read
+        out[owned] = _dequant(self.store.read_raw(flat).to(out.device), d)  # the CPU waits for the read
         return out
 
     def check_checkpoint(self, loaded: torch.Tensor, values: bool) -> None:
