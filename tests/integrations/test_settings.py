@@ -341,6 +341,19 @@ def test_auto_chooses_direct_behind_the_planners_row_cache():
                                                                                    "on real text)")
 
 
+def test_auto_under_cuda_graphs_chooses_only_a_tier_read_in_place():
+    v41, gib = EngramConfig.from_name("deepseek-v4.1-flash"), 1 << 30
+    settings = parse_settings({"table": "t", "tier": "auto"})
+    fix = "start vLLM with --enforce-eager"
+    chosen, _ = resolve_tier(settings, 4, facts=MachineFacts(300 * gib, False, None), config=v41, graphs_fix=fix)
+    assert chosen.tier == "pinned"  # fits: the graphs do not matter
+    with pytest.raises(ValueError) as err:
+        resolve_tier(settings, 4, facts=MachineFacts(200 * gib, False, None), config=v41, graphs_fix=fix)
+    assert str(err.value) == ("tier auto found no tier the GPU reads in place: 188.8 GiB (4 ranks, up to 47.2 GiB a "
+                              "rank) does not fit in 80% of 200.0 GiB free DRAM, and a tier read on the host (direct) "
+                              "cannot run in the engine's CUDA graphs: start vLLM with --enforce-eager, or free DRAM")
+
+
 def test_auto_refuses_what_it_cannot_judge():
     with pytest.raises(ValueError) as err:
         auto(4, TABLE, rotational=True)

@@ -51,13 +51,16 @@ def read_facts(table: str, shm_dir: str = DEFAULT_SHM_DIR) -> MachineFacts:
 
 
 def resolve_tier(settings: OffloadSettings, world: int, *, replicas: int = 1, facts: MachineFacts | None = None,
-                 config: EngramConfig | None = None,
+                 config: EngramConfig | None = None, graphs_fix: str | None = None,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[OffloadSettings, str]:
     """``settings`` with a concrete tier, and the line saying why to log at start-up.
 
     A tier the settings name is kept. ``world``: the tensor-parallel ranks (on this machine);
     ``replicas``: the engine's data-parallel replicas on this machine; ``facts`` (default: read
     now) and ``config`` (default: the table's header) are the inputs of the choice.
+    ``graphs_fix``: the engine captures CUDA graphs that a host read cannot run in, and this
+    is the engine's flag that turns them off: auto then chooses only a tier the GPU reads in
+    place, or says what to do.
     ``ValueError`` (one line) where auto cannot choose.
     """
     if settings.tier != AUTO:
@@ -81,6 +84,10 @@ def resolve_tier(settings: OffloadSettings, world: int, *, replicas: int = 1, fa
                 f"auto chose shared: one {format_bytes(table)} copy for {replicas} replicas fits in {free}")
     if private <= room:
         return replace(settings, tier="pinned"), f"auto chose pinned: {held} fits in {free}"
+    if graphs_fix is not None:
+        raise ValueError(f"tier auto found no tier the GPU reads in place: {held} does not fit in {free}, and "
+                         f"a tier read on the host (direct) cannot run in the engine's CUDA graphs: {graphs_fix}, "
+                         "or free DRAM")
     if facts.rotational:
         raise ValueError(f"tier auto found no tier: {held} does not fit in {free}, and {settings.table} is on a "
                          "rotational disk: free DRAM, move the table to NVMe, or name a tier")

@@ -231,7 +231,7 @@ _stores: dict[Any, RowStore] = {}  # one store per process and column shard
 _resolutions: dict[Any, OffloadSettings] = {}  # tier auto's choice, once a process
 
 
-def _resolved(settings: OffloadSettings, parallel: Any) -> OffloadSettings:
+def _resolved(settings: OffloadSettings, parallel: Any, graphs: bool) -> OffloadSettings:
     """``settings`` with ``tier: "auto"`` resolved once a process (``auto.resolve_tier`` for SGLang's
     TP ranks and DP replicas), the choice logged."""
     if settings.tier != AUTO:
@@ -242,7 +242,8 @@ def _resolved(settings: OffloadSettings, parallel: Any) -> OffloadSettings:
             replicas = int(parallel.dp_size)
         except (ValueError, RuntimeError, AttributeError):  # SGLang's server args not published
             replicas = 1
-        _resolutions[key], why = resolve_tier(settings, parallel.tp_size, replicas=replicas)
+        _resolutions[key], why = resolve_tier(settings, parallel.tp_size, replicas=replicas,
+                                              graphs_fix=GRAPH_FIX if graphs else None)
         log.info("engram-offload: %s (%s)", why, settings.table)
     return _resolutions[key]
 
@@ -303,8 +304,8 @@ def embedding_class(settings: OffloadSettings) -> type:
         def __init__(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: tuple[int, ...]) -> None:
             torch.nn.Module.__init__(self)
             parallel = get_parallel()
-            chosen = _resolved(settings, parallel)
             graphs = captures_graphs()
+            chosen = _resolved(settings, parallel, graphs)
             check_graph_mode(chosen, graphs, GRAPH_FIX)
             self.dim, self.tp_size = dim, parallel.tp_size
             self.row_start, row_end = S.shard_range(num_embeddings, column_bounds, parallel.tp_rank, parallel.tp_size)

@@ -254,8 +254,8 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    settings = _resolved(settings, world)
     full_graphs = _full_graphs()
+    settings = _resolved(settings, world, full_graphs)
     check_graph_mode(settings, full_graphs, GRAPH_FIX)
     layer_ids = tuple(int(i) for i in layout.layer_ids)
     store, config = _store(settings, layout, rank, world)
@@ -287,7 +287,7 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     return module
 
 
-def _resolved(settings: OffloadSettings, world: int) -> OffloadSettings:
+def _resolved(settings: OffloadSettings, world: int, full_graphs: bool) -> OffloadSettings:
     """``settings`` with ``tier: "auto"`` resolved once a process (``auto.resolve_tier``), the choice logged."""
     key = (settings.store_key(), world)
     with _lock:
@@ -298,7 +298,8 @@ def _resolved(settings: OffloadSettings, world: int) -> OffloadSettings:
             parallel = getattr(get_current_vllm_config(), "parallel_config", None)
             replicas = int(getattr(parallel, "data_parallel_size_local", None)
                            or getattr(parallel, "data_parallel_size", 1) or 1)
-            found, why = resolve_tier(settings, world, replicas=replicas)
+            found, why = resolve_tier(settings, world, replicas=replicas,
+                                      graphs_fix=GRAPH_FIX if full_graphs else None)
             _resolutions[key] = found
             if settings.tier == AUTO:
                 log.info("engram-offload: %s (%s)", why, settings.table)
