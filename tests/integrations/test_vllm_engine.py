@@ -1,8 +1,9 @@
-"""vLLM 0.33.0's own Engram code, on a CPU, through the installed plugin (``vllm_driver.py``).
+"""vLLM's own Engram code (0.33.0 and 0.34.0), on a CPU, through the installed plugin (``vllm_driver.py``).
 
 Each run is a subprocess with ``CUDA_VISIBLE_DEVICES=""`` and ``TRITON_INTERPRET=1`` set before
 vLLM is imported; vLLM's own kernels (its lookup and hash kernels, under Triton's interpreter)
-are the oracles. Skipped where vLLM is not installed (``make engines`` installs it).
+are the oracles. Skipped where vLLM is not installed (``make engines`` installs 0.33.0 in .venv,
+``make engines-vllm034`` 0.34.0 in .venv-vllm034).
 """
 
 from __future__ import annotations

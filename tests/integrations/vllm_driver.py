@@ -1,4 +1,4 @@
-"""Drives vLLM 0.33.0's own Engram code on a CPU through the installed engram-offload plugin.
+"""Drives vLLM's own Engram code (0.33.0 or 0.34.0) on a CPU through the installed engram-offload plugin.
 
 Run by ``test_vllm_engine.py`` in a subprocess, with ``CUDA_VISIBLE_DEVICES=""`` (else vLLM
 swaps Triton for placeholders when no GPU driver is active) and ``TRITON_INTERPRET=1`` (vLLM's
@@ -273,7 +273,7 @@ def hasher(E):
     token_map[:compressed] = torch.arange(compressed)  # every compressed id used: its size is the config's
     st = E.NgramHashState.__new__(E.NgramHashState)
     torch.nn.Module.__init__(st)
-    st.layout, st.block_size, st.use_slot_cache, st._cache, st._kv_cache_ref = layout, 64, False, None, None
+    st.layout, st.block_size, st.use_slot_cache, st._cache, st._kv_cache_ref = layout, 64, False, None, None  # 0.33.0's
     st.lookback_depth = layout.max_ngram_size - 1
     st.swa_cache_module = torch.nn.Module()
     st.swa_cache_module.kv_cache = torch.empty(4, 64, 1)
@@ -290,7 +290,9 @@ def hasher(E):
     qsl = torch.tensor([0, len(seqs[0]), len(seqs[0]) + len(seqs[1])], dtype=torch.int32)
     dead = ids == config.image_token_id
     look = torch.full((2, layout.max_ngram_size - 1), -1, dtype=torch.int32)
-    theirs = st(ids, pos, qsl, dead, look, torch.zeros_like(look, dtype=torch.bool), None, None)  # [T, 2, 24]
+    # 0.33.0 also takes the V1 runner's slot cache (slot_mapping, block_table: None, unused); 0.34.0 has none
+    slot_cache = [None] * (len(inspect.signature(st.forward).parameters) - 6)
+    theirs = st(ids, pos, qsl, dead, look, torch.zeros_like(look, dtype=torch.bool), *slot_cache)  # [T, 2, 24]
     ours = NgramHasher(config, token_map.numpy())
     mine = torch.cat([ours.hash_all(torch.from_numpy(s)[None])[0] for s in seqs])  # [T, 2, 24]
     return {"layout_primes_equal": [list(map(list, layout.primes[i])) == [list(o) for o in config.primes[lid]]
