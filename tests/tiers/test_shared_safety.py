@@ -25,7 +25,7 @@ import xxhash
 
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.table import make_random_table, random_rows, read_header
-from engram_offload.tiers.segments import DATA_OFFSET, HEAD, MAGIC, READY, VERSION, uid_folder
+from engram_offload.tiers.segments import DATA_OFFSET, HEAD, MAGIC, READY, VERSION, seal, seal_problem, uid_folder
 from engram_offload.tiers.shared import SharedTier, segment_name
 
 from second_uid import NOBODY, Held, in_child, needs_root
@@ -88,22 +88,27 @@ def test_a_segment_another_uid_planted_at_the_predictable_name_is_never_served(p
     assert planted.stat().st_uid == NOBODY  # not used, not touched
 
 
-def plant_folder(folder: str, kind: str, target: str, fingerprint: int, nbytes: int) -> None:
-    """(As another uid) this uid's segment folder made first: a folder with a ready segment
-    of wrong rows in it, one open to all, a symbolic link, or a file."""
+def plant_folder(folder: str, kind: str, target: str, fingerprint: int, nbytes: int) -> str | None:
+    """(As another uid) this uid's segment folder made first: a folder with a ready, sealed
+    segment of wrong rows in it, one open to all, a symbolic link, or a file."""
     if kind == "symlink":
         os.symlink(target, folder)
-        return
+        return None
     if kind == "file":
         Path(folder).write_bytes(b"")
-        return
+        return None
     os.mkdir(folder, 0o777 if kind == "open folder" else 0o700)
     os.chmod(folder, 0o777 if kind == "open folder" else 0o700)
     seg = os.path.join(folder, f"engram-{fingerprint:016x}")
-    with open(seg, "wb") as f:
-        f.write(HEAD.pack(MAGIC, VERSION, READY, fingerprint, nbytes, os.getpid(), 0, 0).ljust(DATA_OFFSET, b"\0")
-                + b"\x5a" * nbytes)
-    os.chmod(seg, 0o400)
+    fd = os.open(seg, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o400)
+    try:
+        os.write(fd, HEAD.pack(MAGIC, VERSION, READY, fingerprint, nbytes, os.getpid(), 0, 0, 0, 0, 0, 0, bytes(16))
+                 .ljust(DATA_OFFSET, b"\0") + b"\x5a" * nbytes)
+        with mmap.mmap(fd, 0) as mm:
+            seal(fd, mm)  # a seal as good as a loader's: the folder's owner is what refuses it
+        return seal_problem(fd, os.fstat(fd))
+    finally:
+        os.close(fd)
 
 
 @needs_root
@@ -120,7 +125,8 @@ def test_a_folder_another_uid_made_under_this_uids_name_is_refused_naming_it(pub
     folder = uid_folder(public_shm)
     target = tmp_path / "private"  # a folder of root's, closed to others: a symlink must not lead there
     target.mkdir(mode=0o700)
-    assert in_child(plant_folder, str(folder), kind, str(target), header.fingerprint(), expected.nbytes) == ("ok", None)
+    assert in_child(plant_folder, str(folder), kind, str(target), header.fingerprint(), expected.nbytes) == (
+        "ok", None)  # (folder) its segment's seal holds
     with pytest.raises(TierError) as caught:
         SharedTier(header, shm_dir=public_shm)
     message = one_line(caught.value)
@@ -484,7 +490,7 @@ def test_a_head_that_names_another_size_is_replaced(public_table, shm_dir):
     segment.chmod(0o600)
     fd = os.open(segment, os.O_RDWR)
     try:  # the head's data bytes (its fifth field) made larger; the file keeps its size
-        os.pwrite(fd, struct.pack("<Q", expected.nbytes + 4096), HEAD.size - 24)
+        os.pwrite(fd, struct.pack("<Q", expected.nbytes + 4096), 24)
     finally:
         os.close(fd)
     segment.chmod(0o400)
@@ -575,7 +581,7 @@ def test_a_segment_modified_or_cut_short_while_it_is_checked_is_replaced(public_
     header = read_header(path)
     with SharedTier(header, shm_dir=shm_dir):
         pass
-    check = SharedTier._check_all_pages
+    check = SharedTier._check_attach
     segment = uid_folder(shm_dir) / segment_name(header)
 
     def touched(self, fd, mm):
@@ -585,7 +591,7 @@ def test_a_segment_modified_or_cut_short_while_it_is_checked_is_replaced(public_
             os.utime(segment, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
         return problem
 
-    monkeypatch.setattr(SharedTier, "_check_all_pages", touched)
+    monkeypatch.setattr(SharedTier, "_check_attach", touched)
     with pytest.warns(RuntimeWarning, match="was modified while it was checked: replaced"):
         with SharedTier(header, shm_dir=shm_dir) as tier:
             assert tier.loaded and tier.replaced == "was modified while it was checked"
@@ -595,7 +601,7 @@ def test_a_segment_modified_or_cut_short_while_it_is_checked_is_replaced(public_
         truncate_segment(segment, DATA_OFFSET)
         return check(self, fd, mm)
 
-    monkeypatch.setattr(SharedTier, "_check_all_pages", cut)
+    monkeypatch.setattr(SharedTier, "_check_attach", cut)
     with pytest.warns(RuntimeWarning, match=rf"ended early \({DATA_OFFSET:,} bytes; SIGBUS caught\): replaced"):
         with SharedTier(header, shm_dir=shm_dir) as tier:
             assert tier.loaded and np.array_equal(all_rows(tier), expected)
@@ -659,14 +665,14 @@ def test_replacing_a_damaged_segment_waits_for_the_lock_no_longer_than_lock_time
         segment = tier.segment
     change_byte(segment, row_offset(7))
     lock = segment.with_name(segment.name + ".lock")
-    check = SharedTier._check_all_pages
+    check = SharedTier._check_attach
     holders = []
 
     def then_locked(self, fd, mm):  # another process takes the lock between the check and the replacement
         holders.append(LockHolder(lock).__enter__())
         return check(self, fd, mm)
 
-    monkeypatch.setattr(SharedTier, "_check_all_pages", then_locked)
+    monkeypatch.setattr(SharedTier, "_check_attach", then_locked)
     try:
         with pytest.raises(TierError, match=f"the lock {lock}"):
             SharedTier(header, shm_dir=shm_dir, lock_timeout=0.2)

@@ -351,7 +351,7 @@ def test_the_attach_check_runs_on_a_few_named_threads_chunk_by_chunk(table, shm_
 
     monkeypatch.setattr(shared, "CHECK_CHUNK_BYTES", header.layout.page_bytes)  # one page a chunk
     monkeypatch.setattr(shared, "bad_pages", recording)
-    with SharedTier(header, shm_dir=shm_dir) as tier:
+    with SharedTier(header, shm_dir=shm_dir, verify_attach="full") as tier:
         assert not tier.loaded and tier.replaced is None
         assert np.array_equal(tier.rows.numpy(), table[1])
     assert len(seen) == header.layout.num_pages

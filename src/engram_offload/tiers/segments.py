@@ -10,6 +10,14 @@ In it: segments (a head, ``SegmentHead``, then the rows; ``tiers/shared.py``) an
 most ``timeout`` seconds in which its holder made no progress; ``claim_unused`` takes a
 segment nobody loads, attaches or uses (each attached process holds a shared ``flock`` on
 it), without waiting; ``remove_old_versions`` and ``listing`` are built on it.
+
+The seal: once a segment is loaded (every page checked), ``seal`` writes into its head the
+identity of its file (owner uid, ``st_dev``, ``st_ino``, ``st_ctime_ns``) and a digest over
+those and the rest of the head (table fingerprint, size, path). ``seal_problem`` tells a later
+process whether the file it opened is the one sealed, unchanged since: a copy, a file made
+again or renamed, and any write, truncation, ``chmod`` or ``utime`` (each sets the ctime, which
+only root, through the clock, can set back) break the seal. It is a check, not a signature: only this uid and
+root can reach the folder, and they are trusted.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import mmap
 import os
 import stat
 import struct
@@ -30,16 +40,22 @@ from ..units import format_bytes
 
 __all__ = ["DEFAULT_SHM_DIR", "SegmentFolder", "SegmentHead", "HEAD", "MAGIC", "VERSION", "LOADING", "READY", "STATE_OFFSET",
            "PROGRESS_OFFSET", "DATA_OFFSET", "MAX_PATH", "LOCK_SUFFIX", "uid_folder", "read_head", "peek_head",
-           "election", "claim_unused", "remove_files", "remove_old_versions", "listing"]
+           "format_version", "seal", "seal_problem", "election", "claim_unused", "remove_files",
+           "remove_old_versions", "listing"]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 MAGIC = b"ENGRAMSH"
-VERSION = 2
+VERSION = 3
 LOADING, READY = 0, 1
-# magic, version, state, fingerprint, data bytes, loader pid, path length, progress
-HEAD = struct.Struct("<8sIIQQIIQ")
+# the seal: owner uid, st_dev, st_ino, st_ctime_ns (the file's identity), digest
+IDENTITY = struct.Struct("<I4xQQq")
+SEAL = struct.Struct(IDENTITY.format + "16s")
+# magic, version, state, fingerprint, data bytes, loader pid, path length, progress, the seal
+HEAD = struct.Struct("<8sIIQQIIQ" + SEAL.format[1:])
 STATE_OFFSET = 12  # the u32 state inside HEAD
 PROGRESS_OFFSET = 40  # the u64 progress inside HEAD
+SEAL_OFFSET = 48  # the seal inside HEAD
+SEAL_ATTEMPTS = 5  # seals written while the file's ctime kept moving, then it is left unsealed
 DATA_OFFSET = 4096
 MAX_PATH = DATA_OFFSET - HEAD.size
 LOCK_SUFFIX = ".lock"
@@ -70,11 +86,55 @@ def read_head(fd: int) -> SegmentHead | None:
     raw = os.pread(fd, DATA_OFFSET, 0)
     if len(raw) < HEAD.size:
         return None
-    magic, version, state, fingerprint, nbytes, pid, plen, progress = HEAD.unpack_from(raw)
+    magic, version, state, fingerprint, nbytes, pid, plen, progress, *_ = HEAD.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
     source = raw[HEAD.size: HEAD.size + min(plen, MAX_PATH)].decode("utf-8", "replace")
     return SegmentHead(state, fingerprint, nbytes, pid, progress, source)
+
+
+def format_version(fd: int) -> int | None:
+    """The format version of the segment open as ``fd``; None for a file of another magic."""
+    raw = os.pread(fd, 12, 0)
+    return struct.unpack_from("<I", raw, 8)[0] if len(raw) == 12 and raw[:8] == MAGIC else None
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_uid, st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _digest(page: bytes, identity: tuple[int, int, int, int]) -> bytes:
+    """The seal's digest: the head page, its seal replaced by ``identity``."""
+    return hashlib.blake2b(page[:SEAL_OFFSET] + IDENTITY.pack(*identity) + page[HEAD.size: DATA_OFFSET],
+                           digest_size=16).digest()
+
+
+def seal(fd: int, mm: mmap.mmap) -> None:
+    """Seal the segment open as ``fd``, mapped writable as ``mm``, once nothing else will change
+    it: its head page already written through ``mm``, so this write faults nothing in and leaves
+    the ctime it binds; written again while the ctime moved anyway, then left unsealed."""
+    for _ in range(SEAL_ATTEMPTS):
+        identity = _identity(os.fstat(fd))
+        mm[SEAL_OFFSET: HEAD.size] = SEAL.pack(*identity, _digest(mm[:DATA_OFFSET], identity))
+        if _identity(os.fstat(fd)) == identity:
+            return
+
+
+def seal_problem(fd: int, st: os.stat_result) -> str | None:
+    """Why the segment open as ``fd`` (``st`` its ``fstat``) is not the file sealed, unchanged
+    since; None when the seal holds."""
+    page = os.pread(fd, DATA_OFFSET, 0)
+    uid, dev, ino, ctime, digest = SEAL.unpack_from(page, SEAL_OFFSET)
+    if digest == bytes(16):
+        return "is not sealed (its loader did not finish sealing it)"
+    if (uid, dev, ino) != _identity(st)[:3]:
+        return (f"was sealed as another file (uid {uid}, device {dev}, inode {ino}; this one is uid {st.st_uid}, "
+                f"device {st.st_dev}, inode {st.st_ino}): a copy, or made again")
+    if ctime != st.st_ctime_ns:
+        return "was changed after it was sealed (its ctime moved)"
+    if digest != _digest(page, (uid, dev, ino, ctime)):
+        return "does not match its seal (its head was changed)"
+    return None
 
 
 def _owner_problem(st: os.stat_result) -> str | None:

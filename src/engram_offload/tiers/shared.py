@@ -14,23 +14,32 @@ Another uid gets a folder and a copy of its own.
 
 A segment is::
 
-    page 0   magic b"ENGRAMSH", u32 version, u32 state (0 loading, 1 ready), u64 table
+    page 0   magic b"ENGRAMSH", u32 version (3), u32 state (0 loading, 1 ready), u64 table
              fingerprint, u64 data bytes, u32 loader pid, u32 path length, u64 progress
-             (bytes allocated, then loaded), the table's real path
+             (bytes allocated, then loaded), the seal (u32 owner uid, u64 st_dev, u64 st_ino,
+             i64 st_ctime_ns, 16-byte digest), the table's real path
     data     dense rows ``uint8 [num_rows, row_bytes]`` from byte 4096
 
 Loading: the loader is elected under an exclusive ``flock`` on ``<segment>.lock`` and holds
-it until the ready flag is written (last, after every row, each page checked against the
-table's checksums as it is read); the kernel drops the lock when a process dies, so a
-process that takes the lock and finds a segment still marked loading removes and reloads
-it. A waiter gives up with a ``TierError`` naming the lock and the loader after
-``lock_timeout`` seconds in which the loader made no progress.
+it until the segment is ready and sealed: every row, each page checked against the table's
+checksums as it is read, then the ready flag, mode 0400, and the seal (``segments.seal``),
+which binds the head (fingerprint, size, path) to the file's identity (owner, device, inode,
+ctime). The kernel drops the lock when a process dies, so a process that takes the lock and
+finds a segment still marked loading removes and reloads it. A waiter gives up with a
+``TierError`` naming the lock and the loader after ``lock_timeout`` seconds in which the
+loader made no progress.
 
-Attaching: the head (fingerprint, size) is checked under the lock, then, without it, every
-page of the segment is compared with the table's page checksums, on a few threads. A segment that fails (changed, truncated) is replaced by
-a fresh load, with a ``RuntimeWarning`` saying why; processes still attached to the damaged
-one keep their mapping. A ready segment of another table (a reused ``segment=`` name) is
-refused.
+Attaching: the head (fingerprint, size) is checked under the lock, then, without it, the seal
+against the ``fstat`` of the file opened and a sample of pages against the table's page
+checksums (``verify_attach``, 32 by default: one at random in each of as many equal stretches
+of the table). A segment whose seal does not hold (a copy, a file made again, one written,
+truncated, chmod-ed or touched since: each moves its ctime) has every page checked, on a few
+threads, as has every segment with ``verify_attach="full"``. A segment that fails (changed,
+truncated) is replaced by a fresh load, with a ``RuntimeWarning`` saying why, as is a segment
+of an older format; processes still attached to the replaced one keep their mapping. A ready
+segment of another table (a reused ``segment=`` name) is refused. A page changed after sealing
+without moving the ctime (through a writable mapping made before, or by the hardware) is seen
+only if the sample or a read's check meets it: a background re-check of every page is to come.
 
 Reading: every copy out of the mapping is SIGBUS-guarded (``tiers/guarded.py``): a segment
 truncated under an attached process gives a ``TierError``. Before each read an ``fstat``
@@ -88,17 +97,21 @@ from .segments import (
     VERSION,
     SegmentFolder,
     election,
+    format_version,
     listing,
     read_head,
     remove_files,
     remove_old_versions,
+    seal,
+    seal_problem,
     uid_folder,
 )
 
-__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "DEFAULT_LOCK_TIMEOUT", "process_pss", "remove_segment",
-           "segment_name", "uid_folder"]
+__all__ = ["SharedTier", "DEFAULT_SHM_DIR", "DEFAULT_LOCK_TIMEOUT", "DEFAULT_ATTACH_PAGES", "process_pss",
+           "remove_segment", "segment_name", "uid_folder"]
 
 DEFAULT_LOCK_TIMEOUT = 60.0  # seconds a waiter allows the lock's holder without progress
+DEFAULT_ATTACH_PAGES = 32  # pages of a sealed segment an attaching process checks
 MAX_NAME_BYTES = 200
 ALLOCATE_STEP = 1 << 30  # posix_fallocate in steps, the progress updated after each
 CHECK_CHUNK_BYTES = 4 << 20  # pages rebuilt and checked at a time while attaching
@@ -130,7 +143,8 @@ def _outside_stacklevel() -> int:
     return level
 
 
-def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object) -> Path:
+def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object,
+                   verify_attach: object = "full") -> Path:
     """``ValueError`` (one line, naming the value) for an option the tier cannot use; the folder."""
     if segment is not None:
         if not isinstance(segment, str):
@@ -150,6 +164,9 @@ def _check_options(segment: object, shm_dir: object, lock_timeout: object, sampl
         raise ValueError(f"lock_timeout must be a positive number of seconds, got {lock_timeout!r}")
     if isinstance(sample_pages, bool) or not isinstance(sample_pages, int) or sample_pages < 0:
         raise ValueError(f"sample_pages must be a whole number >= 0, got {sample_pages!r}")
+    if verify_attach != "full" and (isinstance(verify_attach, bool) or not isinstance(verify_attach, int)
+                                    or verify_attach < 0):
+        raise ValueError(f'verify_attach must be "full" or a whole number of pages >= 0, got {verify_attach!r}')
     return Path(folder)
 
 
@@ -169,7 +186,7 @@ def _check_space(header: TableHeader, folder: SegmentFolder, name: str, check_me
 
 def _load(header: TableHeader, folder: SegmentFolder, name: str, source: bytes, progress: bool | None) -> None:
     """Create segment ``name`` (``O_EXCL``, 0600), write its head (loading), the rows (each
-    page checked), the ready flag, and make it read-only (0400)."""
+    page checked), the ready flag, make it read-only (0400), and seal it."""
     nbytes = _data_bytes(header)
     total = DATA_OFFSET + nbytes
     fd = folder.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
@@ -179,8 +196,8 @@ def _load(header: TableHeader, folder: SegmentFolder, name: str, source: bytes, 
         os.pwrite(fd, struct.pack("<Q", done), PROGRESS_OFFSET)
 
     try:
-        os.pwrite(fd, HEAD.pack(MAGIC, VERSION, LOADING, header.fingerprint(), nbytes, os.getpid(), len(source), 0)
-                  + source, 0)
+        os.pwrite(fd, HEAD.pack(MAGIC, VERSION, LOADING, header.fingerprint(), nbytes, os.getpid(), len(source), 0,
+                            0, 0, 0, 0, bytes(16)) + source, 0)
         for start in range(0, total, ALLOCATE_STEP):
             try:
                 os.posix_fallocate(fd, start, min(ALLOCATE_STEP, total - start))  # ENOSPC now, not SIGBUS later
@@ -194,14 +211,15 @@ def _load(header: TableHeader, folder: SegmentFolder, name: str, source: bytes, 
             dense = np.frombuffer(mm, np.uint8, count=nbytes, offset=DATA_OFFSET)
             load_rows_into(header, dense.reshape(header.layout.num_rows, header.layout.row_bytes), True, progress,
                            what="sharing", on_chunk=lambda done: advance(total + done))
-            mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # last: the rows are all there
+            mm[STATE_OFFSET: STATE_OFFSET + 4] = struct.pack("<I", READY)  # the rows are all there
+            os.fchmod(fd, 0o400)  # nothing writes it again; a truncate needs write access
+            seal(fd, mm)  # last
         finally:
             dense = None  # the mapping's last export here
             try:
                 mm.close()
             except BufferError:  # a failed load's traceback still holds a view: the GC unmaps it
                 pass
-        os.fchmod(fd, 0o400)  # nothing writes it again; a truncate needs write access
     except BaseException:
         folder.unlink(name)
         raise
@@ -217,24 +235,30 @@ class SharedTier(MemoryTier):
     folder holding this uid's folder of segments; default ``/dev/shm``), ``lock_timeout``
     (seconds a waiter allows the process loading the segment without progress; default 60),
     ``sample_pages`` (pages each read checks against their checksums, of rows picked at random;
-    default 1, 0 for none), ``verify_reads`` (check every page a read touches), ``progress``,
-    ``check_memory`` (refuse to load more than is free; False to insist). ``loaded`` says
-    whether this process loaded the segment (else it attached); ``replaced`` why it replaced a
-    damaged one (or None).
+    default 1, 0 for none), ``verify_reads`` (check every page a read touches),
+    ``verify_attach`` (pages of a sealed segment checked when attaching, spread over the table;
+    default 32; "full" for every page), ``progress``, ``check_memory`` (refuse to load more than
+    is free; False to insist). ``loaded`` says whether this process loaded the segment (else it
+    attached); ``replaced`` why it replaced a damaged one (or None); ``attach_check`` how an
+    attach was checked ("loaded", "sample", or "full: " and why) and ``attach_pages_checked``
+    how many pages.
     """
 
     name = "shared"
 
     def __init__(self, header: TableHeader, *, segment: str | None = None,
                  shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
-                 sample_pages: int = 1, verify_reads: bool = False, progress: bool | None = None,
-                 check_memory: bool = True) -> None:
+                 sample_pages: int = 1, verify_reads: bool = False, verify_attach: int | str = DEFAULT_ATTACH_PAGES,
+                 progress: bool | None = None, check_memory: bool = True) -> None:
         Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
         started = time.perf_counter()
-        directory = _check_options(segment, shm_dir, lock_timeout, sample_pages)
+        directory = _check_options(segment, shm_dir, lock_timeout, sample_pages, verify_attach)
         self.fingerprint = header.fingerprint()
         self.verify_reads = bool(verify_reads)
         self.sample_pages = sample_pages
+        self.verify_attach = verify_attach
+        self.attach_check = "loaded"
+        self.attach_pages_checked = 0
         self.huge_pages = False  # tmpfs pages
         self.loaded = False
         self.replaced: str | None = None
@@ -258,7 +282,7 @@ class SharedTier(MemoryTier):
                 else torch.empty(0, dtype=torch.uint8)
         self._rows = flat.view(header.layout.num_rows, header.layout.row_bytes)  # [num_rows, row_bytes]
         self._address = _address_of(self._mm)
-        self.verified_on_load = True  # loaded with every page checked, or attached and checked
+        self.verified_on_load = True  # loaded with every page checked, here or by the loader that sealed it
         self.load_seconds = time.perf_counter() - started  # loading the segment, or attaching to it
 
     # ----------------------------------------------------------------------------- attach
@@ -275,8 +299,9 @@ class SharedTier(MemoryTier):
                     if self.loaded:
                         return fd, mm
                     checked = time.perf_counter()
-                    problem = self._check_all_pages(fd, mm)
-                    if problem is None and os.fstat(fd).st_mtime_ns != self._mtime_ns:
+                    problem = self._check_attach(fd, mm)
+                    now = os.fstat(fd)
+                    if problem is None and (now.st_mtime_ns, now.st_ctime_ns) != (self._mtime_ns, self._ctime_ns):
                         problem = "was modified while it was checked"
                     self.attach_check_seconds += time.perf_counter() - checked
                     if problem is None:
@@ -303,7 +328,8 @@ class SharedTier(MemoryTier):
         except ValueError:  # shorter than the mapping: truncated after _usable's check
             return None, (f"was truncated to {os.fstat(fd).st_size:,} bytes ({self._total:,} expected) "
                           "before it was mapped")
-        self._mtime_ns = os.fstat(fd).st_mtime_ns
+        st = os.fstat(fd)
+        self._mtime_ns, self._ctime_ns = st.st_mtime_ns, st.st_ctime_ns
         return mm, None
 
     def _replaced(self, problem: str) -> None:
@@ -329,7 +355,7 @@ class SharedTier(MemoryTier):
             remove_old_versions(folder, source.decode("utf-8", "replace"), self.fingerprint, keep=name)
             _check_space(header, folder, name, check_memory)
             _load(header, folder, name, source, progress)
-            self.loaded = True
+            self.loaded, self.attach_check = True, "loaded"
             fd = folder.open(name, os.O_RDONLY)
             if fd is None:
                 raise TierError(f"the shared segment {self.segment} vanished right after it was loaded: another "
@@ -346,8 +372,12 @@ class SharedTier(MemoryTier):
         """``fd`` when its ready segment holds this table with the right size; None (after
         removing it) for one a dead loader left, a truncated one, or an unused older version."""
         head, size = read_head(fd), os.fstat(fd).st_size
-        if head is None or head.state != READY:  # its loader died: the lock was free
+        if head is None or head.state != READY:  # its loader died (the lock was free), or an older release's
+            version = format_version(fd)
             self._folder.unlink(self._name)
+            if version is not None and version != VERSION:
+                self._replaced(f"is of segment format {version}, which this release does not read "
+                               f"(it writes {VERSION})")
             os.close(fd)
             return None
         if head.fingerprint != self.fingerprint:
@@ -393,15 +423,23 @@ class SharedTier(MemoryTier):
             held[-1, int(lengths[-1]):] = 0
         return ok
 
-    def _check_all_pages(self, fd: int, mm: mmap.mmap) -> str | None:
-        """Every page of the segment against the table's page checksums, on a few threads;
-        what differs, or None."""
+    def _check_attach(self, fd: int, mm: mmap.mmap) -> str | None:
+        """The seal and a sample of pages, or every page on a few threads (asked for, or the seal
+        does not hold), against the table's page checksums; what differs, or None."""
         layout = self.layout
-        address = _address_of(mm)
+        n = layout.num_pages
+        why = "asked for" if self.verify_attach == "full" else seal_problem(fd, os.fstat(fd))
+        self.attach_check = "sample" if why is None else f"full: {why}"
         step = max(1, CHECK_CHUNK_BYTES // layout.page_bytes)
+        if why is None and int(self.verify_attach) < n:  # one page at random in each of k equal stretches
+            edges = np.linspace(0, n, int(self.verify_attach) + 1).astype(np.int64)
+            sample = edges[:-1] + (np.random.default_rng().random(len(edges) - 1) * np.diff(edges)).astype(np.int64)
+            chunks = (sample[i: i + step] for i in range(0, len(sample), step))
+        else:
+            chunks = (np.arange(first, min(first + step, n), dtype=np.int64) for first in range(0, n, step))
+        address = _address_of(mm)
 
-        def check(first: int) -> str | None:
-            pages = np.arange(first, min(first + step, layout.num_pages), dtype=np.int64)
+        def check(pages: np.ndarray) -> str | int:
             buf = self._staging.get(len(pages) * layout.page_bytes)
             if not self._rebuild_pages(fd, address, pages, buf):
                 return f"ended early ({os.fstat(fd).st_size:,} bytes; SIGBUS caught)"
@@ -410,10 +448,16 @@ class SharedTier(MemoryTier):
                 page = int(pages[bad[0]])
                 rows = layout.page_rows(page)
                 return f"differs from the table at data page {page} (rows {rows[0]:,}..{rows[1]:,})"
-            return None
+            return len(pages)
 
-        with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="engram-shm-check") as pool:
-            return next((p for p in pool.map(check, range(0, layout.num_pages, step)) if p is not None), None)
+        with contextlib.ExitStack() as stack:  # a sample here (a thread's start costs more), every page on a few
+            run = map if why is None else stack.enter_context(
+                ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="engram-shm-check")).map
+            for got in run(check, chunks):  # what differs, or the pages checked
+                if isinstance(got, str):
+                    return got
+                self.attach_pages_checked += got
+        return None
 
     # ------------------------------------------------------------------------------ reads
     def _changed(self, what: str) -> TierError:
@@ -479,7 +523,9 @@ class SharedTier(MemoryTier):
     def stats(self) -> dict:
         return {**super().stats(), "segment": str(self.segment), "loaded_here": self.loaded,
                 "segment_bytes": self._total, "replaced": self.replaced, "sample_pages": self.sample_pages,
-                "verify_reads": self.verify_reads, "attach_check_seconds": self.attach_check_seconds}
+                "verify_reads": self.verify_reads, "verify_attach": self.verify_attach,
+                "attach_check": self.attach_check, "attach_pages_checked": self.attach_pages_checked,
+                "attach_check_seconds": self.attach_check_seconds}
 
     def _release(self) -> None:
         super()._release()  # the rows and the mapping
