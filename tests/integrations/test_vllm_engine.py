@@ -170,9 +170,9 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
     assert [plugin[f"staging_{n}"] for n in ("one", "three", "many", "default")] == [1, 3, 4, 2]
     assert plugin["started"] == [
         f"engram-offload: Engram layer 14 of rank 0/1 on {spec['table']} on memory (addressable backend, "
-        "columns [0, 24) of 24)",
+        "read by the GPU in place; columns [0, 24) of 24)",
         f"engram-offload: Engram layer 1 of rank 0/1 on {spec['table']} on {spec['socket']} (host-read backend, "
-        "columns [0, 24) of 24)"]
+        "read on the host; columns [0, 24) of 24)"]
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
     assert plugin["device_views"] == {"memory": True, "shared": True}  # two resident stores, a view of each
@@ -191,7 +191,19 @@ def check_tiers(run, rank, world):
     assert sorted(tiers) == [f"{t}/layer{i}" for t in sorted(names) for i in (1, 14)]
     stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in names}
     assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == len(names)  # one a tier
-    assert tiers["memory/layer1"]["device_table"] == tiers["memory/layer14"]["device_table"]  # one registration
+    # the memory tier holds the rank's share of each layer, one registration a layer
+    assert tiers["memory/layer1"]["device_table"] != tiers["memory/layer14"]["device_table"]
+    page_rows = 4096 // CONFIG.row_bytes
+    share = 0
+    for i in (1, 14):
+        memory = tiers[f"memory/layer{i}"]
+        owned = memory["attrs"][3] - memory["attrs"][2]  # vLLM's rows of the rank: vocab_end - vocab_start
+        assert owned <= memory["device_rows"] <= owned + 2 * page_rows  # the rank's rows, widened to whole pages
+        share += owned
+    held = tiers["memory/layer1"]["dram_bytes"]  # the store's, both layers
+    assert share * CONFIG.row_bytes <= held <= share * CONFIG.row_bytes + 2 * 2 * 4096
+    if world > 1:
+        assert held < 0.4 * tiers["memory/layer1"]["table_bytes"]  # this table's heads differ in size; V4.1's 0.25
     part = 24 // world
     assert len({entry["class_id"] for entry in tiers.values()}) == 1  # one subclass of vLLM's, made once
     for name, entry in tiers.items():
@@ -222,7 +234,18 @@ def test_rows_bit_equal_to_vllms_kernel_tp4(engine_runs, rank):
     check_tiers(engine_runs["ranks"][rank], rank, WORLD)
 
 
-def test_an_untested_vllm_version_is_left_alone():
+def test_an_untested_vllm_version_with_settings_is_refused_unless_allowed(engine_runs):
+    untested = ok(engine_runs["checks"]["untested"])
+    assert untested["refused"] == (
+        f"engram-offload was tested with vLLM 0.0.0, not {VLLM}: install one of those, or add "
+        '"allow_untested_engine": true to the engram_offload settings to run it anyway (every vLLM name the plugin '
+        "uses is there)")
+    assert untested["allowed"] == "OffloadedEngramEmbedding"
+    assert untested["warned"] == [f"engram-offload: running on vLLM {VLLM}, which it was not tested with (0.0.0), "
+                                  "because allow_untested_engine is set; every vLLM name it uses is there"]
+
+
+def test_an_untested_vllm_version_is_patched_and_inert_without_settings():
     code = ("import engram_offload.integrations.vllm as plugin\n"
             "plugin.TESTED_VERSIONS = ('0.0.0',)\n"
             "plugin.register()\n"
@@ -232,5 +255,5 @@ def test_an_untested_vllm_version_is_left_alone():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "patched False"
-    assert f"vLLM {VLLM} is not a tested version (0.0.0)" in done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "patched True"  # every name there: the patch calls vLLM's own
+    assert "engram-offload" not in done.stderr  # nothing to say without settings

@@ -172,6 +172,7 @@ def _plain(value):
 def compare_tiers(E, spec, layout, raw, config):
     """Per tier and layer: the real Engram built through the plugin, rows against vLLM's kernel."""
     import engram_offload.integrations.vllm as plugin
+    from engram_offload.serving.layered import dram_bytes
 
     out = {}
     for tier, settings in tier_settings(spec).items():
@@ -209,6 +210,10 @@ def compare_tiers(E, spec, layout, raw, config):
             entry["store"] = id(store)  # one store for a tier's layers
             entry["device_table"] = id(getattr(module.engram_offload, "table", None))  # and one device view
             entry["store_columns"] = None if store.columns is None else list(store.columns)  # the rank's only
+            entry["dram_bytes"] = dram_bytes(store)  # a resident tier: the rank's share of the rows
+            entry["table_bytes"] = config.num_rows * config.row_bytes
+            table = getattr(module.engram_offload, "table", None)
+            entry["device_rows"] = None if table is None else table.num_rows
             entry["store_stats"] = bool(stats["store"])
             if module.tp_size == 1:
                 entry["embed_equal"] = bits_equal(engram.embed(ids), want)
@@ -423,7 +428,7 @@ def main():
             for tier in ("memory", "shared"):
                 backend = build_engram(E, layout, 0, {"engram_offload": {"table": spec["table"], "tier": tier}}
                                        ).embed_tokens.engram_offload
-                views[tier] = backend.table.table.data_ptr() == backend.store.tier.rows.data_ptr()
+                views[tier] = backend.table.table.data_ptr() == backend.store.in_place_rows(layout.layer_ids[0])[0].data_ptr()
             out["device_views"] = views
             # the patched _finish_prefetch, as a GPU layer calls it after a background lookup: vLLM's
             # own body waits on the event (a CPU has no stream: a stand-in records the wait), then the
@@ -451,6 +456,7 @@ def main():
                     ids = step_ids(layout, 1, spec["tokens"], seed=8)
                     rows = torch.empty((ids.shape[0], engram.embed_tokens.part_n_hash_cols, 256), dtype=torch.bfloat16)
                     engram.embed_tokens.lookup(ids, rows)
+                    engram.embed_tokens.stats()  # an in-place tier logs here: no Python runs per graph replay
                     out[f"timeout_{tier}"] = getattr(engram.embed_tokens.engram_offload, "timeout_s", None)
             out["lookup_lines"] = [line.split(": ")[0] for line in lines]
             methods = E.Engram.__dict__["_create_embedding"], E.Engram.__dict__["_finish_prefetch"]
@@ -459,6 +465,28 @@ def main():
             return out
 
         record("plugin", plugin_paths)
+
+        def untested():
+            """An untested vLLM version (as the plugin sees it): settings refused, or run when allowed."""
+            import engram_offload.integrations.vllm as plugin
+
+            saved, plugin.TESTED_VERSIONS = plugin.TESTED_VERSIONS, ("0.0.0",)
+            memory = tier_settings(spec)["memory"]
+            try:
+                try:
+                    build_engram(E, layout, 0, {"engram_offload": memory})
+                    out = {"refused": None}
+                except ValueError as exc:
+                    out = {"refused": str(exc)}
+                with logged("engram_offload.integrations.vllm") as lines:
+                    built = build_engram(E, layout, 0, {"engram_offload": dict(memory, allow_untested_engine=True)})
+                out["allowed"] = type(built.embed_tokens).__name__
+                out["warned"] = [line for line in lines if "not tested" in line]
+            finally:
+                plugin.TESTED_VERSIONS = saved
+            return out
+
+        record("untested", untested)
     record("tiers", lambda: compare_tiers(E, spec, layout, raw, config))
     print(json.dumps(results))
 

@@ -34,6 +34,7 @@ host read would be captured once and never run again: ``--enforce-eager``, or
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -289,24 +290,25 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
 
 def _resolved(settings: OffloadSettings, world: int, full_graphs: bool) -> OffloadSettings:
     """``settings`` with ``tier: "auto"`` resolved once a process (``auto.resolve_tier``), the choice logged."""
-    key = (settings.store_key(), world)
+    if settings.tier != AUTO:
+        return settings
+    key = (settings.store_key(), world, full_graphs)
     with _lock:
-        found = _resolutions.get(key)
-        if found is None:
+        chosen = _resolutions.get(key)
+        if chosen is None:
             from vllm.config import get_current_vllm_config
 
             parallel = getattr(get_current_vllm_config(), "parallel_config", None)
             replicas = int(getattr(parallel, "data_parallel_size_local", None)
                            or getattr(parallel, "data_parallel_size", 1) or 1)
-            found, why = resolve_tier(settings, world, replicas=replicas,
-                                      graphs_fix=GRAPH_FIX if full_graphs else None)
-            _resolutions[key] = found
-            if settings.tier == AUTO:
-                log.info("engram-offload: %s (%s)", why, settings.table)
-        return found
+            resolved, why = resolve_tier(settings, world, replicas=replicas,
+                                         graphs_fix=GRAPH_FIX if full_graphs else None)
+            chosen = _resolutions[key] = (resolved.tier, resolved.cache_bytes)
+            log.info("engram-offload: %s (%s)", why, settings.table)
+    return dataclasses.replace(settings, tier=chosen[0], cache_bytes=chosen[1])
 
 
-_resolutions: dict[tuple[Any, ...], OffloadSettings] = {}
+_resolutions: dict[tuple[Any, ...], tuple[str, int | None]] = {}  # tier auto's choice, once a process
 
 
 def _host_read_backend(settings: OffloadSettings, shard: LayerShard, store: RowStore, config: EngramConfig,
