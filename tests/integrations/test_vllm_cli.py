@@ -119,6 +119,8 @@ def parsed(tmp_path_factory):
     commands["specialized decode"] = ({}, case_argv(["-cc.cudagraph_mode=PIECEWISE"],
                                                      decode_backend="latency_specialized"))
     commands["no settings"] = ({}, [MODEL, "-tp", "4"])
+    commands["piecewise, breakable graphs off"] = ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"},
+                                                   case_argv(["-cc.cudagraph_mode=PIECEWISE"]))
     commands.update({f"guide {i}": command for i, command in enumerate(GUIDE_COMMANDS)})
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "commands": commands}))
@@ -157,6 +159,14 @@ def test_an_in_place_tier_a_specialized_decode_and_no_settings(parsed):
     assert special["cudagraph_mode"] == "PIECEWISE" and special["full_graphs"]  # its decode replays FULL graphs
     assert special["decision"].startswith(REFUSED)
     assert bare["settings"] is None and bare["additional_config"] == {} and bare["tp"] == 4
+
+
+def test_without_vllms_breakable_graphs_v41_runs_without_graphs_so_a_host_read_runs(parsed):
+    """vLLM's breakable graphs are what run ``_finish_prefetch`` eagerly between piecewise graphs;
+    turned off, vLLM runs DeepSeek-V4.1 (which it cannot torch.compile) with no CUDA graphs."""
+    result = read(parsed, "piecewise, breakable graphs off")
+    assert result["cudagraph_mode"] == "NONE" and not result["full_graphs"]
+    assert result["decision"] == "accepted"
 
 
 def test_the_guide_has_vllm_serve_commands():

@@ -66,7 +66,8 @@ TESTED_VERSIONS = ("0.33.0", "0.34.0")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 SETTINGS_KEY = "engram_offload"  # in --additional-config
 CHECKED_ROWS = 8  # checkpoint rows compared with the table's, per tensor and rank
-GRAPH_FIX = "start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEWISE"
+GRAPH_FIX = ("start vLLM with --enforce-eager, or with -cc.cudagraph_mode=PIECEWISE (with vLLM's breakable CUDA "
+             "graphs, on by itself for DeepSeek-V4.1: leave VLLM_USE_BREAKABLE_CUDAGRAPH unset)")
 
 _PATCHED = "_engram_offload_patched"
 _lock = threading.Lock()
@@ -235,7 +236,9 @@ def settings_from_vllm() -> OffloadSettings | None:
 
 
 def _full_graphs() -> bool:
-    """Whether vLLM will replay FULL CUDA graphs (``enforce_eager`` turns graphs off)."""
+    """Whether vLLM will replay FULL CUDA graphs (``enforce_eager`` turns graphs off). Piecewise
+    graphs run ``_finish_prefetch`` eagerly between them through vLLM's breakable graphs, which
+    vLLM turns on for DeepSeek-V4.1 by itself (without them it runs V4.1 with no graphs)."""
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
