@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engram_offload.errors import TableFormatError
+from engram_offload.pool.key import PoolKey
 from engram_offload.pool.layout import (
     MAX_EXTENT_BYTES,
     POOL_LAYOUT_VERSION,
@@ -17,7 +18,6 @@ from engram_offload.pool.layout import (
     bad_rows,
     header_from_record,
     layout_version_problem,
-    row_keys,
     stored_layout_version,
 )
 from engram_offload.table import make_random_table, read_header
@@ -49,7 +49,8 @@ def test_a_version_that_is_not_an_integer_is_unreadable(playout, version):
 
 @pytest.mark.parametrize("version,why", [(0, ""), (1, " (rows without checksums)"),
                                          (2, " (row checksums not bound to the rows' places)"),
-                                         (3, " (tables named by their block digests)"), (5, "")])
+                                         (3, " (tables named by their block digests)"),
+                                         (4, " (row checksums not keyed)"), (6, "")])
 def test_another_layout_version_is_refused_with_the_fix(playout, version, why):
     expected = (f"pool table x was published with pool layout version {version}{why}; this engram-offload reads "
                 f"version {POOL_LAYOUT_VERSION}: re-publish with engram-offload pool publish TABLE --pool URL "
@@ -74,14 +75,14 @@ def test_a_record_missing_a_field_is_unreadable(playout, drop):
 
 def test_row_ids_and_rows_must_agree_in_number():
     with pytest.raises(ValueError, match="^3 rows to check against 2 row ids$"):
-        bad_rows(bytes(3 * 12), 8, 12, "00", np.arange(2))
+        bad_rows(bytes(3 * 16), 8, 16, "00", np.arange(2), PoolKey(None, bytes(32)))
 
 
 def test_extents_cover_the_rows_in_order_each_97_rows_of_a_row_and_its_checksum(playout):
     starts, counts = playout.starts, playout.counts
     assert starts[0] == 0 and (starts[1:] == starts[:-1] + counts[:-1]).all()
     assert int(starts[-1] + counts[-1]) == playout.header.layout.num_rows
-    assert playout.stride == playout.header.layout.row_bytes + 4 and int(counts[0]) == 97
+    assert playout.stride == playout.header.layout.row_bytes + 8 and int(counts[0]) == 97
 
 
 def test_extent_rows_from_one_up_to_redis_string_limit(playout):
@@ -96,25 +97,3 @@ def test_extent_rows_from_one_up_to_redis_string_limit(playout):
     with pytest.raises(ValueError, match=(rf"^extents of {most + 1:,} rows of {playout.stride} bytes \(with their "
                                           r"checksums\) exceed Redis's 512 MiB string limit: choose fewer extent rows$")):
         PoolLayout(header, most + 1)
-
-
-def _splitmix_key(fp: str, row: int) -> int:
-    """The row key as documented, in Python integers: the low 32 bits of SplitMix64's
-    finalizer of ``fingerprint ^ (row * golden ratio)`` (all mod 2**64)."""
-    mask = (1 << 64) - 1
-    z = ((row * 0x9E3779B97F4A7C15) & mask) ^ int(fp, 16)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    z ^= z >> 31
-    return z & 0xFFFFFFFF
-
-
-@pytest.mark.parametrize("fp", ["0000000000000000", "c993ba57e528765a", "ffffffffffffffff"])
-def test_row_keys_are_the_documented_splitmix_keys(fp):
-    """The key is part of the pool's format (a pool written by one version is read by
-    another): pinned to the documented function at small, large and extreme row ids."""
-    ids = np.array([0, 1, 2, 97, 12345, 1 << 31, (1 << 40) + 3, (1 << 62) + 5, (1 << 63) - 1], np.int64)
-    keys = row_keys(fp, ids)
-    assert keys.dtype == np.uint32 and keys.shape == ids.shape
-    assert keys.tolist() == [_splitmix_key(fp, int(i)) for i in ids]
-    assert row_keys(fp, ids.tolist()).tolist() == keys.tolist()  # any int array-like

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engram_offload.pool.client import NodeConnection, PoolClient, PoolError, key_slot, parse_pool_url, redact
+from engram_offload.pool.key import KEY_ENV, PoolKeyError
 
 from redis_servers import fresh_pool, migrate_slot, redis_cluster, redis_single  # noqa: F401 (fixtures)
 
@@ -267,7 +268,7 @@ A, B = ("127.0.0.1", 7001), ("127.0.0.1", 7002)
     ("redis://127.0.0.1:1,127.0.0.1:65535", [("127.0.0.1", 1), ("127.0.0.1", 65535)], None, None),
     ("redis://[::1]:7001,[::1]:7002", [("::1", 7001), ("::1", 7002)], None, None),  # the port after the last colon
 ])
-def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, url, seeds, fp, auth):
+def test_pool_urls_name_their_seeds_table_and_credentials(monkeypatch, no_key_file, url, seeds, fp, auth):
     monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
     assert parse_pool_url(url) == (seeds, fp, auth)
 
@@ -293,10 +294,20 @@ def test_bad_pool_urls_say_exactly_what_is_wrong(url, said):
     assert str(caught.value) == said
 
 
-def test_the_password_comes_from_the_environment_unless_the_url_has_one(monkeypatch):
+def test_the_password_comes_from_the_url_else_the_environment_else_the_key_file(monkeypatch, tmp_path):
+    key = tmp_path / "pool.key"
+    key.write_text(f"password from-file\nkey {'ab' * 32}\n")
+    key.chmod(0o600)
+    monkeypatch.setenv(KEY_ENV, str(key))
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    assert parse_pool_url("redis://127.0.0.1:7001")[2] == (None, "from-file")
     monkeypatch.setenv("ENGRAM_OFFLOAD_POOL_PASSWORD", "from-env")
     assert parse_pool_url("redis://127.0.0.1:7001")[2] == (None, "from-env")
     assert parse_pool_url("redis://bob:in-url@127.0.0.1:7001")[2] == ("bob", "in-url")
+    key.chmod(0o644)  # a key file others may read is never believed, not even for the password
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD")
+    with pytest.raises(PoolKeyError, match=f"^the pool key file {key} must be yours and closed to other users"):
+        parse_pool_url("redis://127.0.0.1:7001")
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -314,7 +325,7 @@ def test_redact_hides_every_password(url, shown):
     assert redact(url) == shown
 
 
-def test_a_bad_url_with_a_scheme_in_its_password_never_shows_the_password(monkeypatch):
+def test_a_bad_url_with_a_scheme_in_its_password_never_shows_the_password(monkeypatch, no_key_file):
     monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
     with pytest.raises(ValueError) as caught:
         parse_pool_url("redis://u:p://w@127.0.0.1:7001")
@@ -460,7 +471,7 @@ def test_keys_of_every_argument_type_go_to_the_node_that_owns_them(redis_cluster
         client.execute([("DEL", k) for k in keys])
 
 
-def test_credentials_name_their_user_and_a_refusal_says_so(fresh_pool, monkeypatch):  # noqa: F811
+def test_credentials_name_their_user_and_a_refusal_says_so(fresh_pool, monkeypatch, no_key_file):  # noqa: F811
     monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
     pool = fresh_pool(1)
     port = pool.nodes[0].port
@@ -475,9 +486,24 @@ def test_credentials_name_their_user_and_a_refusal_says_so(fresh_pool, monkeypat
     with PoolClient(f"redis://127.0.0.1:{port}") as client:
         assert client.call("ACL", "WHOAMI") == b"default"
     for url in (f"redis://:pw2@127.0.0.1:{port}", f"redis://bob:pw@127.0.0.1:{port}"):
-        with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} refused the credentials in the pool URL: "
+        with pytest.raises(PoolError, match=(rf"^127.0.0.1:{port} refused the credentials \(the pool URL's, else "
+                                             r"\$ENGRAM_OFFLOAD_POOL_PASSWORD's, else the pool key file's\): "
                                              "WRONGPASS invalid username-password pair")):
             PoolClient(url)
+
+
+def test_the_key_files_password_opens_a_pool_that_asks_for_it_and_one_that_does_not(fresh_pool, monkeypatch,  # noqa: F811
+                                                                                    pool_key):
+    monkeypatch.delenv("ENGRAM_OFFLOAD_POOL_PASSWORD", raising=False)
+    pool = fresh_pool(1)
+    with PoolClient(pool.url) as client:  # AUTH with the file's password: this server has none, and says so
+        assert client.call("ACL", "WHOAMI") == b"default"
+        client.call("CONFIG", "SET", "requirepass", pool_key.password)
+    with PoolClient(pool.url) as client:
+        assert client.call("ACL", "WHOAMI") == b"default"
+    monkeypatch.setenv(KEY_ENV, "/nonexistent/pool.key")
+    with pytest.raises(PoolError, match="NOAUTH"):
+        PoolClient(pool.url)
 
 
 def test_commands_whose_key_is_not_the_first_argument_name_it(fresh_pool):  # noqa: F811

@@ -138,44 +138,7 @@ def test_pool_serve_takes_its_servers_along_when_it_ends(tmp_path, sig):
             os.kill(pid, signal.SIGKILL)
 
 
-# ---------------------------------------------------------------------- the password
-def test_pool_serve_with_a_generated_password(tmp_path, table):
-    skip_without_redis()
-    port = free_port_base(1)
-    secret = tmp_path / "pool.password"
-    serve = subprocess.Popen([sys.executable, "-c", CLI, "pool", "serve", "--pool-nodes", "1", "--port", str(port),
-                              "--dir", str(tmp_path / "d"), "--requirepass", str(secret)],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert serve.stdout is not None and "serving one Redis server" in serve.stdout.readline()
-        assert f"password required: it is in {secret}" in serve.stdout.readline()
-        assert secret.stat().st_mode & 0o777 == 0o600
-        password = secret.read_text().strip()
-        assert len(password) >= 24
-        [server] = children(serve.pid)
-        assert password.encode() not in Path(f"/proc/{server}/cmdline").read_bytes()  # other users read that
-        with pytest.raises(PoolError, match="NOAUTH"):
-            PoolClient(f"redis://127.0.0.1:{port}")
-        url = f"redis://:{password}@127.0.0.1:{port}"
-        publish_table(table, url, extent_rows=500, progress=False)
-        assert pool_status(url)["tables"][0]["complete"]
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
-
-
-def test_a_password_file_others_can_read_is_refused(tmp_path):
-    from engram_offload.commands.pool import _serve_password
-
-    secret = tmp_path / "pool.password"
-    secret.write_text("hunter2\n")
-    secret.chmod(0o644)
-    with pytest.raises(ValueError, match="no other user may read .*chmod 600"):
-        _serve_password(secret)
-    secret.chmod(0o600)
-    assert _serve_password(secret) == "hunter2"
-
-
+# ---------------------------------------------------------------------- the password (the key file: test_pool_key.py)
 def test_the_password_is_never_printed(fresh_pool, table, capsys):  # noqa: F811
     pool = fresh_pool(1)
     with PoolClient(pool.url) as client:

@@ -3,6 +3,7 @@ rewritten, and a stored header that does not match its fingerprint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -41,7 +42,7 @@ def table(tmp_path_factory):
     return make_random_table(tmp_path_factory.mktemp("publish") / "t.tbl", tiny_config("int8", 64), seed=11)
 
 
-def test_a_republish_never_shows_a_complete_table_while_it_rewrites(table, fresh_pool):  # noqa: F811
+def test_a_republish_never_shows_a_complete_table_while_it_rewrites(table, fresh_pool, pool_key):  # noqa: F811
     """The last extent holds other bytes, with the manifest digest and complete marker to
     match them (as a publish of other rows would leave), and the manifest lost extent 0's
     entry. Published again, extent 0 is put right first: manifest and old marker agree
@@ -57,21 +58,22 @@ def test_a_republish_never_shows_a_complete_table_while_it_rewrites(table, fresh
         other = bytes([good[0] ^ 0xFF]) + good[1:]
         client.call("SET", playout.keys[last], other)
         client.call("HSET", playout.manifest_key, last, xxhash.xxh3_64_hexdigest(other))
-        client.call("SET", playout.complete_key, _complete_record(playout, _hgetall(client, playout.manifest_key)))
-        assert check_complete(client, playout) == []  # consistent, though not this table's rows
+        manifest = _hgetall(client, playout.manifest_key)
+        client.call("SET", playout.complete_key, _complete_record(playout, manifest, pool_key))
+        assert check_complete(client, playout, pool_key) == []  # consistent, though not this table's rows
         assert client.call("HDEL", playout.manifest_key, 0) == 1
-        assert check_complete(client, playout)  # the lost manifest entry
+        assert check_complete(client, playout, pool_key)  # the lost manifest entry
         seen: dict[int, list[str]] = {}
         with PoolClient(pool.url) as reader:
             def look(extent: int) -> None:  # a reader between two extents of the rewrite
-                seen[extent] = check_complete(reader, playout)
+                seen[extent] = check_complete(reader, playout, pool_key)
                 assert reader.call("GET", playout.complete_key) is None, f"a complete marker at extent {extent}"
 
             result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False, on_extent=look)
         assert (result["sent"], result["skipped"]) == (2, playout.num_extents - 2)
         assert sorted(seen) == list(range(playout.num_extents))
         assert all(seen.values()), [e for e, problems in seen.items() if not problems]
-        assert check_complete(client, playout) == [] and client.call("GET", playout.keys[last]) == good
+        assert check_complete(client, playout, pool_key) == [] and client.call("GET", playout.keys[last]) == good
 
 
 def _tampered(record: bytes, how: str) -> bytes:
@@ -238,7 +240,8 @@ def test_a_drop_deletes_the_complete_marker_first(table, fresh_pool):  # noqa: F
         assert list(client.scan("*")) == []
 
 
-def test_a_publish_read_in_chunks_smaller_than_a_page_still_checks_whole_pages(table, fresh_pool, monkeypatch):  # noqa: F811
+def test_a_publish_read_in_chunks_smaller_than_a_page_still_checks_whole_pages(table, fresh_pool, monkeypatch,  # noqa: F811
+                                                                               pool_key):
     """A read chunk smaller than a page reads one whole page at a time: a part of a page
     would be checked against the whole page's checksum."""
     from engram_offload.pool import publish
@@ -249,7 +252,7 @@ def test_a_publish_read_in_chunks_smaller_than_a_page_still_checks_whole_pages(t
     result = publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     assert result["sent"] == playout.num_extents
     with PoolClient(pool.url) as client:
-        assert check_complete(client, playout) == []
+        assert check_complete(client, playout, pool_key) == []
 
 
 def _copy(table, tmp_path, name: str = "copy.tbl"):
@@ -293,9 +296,10 @@ def test_a_damaged_or_shortened_table_file_is_never_published(table, tmp_path, f
         assert not list(client.scan("*:engram:complete"))
 
 
-def test_the_complete_marker_is_the_documented_record(table, fresh_pool):  # noqa: F811
-    """``{"extent_rows", "extents", "fingerprint", "manifest_xxh3"}`` as sorted JSON, the last
-    the xxh3_64 of the extents' digests in order, one a line: readers compare it byte for byte."""
+def test_the_complete_marker_is_the_documented_record(table, fresh_pool, pool_key):  # noqa: F811
+    """``{"extent_rows", "extents", "fingerprint", "manifest_mac"}`` as sorted JSON, the last
+    the keyed blake2b of the header record and of the extents' digests in order, one a line
+    (each part after its length): readers compare it byte for byte."""
     pool = fresh_pool(1)
     playout = PoolLayout(read_header(table), EXTENT_ROWS)
     publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
@@ -303,12 +307,15 @@ def test_the_complete_marker_is_the_documented_record(table, fresh_pool):  # noq
         digests = [xxhash.xxh3_64_hexdigest(client.call("GET", key)) for key in playout.keys]
         assert _hgetall(client, playout.manifest_key) == {str(e): d for e, d in enumerate(digests)}
         marker = client.call("GET", playout.complete_key)
+    mac = hashlib.blake2b(key=hashlib.blake2b(b"records", key=pool_key.secret, digest_size=32,
+                                              person=b"engram-pool").digest(), digest_size=16)
+    for part in (playout.header_record(), "\n".join(digests).encode()):
+        mac.update(len(part).to_bytes(8, "little") + part)
     assert marker == (f'{{"extent_rows": {EXTENT_ROWS}, "extents": {playout.num_extents}, "fingerprint": '
-                      f'"{playout.fingerprint}", "manifest_xxh3": '
-                      f'"{xxhash.xxh3_64_hexdigest(chr(10).join(digests).encode())}"}}').encode()
+                      f'"{playout.fingerprint}", "manifest_mac": "{mac.hexdigest()}"}}').encode()
 
 
-def test_what_keeps_a_table_from_being_served_is_named(table, fresh_pool):  # noqa: F811
+def test_what_keeps_a_table_from_being_served_is_named(table, fresh_pool, pool_key):  # noqa: F811
     """``check_complete``: no marker; a manifest entry lost; a marker of another manifest;
     extents of the wrong length, five named and the rest counted; an extent key of another
     type. ``check_extent_digests``: extents altered or gone."""
@@ -317,17 +324,18 @@ def test_what_keeps_a_table_from_being_served_is_named(table, fresh_pool):  # no
     publish_table(table, pool.url, extent_rows=EXTENT_ROWS, progress=False)
     keys, n = playout.keys, playout.num_extents
     with PoolClient(pool.url) as client:
-        assert check_complete(client, playout) == [] and check_extent_digests(client, playout, range(n)) == []
+        assert check_complete(client, playout, pool_key) == [] and check_extent_digests(client, playout, range(n)) == []
         marker = client.call("GET", playout.complete_key)
         client.call("DEL", playout.complete_key)
-        assert check_complete(client, playout) == ["no complete marker: the publish has not finished"]
+        assert check_complete(client, playout, pool_key) == ["no complete marker: the publish has not finished"]
         client.call("SET", playout.complete_key, marker)
         digest = client.call("HGET", playout.manifest_key, 3)
         client.call("HDEL", playout.manifest_key, 3)
-        assert check_complete(client, playout) == [f"the manifest lacks 1 of {n} extents"]
+        assert check_complete(client, playout, pool_key) == [f"the manifest lacks 1 of {n} extents"]
         client.call("HSET", playout.manifest_key, 3, b"0" * 16)
-        assert check_complete(client, playout) == [
-            "the complete marker does not match the manifest (another publish under way?)"]
+        assert check_complete(client, playout, pool_key) == [
+            f"its complete marker does not hold under the pool key {pool_key.path} (written by someone without that "
+            "key, by a publish with another key file, or a publish is under way)"]
         client.call("HSET", playout.manifest_key, 3, digest)
         values = [client.call("GET", key) for key in keys]
         lengths = [len(v) for v in values]
@@ -337,21 +345,21 @@ def test_what_keeps_a_table_from_being_served_is_named(table, fresh_pool):  # no
                 client.call("SETRANGE", keys[e], lengths[e], b"x")  # one byte too many
             named = [f"extent {keys[e]} holds {lengths[e] + 1:,} bytes, expected {lengths[e]:,}" for e in range(5)]
             more = [f"... and {wrong - 5} more extents"] if wrong > 5 else []
-            assert check_complete(client, playout) == named + more
+            assert check_complete(client, playout, pool_key) == named + more
             for e in range(wrong):
                 client.call("SET", keys[e], values[e])
         client.call("DEL", keys[2])
-        assert check_complete(client, playout) == [f"extent {keys[2]} holds 0 bytes, expected {lengths[2]:,}"]
+        assert check_complete(client, playout, pool_key) == [f"extent {keys[2]} holds 0 bytes, expected {lengths[2]:,}"]
         assert check_extent_digests(client, playout, [1, 2]) == [f"extent {keys[2]} does not match its manifest digest"]
         client.call("SET", keys[2], values[2][:-1] + bytes([values[2][-1] ^ 1]))
         assert check_extent_digests(client, playout, [2, 4]) == [f"extent {keys[2]} does not match its manifest digest"]
         client.call("DEL", keys[2])
         client.call("HSET", keys[2], "f", "v")
         with pytest.raises(PoolError, match="^STRLEN failed: WRONGTYPE "):
-            check_complete(client, playout)
+            check_complete(client, playout, pool_key)
         client.call("DEL", keys[2])
         client.call("SET", keys[2], values[2])
-        assert check_complete(client, playout) == []
+        assert check_complete(client, playout, pool_key) == []
         with pytest.raises(PoolError, match=("^table 0123456789abcdef is not in the pool: publish it "
                                              r"\(engram-offload pool publish TABLE\)$")):
             read_pool_table(client, "0123456789abcdef")

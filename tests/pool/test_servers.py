@@ -166,7 +166,7 @@ def test_a_local_server_in_a_folder_of_its_own_is_gone_with_it_when_stopped():
     assert node.process.returncode == 0 and not root.exists()  # stopped by SIGTERM, its folder removed
 
 
-def test_a_password_is_asked_of_every_client_and_kept_off_the_command_line(tmp_path):
+def test_a_password_is_asked_of_every_client_and_kept_off_the_command_line(tmp_path, no_key_file):
     skip_without_redis()
     with start_local_pool(1, None, tmp_path, password="s3cret") as pool:
         node = pool.nodes[0]
@@ -246,7 +246,7 @@ def test_a_port_answered_by_another_redis_server_is_an_error_naming_its_pid(tmp_
         slow.write_text("#!/bin/sh\ncat > /dev/null\nexec sleep 60\n")
         slow.chmod(0o755)
         monkeypatch.setenv("PATH", f"{slow.parent}{os.pathsep}{os.environ['PATH']}")
-        monkeypatch.setattr(servers, "_port_free", lambda port: True)
+        monkeypatch.setattr(servers, "_port_free", lambda *_: True)
         node = RedisNode(other.port, tmp_path / "node", False)
         with pytest.raises(PortTakenError) as taken:
             node.start(timeout=20)
@@ -293,7 +293,7 @@ def test_a_port_taken_between_the_check_and_the_bind_is_a_port_taken_error(tmp_p
     """The port is free when checked, then taken before redis-server binds it: redis-server
     exits, its log says why, and the error is a ``PortTakenError``."""
     skip_without_redis()
-    monkeypatch.setattr(servers, "_port_free", lambda port: True)
+    monkeypatch.setattr(servers, "_port_free", lambda *_: True)
     with socket.socket() as held:
         held.bind(("127.0.0.1", free_port_base(1)))
         held.listen(1)
@@ -401,7 +401,7 @@ def test_a_taken_port_is_retried_on_other_ports_only_when_none_was_given(monkeyp
     calls: list[int] = []
 
     def taken_until(succeed_at: int):
-        def start(nodes, port, directory, password, die_with_parent):
+        def start(nodes, port, directory, password, die_with_parent, host):
             calls.append(port)
             if len(calls) < succeed_at:
                 raise PortTakenError(f"port {port} taken")

@@ -17,18 +17,36 @@ import xxhash
 
 from engram_offload.errors import ChecksumError, TierError
 from engram_offload.pool.client import PoolClient, PoolError, key_slot
-from engram_offload.pool.layout import POOL_LAYOUT_VERSION, PoolLayout, PoolLayoutError, fingerprint
-from engram_offload.pool.publish import drop_table, pool_status, publish_table
+from engram_offload.pool.key import KEY_ENV, PoolKey, PoolKeyError, load_key
+from engram_offload.pool.layout import POOL_LAYOUT_VERSION, PoolLayout, PoolLayoutError, fingerprint, rows_with_sums
+from engram_offload.pool.publish import (
+    _complete_record,
+    _hgetall,
+    drop_table,
+    pool_status,
+    publish_table,
+    read_pool_table,
+)
 from engram_offload.pool.servers import free_port_base
 from engram_offload.table import make_random_table, read_header
 from engram_offload.tiers import open_tier
 from engram_offload.tiers.remote import RemoteTier, open_pool_table
 
 from redis_servers import fresh_pool, migrate_slot, redis_cluster, redis_single, skip_without_redis  # noqa: F401
+from second_uid import NOBODY, in_child, needs_root
 from tier_cases import FORMATS
 from tiny_tables import tiny_config
 
 EXTENT_ROWS = 97  # small and odd: many extents, some of them short
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pool_key_file(tmp_path_factory):
+    """``$ENGRAM_OFFLOAD_POOL_KEY``: the module's own key file (written by the first publish)."""
+    path = tmp_path_factory.mktemp("pool-key") / "pool.key"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEY_ENV, str(path))
+        yield path
 
 
 def read(tier, ids) -> np.ndarray:
@@ -183,25 +201,15 @@ def test_a_row_altered_in_the_pool_raises_naming_it_or_comes_from_the_fallback(t
             node = client.address(client.node_of(key))
         for ids in ([row], np.arange(row - 30, row + 30), np.arange(header.layout.num_rows)):  # one row, merged ranges
             with pytest.raises(TierError, match=f"pool node {node}: row {row} of extent {key} failed its checksum.*"
-                                                r"publish the table again\), and no fallback tier is configured$"):
+                                                r"drop and publish the table again: engram-offload pool drop "
+                                                f"{playout.fingerprint}, pool publish TABLE\\), and no fallback "
+                                                "tier is configured$"):
                 read(bare, ids)
             assert np.array_equal(read(guarded, ids), expected[ids])
         assert bare.stats()["checksum_rereads"] == 3 and bare.stats()["checksum_failures"] == 3
         assert guarded.stats()["fallback_rows"] == 3
         others = np.delete(np.arange(header.layout.num_rows), row)
         assert np.array_equal(read(bare, others), expected[others])
-
-
-def test_a_row_altered_in_the_pool_is_caught_without_the_native_helper(tables, fresh_pool, monkeypatch):
-    monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
-    pool = fresh_pool(1)
-    path, expected = tables[("int8", 64)]
-    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
-    with RemoteTier(read_header(path), pool=pool.url, retries=0) as remote:
-        flip_in_pool(pool.url, remote.pool_layout.keys[0], 3 * remote.stride + 1)
-        with pytest.raises(TierError, match=f"row 3 of extent {remote.pool_layout.keys[0]} failed its checksum"):
-            read(remote, [1, 3, 900])
-        assert np.array_equal(read(remote, [1, 2, 900]), expected[[1, 2, 900]])
 
 
 def test_a_transient_bad_row_is_read_again_and_served(tables, fresh_pool):
@@ -502,9 +510,9 @@ def test_open_pool_table_needs_a_fingerprint_and_reads_the_head_within_the_tiers
 
 
 def as_old_layout(url: str, path, version: int) -> None:
-    """Rewrite a published table as an older pool layout wrote it: version 1 bare rows, version 2
-    each row followed by the checksum of its bytes alone, version 3 a header naming a format-2
-    table by its block digests."""
+    """Rewrite a published table as an older pool layout wrote it: version 1 bare rows, versions 2
+    and 4 each row followed by a 4-byte checksum of its bytes, version 3 a header naming a
+    format-2 table by its block digests."""
     import json
 
     from engram_offload.table.pagesum import row_sums
@@ -516,9 +524,9 @@ def as_old_layout(url: str, path, version: int) -> None:
             rows = np.frombuffer(client.call("GET", key), np.uint8).reshape(-1, playout.stride).copy()
             if version == 1:
                 client.call("SET", key, rows[:, :rb].tobytes())
-            elif version == 2:
-                rows[:, rb:] = row_sums(rows, rb, playout.stride).astype("<u4").view(np.uint8).reshape(-1, 4)
-                client.call("SET", key, rows.tobytes())
+            elif version in (2, 4):
+                rows[:, rb: rb + 4] = row_sums(rows, rb, playout.stride).astype("<u4").view(np.uint8).reshape(-1, 4)
+                client.call("SET", key, rows[:, : rb + 4].tobytes())
         record = json.loads(client.call("GET", playout.header_key))
         record["pool_layout"] = version
         if version == 1:
@@ -531,7 +539,7 @@ def as_old_layout(url: str, path, version: int) -> None:
 
 
 @pytest.mark.parametrize("version, why", [(1, "rows without checksums"), (2, "row checksums not bound"),
-                                          (3, "tables named by their block digests")])
+                                          (3, "tables named by their block digests"), (4, "row checksums not keyed")])
 def test_a_pool_of_an_old_layout_is_refused_until_published_again(tables, fresh_pool, capsys, version, why):
     pool = fresh_pool(1)
     path, expected = tables[("fp16", 48)]
@@ -681,8 +689,17 @@ def test_a_password_protected_pool(tables, fresh_pool):
         assert "s3cret" not in remote.stats()["pool"] and ":***@" in remote.stats()["pool"]
     with pytest.raises(PoolError, match="refused the credentials"):
         RemoteTier(read_header(path), pool=url.replace("s3cret", "wrong"))
-    with pytest.raises(PoolError, match="NOAUTH"):
+    with pytest.raises(PoolError, match="refused the credentials"):  # the key file's password is not this one
         PoolClient(pool.url)
+    os.environ[KEY_ENV], kept = "/nonexistent/pool.key", os.environ[KEY_ENV]
+    try:
+        with pytest.raises(PoolError, match="NOAUTH"):
+            PoolClient(pool.url)
+        with pytest.raises(PoolKeyError, match=r"^no pool key file at /nonexistent/pool.key: the row checks need the "
+                                            "publisher's; copy it here .mode 0600. or set ENGRAM_OFFLOAD_POOL_KEY"):
+            RemoteTier(read_header(path), pool=url)
+    finally:
+        os.environ[KEY_ENV] = kept
 
 
 def test_threads_share_a_tier_and_any_out_layout_works(tables, redis_cluster):
@@ -812,7 +829,8 @@ def test_a_stopped_node_is_marked_down_and_reads_go_to_the_fallback_at_once(tabl
             stats = guarded.stats()
             assert stats["timeouts"] == 1 and stats.get("retries", 0) == 0  # one wait, then none
             assert stats["down_skips"] == 4 and stats["fallback_requests"] == 5
-            with pytest.raises(TierError, match="no reply .timed out after 0.5 s.*without a retry"):
+            with pytest.raises(TierError, match="(no reply .timed out after 0.5 s|did not answer AUTH: timed out).*"
+                                                "without a retry"):  # AUTH: the key file's password
                 read(bare, [1])
             with pytest.raises(TierError, match="marked down for 600 s after it timed out"):
                 read(bare, [2])
@@ -992,3 +1010,80 @@ def test_each_nodes_failure_is_told_apart_and_timeouts_mark_it_down(tables, redi
         assert [(job.address, reason) for job, reason in failures] == [
             ("a:1", "marked down for 600 s after it timed out")]
         assert tier.stats()["down_skips"] == 1 and forgotten == ["a:1", "b:1", "c:1", "d:1"]
+
+
+# ---------------------------------------------------------------------- another local user's forgery
+def forge(url: str, fp: str, what: str) -> int:
+    """Run as another local uid: rewrite table ``fp`` with rows of 0x5A bytes, with the
+    package's own functions and a key of its own (it cannot read the operator's): every
+    extent with valid-looking MACs, and (``what="everything"``) the manifest and the complete
+    marker to match. Returns the extents rewritten."""
+    os.environ[KEY_ENV] = "/nonexistent/pool.key"  # the operator's file is closed to this uid anyway
+    key = PoolKey(None, os.urandom(32))
+    with PoolClient(url) as client:
+        playout = read_pool_table(client, fp)
+        rb = playout.header.layout.row_bytes
+        for e, (name, start, count) in enumerate(zip(playout.keys, playout.starts.tolist(), playout.counts.tolist())):
+            data = rows_with_sums(np.full((count, rb), 0x5A, np.uint8), fp, np.arange(start, start + count), key)
+            client.call("SET", name, data.tobytes())
+            if what == "everything":
+                client.call("HSET", playout.manifest_key, e, xxhash.xxh3_64_hexdigest(data.tobytes()))
+        if what == "everything":
+            manifest = _hgetall(client, playout.manifest_key)
+            client.call("SET", playout.complete_key, _complete_record(playout, manifest, key))
+    return playout.num_extents
+
+
+@needs_root
+@pytest.mark.parametrize("access", ["no password", "password leaked"])
+@pytest.mark.parametrize("what", ["everything", "extents"])
+def test_another_users_forgery_is_refused_in_one_line_and_no_wrong_row_is_served(tables, fresh_pool, access, what):
+    """A second uid rewrites the table in the pool, with or without the manifest and complete
+    marker: the operator's opens (the default, verify_extents="all", a fallback) refuse it in
+    one line, and tiers opened before the forgery serve the fallback's rows or raise."""
+    pool = fresh_pool(1)
+    path, expected = tables[("int8", 64)]
+    header, fp = read_header(path), fingerprint(read_header(path))
+    url = pool.url
+    if access == "password leaked":
+        with PoolClient(pool.url) as client:  # the operator's clients take the key file's password
+            client.call("CONFIG", "SET", "requirepass", load_key(create=True).password)
+        url = pool.url.replace("redis://", f"redis://:{load_key().password}@")  # what the attacker learnt
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    n = header.layout.num_rows
+    with RemoteTier(header, pool=pool.url, verify_extents="none") as bare, \
+            RemoteTier(header, pool=pool.url, fallback=path) as guarded:
+        assert in_child(forge, url, fp, what, uid=NOBODY) == ("ok", bare.pool_layout.num_extents)
+        with pytest.raises(TierError, match="failed its checksum, and again when read once more"):
+            read(bare, np.arange(n))
+        assert np.array_equal(read(guarded, np.arange(n)), expected)  # every row from the fallback
+        assert guarded.stats()["fallback_rows"] == n
+    why = "its complete marker does not hold under the pool key" if what == "everything" else \
+        "was altered after it was published"
+    for options in ({}, {"verify_extents": "all"}, {"fallback": path}):
+        with pytest.raises(PoolError) as caught:
+            RemoteTier(header, pool=pool.url, **options)
+        assert why in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(PoolError, match=why):
+        open_pool_table(f"{pool.url}/{fp}")
+    [status] = pool_status(pool.url)["tables"]
+    assert not status["complete"] if what == "everything" else status["complete"]  # status reads no extent
+    if what == "extents":  # manifest and marker as published: a publish finds the table complete
+        assert publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)["sent"] == 0
+        drop_table(pool.url, fp)
+    assert publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)["sent"] > 0
+    with RemoteTier(header, pool=pool.url, verify_extents="all") as remote:  # published again: served
+        assert np.array_equal(read(remote, np.arange(n)), expected)
+
+
+@needs_root
+def test_without_the_password_another_user_cannot_write_at_all(tables, fresh_pool):
+    pool = fresh_pool(1)
+    path, expected = tables[("int8", 64)]
+    with PoolClient(pool.url) as client:
+        client.call("CONFIG", "SET", "requirepass", load_key(create=True).password)
+    publish_table(path, pool.url, extent_rows=EXTENT_ROWS, progress=False)
+    kind, said = in_child(forge, pool.url, fingerprint(read_header(path)), "everything", uid=NOBODY)
+    assert kind == "error" and "NOAUTH" in said and "\n" not in said
+    with RemoteTier(read_header(path), pool=pool.url, verify_extents="all") as remote:
+        assert np.array_equal(read(remote, np.arange(remote.num_rows)), expected)

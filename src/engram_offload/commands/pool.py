@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
-import os
-import secrets
 import signal
-import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -53,18 +52,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     serve = cmds.add_parser("serve", help="run a loopback Redis pool to try the remote tier",
                             description="Start N (--pool-nodes) redis-server processes on 127.0.0.1 from PORT on, "
-                            "without persistence: one plain server, or a Redis Cluster for N > 1. "
-                            "Runs until interrupted. For production use an existing Redis Cluster with "
-                            "replicas (docs/pool.md).")
+                            "without persistence: one plain server, or a Redis Cluster for N > 1, requiring the "
+                            "password of the pool key file. Runs until interrupted. For production use an existing "
+                            "Redis Cluster with replicas (docs/pool.md).")
     add_pool_nodes(serve, 3, ": a Redis Cluster of 3 masters, the fewest Redis Cluster recommends")
     removed_option(serve, "--nodes", "--pool-nodes")
     serve.add_argument("--port", type=int_in_range(1, 65535), default=7001,
-                       help="first TCP port on 127.0.0.1 (default 7001)")
+                       help="first TCP port (default 7001)")
+    serve.add_argument("--bind", type=_ipv4, default="127.0.0.1", metavar="ADDRESS",
+                       help="the IPv4 address of this machine the servers listen on (default 127.0.0.1)")
     serve.add_argument("--dir", help="working folder for the servers' logs (default: a temporary one)")
-    serve.add_argument("--requirepass", metavar="FILE",
-                       help="require a password (default: none): read from FILE (yours, mode 0600), or generated and written "
-                       "there 0600 when FILE does not exist; clients give it in the URL or in "
-                       "$ENGRAM_OFFLOAD_POOL_PASSWORD. Without it any local user may rewrite the pool")
+    access = serve.add_mutually_exclusive_group()
+    access.add_argument("--requirepass", metavar="FILE",
+                        help="the pool key file whose password the servers require (default: $ENGRAM_OFFLOAD_POOL_KEY, "
+                        "else $XDG_CONFIG_HOME/engram-offload/pool.key), written with mode 0600 when missing; clients "
+                        "read the password and the row key there")
+    access.add_argument("--no-password", action="store_true",
+                        help="require no password (loopback only): any local user may then read, delete and "
+                        "overwrite the pool's values")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -123,23 +128,48 @@ def cmd_drop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ipv4(text: str) -> str:
+    try:
+        address = ipaddress.IPv4Address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 address: give one of this machine's, "
+                                         "such as 127.0.0.1") from None
+    if address.is_unspecified:
+        raise argparse.ArgumentTypeError(f"{text} would listen on every interface: give one address of this machine")
+    return text
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ..pool.key import KEY_ENV, key_path, load_key
     from ..pool.servers import start_local_pool
 
-    password = _serve_password(Path(args.requirepass)) if args.requirepass else None
+    path = key_path() if args.requirepass is None else Path(args.requirepass)
+    if args.no_password:
+        if not ipaddress.IPv4Address(args.bind).is_loopback:
+            raise ValueError(f"--no-password with --bind {args.bind} would let any host that reaches it rewrite the "
+                             "pool: drop --no-password, or bind a loopback address")
+        password = None
+    else:
+        password = load_key(path, create=True).password
+        if password is None:
+            raise ValueError(f"the pool key file {path} holds no password: add a line 'password WORD', or remove "
+                             "the file to have a new one written")
     stop = threading.Event()
     handled = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal stops the servers too
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
     try:  # the servers die with this process, even when it is killed (PR_SET_PDEATHSIG)
-        with start_local_pool(args.pool_nodes, args.port, args.dir, password=password, die_with_parent=True) as pool:
+        with start_local_pool(args.pool_nodes, args.port, args.dir, password=password, die_with_parent=True,
+                              host=args.bind) as pool:
             kind = "a Redis Cluster" if pool.cluster else "one Redis server"
-            print(f"serving {kind} on {pool.url} (no persistence, 127.0.0.1 only); Ctrl-C stops it", flush=True)
+            print(f"serving {kind} on {pool.url} (no persistence, {args.bind} only); Ctrl-C stops it", flush=True)
             if password:
-                print(f"  password required: it is in {args.requirepass}; give it as redis://:PASSWORD@... or in "
-                      "$ENGRAM_OFFLOAD_POOL_PASSWORD", flush=True)
-            else:
-                print("  no password: any local user may read and rewrite the pool (--requirepass FILE sets one)",
+                where = "" if path == key_path() else f" (set {KEY_ENV}={path} for them)"
+                print(f"  password required: it is in {path}, with the row key; clients read both there{where}",
                       flush=True)
+            else:
+                print("WARNING: --no-password: any local user may read, delete and overwrite the pool's values "
+                      "(rows written without the pool key fail their checks: reads fall back or fail)",
+                      file=sys.stderr, flush=True)
             print(f"  engram-offload pool publish TABLE --pool {pool.url}", flush=True)
             try:
                 stop.wait()
@@ -149,28 +179,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
-
-
-def _read_password(path: Path) -> str:
-    """The password in ``path``, a file of this uid that no other uid may read."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
-        info = os.fstat(f.fileno())
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} must be a file of yours that no other user may read (chmod 600 {path})")
-        password = f.read().strip()
-    if not password or any(c.isspace() for c in password):
-        raise ValueError(f"{path} holds no password (one word on one line): remove it to have one generated")
-    return password
-
-
-def _serve_password(path: Path) -> str:
-    """The password in ``path`` (a file of this uid, not readable by others), or a new one
-    written there with mode 0600 when it does not exist."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return _read_password(path)
-    password = secrets.token_urlsafe(24)
-    with os.fdopen(fd, "w") as f:
-        f.write(password + "\n")
-    return password

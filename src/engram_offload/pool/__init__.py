@@ -1,8 +1,8 @@
 """The pooled copy of a table: one copy in a Redis Cluster shared by many serving machines.
 
-``layout`` says where rows lie (extents, key names), ``client`` talks RESP to the nodes,
-``publish`` loads, lists and drops tables, ``servers`` starts loopback servers to try it
-out. The ``remote`` tier (``engram_offload.tiers.remote``) reads rows from the pool.
+``layout`` says where rows lie (extents, key names), ``key`` reads the operator's key file
+(the password, the key of the rows' MACs), ``client`` talks RESP to the nodes, ``publish``
+loads, lists and drops tables, ``servers`` starts loopback servers to try it out. The ``remote`` tier (``engram_offload.tiers.remote``) reads rows from the pool.
 """
 
 from __future__ import annotations

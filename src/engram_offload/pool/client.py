@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..errors import TierError
+from .key import read_key_password
 
 __all__ = ["PoolError", "NodeConnection", "PoolClient", "encode_command", "parse_pool_url", "redact",
            "key_slot"]
@@ -83,7 +84,8 @@ Auth = tuple[str | None, str]  # (ACL user or None, password)
 def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str | None, Auth | None]:
     """``redis://[[user]:password@]host:port[,host:port...][/FINGERPRINT]`` -> (seed
     addresses, fingerprint or None, credentials or None). Without a password in the URL,
-    ``$ENGRAM_OFFLOAD_POOL_PASSWORD`` is used when set. Messages never show a password."""
+    ``$ENGRAM_OFFLOAD_POOL_PASSWORD`` is used when set, else the pool key file's
+    (``key.key_path``) when there is one. Messages never show a password."""
     text = url if isinstance(url, str) else ",".join(url)
     seeds: list[tuple[str, int]] = []
     fp: str | None = None
@@ -119,6 +121,9 @@ def parse_pool_url(url: str | Sequence[str]) -> tuple[list[tuple[str, int]], str
         raise ValueError(f"no pool address in {redact(text)!r}: use redis://host:port[,host:port...]")
     if auth is None and os.environ.get(PASSWORD_ENV):
         auth = (None, os.environ[PASSWORD_ENV])
+    if auth is None:
+        password = read_key_password()
+        auth = (None, password) if password else None
     return seeds, fp, auth
 
 
@@ -152,10 +157,15 @@ class NodeConnection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if auth is not None:
             user, password = auth
-            reply = self.call("AUTH", *([user] if user else []), password)
-            if isinstance(reply, Exception):
+            try:
+                reply = self.call("AUTH", *([user] if user else []), password)
+            except OSError as exc:
                 self.close()
-                raise PoolError(f"{self.address} refused the credentials in the pool URL: {reply}")
+                raise ConnectionError(f"{self.address} did not answer AUTH: {exc}") from exc
+            if isinstance(reply, Exception) and "without any password configured" not in str(reply):
+                self.close()
+                raise PoolError(f"{self.address} refused the credentials (the pool URL's, else ${PASSWORD_ENV}'s, "
+                                f"else the pool key file's): {reply}")
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

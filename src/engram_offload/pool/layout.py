@@ -4,17 +4,17 @@ Rows are cut along the table's natural extents: per layer, per (order, head) in 
 order of ``EngramConfig.head_sizes``, each head's rows are split into extents of at most
 ``extent_rows`` rows. One string key per extent holds its rows back to back, each row in
 the table's packed row format followed by its checksum (``ROW_SUM_BYTES``, little-endian:
-the low 32 bits of XXH3-64 of the row, XOR a 32-bit key of the table's fingerprint and
-the row's id, ``row_keys``), so row ``r`` of an extent starting at row ``s`` lies at byte
-``(r - s) * stride`` with ``stride = row_bytes + 4``, and one ``GETRANGE`` reads a row
-with its checksum. The key binds a row to its place: a row copied (with its checksum)
-over another, an extent's value swapped for another's, or another table's extent under
-this table's key fails the check, not only a changed byte::
+a MAC of the row, its id and the table's fingerprint under the operator's row key,
+``key.PoolKey.row_tags``), so row ``r`` of an extent starting at row ``s`` lies at byte
+``(r - s) * stride`` with ``stride = row_bytes + 8``, and one ``GETRANGE`` reads a row
+with its checksum. A row changed, copied over another, an extent's value swapped for
+another's, another table's extent under this table's key, or rows written by anyone
+without the key all fail the check::
 
     <fp>:engram:l<L>:h<H>:e<k>      extent k of head H (order * n_heads + head) of layer L
     {<fp>}:engram:header            JSON: pool layout version, extent_rows, the table header
     {<fp>}:engram:manifest          hash: extent index -> xxh3_64 of the extent's bytes
-    {<fp>}:engram:complete          JSON written last: extent count, digest of the manifest
+    {<fp>}:engram:complete          JSON written last: extent count, a MAC of the header and manifest
 
 ``<fp>`` is the table's fingerprint: xxh3_64 of its header JSON and of its page sums'
 digest (so two tables of one layout but other rows differ). Extent keys carry no
@@ -24,9 +24,10 @@ together in one slot. Every key of a table starts with its fingerprint, so dropp
 table never touches another's.
 
 Pool layout versions: 1 held bare rows (no per-row checksums); 2 added checksums of the
-rows' bytes alone; 3 bound them to the row id and the table's fingerprint; 4 (this one)
-stores the table's page sums' digest in the header instead of its block digests. A pool of
-another version is refused with a request to publish the table again.
+rows' bytes alone; 3 bound them to the row id and the table's fingerprint; 4 stored the
+table's page sums' digest in the header instead of its block digests; 5 (this one) keys the
+row checksums and the complete marker with the operator's secret. A pool of another version
+is refused with a request to publish the table again.
 """
 
 from __future__ import annotations
@@ -42,16 +43,15 @@ import numpy as np
 from ..engram.config import EngramConfig
 from ..errors import TableFormatError
 from ..table.format import TableHeader, TableLayout
-from ..table.pagesum import CHECKSUM_NAME, row_sums
 from .client import PoolError
+from .key import PoolKey
 
 __all__ = ["POOL_LAYOUT_VERSION", "ROW_SUM_BYTES", "ROW_CHECKSUM", "DEFAULT_EXTENT_ROWS", "MAX_EXTENT_BYTES",
-           "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums", "row_keys",
-           "bad_rows"]
+           "PoolLayout", "PoolLayoutError", "fingerprint", "header_from_record", "rows_with_sums", "bad_rows"]
 
-POOL_LAYOUT_VERSION = 4
-ROW_SUM_BYTES = 4  # after every row: u32 little-endian, its checksum XOR its key (row_keys)
-ROW_CHECKSUM = f"{CHECKSUM_NAME}^splitmix64(fingerprint,row)"
+POOL_LAYOUT_VERSION = 5
+ROW_SUM_BYTES = 8  # after every row: u64 little-endian, its MAC (PoolKey.row_tags)
+ROW_CHECKSUM = "aes128-pmac64(key,fingerprint,row id,row)"
 DEFAULT_EXTENT_ROWS = 1 << 18
 MAX_EXTENT_BYTES = 512 << 20  # Redis's largest string
 
@@ -146,44 +146,31 @@ def meta_key(fp: str, what: str) -> str:
     return f"{{{fp}}}:engram:{what}"
 
 
-def row_keys(fp: str, ids: np.ndarray) -> np.ndarray:
-    """The 32-bit key of each row id of table ``fp`` (uint32 ``[n]``): the low half of
-    SplitMix64's finalizer of ``fingerprint ^ (id * golden ratio)``. Not a secret: it makes a
-    row's checksum hold only at its own place in its own table."""
-    with np.errstate(over="ignore"):
-        z = np.asarray(ids, np.int64).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z ^= np.uint64(int(fp, 16))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return (z & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-
-
-def rows_with_sums(rows: np.ndarray, fp: str, ids: np.ndarray) -> np.ndarray:
+def rows_with_sums(rows: np.ndarray, fp: str, ids: np.ndarray, key: PoolKey) -> np.ndarray:
     """Rows ``[n, row_bytes]`` of table ``fp`` with ids ``ids [n]`` -> the pool's rows
-    ``[n, row_bytes + 4]``: each row, then its checksum bound to its id (``row_keys``)."""
+    ``[n, row_bytes + 8]``: each row, then its MAC under ``key``."""
     rows = np.ascontiguousarray(rows)
     n, rb = rows.shape
     packed = np.empty((n, rb + ROW_SUM_BYTES), np.uint8)
     packed[:, :rb] = rows
-    sums = row_sums(rows, rb, rb) ^ row_keys(fp, ids)
-    packed[:, rb:] = sums.astype("<u4").view(np.uint8).reshape(n, ROW_SUM_BYTES)
+    packed[:, rb:] = key.row_tags(rows, rb, rb, fp, ids).astype("<u8").view(np.uint8).reshape(n, ROW_SUM_BYTES)
     return packed
 
 
-def bad_rows(data, row_bytes: int, stride: int, fp: str, ids: np.ndarray) -> np.ndarray:
+def bad_rows(data, row_bytes: int, stride: int, fp: str, ids: np.ndarray, key: PoolKey) -> np.ndarray:
     """Positions (int64 ``[bad]``) of the rows of ``data`` (each ``stride`` bytes: a row, then
-    its stored checksum) that fail their check as rows ``ids`` of table ``fp``: the bytes
-    changed, or the row (or its extent) is not where it belongs. Empty when all hold."""
+    its stored MAC) that fail their check as rows ``ids`` of table ``fp`` under ``key``: the
+    bytes changed, the row (or its extent) is not where it belongs, or it was written
+    without the key. Empty when all hold."""
     view = memoryview(data).cast("B")
-    if stride < row_bytes + ROW_SUM_BYTES:
-        raise ValueError(f"a stride of {stride} bytes cannot hold a {row_bytes}-byte row and its checksum")
+    if stride < row_bytes + ROW_SUM_BYTES or row_bytes <= 0 or len(view) % stride:
+        raise ValueError(f"data of {len(view)} bytes is not a whole number of {stride}-byte strides holding "
+                         f"a {row_bytes}-byte row and its checksum")
     n = len(view) // stride
     if len(ids) != n:
         raise ValueError(f"{n} rows to check against {len(ids)} row ids")
-    sums = row_sums(view, row_bytes, stride)  # [n], in C (off the GIL) when built; validates the shape
-    stored = np.ndarray((n,), "<u4", view, row_bytes, (stride,))  # [n], unaligned view of the stored sums
-    return np.flatnonzero(sums ^ row_keys(fp, ids) != stored)
+    stored = np.ndarray((n,), "<u8", view, row_bytes, (stride,))  # [n], unaligned view of the stored MACs
+    return np.flatnonzero(key.row_tags(view, row_bytes, stride, fp, ids) != stored)
 
 
 class PoolLayoutError(PoolError):
@@ -200,7 +187,7 @@ def stored_layout_version(record: bytes) -> int | None:
 
 
 _OLD_LAYOUTS = {1: " (rows without checksums)", 2: " (row checksums not bound to the rows' places)",
-                3: " (tables named by their block digests)"}
+                3: " (tables named by their block digests)", 4: " (row checksums not keyed)"}
 
 
 def layout_version_problem(where: str, version: int | None) -> str:

@@ -1,13 +1,15 @@
 """Loading a table into a Redis pool, listing the pool, dropping a table from it.
 
 ``publish_table`` streams the table file once, checking each page against its checksum, cuts
-the rows into extents (``layout.PoolLayout``), each row followed by its checksum
-computed from those verified bytes, and writes each extent that the pool lacks:
-``SET`` the extent, then record its xxh3_64 in the manifest. An extent already present
-with the right length and manifest digest is skipped, so an interrupted publish resumes
-where it stopped. The ``complete`` marker is written last, after every extent's length
-and digest has been checked, and readers refuse a table without it. A table in the
-pool under an older pool layout version is dropped and published afresh.
+the rows into extents (``layout.PoolLayout``), each row followed by its MAC under the
+operator's key (``key.load_key``) computed from those verified bytes, and writes each
+extent that the pool lacks: ``SET`` the extent, then record its xxh3_64 in the manifest.
+An extent already present with the right length and manifest digest is skipped, so an
+interrupted publish resumes where it stopped. The ``complete`` marker is written last,
+after every extent's length and digest has been checked, with a MAC of the header and
+the manifest under the key; readers refuse a table without it, or whose marker does not
+hold under their key. A table in the pool under an older pool layout version is dropped
+and published afresh.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..table.format import TableHeader, read_header
 from ..table.progress import byte_progress
 from ..table.verify import bad_pages, page_checksum_error
 from .client import PoolClient, PoolError
+from .key import PoolKey, load_key
 from .layout import (
     DEFAULT_EXTENT_ROWS,
     POOL_LAYOUT_VERSION,
@@ -78,7 +81,8 @@ def _dense_chunks(header: TableHeader, advance: Callable[[int], None]) -> Iterat
             yield rows[:take]
 
 
-def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tuple[int, memoryview]]:
+def _extents(playout: PoolLayout, key: PoolKey,
+             advance: Callable[[int], None]) -> Iterator[tuple[int, memoryview]]:
     """(extent index, its bytes) in order; the bytes are valid until the next item."""
     sizes = (playout.counts * playout.stride).tolist()
     buf = np.empty(max(sizes), np.uint8)
@@ -86,7 +90,7 @@ def _extents(playout: PoolLayout, advance: Callable[[int], None]) -> Iterator[tu
     for rows in _dense_chunks(playout.header, advance):
         ids = np.arange(first_row, first_row + len(rows))
         first_row += len(rows)
-        flat, pos = rows_with_sums(rows, playout.fingerprint, ids).reshape(-1), 0
+        flat, pos = rows_with_sums(rows, playout.fingerprint, ids, key).reshape(-1), 0
         while pos < len(flat):
             take = min(sizes[extent] - filled, len(flat) - pos)
             buf[filled: filled + take] = flat[pos: pos + take]
@@ -109,19 +113,20 @@ def _lengths(client: PoolClient, playout: PoolLayout) -> np.ndarray:
     return np.array(replies, np.int64)
 
 
-def _complete_record(playout: PoolLayout, manifest: dict[str, str]) -> bytes:
+def _complete_record(playout: PoolLayout, manifest: dict[str, str], key: PoolKey) -> bytes:
     digests = "\n".join(manifest.get(str(e), "") for e in range(playout.num_extents))
     return json.dumps({
         "fingerprint": playout.fingerprint,
         "extents": playout.num_extents,
         "extent_rows": playout.extent_rows,
-        "manifest_xxh3": xxhash.xxh3_64_hexdigest(digests.encode()),
+        "manifest_mac": key.record_tag(playout.header_record(), digests.encode()),
     }, sort_keys=True).encode()
 
 
-def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
-    """What keeps the table from being served (empty when complete): the complete marker,
-    the manifest and every extent's length are checked."""
+def check_complete(client: PoolClient, playout: PoolLayout, key: PoolKey) -> list[str]:
+    """What keeps the table from being served (empty when complete): the complete marker
+    (its MAC of the header and manifest, under ``key``), the manifest and every extent's
+    length are checked."""
     marker = client.call("GET", playout.complete_key)
     if marker is None:
         return ["no complete marker: the publish has not finished"]
@@ -129,8 +134,9 @@ def check_complete(client: PoolClient, playout: PoolLayout) -> list[str]:
     missing = [str(e) for e in range(playout.num_extents) if str(e) not in manifest]
     if missing:
         return [f"the manifest lacks {len(missing)} of {playout.num_extents} extents"]
-    if marker != _complete_record(playout, manifest):
-        return ["the complete marker does not match the manifest (another publish under way?)"]
+    if marker != _complete_record(playout, manifest, key):
+        return [f"its complete marker does not hold under the pool key {key.path} (written by someone without that "
+                "key, by a publish with another key file, or a publish is under way)"]
     expected = playout.counts * playout.stride
     lengths = _lengths(client, playout)
     wrong = np.flatnonzero(lengths != expected)
@@ -165,6 +171,7 @@ def publish_table(
     fingerprint, extent count and how many extents were sent or already there.
     """
     playout = PoolLayout(read_header(path), extent_rows)
+    key = load_key(create=True)
     with PoolClient(url, timeout=timeout) as client:
         _refuse_evicting_nodes(client)
         stored = client.call("GET", playout.header_key)
@@ -182,7 +189,7 @@ def publish_table(
             client.call("SET", playout.header_key, playout.header_record())
         result: PublishResult = {"fingerprint": playout.fingerprint, "extents": playout.num_extents, "sent": 0,
                   "skipped": 0, "bytes_sent": 0, "nodes": len(client.nodes)}
-        if not check_complete(client, playout):
+        if not check_complete(client, playout, key):
             result["skipped"] = playout.num_extents
             return result
         client.call("DEL", playout.complete_key)  # readers refuse the table until it is whole again
@@ -190,7 +197,7 @@ def publish_table(
         lengths = _lengths(client, playout).tolist()
         layout = playout.header.layout
         with byte_progress(f"publishing {playout.header.path.name}", layout.data_bytes, progress) as advance:
-            for extent, data in _extents(playout, advance):
+            for extent, data in _extents(playout, key, advance):
                 digest = xxhash.xxh3_64_hexdigest(data)
                 if manifest.get(str(extent)) == digest and lengths[extent] == len(data):
                     result["skipped"] += 1
@@ -202,8 +209,8 @@ def publish_table(
                 if on_extent is not None:
                     on_extent(extent)
         manifest = _hgetall(client, playout.manifest_key)
-        client.call("SET", playout.complete_key, _complete_record(playout, manifest))
-        problems = check_complete(client, playout)
+        client.call("SET", playout.complete_key, _complete_record(playout, manifest, key))
+        problems = check_complete(client, playout, key)
         if problems:
             client.call("DEL", playout.complete_key)
             raise PoolError(f"publish of {playout.fingerprint} did not hold: {'; '.join(problems)}")
@@ -232,15 +239,17 @@ def read_pool_table(client: PoolClient, fp: str) -> PoolLayout:
 
 
 def pool_status(url: str | Sequence[str], timeout: float = 10.0) -> dict[str, Any]:
-    """The pool's nodes (with their memory use) and every table in it, complete or not."""
+    """The pool's nodes (with their memory use) and every table in it, complete or not
+    (checked under the pool key, ``load_key``)."""
+    key = load_key()
     with PoolClient(url, timeout=timeout) as client:
         memory = [_info_field(info, "used_memory") for info in client.each_node("INFO", "memory")]
         nodes = [{"address": client.address(i), "used_memory": memory[i]} for i in range(len(client.nodes))]
-        tables = [_table_status(client, key) for key in sorted(set(client.scan("{*}:engram:header")))]
+        tables = [_table_status(client, name, key) for name in sorted(set(client.scan("{*}:engram:header")))]
     return {"cluster": client.cluster, "nodes": nodes, "tables": tables}
 
 
-def _table_status(client: PoolClient, key: bytes) -> dict[str, Any]:
+def _table_status(client: PoolClient, key: bytes, pool_key: PoolKey) -> dict[str, Any]:
     """One table's entry of ``pool_status``; a key or header that is not a table's gives an
     entry saying so (the other tables are still listed)."""
     name = key.decode(errors="backslashreplace")
@@ -259,7 +268,7 @@ def _table_status(client: PoolClient, key: bytes) -> dict[str, Any]:
                    else f"unreadable: {exc}; drop it (engram-offload pool drop {fp}) and publish it again")
         return {"fingerprint": fp, "pool_layout": version, "complete": False, "problems": [problem]}
     version = stored_layout_version(record)
-    problems = (check_complete(client, playout) if version == POOL_LAYOUT_VERSION
+    problems = (check_complete(client, playout, pool_key) if version == POOL_LAYOUT_VERSION
                 else [layout_version_problem(f"table {fp}", version)])
     layout = playout.header.layout
     return {

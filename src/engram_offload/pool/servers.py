@@ -1,9 +1,10 @@
-"""Local Redis servers for trying the pool out (and for the tests): loopback only, no persistence.
+"""Local Redis servers for trying the pool out (and for the tests): loopback by default, no persistence.
 
 ``start_local_pool(nodes, port, directory)`` starts ``nodes`` ``redis-server`` processes
-on ``127.0.0.1:port..port+nodes-1``: one plain server for ``nodes=1``, else a Redis
-Cluster (slots split evenly, nodes introduced with ``CLUSTER MEET``). Production pools
-are existing Redis Clusters with replicas; see docs/pool.md.
+on ``127.0.0.1:port..port+nodes-1`` (or ``host``, another address of this machine): one
+plain server for ``nodes=1``, else a Redis Cluster (slots split evenly, nodes introduced
+with ``CLUSTER MEET``). Production pools are existing Redis Clusters with replicas; see
+docs/pool.md.
 
 A node counts as started only when the server answering its port is the process started
 for it (``INFO server``'s ``process_id``): a port taken by another server is an error
@@ -12,7 +13,9 @@ kernel's ephemeral range (``ip_local_port_range``, where outgoing connections ta
 and the start is retried on other ports when one is taken meanwhile. With ``password``
 the servers require it (given on their stdin, never on a command line other users can
 read). With ``die_with_parent`` the servers are killed when the process that started them
-dies, even by SIGKILL (``PR_SET_PDEATHSIG``).
+dies, even by SIGKILL (``PR_SET_PDEATHSIG``), and a temporary folder of theirs is removed
+then by a watcher process (it waits for the end of its standard input, held by the
+starting process, then for the servers' exit).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +40,23 @@ __all__ = ["RedisNode", "LocalPool", "start_local_pool", "free_port_base", "redi
 CLUSTER_BUS_OFFSET = 10000
 PORT_TRIES = 20  # starts on other free ports when one is taken between the pick and the bind
 PR_SET_PDEATHSIG = 1
+# The watcher: on the end of its stdin (the starting process ended), waits up to 30 s for
+# the servers (pids in argv) to exit, then removes their folder (argv[1]).
+_WATCHER = """import os, select, shutil, signal, sys, time
+for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_IGN)
+fds = []
+for pid in sys.argv[2:]:
+    try:
+        fds.append(os.pidfd_open(int(pid)))
+    except OSError:
+        pass
+sys.stdin.buffer.read()
+deadline = time.monotonic() + 30
+for fd in fds:
+    select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
 
 
 class PortTakenError(PoolError):
@@ -80,13 +101,13 @@ def free_port_base(nodes: int, low: int = 10000, high: int = 65535, rng: random.
                     f"ephemeral range {eph_low}-{eph_high}: give --port")
 
 
-def _port_free(port: int) -> bool:
-    """Whether a server could bind ``port`` on 127.0.0.1 now (as redis-server does, with
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind ``port`` on ``host`` now (as redis-server does, with
     ``SO_REUSEADDR``: connections of a server just stopped do not hold it)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
@@ -108,21 +129,22 @@ class RedisNode:
     process: subprocess.Popen | None = None
     password: str | None = field(default=None, repr=False)
     die_with_parent: bool = False
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self.host}:{self.port}"
 
     def connect(self, timeout: float) -> NodeConnection:
         """A connection to this node, authenticated when it has a password."""
-        return NodeConnection("127.0.0.1", self.port, timeout, (None, self.password) if self.password else None)
+        return NodeConnection(self.host, self.port, timeout, (None, self.password) if self.password else None)
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the server; ``PortTakenError`` when its port (or bus port) is taken."""
         for port in (self.port, self.port + CLUSTER_BUS_OFFSET) if self.cluster else (self.port,):
-            if not _port_free(port):
-                raise PortTakenError(f"port {port} on 127.0.0.1 is taken by another process: choose another --port")
-        args = ["redis-server", "-", "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+            if not _port_free(port, self.host):
+                raise PortTakenError(f"port {port} on {self.host} is taken by another process: choose another --port")
+        args = ["redis-server", "-", "--port", str(self.port), "--bind", self.host, "--protected-mode", "yes",
                 "--save", "", "--appendonly", "no", "--dir", str(self.directory),
                 "--logfile", f"redis-{self.port}.log", "--daemonize", "no"]
         if self.cluster:
@@ -156,7 +178,7 @@ class RedisNode:
                 if pid == self.process.pid:
                     return
                 self.stop()
-                raise PortTakenError(f"port {self.port} on 127.0.0.1 is served by another redis-server (pid {pid}), "
+                raise PortTakenError(f"port {self.port} on {self.host} is served by another redis-server (pid {pid}), "
                                      "not the one started: choose another --port")
             if time.monotonic() > deadline:
                 self.stop()
@@ -193,10 +215,11 @@ class LocalPool:
     cluster: bool
     directory: Path
     own_directory: bool = field(default=False, repr=False)
+    watcher: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return "redis://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Wait until every node reports the cluster healthy (a plain server is ready at once)."""
@@ -215,6 +238,21 @@ class LocalPool:
             node.stop()
         if self.own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self.watcher is not None:
+            assert self.watcher.stdin is not None
+            self.watcher.stdin.close()  # the servers are gone: it ends at once
+            try:
+                self.watcher.wait(10)
+            except subprocess.TimeoutExpired:
+                self.watcher.kill()
+                self.watcher.wait()
+            self.watcher = None
+
+    def watch(self) -> None:
+        """Start the watcher that removes the folder once this process and the servers are gone."""
+        pids = [str(n.process.pid) for n in self.nodes if n.process is not None]
+        self.watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(self.directory), *pids],
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def __enter__(self) -> "LocalPool":
         return self
@@ -247,8 +285,8 @@ def _cluster_ok(node: RedisNode, nodes: int) -> bool:
 
 
 def start_local_pool(nodes: int = 1, port: int | None = 7001, directory: str | os.PathLike | None = None, *,
-                     password: str | None = None, die_with_parent: bool = False) -> LocalPool:
-    """Start ``nodes`` loopback servers from ``port`` on (a cluster when ``nodes > 1``); with
+                     password: str | None = None, die_with_parent: bool = False, host: str = "127.0.0.1") -> LocalPool:
+    """Start ``nodes`` servers on ``host`` from ``port`` on (a cluster when ``nodes > 1``); with
     ``port=None`` on free ports outside the ephemeral range, retried when one is taken."""
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -258,7 +296,7 @@ def start_local_pool(nodes: int = 1, port: int | None = 7001, directory: str | o
     for attempt in range(PORT_TRIES):
         base = port if port is not None else free_port_base(nodes)
         try:
-            return _start(nodes, base, directory, password, die_with_parent)
+            return _start(nodes, base, directory, password, die_with_parent, host)
         except PortTakenError:
             if port is not None or attempt == PORT_TRIES - 1:
                 raise
@@ -266,15 +304,17 @@ def start_local_pool(nodes: int = 1, port: int | None = 7001, directory: str | o
 
 
 def _start(nodes: int, port: int, directory: str | os.PathLike | None, password: str | None,
-           die_with_parent: bool) -> LocalPool:
+           die_with_parent: bool, host: str) -> LocalPool:
     own = directory is None
     root = Path(directory) if directory is not None else Path(_mkdtemp())
     cluster = nodes > 1
     pool = LocalPool([RedisNode(port + i, root / f"node-{port + i}", cluster, password=password,
-                                die_with_parent=die_with_parent) for i in range(nodes)], cluster, root, own)
+                                die_with_parent=die_with_parent, host=host) for i in range(nodes)], cluster, root, own)
     try:
         for node in pool.nodes:
             node.start()
+        if own and die_with_parent:
+            pool.watch()
         if cluster:
             _form_cluster(pool)
             pool.wait_ready()
@@ -303,10 +343,10 @@ def _form_cluster(pool: LocalPool) -> None:
             finally:
                 conn.close()
             if isinstance(reply, Exception):
-                raise PoolError(f"127.0.0.1:{node.port}: CLUSTER ADDSLOTSRANGE failed: {reply}")
+                raise PoolError(f"{node.host}:{node.port}: CLUSTER ADDSLOTSRANGE failed: {reply}")
             if i:
-                reply = first.call("CLUSTER", "MEET", "127.0.0.1", node.port)
+                reply = first.call("CLUSTER", "MEET", node.host, node.port)
                 if isinstance(reply, Exception):
-                    raise PoolError(f"CLUSTER MEET 127.0.0.1:{node.port} failed: {reply}")
+                    raise PoolError(f"CLUSTER MEET {node.host}:{node.port} failed: {reply}")
     finally:
         first.close()

@@ -1,14 +1,15 @@
 """``remote`` tier: rows read from a table published in a Redis pool (Redis Cluster or one server).
 
-The table lies in the pool as extents of packed rows, each followed by its checksum
-(``engram_offload.pool.layout``).
+The table lies in the pool as extents of packed rows, each followed by its checksum: a MAC
+under the operator's pool key (``engram_offload.pool.layout``, ``engram_offload.pool.key``),
+read from the key file at open.
 Per request, the distinct ids are sorted, grouped by extent into runs (neighbouring rows
 of one extent merge into one range when the gap is small), and the runs grouped by the
 node owning their extent's slot. Each node gets ONE pipeline of ``GETRANGE`` commands,
 encoded from per-extent key prefixes and per-offset argument tables built at open; all
 nodes' pipelines are sent before any reply is read, so the nodes work in parallel.
 Replies are parsed by ``hiredis``, checked (every byte asked for came back, and every
-row against its checksum, in C), and the rows gathered into ``out`` in the caller's order.
+row against its MAC, with OpenSSL's AES), and the rows gathered into ``out`` in the caller's order.
 
 Failures are never silent: a node that is down or times out, an error reply, or a
 missing or short extent is retried ``retries`` times (re-reading the slot map between
@@ -35,6 +36,7 @@ import torch
 
 from ..errors import TierError
 from ..pool.client import NodeConnection, PoolClient, PoolError, encode_command, key_slot, parse_pool_url, redact
+from ..pool.key import load_key
 from ..pool.layout import PoolLayout, bad_rows, fingerprint, rows_with_sums
 from ..pool.publish import check_complete, check_extent_digests, read_pool_table
 from ..table.format import TableHeader, read_header
@@ -166,6 +168,7 @@ class RemoteTier(Tier):
         self._owns_fallback = False
         self._client = PoolClient(pool, timeout=timeout_s)
         try:
+            self._key = load_key()
             self.pool_layout = self._open_layout(verify_extents)
             self._open_fallback(fallback)
         except BaseException:
@@ -190,7 +193,7 @@ class RemoteTier(Tier):
         if named is not None and named != fp:
             raise PoolError(f"the pool URL names table {named}, but {self.header.path} is table {fp}")
         playout = read_pool_table(self._client, fp)
-        problems = check_complete(self._client, playout)
+        problems = check_complete(self._client, playout, self._key)
         if problems:
             raise PoolError(
                 f"table {fp} in the pool at {self.pool_url} is not completely published: "
@@ -255,7 +258,8 @@ class RemoteTier(Tier):
         data = self._fetch_with_retries(self._jobs(order, nodes, addresses, runs, contiguous=True), runs)
         in_order = order is None and len(data) == len(uniq) * stride  # data row i holds uniq[i]
         wanted = None if in_order else self._data_rows(runs, run_of, q)  # data row of each distinct id
-        bad = bad_rows(data, self.row_bytes, stride, self.fingerprint, uniq if in_order else self._data_row_ids(runs))
+        bad = bad_rows(data, self.row_bytes, stride, self.fingerprint, uniq if in_order else self._data_row_ids(runs),
+                       self._key)
         if bad.size and wanted is not None and len(wanted) * stride != len(data):
             bad = bad[np.isin(bad, wanted)]  # rows between merged ones were not asked for
         if bad.size:
@@ -511,24 +515,25 @@ class RemoteTier(Tier):
         got = got.reshape(-1, self.stride)[again.pos // self.stride]  # [bad rows, stride] in ``ids`` order
         data = data if data.flags.writeable else data.copy()
         data.reshape(-1, self.stride)[bad] = got
-        still = bad_rows(got, self.row_bytes, self.stride, self.fingerprint, ids)
+        still = bad_rows(got, self.row_bytes, self.stride, self.fingerprint, ids, self._key)
         if still.size:
             self._count(checksum_failures=len(still))
             first = int(still[0])
             why = (f"pool node {addresses[int(nodes[first])]}: row {int(ids[first])} of extent "
                    f"{self.pool_layout.keys[int(ext[first])]} failed its checksum, and again when read once "
-                   f"more ({len(still)} row(s) so: the pool's copy is damaged, publish the table again)")
+                   f"more ({len(still)} row(s) so: the pool's copy is damaged or was written without the pool key; "
+                   f"drop and publish the table again: engram-offload pool drop {self.fingerprint}, pool publish TABLE)")
             self._serve_fallback(ids[still], bad[still], why, data)
         return data
 
     def _serve_fallback(self, ids: np.ndarray, slots: np.ndarray, why: str, data: np.ndarray) -> None:
-        """Fill data rows ``slots`` with table rows ``ids`` (and their checksums) from the
+        """Fill data rows ``slots`` with table rows ``ids`` (and their MACs) from the
         fallback tier, or raise ``TierError`` saying ``why``."""
         if self._fallback is None:
             raise TierError(f"remote tier (table {self.fingerprint}, pool {self.pool_url}): {why}, "
                             "and no fallback tier is configured")
         got = self._fallback.read_rows(ids, torch.empty((len(ids), self.row_bytes), dtype=torch.uint8)).numpy()
-        data.reshape(-1, self.stride)[slots] = rows_with_sums(got, self.fingerprint, ids)
+        data.reshape(-1, self.stride)[slots] = rows_with_sums(got, self.fingerprint, ids, self._key)
         self._count(fallback_rows=len(ids), fallback_requests=1)
 
     # -- bookkeeping --------------------------------------------------------------------
