@@ -187,7 +187,7 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
 
 def check_tiers(run, rank, world):
     tiers = ok(run["tiers"])
-    names = ("direct+cache", "memory", "row_server") + (("pool",) if run["spec"]["pool_table"] else ())
+    names = ("direct+cache", "layered", "memory", "row_server") + (("pool",) if run["spec"]["pool_table"] else ())
     assert sorted(tiers) == [f"{t}/layer{i}" for t in sorted(names) for i in (1, 14)]
     stores = {t: {tiers[f"{t}/layer{i}"]["store"] for i in (1, 14)} for t in names}
     assert all(len(s) == 1 for s in stores.values()) and len(set.union(*stores.values())) == len(names)  # one a tier
@@ -208,12 +208,15 @@ def check_tiers(run, rank, world):
     assert len({entry["class_id"] for entry in tiers.values()}) == 1  # one subclass of vLLM's, made once
     for name, entry in tiers.items():
         assert entry["more_attrs"] == entry["vllm_more_attrs"], name
-        layer, tier = int(name.split("layer")[1]), name.split("/")[0]
-        assert entry["stats"] == {"layer": layer, "backend": "addressable" if tier == "memory" else "host-read",
+        tier, layer = name.split("/")[0], int(name.split("/layer")[1])
+        in_place = tier == "memory" or (tier == "layered" and layer == 1)  # the placement: 1=memory/14=direct
+        assert entry["stats"] == {"layer": layer, "backend": "addressable" if in_place else "host-read",
                                   "table": entry["stats"]["table"], "columns": [rank * part, rank * part + part],
                                   "lookups": 2, "rows": 2 * 3 * part}, name  # two lookups of 3 tokens
         assert entry["stats"]["table"].endswith({"memory": ".table on memory", "direct+cache": ".table on direct",
-                                                 "row_server": "/" + SOCKET, "pool": " on remote"}[tier]), name
+                                                 "row_server": "/" + SOCKET, "pool": " on remote",
+                                                 "layered": f".table on {'memory' if layer == 1 else 'direct'}",
+                                                 }[tier]), name
         assert entry["in_plugin_stats"] and entry["store_stats"], name
         assert entry["store_columns"] == [rank * part, rank * part + part], name  # caches hold the rank's rows
         assert entry["class"] == "OffloadedEngramEmbedding" and entry["base"] == "ParallelEngramEmbedding"

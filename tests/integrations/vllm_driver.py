@@ -154,6 +154,7 @@ def tier_settings(spec):
         "memory": {"table": spec["table"], "tier": "memory"},
         "direct+cache": {"table": spec["table"], "tier": "direct", "cache_bytes": 40 * 264},
         "row_server": {"table": spec["table"], "tier": spec["server_tier"], "row_server": spec["socket"]},
+        "layered": {"table": spec["table"], "tier": {"1": "memory", "14": "direct"}, "cache_bytes": 40 * 264},
     }
     if spec.get("pool_table"):  # where redis-server runs: the table's copy in a Redis pool
         tiers["pool"] = {"table": spec["pool_table"], "tier": "remote"}

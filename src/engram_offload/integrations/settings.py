@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence, cast
 
 from ..cache.policy import DEFAULT_POLICY, POLICIES
 from ..engram.config import EngramConfig
+from ..serving.layered import is_layered, parse_placement, placement_text
 from ..serving.sharding import Columns
 from ..serving.store import RowStore, open_table
 from ..tiers import is_resident, tier_names
@@ -47,7 +48,8 @@ class OffloadSettings:
     """What an operator sets (see ``docs/serving.md``); sizes in bytes."""
 
     table: str  # a table file from `engram-offload convert`, or a pool URL redis://.../FINGERPRINT
-    tier: str  # one of ADDRESSABLE_TIERS + HOST_READ_TIERS, or AUTO (resolved at start-up)
+    tier: str  # one of ADDRESSABLE_TIERS + HOST_READ_TIERS, AUTO (resolved at start-up), or a placement
+    #            "1=pinned/14=direct" (each Engram layer on its own tier; JSON also {"1": "pinned", ...})
     cache_bytes: int | None = None  # DRAM row cache in front of a host-read tier
     fast_cache_bytes: int = 0  # a faster cache above it (host RAM; not with an addressable tier)
     policy: str = DEFAULT_POLICY
@@ -63,9 +65,24 @@ class OffloadSettings:
     allow_untested_engine: bool = False  # run on an engine version the plugin was not tested with (warned)
 
     @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers the settings use: ``tier``, or each layer's of a placement (``"1=pinned/14=direct"``)."""
+        return tuple(parse_placement(self.tier).values()) if is_layered(self.tier) else (self.tier,)
+
+    def tier_of(self, layer_id: int) -> str:
+        """The tier of Engram layer ``layer_id`` (a placement names each layer's)."""
+        return parse_placement(self.tier)[layer_id] if is_layered(self.tier) else self.tier
+
+    def reads_on_host(self, layer_id: int | None = None) -> bool:
+        """Whether a host thread reads the rows of ``layer_id`` (None: of any layer); else the GPU
+        reads them in place."""
+        tiers = self.tiers if layer_id is None else (self.tier_of(layer_id),)
+        return self.row_server is not None or any(t not in ADDRESSABLE_TIERS for t in tiers)
+
+    @property
     def host_read(self) -> bool:
-        """Whether rows are read by a host thread (else the GPU reads the table in place)."""
-        return self.row_server is not None or self.tier not in ADDRESSABLE_TIERS
+        """Whether any layer's rows are read by a host thread (else the GPU reads the table in place)."""
+        return self.reads_on_host()
 
     def store_key(self) -> tuple[Any, ...]:
         """Settings that open the same store (one store per process and column shard)."""
@@ -97,6 +114,9 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
     for key, value in raw.items():
         if value is None:
             continue
+        if key == "tier" and is_layered(value):  # each Engram layer on its own tier
+            values[key] = placement_text(parse_placement(value))
+            continue
         if key in _SIZES:
             values[key] = parse_size(value)
         elif key in _BOOLS:
@@ -117,7 +137,11 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                 raise ValueError(f"engram_offload setting {key!r} must be a number of seconds > 0, got {value!r}")
             values[key] = float(value)
     settings = OffloadSettings(**values)
-    if settings.tier not in tiers + (AUTO,):
+    used = settings.tiers
+    if is_layered(settings.tier) and settings.row_server is not None:
+        raise ValueError("the row server owns the tier of every layer: drop row_server, or give one tier (the "
+                         "server's)")
+    if not is_layered(settings.tier) and settings.tier not in tiers + (AUTO,):
         raise ValueError(f"engram_offload tier {settings.tier!r} is unknown: choose one of {', '.join(tiers)}, "
                          f"or {AUTO}")
     if settings.tier == AUTO:
@@ -130,20 +154,21 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                              "set tier to remote")
     if settings.policy not in POLICIES:
         raise ValueError(f"engram_offload policy {settings.policy!r} is unknown: choose one of {', '.join(POLICIES)}")
-    if (settings.pool or settings.fallback) and settings.tier != "remote":
-        raise ValueError(f"pool and fallback are the remote tier's settings, not the {settings.tier} tier's: "
+    named = "/".join(dict.fromkeys(used))
+    if (settings.pool or settings.fallback) and "remote" not in used:
+        raise ValueError(f"pool and fallback are the remote tier's settings, not the {named} tier's: "
                          "set tier to remote or drop them")
-    if settings.tier == "remote" and not settings.pool and not settings.table.startswith("redis://") \
+    if "remote" in used and not settings.pool and not settings.table.startswith("redis://") \
             and settings.row_server is None:
         raise ValueError("the remote tier needs 'pool' (the pool's redis:// URL) or a pool URL as 'table'")
-    if settings.queue_depth is not None and settings.tier != "direct":
-        raise ValueError(f"queue_depth is the direct tier's io_uring depth, not the {settings.tier} tier's: drop it")
-    if settings.verify_reads is not None and settings.tier == "remote":
+    if settings.queue_depth is not None and "direct" not in used:
+        raise ValueError(f"queue_depth is the direct tier's io_uring depth, not the {named} tier's: drop it")
+    if settings.verify_reads is not None and used == ("remote",):
         raise ValueError("the remote tier checks every row against its pool checksum: drop verify_reads")
-    if settings.verify_reads is not None and not is_resident(settings.tier):
-        raise ValueError(f"the {settings.tier} tier checks every page it reads: drop verify_reads")
+    if settings.verify_reads is not None and not any(is_resident(t) for t in used):
+        raise ValueError(f"the {named} tier checks every page it reads: drop verify_reads")
     if not settings.host_read and (settings.cache_bytes or settings.fast_cache_bytes):
-        raise ValueError(f"the {settings.tier} tier holds the whole table in memory the GPU reads in place: "
+        raise ValueError(f"the {named} tier holds the whole table in memory the GPU reads in place: "
                          "drop cache_bytes and fast_cache_bytes")
     return settings
 
@@ -174,12 +199,9 @@ def open_store(settings: OffloadSettings, columns: Columns | None) -> RowStore:
     if settings.row_server is not None:
         client = open_table(settings.table, settings.tier, row_server=settings.row_server, columns=columns, **options)
         return cast(RowStore, client)  # rows on the host: its sync is always None
-    extra: dict[str, Any] = {}
-    if settings.staging_bytes is not None:
-        extra["staging_bytes"] = settings.staging_bytes
     return open_table(settings.table, settings.tier, cache_bytes=settings.cache_bytes,
                       fast_cache_bytes=settings.fast_cache_bytes, policy=settings.policy,
-                      admission=settings.admission, columns=columns, **extra, **options)
+                      admission=settings.admission, columns=columns, **options)
 
 
 def check_layout(table: EngramConfig, where: str, *, layer_ids: Sequence[int], head_dim: int,
@@ -209,11 +231,14 @@ def check_layout(table: EngramConfig, where: str, *, layer_ids: Sequence[int], h
                    f"{int(num_embeddings[index])}")
 
 
-def check_graph_mode(settings: OffloadSettings, full_graphs: bool, fix: str) -> None:
-    """Refuse a host-read tier when the engine replays FULL CUDA graphs (the host read would run
-    once at capture and never again); ``fix`` names the engine's flag that avoids it."""
+def check_graph_mode(settings: OffloadSettings, full_graphs: bool, fix: str, layer_id: int | None = None) -> None:
+    """Refuse a host-read tier (of ``layer_id``; None: of any layer) when the engine replays FULL
+    CUDA graphs (the host read would run once at capture and never again); ``fix`` names the
+    engine's flag that avoids it."""
     _resolved(settings)
-    if settings.host_read and full_graphs:
-        where = f"the row server at {settings.row_server}" if settings.row_server else f"the {settings.tier} tier"
+    if settings.reads_on_host(layer_id) and full_graphs:
+        tier = settings.tier_of(layer_id) if layer_id is not None else "/".join(
+            t for t in dict.fromkeys(settings.tiers) if t not in ADDRESSABLE_TIERS)
+        where = f"the row server at {settings.row_server}" if settings.row_server else f"the {tier} tier"
         raise ValueError(f"{where} reads rows on the host, which a FULL CUDA graph cannot replay: {fix}, "
                          f"or use a tier the GPU reads in place ({', '.join(ADDRESSABLE_TIERS)})")

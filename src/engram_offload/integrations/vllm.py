@@ -260,24 +260,25 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     full_graphs = _full_graphs()
     settings = _resolved(settings, world, full_graphs)
-    check_graph_mode(settings, full_graphs, GRAPH_FIX)
     layer_ids = tuple(int(i) for i in layout.layer_ids)
-    store, config = _store(settings, layout, rank, world)
     layer_id = layer_ids[layer_hash_index]
+    check_graph_mode(settings, full_graphs, GRAPH_FIX, layer_id)
+    store, config = _store(settings, layout, rank, world)
     shard = LayerShard.of(config, layer_id, rank, world)
     device = torch.get_default_device()
-    describe = f"{settings.table} on {settings.row_server or settings.tier}"
+    tier, on_host = settings.tier_of(layer_id), settings.reads_on_host(layer_id)
+    describe = f"{settings.table} on {settings.row_server or tier}"
     backend: AddressableLookup | HostReadLookup
     how = "read on the host"
-    found = None if settings.host_read else _device_table(settings, rank, world, store, layer_id, device)
+    found = None if on_host else _device_table(settings, rank, world, store, layer_id, device)
     if found is not None:
         table, first = found
         backend = AddressableLookup(shard, store, table, config, first_row=first, describe=describe,
                                     log_every=settings.log_every)
         how = "read by the GPU in place"
     else:
-        if not settings.host_read:  # e.g. a read-only segment the device cannot register
-            why = (f"this GPU cannot read the {settings.tier} tier's rows in place (read-only host memory it "
+        if not on_host:  # e.g. a read-only segment the device cannot register
+            why = (f"this GPU cannot read the {tier} tier's rows in place (read-only host memory it "
                    "cannot register, or no coherent UVA)")
             if full_graphs:
                 raise ValueError(f"{why}: they would be staged on the host, which a FULL CUDA graph cannot "
