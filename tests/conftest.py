@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engram_offload.engram.config import EngramConfig
+from engram_offload.pool.key import KEY_ENV
 
 from tiny_tables import tiny_config as _tiny_config
 
@@ -58,3 +59,13 @@ def shm_dir():
     directory = Path(tempfile.mkdtemp(prefix="engram-test-", dir=shm if shm.is_dir() else None))
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pool_key_file(tmp_path_factory):
+    """``$ENGRAM_OFFLOAD_POOL_KEY`` for every test and the commands it starts: a key file (written
+    by the first publish or serve) in a folder of the session's, never the user's."""
+    path = tmp_path_factory.mktemp("pool-key") / "pool.key"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEY_ENV, str(path))
+        yield path

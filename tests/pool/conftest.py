@@ -1,19 +1,10 @@
-"""The pool tests' key file: one of their own for the session, never the user's."""
+"""The pool tests' key fixtures (the session's key file: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engram_offload.pool.key import KEY_ENV
-
-
-@pytest.fixture(scope="session", autouse=True)
-def pool_key_file(tmp_path_factory):
-    """``$ENGRAM_OFFLOAD_POOL_KEY``: a key file (written by the first publish) in a folder of the session's."""
-    path = tmp_path_factory.mktemp("pool-key") / "pool.key"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(KEY_ENV, str(path))
-        yield path
 
 
 @pytest.fixture
