@@ -101,6 +101,16 @@ def test_a_table_of_another_model_refused(other, message):
     assert "engram-offload convert" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_table_whose_later_orders_primes_differ_refused(order):
+    """Only one n-gram order's primes differ (the second, the last), in the second layer."""
+    layout = layout_of(CONFIG)
+    primes = [[list(o) for o in layer] for layer in layout["primes"]]
+    primes[1][order][-1] += 2  # the last head of that order
+    with pytest.raises(ValueError, match=f"layer {CONFIG.layer_ids[1]}'s head primes differ"):
+        check_layout(CONFIG, "t.table", **dict(layout, primes=primes))
+
+
 def test_other_row_format_and_fewer_rows_refused():
     with pytest.raises(ValueError, match="bf16 rows, the checkpoint's fp8_e4m3_ue8m0"):
         check_layout(CONFIG.replace(row_format="bf16"), "t", **layout_of(CONFIG))

@@ -186,7 +186,9 @@ def test_a_symlink_in_this_uids_folder_is_never_followed(public_table, shm_dir, 
 
 
 @pytest.mark.parametrize("what, mode, words", [("folder", 0o755, "is mode 0755"), ("segment", 0o644, "is mode 0644"),
-                                               ("lock", 0o666, "is mode 0666")])
+                                               ("lock", 0o666, "is mode 0666"),  # open to every user
+                                               ("folder", 0o750, "is mode 0750"), ("segment", 0o640, "is mode 0640"),
+                                               ("lock", 0o660, "is mode 0660")])  # open to the group only
 def test_this_uids_folder_or_files_open_to_others_are_refused(public_table, shm_dir, what, mode, words):
     header = read_header(public_table[0])
     with SharedTier(header, shm_dir=shm_dir):
