@@ -193,3 +193,32 @@ def test_row_server_says_it_serves_before_serving_even_into_a_pipe(table, socket
 
     assert serve_in_process(["--table", str(path), "--socket", str(sock)], sock, connect, signal.SIGTERM) == 0
     assert seen_when_served == [f"serving {path} (direct tier) on {sock}; SIGTERM or Ctrl-C stops it\n".encode()]
+
+
+@pytest.mark.parametrize("tier, message", [
+    ("remote", "argument --tier: the remote tier reads a Redis pool, not the table file: give one of memory, "
+               "pinned, mmap, direct, shared"),
+    ("1=memory/14=direct", "argument --tier: '1=memory/14=direct' is a placement; this command reads every layer "
+                           "from one tier: give one of memory, pinned, mmap, direct, shared"),
+])
+def test_row_server_refuses_a_tier_it_cannot_serve_in_one_line(table, socket_dir, capsys, tier, message):
+    path, _ = table
+    assert main(["row-server", "--table", str(path), "--socket", str(socket_dir / "s"), "--tier", tier]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert list(socket_dir.iterdir()) == []
+
+
+def test_row_server_names_a_socket_path_it_cannot_bind_before_opening_the_table(table, socket_dir, capsys):
+    path, _ = table
+    missing = socket_dir / "no-such-folder" / "rows.sock"
+    long = socket_dir / ("r" * 200)
+    for sock, message in [
+        (missing, f"the socket's folder {missing.parent} does not exist: create it (mode 0700, yours only) or give "
+                  "a socket path in a folder that exists"),
+        (long, f"the socket path {long} is {len(str(long))} bytes, over the 107 a Unix socket's path may have: give "
+               "a shorter path (such as /run/engram/rows.sock)"),
+    ]:
+        assert main(["row-server", "--table", str(path), "--socket", str(sock), "--tier", "memory"]) == 1
+        assert capsys.readouterr().err == f"engram-offload row-server: error: {message}\n"
+    assert list(socket_dir.iterdir()) == []  # no .lock left behind

@@ -41,7 +41,7 @@ def test_trace_of_a_corpus_is_what_a_server_reads(tmp_path, capsys):
     # files in path order, the .gz decompressed, the binary one skipped
     sequences = encode_documents(TEXTS, load_tokenizer())
     assert ids.dtype == np.int64 and np.array_equal(ids, expected(sequences, 2, 4))
-    assert main(["trace", "--corpus", str(folder), "--out", str(out), "--batch", "2", "--chunk", "4",
+    assert main(["trace", "--corpus", str(folder), "--out", str(out), "--force", "--batch", "2", "--chunk", "4",
                  "--every-id"]) == 0
     assert np.array_equal(np.load(out), expected(sequences, 2, 4, distinct=False))
     assert sum(s.size for s in sequences) * V41.rows_per_token == np.load(out).size
@@ -59,10 +59,10 @@ def test_trace_of_a_token_log(tmp_path, capsys):
     sequences = [np.arange(1, 9), np.array([9, 10])]
     assert np.array_equal(np.load(out), expected(sequences, 32, 1))
     log.write_text("1 2 x\n")
-    assert main(["trace", "--token-ids", str(log), "--out", str(out)]) == 1
+    assert main(["trace", "--token-ids", str(log), "--out", str(out), "--force"]) == 1
     assert "tokens.log:1: a token log holds integer token ids" in capsys.readouterr().err
     log.write_text("1 2 999999999\n")
-    assert main(["trace", "--token-ids", str(log), "--out", str(out)]) == 1
+    assert main(["trace", "--token-ids", str(log), "--out", str(out), "--force"]) == 1
     assert "outside the tokenizer's" in capsys.readouterr().err
 
 

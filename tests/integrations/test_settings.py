@@ -57,7 +57,7 @@ def test_every_key_parsed():
     ({"table": 7, "tier": "mmap"}, "'table' must be a string"),
     ({"table": "t", "tier": "direct", "queue_depth": 0}, "'queue_depth' must be an integer >= 1"),
     ({"table": "t", "tier": "mmap", "log_every": -1}, "'log_every' must be an integer >= 0"),
-    ({"table": "t", "tier": "mmap", "wait_timeout_s": 0}, "'wait_timeout_s' must be a number of seconds > 0"),
+    ({"table": "t", "tier": "mmap", "wait_timeout_s": 0}, "'wait_timeout_s' must be a number of seconds from 0.001 "),
     ({"table": "t", "tier": "shared", "cache_bytes": "1G"}, "drop cache_bytes and fast_cache_bytes"),
     (["table", "t"], "must be a JSON object"),
     ({"table": "t", "tier": "direct", "pool": "redis://h:1"}, "pool and fallback are the remote tier's settings"),
@@ -75,6 +75,12 @@ def test_settings_from_json():
     assert settings_from_json('{"table": "x", "tier": "mmap"}', "ENV").tier == "mmap"
     with pytest.raises(ValueError, match="ENV is not valid JSON"):
         settings_from_json("{table: x}", "ENV")
+    deep = '{"table": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(ValueError) as err:
+        settings_from_json(deep, "ENGRAM_OFFLOAD_CONFIG")
+    assert str(err.value) == ("ENGRAM_OFFLOAD_CONFIG is not valid JSON (nested too deeply to read): give one flat "
+                              "object")
+    assert settings_from_json('{"table": "x", "tier": "mmap", "wait_timeout_s": 86400}', "ENV").wait_timeout_s == 86400
 
 
 def layout_of(config):
@@ -180,7 +186,13 @@ def test_open_store_through_a_row_server(table):
     ({"table": "t", "tier": "direct", "queue_depth": 2.0},
      "engram_offload setting 'queue_depth' must be an integer >= 1, got 2.0"),
     ({"table": "t", "tier": "mmap", "wait_timeout_s": True},
-     "engram_offload setting 'wait_timeout_s' must be a number of seconds > 0, got True"),
+     "engram_offload setting 'wait_timeout_s' must be a number of seconds from 0.001 to 86400, got True"),
+    *(({"table": "t", "tier": "mmap", "wait_timeout_s": value},
+       f"engram_offload setting 'wait_timeout_s' must be a number of seconds from 0.001 to 86400, got {value!r}")
+      for value in (float("inf"), 1e308, 1e-300, float("nan"))),
+    *(({"table": "t", "tier": "remote", "pool": "redis://h:1", key: value},
+       f"engram_offload setting {key!r} must be a string, not blank, got {value!r}")
+      for key, value in (("table", " "), ("table", "\t\n"), ("fallback", ""), ("pool", "  "))),
 ])
 def test_each_refusal_says_exactly_what_to_change(raw, message):
     with pytest.raises(ValueError) as err:

@@ -57,7 +57,7 @@ def test_a_server_file_must_be_one_object_of_known_figures(tmp_path):
     with pytest.raises(ValueError, match="one JSON object"):
         load_server_file(f)
     f.write_text("{nope")
-    with pytest.raises(ValueError, match="is not JSON"):
+    with pytest.raises(ValueError, match="is not valid JSON"):
         load_server_file(f)
     f.write_text(json.dumps({"preset": "pcie", "host_dram": "1T"}))
     assert load_server_file(f) == {"preset": "pcie", "host_dram": "1T"}

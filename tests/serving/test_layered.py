@@ -133,6 +133,7 @@ def test_a_window_header_covers_whole_pages_and_its_own_fingerprint(table):
     ("1=memory/1=direct", "layer 1 is named twice"),
     ("1=memory/direct", "'direct' is not LAYER=TIER"),
     ("one=memory/14=direct", "layer 'one' is not a layer id"),
+    ({1: ["memory"], 14: "direct"}, "unknown tier ['memory'] for layer 1"),
 ])
 def test_a_bad_placement_is_refused_in_one_line(table, spec, message):
     path, _, _ = table

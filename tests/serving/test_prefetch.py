@@ -840,3 +840,12 @@ def test_hit_rows_are_decoded_where_the_cache_holds_them(table, hasher):
         left = [lease.in_place is not None for _, lease in leases]
         assert any(left) and not all(left)  # the first of each step's fetches missed
         assert store.levels[0].pinned() == 0
+
+
+def test_a_sequence_with_no_new_tokens_this_step_is_an_empty_piece(table, hasher):
+    with open_table(table, "mmap") as store, Prefetcher(store, hasher) as pf:
+        for empty in ([], np.array([]), torch.tensor([])):  # [] reads as float64: no token ids to refuse
+            step = pf.begin_step([1, 2], [[5, 6, 7], empty])
+            assert step.lengths == (3, 0)
+            assert pf.rows(CONFIG.layer_ids[0]).shape == (3, CONFIG.cols_per_layer, CONFIG.head_dim)
+            pf.end_step()

@@ -97,3 +97,21 @@ def test_the_benchmark_refuses_bad_numbers_too(tmp_path):
                             ({"callers": 0}, "callers")):
         with pytest.raises(ValueError, match=message):
             run_tier_bench(tmp_path / "t.tbl", "mmap", **kwargs)
+
+
+def test_bench_tier_reads_a_placement_and_refuses_a_pool_or_unknown_tier_in_it(tmp_path, capsys):
+    path = str(tmp_path / "t.tbl")
+    assert cli.main(["make-table", "--scale", SCALE, "--out", path, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["bench-tier", "--table", path, "--tier", "1=memory/14=direct", "--seconds", "0.1",
+                     "--batch", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tier"] == "1=memory/14=direct" and result["rows"] > 0
+    for tier, message in [("1=memory/14=remote", "the remote tier reads a Redis pool, not the table file"),
+                          ("1=memory/14=nvme", "placement '1=memory/14=nvme': unknown tier 'nvme' for layer 14"),
+                          ("nvme", "unknown tier 'nvme'; choose one of: memory, pinned, mmap, direct, shared, or a "
+                                   "placement such as 1=memory/14=direct"),
+                          ("1=memory", "misses layer(s) 14")]:
+        code = cli.main(["bench-tier", "--table", path, "--tier", tier, "--seconds", "0.1"])
+        err = capsys.readouterr().err
+        assert code in (1, 2) and message in err and err.count("\n") == 1, err

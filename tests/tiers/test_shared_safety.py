@@ -814,3 +814,12 @@ def test_the_defaults_and_a_segment_name_of_200_bytes(public_table, shm_dir):
     with SharedTier(header, shm_dir=shm_dir, segment="é" * 100) as tier:  # 200 bytes: the most a name may have
         assert tier.segment.name == "é" * 100
         assert tier.stats()["sample_pages"] == 1 and tier.stats()["verify_reads"] is False
+
+
+@pytest.mark.parametrize("folder", ["/proc", "/proc/self"])
+def test_a_folder_where_no_segment_can_be_made_is_one_line_naming_it(public_table, folder):
+    with pytest.raises(TierError) as caught:
+        SharedTier(read_header(public_table[0]), shm_dir=folder)
+    assert one_line(caught.value) == (
+        f"cannot create {folder}/engram-uid-{os.geteuid()} (No such file or directory): {folder} is not a folder "
+        "segments can be made in; pass shm_dir= a tmpfs folder (default /dev/shm)")

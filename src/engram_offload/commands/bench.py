@@ -39,6 +39,7 @@ from .options import (
     add_json_out,
     add_policy,
     gpu_arg,
+    local_tier_arg,
     model_preset_arg,
     preset_arg,
     removed_option,
@@ -53,19 +54,6 @@ DROP_ALL_HELP = ("with a cold start, also empty the whole machine's page cache (
 def _budget_arg(text: str) -> str:
     """argparse type: ``none`` or a size or percentage of the table (checked now, read later)."""
     return text if text.strip().lower() == "none" else size_or_percent_arg(text)
-
-
-def _local_tier(text: str) -> str:
-    """argparse type of ``bench-tier --tier``: a tier that reads this machine's table file."""
-    from ..tiers import TIERS, tier_names
-
-    if text in TIERS and text not in tier_names(local=True):
-        raise argparse.ArgumentTypeError("the remote tier reads a Redis pool, not the table file: measure it with "
-                                         "engram-offload bench --tiers remote [--pool URL]")
-    if text not in TIERS:
-        raise argparse.ArgumentTypeError(f"unknown tier {text!r}; choose one of: "
-                                         f"{', '.join(tier_names(local=True))}")
-    return text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -164,6 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_json_out(o, "OUT/results.json")
     removed_option(o, "--json", "--json-out")
     o.add_argument("--plot", default=None, metavar="PATH", help="frontier PNG path (default OUT/frontier.png)")
+    o.add_argument("--force", action="store_true", help="replace the JSON and PNG files if they exist (default: refuse)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -316,6 +305,7 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         from ..bench.modeled import modeled_backbone
 
         modeled_backbone(header.config, args.gpu, args.tp, args.model)
+    _outputs(args)  # the last refusal before any run
     return _Plan(table, header, budget, tiers, states, concurrency, settings)
 
 
@@ -459,11 +449,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sample = {"min_steps": args.min_steps, "min_users": args.min_users}
     ratios = comparisons(runs, **sample)
     limits = stall_limits(runs)
-    out = Path(args.out)
-    json_path = write_json_atomic(args.json_out or out / "results.json",
-                                  _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
+    json_path, plot_path = _outputs(args)  # again: made meanwhile, they are still not written over
+    write_json_atomic(json_path, _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
-    plot_path = frontier_plot(runs, args.plot or out / "frontier.png",
+    frontier_plot(runs, plot_path,
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
                                     f"budget {budget}", **sample)
     print(markdown_table(runs, **sample))
@@ -484,12 +473,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The results JSON and the frontier plot's paths, refused when they exist (unless ``--force``)."""
+    from ..table.safeio import refuse_existing
+
+    out = Path(args.out)
+    paths = Path(args.json_out or out / "results.json"), Path(args.plot or out / "frontier.png")
+    for path in paths:
+        refuse_existing(path, args.force, "benchmark result")
+    return paths
+
+
 # ---------------------------------------------------------------------- bench-tier
 def add_bench_tier_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench-tier`` command's arguments (its parser's ``func`` is ``cmd_bench_tier``)."""
     parser.add_argument("--table", required=True, help="the table file to read (required)")
-    parser.add_argument("--tier", required=True, type=_local_tier,
-                        help="memory, pinned, mmap, direct or shared (required; the remote tier: bench --tiers remote)")
+    parser.add_argument("--tier", required=True, type=local_tier_arg(placements=True),
+                        help="memory, pinned, mmap, direct or shared, or a placement such as 1=memory/14=direct "
+                        "(required; the remote tier: bench --tiers remote)")
     parser.add_argument("--engine", default="auto", help="direct tier engine: auto, uring or threads (default auto)")
     parser.add_argument("--cold", action="store_true", help="evict the table file's pages from the page cache first")
     parser.add_argument("--drop-all-caches", action="store_true", help=DROP_ALL_HELP)
@@ -553,15 +554,22 @@ def _tier_bench_mode(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_bench_tier(args: argparse.Namespace) -> int:
     from ..bench.tier_bench import caller_threads, memory_needs, run_tier_bench
+    from ..serving.layered import parse_placement
     from ..table.format import read_header
+    from ..tiers import is_resident
 
     mode = _tier_bench_mode(args)
     header = read_header(args.table)
     layout = header.layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
-    needs = memory_needs(args.tier, layout.num_rows, layout.row_bytes, header.config.rows_per_token,
-                         queue_depth=args.queue_depth, cache_bytes=cache_bytes,
+    placement = parse_placement(args.tier, header.config.layer_ids) if "=" in args.tier else None
+    needs = memory_needs("direct" if placement else args.tier, layout.num_rows, layout.row_bytes,
+                         header.config.rows_per_token, queue_depth=args.queue_depth, cache_bytes=cache_bytes,
                          **{k: v for k, v in mode.items() if k != "check"})
+    if placement:  # the rows of its layers on resident tiers
+        rows = sum(header.config.rows_per_layer[i] for i, tier in placement.items() if is_resident(tier))
+        needs.append(("tier", 0, rows * layout.row_bytes,
+                      f"{args.tier}: its resident layers' {rows:,} rows x {layout.row_bytes} B"))
     check_memory_needs([MemoryNeed(_flag(name, value, args), need, how) for name, value, need, how in needs])
     if not mode.get("prefetcher"):
         source, threads = caller_threads(args.tier, mode.get("callers"), args.queue_depth)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..engram.config import EngramConfig, check_config_fields
 from ..engram.rows import get_row_format
+from ..table.safeio import parse_json, read_input
 from ..units import format_bytes, positive_int
 from . import UsageError
 from .options import add_json, preset_arg
@@ -117,16 +118,7 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory: give the {what} file itself")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no {what} at {path}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text: give a {what}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}): give a {what}") from None
+    data = parse_json(read_input(path, what), str(path))
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: give a {what}")
     return data

@@ -25,6 +25,7 @@ __all__ = [
     "add_pool",
     "add_pool_nodes",
     "gpu_arg",
+    "local_tier_arg",
     "model_preset_arg",
     "preset_arg",
     "removed_option",
@@ -89,6 +90,36 @@ def _gpus() -> Any:
 preset_arg = _name_arg(_presets, "preset")
 model_preset_arg = _name_arg(_models, "model preset")
 gpu_arg = _name_arg(_gpus, "GPU", lambda s: s.strip().lower().replace(" ", "").replace("-", ""))
+
+
+def local_tier_arg(placements: bool) -> Callable[[str], str]:
+    """argparse type: a tier that reads this machine's table file, or (``placements``) a placement
+    of such tiers (``1=memory/14=direct``); else a usage error naming the choices."""
+    from ..tiers import TIERS, tier_names
+
+    local = ", ".join(tier_names(local=True))
+
+    def parse(text: str) -> str:
+        from ..serving.layered import parse_placement
+
+        if "=" in text and not placements:
+            raise argparse.ArgumentTypeError(f"{text!r} is a placement; this command reads every layer from one tier: "
+                                             f"give one of {local}")
+        try:
+            names = set(parse_placement(text).values()) if "=" in text else {text}
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        for name in sorted(names):
+            if name in TIERS and name not in tier_names(local=True):
+                raise argparse.ArgumentTypeError(f"the {name} tier reads a Redis pool, not the table file: give one "
+                                                 f"of {local} (bench --tiers remote measures a pool)")
+            if name not in TIERS:
+                raise argparse.ArgumentTypeError(f"unknown tier {name!r}; choose one of: {local}"
+                                                 + (", or a placement such as 1=memory/14=direct" if placements else ""))
+        return text
+
+    parse.__name__ = "tier"
+    return parse
 
 
 def add_json(parser: Any) -> argparse.Action:

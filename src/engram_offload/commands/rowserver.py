@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from ..units import positive_int
-from .options import add_cache_bytes, add_policy
+from .options import add_cache_bytes, add_policy, local_tier_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--table", required=True, help="the table file to serve (required)")
     p.add_argument("--socket", required=True, metavar="PATH",
                    help="the Unix socket to listen on, created 0600 (required; its folder should be yours only)")
-    p.add_argument("--tier", default="direct", choices=tier_names(local=True),
-                   help="where the rows are read from (default direct)")
+    p.add_argument("--tier", default="direct", type=local_tier_arg(placements=False),
+                   help=f"where the rows are read from: {', '.join(tier_names(local=True))} (default direct)")
     add_cache_bytes(p)
     add_policy(p)
     p.add_argument("--max-rows", type=positive_int, default=None, metavar="N",
@@ -35,11 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_row_server(args: argparse.Namespace) -> int:
-    from ..serving.rowserver.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_ROWS, RowServer
+    from ..serving.rowserver.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_ROWS, RowServer, check_socket_path
     from ..serving.store import open_table
     from ..table.format import read_header
     from ..units import parse_size
 
+    check_socket_path(args.socket)  # before the table is opened (a load may take minutes)
     layout = read_header(args.table).layout
     cache_bytes = parse_size(args.cache_bytes, whole=layout.num_rows * layout.row_bytes)
     store = open_table(args.table, args.tier, cache_bytes=cache_bytes or None, policy=args.policy)

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--out", required=True, type=output_file, help="table file to write")
     make.add_argument("--seed", type=non_negative_int, default=0, help="random seed (same seed, same file; default 0)")
     removed_option(make, "--block-size", why="tables carry page checksums only")
-    make.add_argument("--force", action="store_true", help="write even if the disk looks too full")
+    make.add_argument("--force", action="store_true",
+                      help="replace --out if it exists, and write even if the disk looks too full")
     make.add_argument("--no-progress", action="store_true", help="no progress bar")
     make.set_defaults(func=cmd_make_table)
 
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--prime-start", help="prime-search start, one value or one per order (comma-separated; "
                       "default: the config's)")
     conv.add_argument("--row-format", help="store rows in this format (default: the config's)")
-    conv.add_argument("--force", action="store_true", help="write even if the disk looks too full")
+    conv.add_argument("--force", action="store_true",
+                      help="replace --out if it exists, and write even if the disk looks too full")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
@@ -92,9 +94,12 @@ def output_file(text: str) -> str:
 
 
 def check_disk_for(config: EngramConfig, out: str, what: str, force: bool) -> None:
-    """Refuse (``NotEnoughResources``) a table that will not fit where ``out`` goes."""
+    """Refuse a table that will not fit where ``out`` goes (``NotEnoughResources``), or ``out``
+    when it exists; ``force`` writes anyway."""
     from ..machine import check_free_disk
+    from ..table.safeio import refuse_existing
 
+    refuse_existing(out, force, "table")
     need = TableLayout.for_config(config).file_bytes
     check_free_disk(Path(out).absolute().parent, need, f"{what} of {out}", force=force)
 

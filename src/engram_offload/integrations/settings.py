@@ -92,6 +92,7 @@ class OffloadSettings:
 _SIZES = ("cache_bytes", "fast_cache_bytes", "staging_bytes")
 _BOOLS = ("admission", "verify_reads", "allow_untested_engine")
 _STRINGS = ("table", "tier", "policy", "row_server", "pool", "fallback")
+MIN_WAIT_S, MAX_WAIT_S = 1e-3, 86400.0  # wait_timeout_s: a millisecond to a day
 KEYS = tuple(f.name for f in fields(OffloadSettings))
 
 
@@ -124,8 +125,8 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                 raise ValueError(f"engram_offload setting {key!r} must be true or false, got {value!r}")
             values[key] = value
         elif key in _STRINGS:
-            if not isinstance(value, str):
-                raise ValueError(f"engram_offload setting {key!r} must be a string, got {value!r}")
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"engram_offload setting {key!r} must be a string, not blank, got {value!r}")
             values[key] = value
         elif key in ("queue_depth", "log_every"):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "queue_depth" else 0):
@@ -133,8 +134,10 @@ def parse_settings(raw: Mapping[str, Any]) -> OffloadSettings:
                                  f"{1 if key == 'queue_depth' else 0}, got {value!r}")
             values[key] = value
         else:  # wait_timeout_s
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"engram_offload setting {key!r} must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not MIN_WAIT_S <= value <= MAX_WAIT_S:
+                raise ValueError(f"engram_offload setting {key!r} must be a number of seconds from {MIN_WAIT_S:g} "
+                                 f"to {MAX_WAIT_S:g}, got {value!r}")
             values[key] = float(value)
     settings = OffloadSettings(**values)
     used = settings.tiers
@@ -179,6 +182,8 @@ def settings_from_json(text: str, where: str) -> OffloadSettings:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where} is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    except RecursionError:
+        raise ValueError(f"{where} is not valid JSON (nested too deeply to read): give one flat object") from None
     return parse_settings(raw)
 
 

@@ -9,12 +9,12 @@ Sources are also tabulated in ``docs/planner.md``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..engram.config import EngramConfig
+from ..table.safeio import parse_json, read_input
 
 __all__ = ["PRECISION_BYTES", "WeightGroup", "ModelSpec", "MODELS", "get_model", "custom_model"]
 
@@ -254,9 +254,11 @@ def custom_model(
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         try:
-            data = json.loads(path.read_text())
+            data = parse_json(read_input(path, "config.json"), str(path))
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {path}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: give a config.json")
         name = name or _model_name(data, path)
     else:
         data = dict(config)

@@ -21,11 +21,15 @@ Every curve answers ``hit_ratio(rows)`` and ``rows_for_hit_rate(h)``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from ..table.safeio import open_input
+from ..units import format_bytes
 
 __all__ = [
     "MissRatioCurve",
@@ -254,17 +258,38 @@ def mrc_from_trace(ids: np.ndarray, exact_limit: int = EXACT_LIMIT,
     return shards_mrc(ids, rate)
 
 
+NPY_MAGIC = b"\x93NUMPY"
+MAX_TRACE_BYTES = 16 << 30  # a .npy trace: two billion int64 row ids
+MAX_TEXT_TRACE_BYTES = 256 << 20  # a text trace, parsed id by id
+
+
 def load_trace(path: str | Path) -> np.ndarray:
-    """Row ids from a ``.npy`` integer array or a text file of integers (any whitespace)."""
+    """Row ids from a ``.npy`` integer array (told by its magic, whatever the file's name) or a
+    text file of integers (any whitespace); a regular file of bounded size (``safeio``)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no trace file at {path}: give a .npy int64 array or a text file of row ids")
-    if path.suffix == ".npy":
-        arr = np.load(path, allow_pickle=False)
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"{path}: the .npy array holds {arr.dtype}; row ids must be integers (int64)")
-        return arr.reshape(-1).astype(np.int64, copy=False)
-    return np.array([_row_id(token, path) for token in path.read_bytes().split()], dtype=np.int64)
+    try:
+        f = open_input(path, "trace file")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no trace file at {path}: give a .npy int64 array or a text file of row ids") from None
+    with f:
+        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            f.seek(0)
+            data = f.read(MAX_TEXT_TRACE_BYTES + 1)
+            if len(data) > MAX_TEXT_TRACE_BYTES:
+                raise ValueError(f"{path} is over {format_bytes(MAX_TEXT_TRACE_BYTES)} of text: give the trace as "
+                                 ".npy int64 (engram-offload trace writes one)")
+            return np.array([_row_id(token, path) for token in data.split()], dtype=np.int64)
+        if os.fstat(f.fileno()).st_size > MAX_TRACE_BYTES:
+            raise ValueError(f"{path} is over {format_bytes(MAX_TRACE_BYTES)}: give a shorter trace")
+        f.seek(0)
+        try:
+            arr = np.load(f, allow_pickle=False)
+        except (ValueError, MemoryError) as exc:  # a damaged header, or a shape the file does not hold
+            raise ValueError(f"{path} is not a readable .npy array ({exc}): write it again "
+                             "(engram-offload trace)") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{path}: the .npy array holds {arr.dtype}; row ids must be integers (int64)")
+    return arr.reshape(-1).astype(np.int64, copy=False)
 
 
 def _row_id(token: bytes, path: Path) -> int:

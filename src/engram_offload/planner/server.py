@@ -14,12 +14,12 @@ drive's), ``nvme_latency_us``, ``pcie`` (the host link's generation, x16), ``hos
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..table.safeio import parse_json, read_input
 from ..units import parse_size
 from .hardware import GB, PCIE_GEN5_X16, PCIE_GEN6_X16, TB, GpuSpec
 
@@ -70,23 +70,29 @@ def _number(key: str, value: Any) -> float:
     """A figure as a number: sizes and rates take the unit parser (``1T``, ``6.9G``)."""
     if isinstance(value, bool):
         raise ValueError(f"server figure {key}: {value!r} is not a number")
-    if isinstance(value, str) and key in ("host_dram", "nvme_capacity", "nvme_bytes_per_s"):
-        try:
-            return float(value)
-        except ValueError:
-            return float(parse_size(value))
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"server figure {key}: {value!r} is not a number") from None
+    except (TypeError, ValueError, OverflowError):
+        if not (isinstance(value, str) and key in ("host_dram", "nvme_capacity", "nvme_bytes_per_s")):
+            raise ValueError(f"server figure {key}: {value!r} is not a number") from None
+        number = float(parse_size(value))
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"server figure {key}: {value!r} must be a finite number >= 0")
     return number
 
 
+# the largest value each figure may take: far beyond any machine, so that none overflows a plan
+_MOST = {"gpus_per_server": 4096, "host_dram": 2**60, "nvme_drives": 4096, "nvme_iops": 1e10,
+         "nvme_bytes_per_s": 1e13, "nvme_capacity": 2**60, "nvme_latency_us": 1e8, "pcie": 6, "host_cores": 2**20}
+
+
 def _check(key: str, value: float) -> float:
     if key in ("gpus_per_server", "host_cores") and (value < 1 or value != int(value)):
         raise ValueError(f"server figure {key} must be a whole number >= 1, got {value:g}")
+    if key == "nvme_drives" and value != int(value):
+        raise ValueError(f"server figure nvme_drives must be a whole number, got {value:g}")
+    if value > _MOST[key]:
+        raise ValueError(f"server figure {key} must be at most {_MOST[key]:,g}, got {value:g}")
     if key == "pcie" and value not in PCIE_X16:
         raise ValueError(f"server figure pcie must be a PCIe generation: {', '.join(map(str, PCIE_X16))}; "
                          f"got {value:g}")
@@ -99,12 +105,10 @@ def load_server_file(path: str | Path) -> dict[str, Any]:
     """A server description: a JSON object of ``SERVER_KEYS`` (and ``preset``)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(read_input(path, "server file"), str(path))
     except FileNotFoundError:
         raise FileNotFoundError(f"no server file at {path}: give a JSON object, e.g. "
                                 '{"host_dram": "1T", "nvme_drives": 4}') from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON ({exc.msg}, line {exc.lineno}); give an object of server figures") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a server file holds one JSON object of figures, e.g. {{\"host_dram\": \"1T\"}}")
     unknown = sorted(set(data) - set(SERVER_KEYS) - {"preset"})

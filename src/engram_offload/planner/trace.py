@@ -19,9 +19,14 @@ import numpy as np
 from ..engram.config import EngramConfig
 from ..engram.hashing import NgramHasher
 from ..engram.tokenizer import encode_documents, load_tokenizer
+from ..table.safeio import open_input, read_input
+from ..units import format_bytes
 
 __all__ = ["stdlib_files", "stdlib_token_sequences", "serving_steps", "corpus_texts", "read_token_log",
            "row_trace"]
+
+MAX_TEXT_BYTES = 1 << 30  # a file of a corpus (after decompression)
+MAX_TOKEN_LOG_BYTES = 256 << 20  # a log of token ids: some 40 million ids
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
@@ -86,21 +91,24 @@ def corpus_texts(root: str | Path, pattern: str = "*") -> Iterator[str]:
     if not files:
         raise FileNotFoundError(f"no files matching {pattern!r} under {base}")
     for path in files:
-        data = path.read_bytes()
-        if path.suffix == ".gz":
+        with open_input(path, "text file") as f:
             try:
-                data = gzip.decompress(data)
+                data = (gzip.GzipFile(fileobj=f) if path.suffix == ".gz" else f).read(MAX_TEXT_BYTES + 1)
             except (OSError, EOFError):
                 continue  # not gzip after all, or cut short: not text
+        if len(data) > MAX_TEXT_BYTES:
+            raise ValueError(f"{path} holds over {format_bytes(MAX_TEXT_BYTES)} of text: split it into smaller files")
         if b"\0" not in data[:8192]:
             yield data.decode("utf-8", errors="replace")
 
 
 def read_token_log(path: str | Path) -> list[np.ndarray]:
-    """Token ids from a log: one sequence a line, ids separated by whitespace or commas."""
+    """Token ids from a log: one sequence a line, ids separated by whitespace or commas; at most
+    ``MAX_TOKEN_LOG_BYTES`` of it, a regular file (``safeio``)."""
     path = Path(path)
+    text = read_input(path, "token log", MAX_TOKEN_LOG_BYTES).decode("utf-8", errors="replace")
     out: list[np.ndarray] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         fields = line.replace(",", " ").split()
         if not fields:
             continue

@@ -83,7 +83,7 @@ def parse_placement(tier: str | Mapping[int, str], layer_ids: tuple[int, ...] | 
             layer_id = int(layer)
         except (TypeError, ValueError):
             raise ValueError(f"placement {tier!r}: layer {layer!r} is not a layer id (an integer)") from None
-        if name not in TIERS:
+        if not isinstance(name, str) or name not in TIERS:
             raise ValueError(f"placement {tier!r}: unknown tier {name!r} for layer {layer_id}; "
                              f"choose one of: {', '.join(TIERS)}")
         if layer_id in placement:

@@ -304,6 +304,7 @@ class Prefetcher:
             arrays = [one_each[i:i + 1] for i in range(one_each.size)] if dead is not None else []
         else:
             arrays = [np.asarray(p.detach().cpu() if isinstance(p, torch.Tensor) else p).reshape(-1) for p in pieces]
+            arrays = [a if a.size else np.empty(0, np.int64) for a in arrays]  # no new tokens: [] is float64
             if len(arrays) != len(seq_ids):
                 raise ValueError(f"{len(arrays)} pieces for {len(seq_ids)} sequences")
             if arrays and all(a.size == 1 for a in arrays):

@@ -36,6 +36,7 @@ import xxhash
 
 from ..engram.config import EngramConfig, check_config_fields
 from ..errors import TableFormatError
+from .safeio import open_input
 
 __all__ = [
     "MAGIC",
@@ -210,11 +211,7 @@ def read_header(path: str | os.PathLike[str]) -> TableHeader:
     path = Path(path)
     if path.is_dir():
         raise TableFormatError(f"{path} is a directory, not a table file: give the table's file")
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no table file at {path}") from None
-    with f:
+    with open_input(path, "table file", TableFormatError) as f:  # a FIFO or device: refused, never waited on
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(PREFIX.size)
         if len(prefix) < PREFIX.size:

@@ -15,8 +15,10 @@ from typing import Any
 
 from ..errors import TierError
 from .segments import (
+    DAMAGED,
     DATA_OFFSET,
     DEFAULT_SHM_DIR,
+    LOADING,
     LOCK_SUFFIX,
     READY,
     SegmentFolder,
@@ -28,6 +30,8 @@ from .segments import (
 
 __all__ = ["SegmentEntry", "drop_segments", "list_segments"]
 
+STATES = {LOADING: "loading", READY: "ready", DAMAGED: "damaged"}
+
 
 @dataclass(frozen=True)
 class SegmentEntry:
@@ -38,7 +42,8 @@ class SegmentEntry:
     path: str
     kind: str  # "segment" or "lock"
     bytes: int
-    state: str  # "ready", "loading", "unreadable" (no head: a dead loader's or an older release's), "orphan lock"
+    state: str  # "ready", "loading", "damaged" (left by a process still attached to it), "unreadable" (no head:
+    # a dead loader's or an older release's), "orphan lock"
     fingerprint: str | None
     table: str | None
     in_use: bool
@@ -86,7 +91,7 @@ def list_segments(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> list[Seg
                 continue
             with claim_unused(folder, name) as seg:
                 in_use = seg is None
-            state = "unreadable" if head is None else ("ready" if head.state == READY else "loading")
+            state = "unreadable" if head is None else STATES.get(head.state, "unreadable")
             entries.append(SegmentEntry(
                 name, str(folder.path / name), "segment", size if head is None else DATA_OFFSET + head.nbytes, state,
                 None if head is None else f"{head.fingerprint:016x}", None if head is None else head.source, in_use))

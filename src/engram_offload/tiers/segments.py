@@ -18,6 +18,10 @@ process whether the file it opened is the one sealed, unchanged since: a copy, a
 again or renamed, and any write, truncation, ``chmod`` or ``utime`` (each sets the ctime, which
 only root, through the clock, can set back) break the seal. It is a check, not a signature: only this uid and
 root can reach the folder, and they are trusted.
+
+A segment found to differ from its table after it was sealed is marked damaged (``mark_damaged``:
+its state, the page and the finder's pid in its head), which every attached process sees before
+its next read.
 """
 
 from __future__ import annotations
@@ -38,21 +42,23 @@ from typing import NamedTuple
 from ..errors import TierError
 from ..units import format_bytes
 
-__all__ = ["DEFAULT_SHM_DIR", "SegmentFolder", "SegmentHead", "HEAD", "MAGIC", "VERSION", "LOADING", "READY", "STATE_OFFSET",
+__all__ = ["DEFAULT_SHM_DIR", "SegmentFolder", "SegmentHead", "HEAD", "MAGIC", "VERSION", "LOADING", "READY", "DAMAGED",
+           "STATE_OFFSET",
            "PROGRESS_OFFSET", "DATA_OFFSET", "MAX_PATH", "LOCK_SUFFIX", "uid_folder", "read_head", "peek_head",
-           "format_version", "seal", "seal_problem", "election", "claim_unused", "remove_files",
+           "format_version", "seal", "seal_problem", "mark_damaged", "election", "claim_unused", "remove_files",
            "remove_old_versions", "listing"]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 MAGIC = b"ENGRAMSH"
 VERSION = 3
-LOADING, READY = 0, 1
+LOADING, READY, DAMAGED = 0, 1, 2
 # the seal: owner uid, st_dev, st_ino, st_ctime_ns (the file's identity), digest
 IDENTITY = struct.Struct("<I4xQQq")
 SEAL = struct.Struct(IDENTITY.format + "16s")
 # magic, version, state, fingerprint, data bytes, loader pid, path length, progress, the seal
 HEAD = struct.Struct("<8sIIQQIIQ" + SEAL.format[1:])
 STATE_OFFSET = 12  # the u32 state inside HEAD
+PID_OFFSET = 32  # the u32 loader pid inside HEAD (the checker's, once damaged)
 PROGRESS_OFFSET = 40  # the u64 progress inside HEAD
 SEAL_OFFSET = 48  # the seal inside HEAD
 SEAL_ATTEMPTS = 5  # seals written while the file's ctime kept moving, then it is left unsealed
@@ -137,6 +143,23 @@ def seal_problem(fd: int, st: os.stat_result) -> str | None:
     return None
 
 
+def mark_damaged(fd: int, page: int) -> None:
+    """Mark the segment open as ``fd`` damaged: this pid, the data page that differs, then the
+    state, written into its head (its mtime moves). Made writable for the write (0400 again after);
+    reopened through ``/proc/self/fd``, so a segment no longer at its name is marked too."""
+    os.fchmod(fd, 0o600)
+    try:
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+    finally:
+        os.fchmod(fd, 0o400)
+    try:
+        os.pwrite(rw, struct.pack("<I", os.getpid()), PID_OFFSET)
+        os.pwrite(rw, struct.pack("<Q", page), PROGRESS_OFFSET)
+        os.pwrite(rw, struct.pack("<I", DAMAGED), STATE_OFFSET)  # last: readers look at the state
+    finally:
+        os.close(rw)
+
+
 def _owner_problem(st: os.stat_result) -> str | None:
     """What is wrong with a file or folder of the segment folder's, from its ``lstat``/``fstat``."""
     me = os.geteuid()
@@ -177,6 +200,10 @@ class SegmentFolder:
             except PermissionError:
                 raise TierError(f"cannot create {self.path}: uid {os.geteuid()} may not write to "
                                 f"{self.path.parent}; pass shm_dir= a tmpfs folder it may write") from None
+            except OSError as exc:  # /proc, a read-only file system, ...
+                raise TierError(f"cannot create {self.path} ({exc.strerror}): {self.path.parent} is not a folder "
+                                "segments can be made in; pass shm_dir= a tmpfs folder (default "
+                                f"{DEFAULT_SHM_DIR})") from None
         try:
             st = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:

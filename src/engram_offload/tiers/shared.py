@@ -14,9 +14,10 @@ Another uid gets a folder and a copy of its own.
 
 A segment is::
 
-    page 0   magic b"ENGRAMSH", u32 version (3), u32 state (0 loading, 1 ready), u64 table
-             fingerprint, u64 data bytes, u32 loader pid, u32 path length, u64 progress
-             (bytes allocated, then loaded), the seal (u32 owner uid, u64 st_dev, u64 st_ino,
+    page 0   magic b"ENGRAMSH", u32 version (3), u32 state (0 loading, 1 ready, 2 damaged), u64
+             table fingerprint, u64 data bytes, u32 loader pid (once damaged: the pid that found
+             it), u32 path length, u64 progress (bytes allocated, then loaded; once damaged: the
+             data page that differs), the seal (u32 owner uid, u64 st_dev, u64 st_ino,
              i64 st_ctime_ns, 16-byte digest), the table's real path
     data     dense rows ``uint8 [num_rows, row_bytes]`` from byte 4096
 
@@ -39,11 +40,15 @@ truncated) is replaced by a fresh load, with a ``RuntimeWarning`` saying why, as
 of an older format; processes still attached to the replaced one keep their mapping. A ready
 segment of another table (a reused ``segment=`` name) is refused. A page changed after sealing
 without moving the ctime (through a writable mapping made before, or by the hardware) is seen
-only if the sample or a read's check meets it: a background re-check of every page is to come.
+only if the sample or a read's check meets it, or the scrubber (``tiers/scrub.py``): one of the
+attached processes checks every page again in the background, a pass every ``scrub_seconds``.
+A segment found damaged there, or replaced by an attach, is marked damaged in its head
+(``segments.mark_damaged``): every process still attached refuses to read it from then on.
 
 Reading: every copy out of the mapping is SIGBUS-guarded (``tiers/guarded.py``): a segment
-truncated under an attached process gives a ``TierError``. Before each read an ``fstat``
-checks the size and the modification time. Each read also checks the page of one of its rows
+truncated under an attached process gives a ``TierError``. Before each read the mapped head's
+state (a segment marked damaged is a ``TierError`` naming the page), then an ``fstat`` checks
+the size and the modification time. Each read also checks the page of one of its rows
 at random against its checksum (``sample_pages``), and every page it touches with
 ``verify_reads``: a page changed after loading gives ``ChecksumError``.
 
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import random
@@ -83,6 +89,7 @@ from .base import Tier
 from .guarded import guarded_copy, guarded_copy_available
 from .memory import MemoryTier, check_free_memory, load_rows_into
 from .pagecheck import plan_pages
+from .scrub import SCRUB_SECONDS, Scrubber
 from .segments import (
     DATA_OFFSET,
     DEFAULT_SHM_DIR,
@@ -99,6 +106,7 @@ from .segments import (
     election,
     format_version,
     listing,
+    mark_damaged,
     read_head,
     remove_files,
     remove_old_versions,
@@ -144,7 +152,7 @@ def _outside_stacklevel() -> int:
 
 
 def _check_options(segment: object, shm_dir: object, lock_timeout: object, sample_pages: object,
-                   verify_attach: object = "full") -> Path:
+                   verify_attach: object = "full", scrub_seconds: object = None) -> Path:
     """``ValueError`` (one line, naming the value) for an option the tier cannot use; the folder."""
     if segment is not None:
         if not isinstance(segment, str):
@@ -167,6 +175,10 @@ def _check_options(segment: object, shm_dir: object, lock_timeout: object, sampl
     if verify_attach != "full" and (isinstance(verify_attach, bool) or not isinstance(verify_attach, int)
                                     or verify_attach < 0):
         raise ValueError(f'verify_attach must be "full" or a whole number of pages >= 0, got {verify_attach!r}')
+    if scrub_seconds is not None and (isinstance(scrub_seconds, bool) or not isinstance(scrub_seconds, (int, float))
+                                      or not 0 < scrub_seconds < math.inf):
+        raise ValueError(f"scrub_seconds must be a positive number of seconds (or None: no background check), "
+                         f"got {scrub_seconds!r}")
     return Path(folder)
 
 
@@ -237,8 +249,9 @@ class SharedTier(MemoryTier):
     ``sample_pages`` (pages each read checks against their checksums, of rows picked at random;
     default 1, 0 for none), ``verify_reads`` (check every page a read touches),
     ``verify_attach`` (pages of a sealed segment checked when attaching, spread over the table;
-    default 32; "full" for every page), ``progress``, ``check_memory`` (refuse to load more than
-    is free; False to insist). ``loaded`` says whether this process loaded the segment (else it
+    default 32; "full" for every page), ``scrub_seconds`` (a pass of the background check of every
+    page, by one attached process a segment; default 570, None for none; ``scrubber``),
+    ``progress``, ``check_memory`` (refuse to load more than is free; False to insist). ``loaded`` says whether this process loaded the segment (else it
     attached); ``replaced`` why it replaced a damaged one (or None); ``attach_check`` how an
     attach was checked ("loaded", "sample", or "full: " and why) and ``attach_pages_checked``
     how many pages.
@@ -249,10 +262,11 @@ class SharedTier(MemoryTier):
     def __init__(self, header: TableHeader, *, segment: str | None = None,
                  shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
                  sample_pages: int = 1, verify_reads: bool = False, verify_attach: int | str = DEFAULT_ATTACH_PAGES,
-                 progress: bool | None = None, check_memory: bool = True) -> None:
+                 scrub_seconds: float | None = SCRUB_SECONDS, progress: bool | None = None,
+                 check_memory: bool = True) -> None:
         Tier.__init__(self, header)  # not MemoryTier's: the rows come from the segment, not a private load
         started = time.perf_counter()
-        directory = _check_options(segment, shm_dir, lock_timeout, sample_pages, verify_attach)
+        directory = _check_options(segment, shm_dir, lock_timeout, sample_pages, verify_attach, scrub_seconds)
         self.fingerprint = header.fingerprint()
         self.verify_reads = bool(verify_reads)
         self.sample_pages = sample_pages
@@ -264,6 +278,8 @@ class SharedTier(MemoryTier):
         self.replaced: str | None = None
         self.attach_check_seconds = 0.0
         self._name = segment or segment_name(header)
+        self._lock_timeout = lock_timeout
+        self.scrubber: Scrubber | None = None
         self._total = DATA_OFFSET + _data_bytes(header)
         self._staging = ThreadBuffers()
         self._rb, self._rpp, self._page = header.layout.row_bytes, header.layout.rows_per_page, header.layout.page_bytes
@@ -284,6 +300,8 @@ class SharedTier(MemoryTier):
         self._address = _address_of(self._mm)
         self.verified_on_load = True  # loaded with every page checked, here or by the loader that sealed it
         self.load_seconds = time.perf_counter() - started  # loading the segment, or attaching to it
+        if scrub_seconds is not None:
+            self.scrubber = Scrubber(self, scrub_seconds)
 
     # ----------------------------------------------------------------------------- attach
     def _attach(self, header: TableHeader, lock_timeout: float, progress: bool | None,
@@ -308,6 +326,8 @@ class SharedTier(MemoryTier):
                         return fd, mm
                 with election(self._folder, self._name, lock_timeout):
                     if self._folder.holds(self._name, fd):  # not already replaced by another process
+                        if mm is not None:  # its attached processes stop reading it
+                            mark_damaged(fd, self._bad_page)
                         self._folder.unlink(self._name)
                         self._replaced(str(problem))
                 if mm is not None:
@@ -428,6 +448,7 @@ class SharedTier(MemoryTier):
         does not hold), against the table's page checksums; what differs, or None."""
         layout = self.layout
         n = layout.num_pages
+        self._bad_page = n  # none found (yet)
         why = "asked for" if self.verify_attach == "full" else seal_problem(fd, os.fstat(fd))
         self.attach_check = "sample" if why is None else f"full: {why}"
         step = max(1, CHECK_CHUNK_BYTES // layout.page_bytes)
@@ -445,7 +466,7 @@ class SharedTier(MemoryTier):
                 return f"ended early ({os.fstat(fd).st_size:,} bytes; SIGBUS caught)"
             bad = bad_pages(self.header, pages, buf[: len(pages) * layout.page_bytes])
             if bad.size:
-                page = int(pages[bad[0]])
+                page = self._bad_page = int(pages[bad[0]])
                 rows = layout.page_rows(page)
                 return f"differs from the table at data page {page} (rows {rows[0]:,}..{rows[1]:,})"
             return len(pages)
@@ -464,7 +485,23 @@ class SharedTier(MemoryTier):
         return TierError(f"the shared segment {self.segment} {what} after {self.header.path} was loaded into it: "
                          "close the store and open the table again (a fresh open replaces a damaged segment)")
 
+    def _damaged(self) -> TierError:
+        """The error of a read of a segment marked damaged: who found what."""
+        head = read_head(self._fd)
+        pid, page = (head.pid, head.progress) if head is not None else (0, self.layout.num_pages)
+        first, last = self.layout.page_rows(min(page, self.layout.num_pages - 1))
+        where = (f"data page {page} (rows {first:,}..{last:,}) differs from {self.header.path}"
+                 if page < self.layout.num_pages else "it was changed")
+        return TierError(f"the shared segment {self.segment} was found damaged by process {pid}'s check ({where}): "
+                         "close the store and open the table again (a fresh open loads a new copy)")
+
+    def _marked(self) -> bool:
+        """Whether the segment was marked damaged (``segments.mark_damaged``), from its mapped head."""
+        return self._mm is not None and self._mm[STATE_OFFSET] != READY
+
     def _check_unchanged(self) -> None:
+        if self._marked():
+            raise self._damaged()
         st = os.fstat(self._fd)
         if st.st_size < self._total:
             raise self._changed(f"shrank to {st.st_size:,} bytes ({self._total:,} expected)")
@@ -525,9 +562,12 @@ class SharedTier(MemoryTier):
                 "segment_bytes": self._total, "replaced": self.replaced, "sample_pages": self.sample_pages,
                 "verify_reads": self.verify_reads, "verify_attach": self.verify_attach,
                 "attach_check": self.attach_check, "attach_pages_checked": self.attach_pages_checked,
-                "attach_check_seconds": self.attach_check_seconds}
+                "attach_check_seconds": self.attach_check_seconds,
+                **(self.scrubber.stats() if self.scrubber is not None else {})}
 
     def _release(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.stop()
         super()._release()  # the rows and the mapping
         os.close(self._fd)  # drops this process's shared flock: the segment may now be cleaned
         self._folder.close()

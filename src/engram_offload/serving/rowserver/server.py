@@ -47,11 +47,12 @@ from . import protocol as p
 if TYPE_CHECKING:
     from ..store import TableStore
 
-__all__ = ["RowServer", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_CONNECTIONS", "MAX_REQUESTED"]
+__all__ = ["RowServer", "check_socket_path", "DEFAULT_MAX_ROWS", "DEFAULT_MAX_CONNECTIONS", "MAX_REQUESTED"]
 
 DEFAULT_MAX_ROWS = 1 << 16  # ids per round trip; a larger fetch takes several
 DEFAULT_MAX_CONNECTIONS = 64  # ranks of one machine, with room to spare
 MAX_REQUESTED = 1 << 40  # the most lookups one fetch may stand for (a client's count is checked, not believed)
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path less its NUL)
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _LOG_LINES = 100  # one line per refused or broken connection up to this many, then one in 1,000
 
@@ -67,6 +68,7 @@ class RowServer:
         self.socket_path = Path(socket_path)
         self.max_rows = int(max_rows)
         self.max_connections = int(max_connections)
+        check_socket_path(self.socket_path)  # before the lock file is made
         self._lock_fd = _take_lock(self.socket_path)
         try:
             _remove_stale_socket(self.socket_path)
@@ -335,6 +337,19 @@ class RowServer:
         return {**self.store.stats(), "server": server}
 
 
+def check_socket_path(socket_path: str | os.PathLike[str]) -> None:
+    """``EngramError`` (one line) for a socket path no server can bind: too long for a Unix
+    socket, or in a folder that does not exist."""
+    path = Path(socket_path)
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH:
+        raise EngramError(f"the socket path {path} is {size} bytes, over the {MAX_SOCKET_PATH} a Unix socket's path "
+                          "may have: give a shorter path (such as /run/engram/rows.sock)")
+    if not path.absolute().parent.is_dir():
+        raise EngramError(f"the socket's folder {path.absolute().parent} does not exist: create it (mode 0700, "
+                          "yours only) or give a socket path in a folder that exists")
+
+
 def _take_lock(socket_path: Path) -> int:
     """Open and ``flock`` ``<socket>.lock`` (created 0600, never through a symlink, refused when
     another uid owns it); ``EngramError`` naming the process that holds it."""
@@ -342,8 +357,7 @@ def _take_lock(socket_path: Path) -> int:
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise EngramError(f"cannot open {lock} ({exc.strerror}): a symlink or another user's file is in the way; "
-                          "remove it, or put the socket in a folder only you can write") from None
+        raise EngramError(_cannot_open(lock, socket_path.parent, exc)) from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or not p.trusted_uid(info.st_uid):
         os.close(fd)
@@ -356,6 +370,24 @@ def _take_lock(socket_path: Path) -> int:
         raise EngramError(f"{lock} is held by {_lock_holder(info)}: a row server already serves {socket_path}; "
                           "connect to it, or stop that process first") from None
     return fd
+
+
+def _cannot_open(lock: str, folder: Path, exc: OSError) -> str:
+    """Why ``lock`` could not be opened (``exc``), and what to do."""
+    try:
+        info: os.stat_result | None = os.lstat(lock)
+    except OSError:
+        info = None
+    if exc.errno == errno.ELOOP or (info is not None and stat.S_ISLNK(info.st_mode)):
+        return (f"cannot open {lock}: it is a symlink (someone put it there); remove it, or put the socket in a "
+                "folder only you can write")
+    if info is not None:
+        return (f"cannot open {lock} ({exc.strerror}): it belongs to uid {info.st_uid}, who put it there; remove it, "
+                "or put the socket in a folder only you can write")
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return (f"cannot create {lock}: the folder {folder} does not exist; create it (mode 0700, yours only) or "
+                "give a socket path in a folder that exists")
+    return f"cannot create {lock} in {folder} ({exc.strerror}): give a socket path in a folder only you can write"
 
 
 def _lock_holder(info: os.stat_result) -> str:
