@@ -134,7 +134,7 @@ def memory_needs(tier: str, num_rows: int, row_bytes: int, rows_per_token: int, 
                  corpus_tokens: int = 300_000, corpus: str | Corpus = "stdlib") -> list[tuple[str, int, int, str]]:
     """What a run's settings cost in memory, each counted at least (the real cost is higher):
     ``(setting, its value, bytes, how)``, to refuse a run that cannot fit before it allocates."""
-    row = 8 + row_bytes  # a row id in, a row out
+    row = 6 * 8 + 2 * row_bytes  # a row id in, five 8-byte arrays of ids while deduplicating, the distinct rows, the rows out
     needs = [("cache_bytes", cache_bytes, cache_bytes, "the row cache")]
     if is_resident(tier):
         needs.append(("tier", 0, num_rows * row_bytes, f"{tier}: the whole table, {num_rows:,} rows x {row_bytes} B"))
