@@ -19,6 +19,11 @@ late failure keeps every earlier number, and a failed section records its error)
   the main stream is busy (they must not wait for the matmul);
 - graphs: a layer's lookup and its consumer captured in one graph, replayed with new ids
   written into the static ids tensor;
+- in_graph: the host-read lookup with the GPU waiting on a flag (``HostReadLookup`` in-graph):
+  both layers' lookups and finishes captured in one CUDA graph as vLLM runs them (lookups on a
+  prefetch stream), 1000 replays with new ids, rows checked against the same graph over the
+  addressable lookup; the replay's GPU time beside that graph's (the wait's cost per layer),
+  and a failed read (NaN rows, raised at ``check()``);
 - store: a store on the ``direct`` tier delivering to the GPU (HBM level, DRAM level, pinned
   staging) and the device Prefetcher over it, in ``--workdir`` (O_DIRECT needs a real
   file system: tmpfs refuses it, so the default is a folder under the current directory).
@@ -318,6 +323,110 @@ def graphs(ctx: Context, tokens: int = 256) -> dict:
             "captured_replay_ms": replay_s * 1e3, "ok": bool(rows_ok) and bool(replay_ok)}
 
 
+class _PinnedRows:
+    """The smoke table as a host-read tier: the host reads rows from the pinned table (``failing``: it raises)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table, self.failing = table, False
+
+    def read_raw(self, ids: Any) -> torch.Tensor:
+        if self.failing:
+            raise OSError("a read failed on purpose")
+        return self.table[torch.as_tensor(ids, dtype=torch.int64)]
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def in_graph(ctx: Context, tokens: int = 64, replays: int = 1000) -> dict:
+    """Host-read lookups inside a CUDA graph, the GPU waiting on a flag per layer, against the
+    same graph over the addressable lookups."""
+    from engram_offload.gpu import CudaSync
+    from engram_offload.gpu.stream_ops import supported
+    from engram_offload.gpu.sync import poll
+    from engram_offload.integrations.lookup import HostReadLookup, LayerShard
+
+    if not supported():
+        return {"stream_memops": False, "ok": False}
+    config, addressable = lookups(ctx)
+    rows = _PinnedRows(ctx.table[: config.num_rows])
+    sync = CudaSync()
+    host = {layer: HostReadLookup(LayerShard.of(config, layer, 0, 1), rows, config, max_tokens=tokens,  # type: ignore[arg-type]
+                                  device="cuda", sync=sync, timeout_s=5.0) for layer in config.layer_ids}
+    batches = [local_ids(config, tokens, seed) for seed in range(16)]  # [T, L, C] each
+    ids = batches[0].clone()
+    outs = {"host": out_buffers(config, tokens), "addressable": out_buffers(config, tokens)}
+    side = torch.cuda.Stream()
+
+    def step(layers: dict, out: dict) -> None:
+        """vLLM's order: every layer's lookup on the prefetch stream at entry, each finish before its layer."""
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for li, (layer, lookup) in enumerate(layers.items()):
+                lookup.lookup(ids[:, li], out[layer], background=True)
+        torch.cuda.current_stream().wait_stream(side)
+        for layer, lookup in layers.items():
+            lookup.finish(out[layer])
+
+    def finished() -> bool:
+        event = torch.cuda.Event()
+        event.record()
+        return poll(event.query, 30.0)  # a protocol fault shows as False, never a hang
+
+    graphs = {}
+    for name, layers in (("host", host), ("addressable", addressable)):
+        step(layers, outs[name])  # compile and warm up outside the capture
+        assert finished()
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            step(layers, outs[name])
+    equal, times = True, {"host": [], "addressable": []}
+    for i in range(replays):
+        ids.copy_(batches[i % len(batches)])
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            if not poll(end.query, 30.0):
+                return {"stream_memops": True, "error": f"replay {i} of the {name} graph did not end in 30 s",
+                        "ok": False}
+            times[name].append(start.elapsed_time(end) / 1e3)
+        equal &= all(torch.equal(outs["host"][layer], outs["addressable"][layer]) for layer in config.layer_ids)
+    for lookup in host.values():
+        lookup.check()
+    rows.failing = True
+    graphs["host"].replay()
+    poisoned = finished() and all(bool(torch.isnan(o).all()) for o in outs["host"].values())
+    raised = 0
+    for lookup in host.values():
+        try:
+            lookup.check()
+        except Exception:  # noqa: BLE001 - the failure each layer must raise
+            raised += 1
+    rows.failing = False
+    graphs["host"].replay()
+    recovered = finished() and all(torch.equal(outs["host"][layer], outs["addressable"][layer])
+                                   for layer in config.layer_ids)
+    for lookup in host.values():
+        lookup.close()
+    layers = len(config.layer_ids)
+    p50 = {name: quantile(t, 0.5) for name, t in times.items()}
+    result = {"stream_memops": True, "tokens": tokens, "replays": replays, "rows_equal": bool(equal),
+              "replay_ms_p50": p50["host"] * 1e3, "replay_ms_p99": quantile(times["host"], 0.99) * 1e3,
+              "addressable_replay_ms_p50": p50["addressable"] * 1e3,
+              # the host graph's replay less the addressable one's, per layer: the wait for the host
+              # read and the staged copy, beside a gather from the pinned table
+              "wait_cost_us_per_layer_p50": (p50["host"] - p50["addressable"]) / layers * 1e6,
+              "failed_step_poisoned": bool(poisoned), "failed_step_raised_layers": raised,
+              "recovered": bool(recovered), "lookups_counted": sum(h.stats()["lookups"] for h in host.values())}
+    result["ok"] = bool(equal and poisoned and raised == layers and recovered)
+    return result
+
+
 def store(ctx: Context, steps: int = 50, batch: int = 64) -> dict:
     """A store on a direct tier delivering to the GPU (HBM level, DRAM level, pinned staging)
     and the device Prefetcher over it: rows equal the table's; rows/s, hit rates, step times."""
@@ -380,7 +489,7 @@ def store(ctx: Context, steps: int = 50, batch: int = 64) -> dict:
 
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("env", env), ("correct", correct), ("bandwidth", bandwidth), ("step_latency", step_latency),
-    ("overlap", overlap), ("graphs", graphs), ("store", store)]
+    ("overlap", overlap), ("graphs", graphs), ("in_graph", in_graph), ("store", store)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,19 @@ the code touches (a ``TorchDispatchMode``; kernel launches declare theirs throug
 - host memory made from NumPy or a list (``torch.from_numpy``, ``torch.tensor``) or
   allocated by host work, read by device work, is a pageable copy: on a GPU it blocks the
   host (or faults); pinned or registered host memory is declared with ``host_mapped``.
+
+Words (``write_value``, ``wait_value``, ``read_value``) order like events: a wait that sees a
+value, or a host read of it, happens after the write that put it there. ``wait_value`` blocks
+the caller until the word holds the value (work runs when enqueued), at most ``wait_limit_s``:
+longer is a hang on a GPU, an ``OrderingError`` here.
+
+``with sync.capture() as graph:`` records, as a CUDA graph capture would, the device work the
+calling thread enqueues instead of running it, and ``graph.replay()`` runs that work again
+(the Python that enqueued it does not run). It raises ``CaptureError`` for what a capture
+refuses or would not replay: host work or a host wait in the capturing thread, work on a stream
+that has not joined the capture (a wait on an event recorded in it), a wait on an event recorded
+outside it, and a stream's work not joined back into the capturing stream at the end. A replay
+forks every captured stream from the capturing stream and joins them back, as a graph launch.
 """
 
 from __future__ import annotations
@@ -38,9 +51,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from engram_offload.gpu.sync import HOST, MAIN, Access, DeviceSync, OrderingError, PageableCopyError, _local
+from engram_offload.gpu.sync import HOST, MAIN, Access, DeviceSync, OrderingError, PageableCopyError, _local, poll
 
-__all__ = ["TracingSync", "upload_buffers"]
+__all__ = ["TracingSync", "Graph", "CaptureError", "upload_buffers"]
+
+_capture = threading.local()  # .graph: the capture the calling thread records into
+
+
+class CaptureError(OrderingError):
+    """Work a CUDA graph capture would refuse, or would not replay."""
 
 
 def upload_buffers(sync: DeviceSync) -> list[torch.Tensor]:
@@ -75,6 +94,75 @@ class _Storage:
     label: str
     state: _BufferState = field(default_factory=_BufferState)
     kept: set[str] = field(default_factory=set)  # streams given by keep_alive
+
+
+class _Captured:
+    """An event recorded during a capture: a replay records a fresh one in its place."""
+
+    def __init__(self, graph: "Graph", stream: str, index: int) -> None:
+        self.graph, self.stream, self.index = graph, stream, index
+
+
+class Graph:
+    """The device work a capture recorded, in order, and the streams that joined it."""
+
+    def __init__(self, sync: "TracingSync", origin: str) -> None:
+        self.sync, self.origin = sync, origin
+        self.ops: list[tuple[str, tuple[Any, ...]]] = []
+        self.joined = {origin}
+        self._last: dict[str, int] = {}  # stream -> index of its last captured op
+        self._joined_back: dict[str, int] = {}  # stream -> index of its last op the origin waited for
+
+    def add(self, kind: str, stream: str, args: tuple[Any, ...]) -> int:
+        if stream == HOST:
+            raise CaptureError(f"{kind} on the host during a capture: a graph replays device work only")
+        if stream not in self.joined:
+            raise CaptureError(f"{kind} on {stream}, which has not joined the capture of {self.origin}: make it "
+                               "wait for an event recorded in the capture first")
+        self.ops.append((kind, args))
+        self._last[stream] = len(self.ops) - 1
+        return len(self.ops) - 1
+
+    def record(self, stream: str) -> _Captured:
+        event = _Captured(self, stream, len(self.ops))
+        self.add("record", stream, (stream, event))
+        return event
+
+    def wait(self, stream: str, event: Any) -> None:
+        if not isinstance(event, _Captured) or event.graph is not self:
+            raise CaptureError(f"{stream} waits during a capture on an event recorded outside it")
+        self.joined.add(stream)
+        if stream == self.origin:
+            self._joined_back[event.stream] = max(self._joined_back.get(event.stream, -1), event.index)
+        self.add("wait", stream, (stream, event))
+
+    def end(self) -> None:
+        for stream in self.joined - {self.origin}:
+            if self._last.get(stream, -1) > self._joined_back.get(stream, -1):
+                raise CaptureError(f"the work captured on {stream} is not joined back into {self.origin}: make "
+                                   f"{self.origin} wait for an event recorded on {stream} after it")
+
+    def replay(self) -> None:
+        """Run the captured work again on the capturing stream (a graph launch), in this thread."""
+        sync = self.sync
+        start = sync.record(self.origin)
+        for stream in self.joined - {self.origin}:
+            sync.wait(stream, start)
+        events: dict[int, Any] = {}
+        for kind, args in self.ops:
+            if kind == "run":
+                stream, fn, reads, writes = args
+                sync.run(stream, fn, reads=reads, writes=writes)
+            elif kind == "record":
+                events[id(args[1])] = sync.record(args[0])
+            elif kind == "wait":
+                sync.wait(args[0], events[id(args[1])])
+            elif kind == "write_value":
+                sync.write_value(*args)
+            else:
+                sync.wait_value(*args)
+        for stream in self.joined - {self.origin}:
+            sync.wait(self.origin, sync.record(stream))
 
 
 def _stream_stack() -> list[str]:
@@ -122,6 +210,8 @@ class TracingSync(DeviceSync):
         self._tracking = False
         self._storages: dict[int, _Storage] = {}  # storage address -> what the tracer knows
         self._error: OrderingError | None = None  # found in a finalizer, raised at the next call
+        self._words: dict[int, tuple[int, dict[str, int]]] = {}  # word address -> last value written, its clock
+        self.wait_limit_s = 30.0  # a wait_value longer than this is a hang
 
     # ------------------------------------------------------------------ named buffers
     def _happened(self, op: _Op, stream: str) -> bool:
@@ -161,6 +251,10 @@ class TracingSync(DeviceSync):
             super().copy(stream, dst, src, reads=reads, writes=writes)
 
     def run(self, stream, fn, *, reads=None, writes=None):
+        graph = self._graph()
+        if graph is not None:
+            graph.add("run", stream, (stream, fn, reads, writes))
+            return None
         with self._lock:
             self._raise_found()
             return self._run(stream, fn, reads, writes)
@@ -194,6 +288,9 @@ class TracingSync(DeviceSync):
             stack.pop()
 
     def record(self, stream):
+        graph = self._graph()
+        if graph is not None:
+            return graph.record(stream)
         with self._lock:
             self._raise_found()
             return _Event(dict(self._clocks[stream]))
@@ -201,18 +298,91 @@ class TracingSync(DeviceSync):
     def wait(self, stream, event):
         if event is None:
             return
+        graph = self._graph()
+        if graph is not None:
+            return graph.wait(stream, event)
+        if isinstance(event, _Captured):
+            raise CaptureError(f"{stream} waits on an event recorded during a capture, outside it")
         with self._lock:
-            clock = self._clocks[stream]
-            for s, seq in event.clock.items():
-                clock[s] = max(clock.get(s, 0), seq)
+            self._merge(stream, event.clock)
+
+    def _merge(self, stream: str, clock: dict[str, int]) -> None:
+        mine = self._clocks[stream]
+        for s, seq in clock.items():
+            mine[s] = max(mine.get(s, 0), seq)
 
     def synchronize(self, event):
+        self._host_waits("synchronize")
         self.wait(HOST, event)
 
     def done(self, event):
         """Work runs at once, so it is done; the host now knows it (as after a real query)."""
         self.synchronize(event)
         return True
+
+    # ------------------------------------------------------------------ words and captures
+    def _graph(self) -> Graph | None:
+        graph = getattr(_capture, "graph", None)
+        return graph if graph is not None and graph.sync is self else None
+
+    def _host_waits(self, what: str) -> None:
+        if self._graph() is not None:
+            raise CaptureError(f"{what} in the capturing thread: the host waits for device work during a capture")
+
+    def capturing(self):
+        return self._graph() is not None
+
+    @contextlib.contextmanager
+    def capture(self, stream: str = MAIN) -> Iterator[Graph]:
+        """Record the device work this thread enqueues (not running it) into a ``Graph``."""
+        if self._graph() is not None:
+            raise CaptureError("a capture inside a capture")
+        graph = _capture.graph = Graph(self, stream)
+        try:
+            yield graph
+        finally:
+            _capture.graph = None
+        graph.end()
+
+    def write_value(self, stream, word, value):
+        graph = self._graph()
+        if graph is not None:
+            graph.add("write_value", stream, (stream, word, value))
+            return
+        with self._lock:
+            self._raise_found()
+            self._tick(stream, "write_value")
+            with self.paused():
+                word.fill_(value)
+            self._words[word.data_ptr()] = (int(value), dict(self._clocks[stream]))
+            self.log.append(f"{stream}:write_value")
+
+    def _acquire(self, stream: str, word: torch.Tensor, value: int) -> None:
+        written = self._words.get(word.data_ptr())
+        if written is not None and written[0] == value:
+            self._merge(stream, written[1])
+
+    def wait_value(self, stream, word, value):
+        graph = self._graph()
+        if graph is not None:
+            graph.add("wait_value", stream, (stream, word, value))
+            return
+        with self.paused():
+            seen = poll(lambda: int(word) == value, self.wait_limit_s)
+        if not seen:
+            raise OrderingError(f"{stream} waited {self.wait_limit_s:g} s for a word to hold {value}: on a GPU, a hang")
+        with self._lock:
+            self._raise_found()
+            self._tick(stream, "wait_value")
+            self._acquire(stream, word, value)
+            self.log.append(f"{stream}:wait_value")
+
+    def read_value(self, word):
+        self._host_waits("read_value")
+        with self._lock, self.paused():
+            value = int(word)
+            self._acquire(HOST, word, value)
+            return value
 
     def host_knows_finished(self, stream: str) -> bool:
         """Whether the host has waited for (or seen finished) all work enqueued on ``stream``."""

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engram_offload.engram.rows import decode_rows
 from engram_offload.errors import PrefetchError
 from engram_offload.gpu.device_table import DeviceTable
-from engram_offload.gpu.sync import MAIN, ImmediateSync, OrderingError
-from engram_offload.integrations.lookup import AddressableLookup, HostReadLookup, LayerShard, flat_ids
+from engram_offload.gpu.sync import MAIN, ImmediateSync, OrderingError, poll
+from engram_offload.integrations.lookup import ANSWERED, POISON, AddressableLookup, HostReadLookup, LayerShard, flat_ids
 from engram_offload.serving.store import open_table
 
 from engram_tables import same_bits, v41_config, write_v41_table
@@ -327,8 +327,10 @@ class _Paused:
 
     def __init__(self, store, first_only=False):
         self.store, self.go, self.first_only, self.reads = store, threading.Event(), first_only, 0
+        self.entered = threading.Event()  # a read has begun
 
     def read_raw(self, ids):
+        self.entered.set()
         self.reads += 1
         if self.reads == 1 or not self.first_only:
             assert self.go.wait(30), "the test never let the read go"
@@ -740,3 +742,393 @@ def test_close_waits_for_a_stuck_read_no_longer_than_the_timeout(table):
     lookup._worker.join(30)
     assert not lookup._worker.is_alive()  # the worker ends after the read it was on
     real.close()
+
+
+# ---------------------------------------------------------------------- in-graph reads
+def in_graph(config, path, layer_id, rank, world, sync=None, store=None, **options):
+    """An in-graph host-read lookup (traced unless ``sync`` is given) over the direct tier."""
+    shard = LayerShard.of(config, layer_id, rank, world)
+    store = store or open_table(path, "direct", columns=shard.columns)
+    sync = TracingSync() if sync is None else sync
+    stream = "engine_prefetch" if isinstance(sync, TracingSync) else MAIN
+    return HostReadLookup(shard, store, config, max_tokens=8, device="cpu", sync=sync, ids_stream=stream,
+                          in_graph=True, **options)
+
+
+def static_ids(config, tokens):
+    """A static ids buffer as vLLM's: a strided view ``[T, C]`` of the step's gathered ids."""
+    return torch.zeros((tokens, 2, config.cols_per_layer), dtype=torch.int32)[:, 0]
+
+
+def capture_step(lookups, ids, outs, between=None):
+    """A graph of one engine step: the prefetch stream forked from main, every layer's lookup
+    (background), then each layer's finish in turn (``between(i)`` enqueued before layer i's)."""
+    sync = lookups[0].sync
+    with sync.capture() as graph:
+        sync.wait_stream("engine_prefetch", MAIN)
+        for lookup, i, out in zip(lookups, ids, outs):
+            lookup.lookup(i, out, background=True)
+        for n, (lookup, out) in enumerate(zip(lookups, outs)):
+            if between is not None:
+                between(n)
+            lookup.finish(out)
+    return graph
+
+
+def poisoned(out):
+    return bool(torch.all(out == POISON)) if out.dtype == torch.uint8 else bool(torch.isnan(out).all())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("case", [(CONFIG, 1, 0), (PADDED, 4, 3)], ids=["tp1", "pad-tp4-r3"])
+def test_in_graph_replays_read_new_ids_into_the_addressable_lookups_rows(table, padded_table, packed, case):
+    config, world, rank = case
+    path, raw = table if config is CONFIG else padded_table
+    layer_id = config.layer_ids[1]
+    with closed_after(in_graph(config, path, layer_id, rank, world)) as lookup, \
+            closed_after(addressable(config, path, layer_id, rank, world)) as gpu_reads:
+        sync = lookup.sync
+        for step in range(3):  # eager steps through the two eager slots, as piecewise graphs run them
+            ids = step_ids(config, layer_id, 3, seed=step)
+            out = out_buffer(config, lookup.shard, 3, packed)
+            lookup.lookup(ids, out, background=True)
+            lookup.finish()
+            assert same_bits(out, expected_rows(config, raw, layer_id, rank, world, ids, packed))
+        assert sync.log[:12] == [
+            "engine_prefetch:copy", "engine_prefetch:stamp", "engine_prefetch:write_value",
+            "engine_prefetch:write_value", "host:take_ids", "host:place", "host:write_value", "host:write_value",
+            "main:wait_value", "main:copy", "main:check", "main:write_rows"]
+        ids, out = static_ids(config, 4), out_buffer(config, lookup.shard, 4, packed)
+        graph = capture_step([lookup], [ids], [out])
+        for replay in range(6):  # the Python of lookup and finish does not run: new ids each time
+            ids.copy_(step_ids(config, layer_id, 4, seed=10 + replay))
+            graph.replay()
+            want = out_buffer(config, lookup.shard, 4, packed)
+            gpu_reads.lookup(ids, want)
+            assert same_bits(out, want)
+            assert same_bits(out, expected_rows(config, raw, layer_id, rank, world, ids, packed))
+        stats = lookup.stats()
+        assert (stats["lookups"], stats["rows"]) == (3 + 6, (3 * 3 + 6 * 4) * lookup.shard.part)
+        assert stats["not_counted"] == ["stall_s", "max_stall_s"] and stats["failures"] == 0
+        assert lookup._last == [4, 2, 18]  # slot k's n-th request is k + 1 + (n - 1) * 3
+
+
+def test_each_layer_waits_for_its_own_rows_only(table):
+    """Layer 14's read still running does not hold layer 1's rows: each finish waits for its own."""
+    path, raw = table
+    layers = CONFIG.layer_ids
+    sync = TracingSync()
+    shard = LayerShard.of(CONFIG, layers[1], 0, 1)
+    real = open_table(path, "direct", columns=shard.columns)
+    paused = _Paused(real, first_only=True)
+    lookups = [in_graph(CONFIG, path, layers[0], 0, 1, sync=sync), in_graph(CONFIG, path, layers[1], 0, 1,
+                                                                            sync=sync, store=paused)]
+    ids = [static_ids(CONFIG, 2) for _ in layers]
+    outs = [out_buffer(CONFIG, lookup.shard, 2, False) for lookup in lookups]
+    at_layer = [threading.Event() for _ in layers]
+
+    def between(n):
+        sync.run(MAIN, at_layer[n].set)  # the layers before layer n ran
+
+    graph = capture_step(lookups, ids, outs, between)
+    for i, layer_id in zip(ids, layers):
+        i.copy_(step_ids(CONFIG, layer_id, 2, seed=layer_id))
+    replay = threading.Thread(target=graph.replay)
+    replay.start()
+    assert at_layer[1].wait(30)  # layer 1 has its rows while layer 14's read is held
+    assert same_bits(outs[0], expected_rows(CONFIG, raw, layers[0], 0, 1, ids[0], False))
+    assert torch.all(outs[1] == 7.0)
+    paused.go.set()
+    replay.join(30)
+    assert not replay.is_alive()
+    assert same_bits(outs[1], expected_rows(CONFIG, raw, layers[1], 0, 1, ids[1], False))
+    for lookup in lookups:
+        lookup.close()
+    lookups[0].store.close()
+    real.close()
+
+
+class _FailingStore:
+    """A real store whose reads raise while ``failing`` is set (a tier gone)."""
+
+    def __init__(self, store):
+        self.store, self.failing = store, False
+
+    def read_raw(self, ids):
+        if self.failing:
+            raise OSError("the tier is gone")
+        return self.store.read_raw(ids)
+
+    def stats(self):
+        return self.store.stats()
+
+    def close(self):
+        self.store.close()
+
+
+def _dies(req):
+    raise SystemExit  # the reader thread ends without answering
+
+
+FAILURES = {  # where a step fails -> how, and the message the lookup raises next
+    "tier": (lambda lookup, store, paused: setattr(store, "failing", True), r"OSError: the tier is gone"),
+    "place": (lambda lookup, store, paused: setattr(lookup, "_place", None),
+              r"TypeError: 'NoneType' object is not callable"),
+    "ids": (lambda lookup, store, paused: setattr(lookup, "_ids", None), r"TypeError: 'NoneType' object is not"),
+    "late": (lambda lookup, store, paused: setattr(lookup, "store", paused),
+             r"TimeoutError: the host read of Engram layer 14's rows took over 1 s \(v41.table\): check the tier, "
+             r"or raise wait_timeout_s"),
+    "reader dies": (lambda lookup, store, paused: setattr(lookup, "_serve", _dies),
+                    r"RuntimeError: the reader thread of Engram layer 14's lookup has ended \(its error is in the "
+                    r"log\): restart the engine"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the reader that dies
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "packed"])
+@pytest.mark.parametrize("point", list(FAILURES))
+def test_a_failed_step_is_poisoned_and_raised_never_zeros(table, packed, point):
+    """A step that fails anywhere releases the device at once (late: at the timeout), its rows
+    are NaN, and the lookup raises at its next call; the steps after it are served again."""
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    real = open_table(path, "direct", columns=shard.columns)
+    store, paused = _FailingStore(real), _Paused(real, first_only=True)
+    lookup = in_graph(CONFIG, path, layer_id, 0, 1, store=store, timeout_s=1.0, describe="v41.table")
+    ids, out = static_ids(CONFIG, 3), out_buffer(CONFIG, shard, 3, packed)
+    graph = capture_step([lookup], [ids], [out])
+    saved = dict(vars(lookup))
+    inject, message = FAILURES[point]
+    for replay, fails in enumerate((False, True, False)):
+        ids.copy_(step_ids(CONFIG, layer_id, 3, seed=replay))
+        if fails:
+            inject(lookup, store, paused)
+        graph.replay()  # never a hang: the device is answered whatever failed
+        if not fails:
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, packed))
+            lookup.check()
+            continue
+        assert poisoned(out)
+        with pytest.raises(PrefetchError, match=rf"^reading Engram layer 14's rows failed \(v41.table\): {message}"):
+            lookup.stats() if point == "tier" else lookup.check()
+        lookup.check()  # raised once
+        assert lookup.counters.failures == 1
+        if point == "reader dies":  # no reader: every later step is poisoned and raised
+            graph.replay()
+            assert poisoned(out)
+            with pytest.raises(PrefetchError, match="reader thread"):
+                lookup.lookup(ids, out_buffer(CONFIG, shard, 3, packed))
+            break
+        paused.go.set()  # a late read ends: its rows are dropped
+        store.failing = False
+        vars(lookup).pop("_place", None)
+        lookup._ids, lookup.store = saved["_ids"], saved["store"]
+    lookup.close()
+    real.close()
+
+
+def test_an_eager_in_graph_failure_raises_at_finish_with_nan_rows(table):
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup = in_graph(CONFIG, path, layer_id, 0, 1, sync=ImmediateSync())
+    ids = step_ids(CONFIG, layer_id, 3, seed=0)
+    out = out_buffer(CONFIG, lookup.shard, 3, False)
+    lookup.store.close()
+    lookup.lookup(ids, out, background=True)
+    with pytest.raises(PrefetchError, match=r"^reading Engram layer 1's rows failed \(\): ValueError: this store "
+                                            r"is closed: open the table again$"):
+        lookup.finish()
+    assert torch.isnan(out).all()  # the step's rows: NaN, never zeros
+    lookup.store = open_table(path, "direct", columns=lookup.shard.columns)
+    for ids, out in run_steps(lookup, CONFIG, layer_id, steps=3):
+        assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+    lookup.close()
+    lookup.store.close()
+
+
+class _NoValueWaits(TracingSync):
+    """A trace whose streams never wait on a word: the consumer takes rows not yet answered."""
+
+    def wait_value(self, stream, word, value):
+        pass
+
+
+class _HostNeverSees(TracingSync):
+    """A trace where the host's reads of words order nothing: the reader takes ids not yet copied."""
+
+    def _acquire(self, stream, word, value):
+        if stream != "host":
+            super()._acquire(stream, word, value)
+
+
+def test_tracing_catches_in_graph_ordering_faults(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(in_graph(CONFIG, path, layer_id, 0, 1)) as lookup:  # the slots' consumers not waited for
+        lookup._consumed = _Forgetful(lookup._consumed)
+        with pytest.raises(OrderingError, match="engine_prefetch overwrites"):
+            run_steps(lookup, CONFIG, layer_id, steps=3)
+    shard = LayerShard.of(CONFIG, layer_id, 0, 1)
+    with open_table(path, "direct", columns=shard.columns) as real:
+        paused = _Paused(real)  # the read ends only after the consumer took the slot's rows
+        lookup = in_graph(CONFIG, path, layer_id, 0, 1, sync=_NoValueWaits(), store=paused)
+        lookup.lookup(step_ids(CONFIG, layer_id, 2, seed=0), out_buffer(CONFIG, shard, 2, False), background=True)
+        assert paused.entered.wait(30)
+        lookup.finish()
+        paused.go.set()
+        assert poll(lambda: int(lookup._state[0, 0]) == ANSWERED, 30)
+        with pytest.raises(PrefetchError, match="place on host overwrites .* before its reader copy on main"):
+            lookup.check()
+        lookup.close()
+    with closed_after(in_graph(CONFIG, path, layer_id, 0, 1, sync=_HostNeverSees())) as lookup:
+        with pytest.raises(PrefetchError) as err:
+            run_steps(lookup, CONFIG, layer_id, steps=1)
+        assert isinstance(err.value.__cause__, OrderingError) and "take_ids on host touches" in str(err.value)
+
+
+def test_a_slot_is_written_again_only_after_its_consumer_ran(table):
+    """A graph that captured a lookup without its finish: the next replay's ids would overwrite
+    the slot (the trace stops it); without a trace the reader finds the slot not consumed and
+    answers with the error value."""
+    path, raw = table
+    layer_id = CONFIG.layer_ids[0]
+    with closed_after(in_graph(CONFIG, path, layer_id, 0, 1)) as lookup:
+        sync, ids = lookup.sync, static_ids(CONFIG, 2)
+        with sync.capture() as graph:
+            sync.wait_stream("engine_prefetch", MAIN)
+            lookup.lookup(ids, out_buffer(CONFIG, lookup.shard, 2, False), background=True)
+            lookup._pending = None  # the engine lost it
+            sync.wait_stream(MAIN, "engine_prefetch")
+        graph.replay()
+        assert poll(lambda: int(lookup._state[2, 0]) == ANSWERED, 30)  # the reader took the ids
+        with pytest.raises(OrderingError, match="engine_prefetch overwrites"):
+            graph.replay()
+    with closed_after(in_graph(CONFIG, path, layer_id, 0, 1, sync=ImmediateSync(), slots=1,
+                               timeout_s=1.0)) as lookup:
+        ids = step_ids(CONFIG, layer_id, 2, seed=0)
+        lookup.lookup(ids, out_buffer(CONFIG, lookup.shard, 2, False), background=True)
+        lookup._pending = None
+        assert poll(lambda: int(lookup._state[0, 0]) == ANSWERED, 30)
+        out = out_buffer(CONFIG, lookup.shard, 2, False)
+        lookup.lookup(ids, out, background=True)  # slot 0 again, its rows never consumed
+        with pytest.raises(PrefetchError, match=r"TimeoutError: request 1's rows of Engram layer 1 were never "
+                                                r"consumed, so the next cannot use its slot: call finish after "
+                                                r"every lookup$"):
+            lookup.finish()
+        assert torch.isnan(out).all()
+        for ids, out in run_steps(lookup, CONFIG, layer_id, steps=2):  # consumed since: served again
+            assert same_bits(out, expected_rows(CONFIG, raw, layer_id, 0, 1, ids, False))
+
+
+def test_a_replay_after_close_is_answered_with_the_error_value(table):
+    path, _ = table
+    layer_id = CONFIG.layer_ids[0]
+    lookup = in_graph(CONFIG, path, layer_id, 0, 1)
+    ids, out = static_ids(CONFIG, 2), out_buffer(CONFIG, lookup.shard, 2, False)
+    graph = capture_step([lookup], [ids], [out])
+    lookup.close()
+    graph.replay()
+    assert torch.isnan(out).all()
+    with pytest.raises(PrefetchError, match=r"RuntimeError: the Engram lookup of layer 1 is closed: close it only "
+                                            r"once the engine replays no graph that captured it$"):
+        lookup.check()
+    lookup.store.close()
+
+
+def test_the_mode_of_a_host_read_lookup(table):
+    path, _ = table
+    shard = LayerShard.of(CONFIG, CONFIG.layer_ids[0], 0, 1)
+    with open_table(path, "direct", columns=shard.columns) as store:
+        cpu_wait = HostReadLookup(shard, store, CONFIG, max_tokens=2, device="cpu", sync=TracingSync(),
+                                  ids_stream="engine_prefetch")
+        assert not cpu_wait.in_graph and cpu_wait.not_counted == () and len(cpu_wait.ring.buffers) == 2
+        ids = static_ids(CONFIG, 1)
+        with pytest.raises(RuntimeError, match=r"^the host read of Engram layer 1 waits on the CPU, which a CUDA "
+                                               r"graph would replay stale for ever: turn off graph capture for this "
+                                               r"layer, or use a driver with stream memory operations \(in-graph "
+                                               r"reads\)$"):
+            with cpu_wait.sync.capture():
+                cpu_wait.lookup(ids, out_buffer(CONFIG, shard, 1, False))
+        cpu_wait.close()
+
+        class _OldDriver(ImmediateSync):
+            def stream_memops(self):
+                return False
+
+        with pytest.raises(ValueError, match=r"^this CUDA driver has no stream memory operations "
+                                             r"\(cuStreamWaitValue32_v2\), so the GPU cannot wait for host reads: "
+                                             r"leave in_graph unset to have the CPU wait$"):
+            HostReadLookup(shard, store, CONFIG, max_tokens=2, device="cpu", sync=_OldDriver(), in_graph=True)
+        lookup = HostReadLookup(shard, store, CONFIG, max_tokens=2, device="cpu", sync=ImmediateSync(), in_graph=True)
+        assert lookup.in_graph and len(lookup.ring.buffers) == 3  # two eager slots and the graphs' slot
+        lookup.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True], ids=["one-stream", "prefetch-stream"])
+def test_in_graph_reads_in_a_real_cuda_graph(table, prefetch):
+    """A CUDA graph capturing the host-read lookup (ids on vLLM's prefetch stream or the current
+    one), replayed with new ids: rows equal the addressable lookup's; a failed step is NaN and
+    raised; a late read releases the GPU at the timeout."""
+    from engram_offload.gpu.sync import CudaSync, poll
+
+    path, raw = table
+    layer_id = CONFIG.layer_ids[1]
+    shard = LayerShard.of(CONFIG, layer_id, 1, 2)
+    real = open_table(path, "mmap", columns=shard.columns)
+    store = _FailingStore(real)
+    lookup = HostReadLookup(shard, store, CONFIG, max_tokens=8, device="cuda", sync=CudaSync(), timeout_s=0.5)
+    assert lookup.in_graph
+    memory = open_table(path, "memory", columns=shard.columns)
+    rows, first = memory.in_place_rows(layer_id)
+    gpu_reads = AddressableLookup(shard, memory, DeviceTable(rows, "cuda"), CONFIG, first_row=first)
+    ids = torch.zeros((4, 2, CONFIG.cols_per_layer), dtype=torch.int32, device="cuda")[:, 0]
+    out = torch.full((4, shard.part, CONFIG.head_dim), 7.0, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+
+    def step():
+        if prefetch:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                lookup.lookup(ids, out, background=True)
+            lookup.finish()
+        else:
+            lookup.lookup(ids, out)
+
+    def done():
+        event = torch.cuda.Event()
+        event.record()
+        return poll(event.query, 30)  # never a hang
+
+    step()  # eager, as vLLM warms up
+    assert done()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    want = torch.empty_like(out)
+    for replay in range(20):
+        ids.copy_(step_ids(CONFIG, layer_id, 4, seed=replay).cuda())
+        graph.replay()
+        gpu_reads.lookup(ids, want)
+        assert done() and same_bits(out.cpu(), want.cpu())
+        assert same_bits(out.cpu(), expected_rows(CONFIG, raw, layer_id, 1, 2, ids.cpu(), False))
+    store.failing = True
+    graph.replay()
+    assert done() and torch.isnan(out).all()
+    with pytest.raises(PrefetchError, match="the tier is gone"):
+        lookup.check()
+    store.failing = False
+    paused = _Paused(real, first_only=True)
+    lookup.store = paused
+    graph.replay()
+    assert done() and torch.isnan(out).all()  # released at the timeout
+    with pytest.raises(PrefetchError, match="took over 0.5 s"):
+        lookup.check()
+    paused.go.set()
+    graph.replay()
+    assert done() and same_bits(out.cpu(), expected_rows(CONFIG, raw, layer_id, 1, 2, ids.cpu(), False))
+    assert lookup.stats()["lookups"] == 1 + 20 + 1
+    lookup.close()
+    real.close()
+    memory.close()

@@ -20,6 +20,12 @@ A ring's copy stream does not wait for the stream that allocated ``dst``: alloca
 copy stream (``sync.empty(ring.stream, ...)``) and ``keep_alive`` it on the streams that read
 it, or make the copy stream wait for the allocating stream first; the caching allocator
 orders a block's reuse only on its own stream.
+
+Words of pinned host memory order a stream and a host thread without either blocking the other
+(``write_value``, ``wait_value``, ``read_value``): on CUDA the stream memory operations of
+``gpu.stream_ops``, which a CUDA graph captures and replays; on a CPU, where work runs when
+enqueued, the caller of ``wait_value`` polls the word (bounded). ``capturing()`` says whether
+the current stream is being captured into a graph (where no host wait may run).
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from . import stream_ops
+
 __all__ = ["DeviceSync", "CudaSync", "ImmediateSync", "StagingRing", "OrderingError", "PageableCopyError",
-           "make_sync", "kernel_access"]
+           "make_sync", "kernel_access", "poll"]
 
 Access = Mapping[str, Iterable[int] | np.ndarray | None]
 HOST = "host"
@@ -44,6 +53,8 @@ COPY_STREAM = "staging_copy"
 
 UPLOAD_BUFFERS = 32  # pinned buffers of the upload ring: the host waits for the copy 32 uploads back
 UPLOAD_MIN_BYTES = 1 << 16
+WORD_WAIT_LIMIT_S = 120.0  # the longest a host waits in wait_value (a protocol bounds it far lower)
+POLL_MIN_S, POLL_MAX_S = 20e-6, 200e-6  # a host polling a word sleeps this long, doubling
 _RING_NUMBERS = itertools.count()
 _local = threading.local()  # .tracer: a tracing sync following tensors in this thread; .paused
 
@@ -56,8 +67,22 @@ class PageableCopyError(OrderingError):
     """Device work read pageable host memory: on a GPU a blocking copy (or a fault)."""
 
 
+def poll(ready: Callable[[], bool], limit_s: float) -> bool:
+    """Call ``ready`` until it returns True (then True) or ``limit_s`` has passed (then its last
+    answer), sleeping from ``POLL_MIN_S`` doubling to ``POLL_MAX_S`` in between."""
+    deadline = time.monotonic() + limit_s
+    delay = POLL_MIN_S
+    while not ready():
+        if time.monotonic() > deadline:
+            return ready()
+        time.sleep(delay)
+        delay = min(POLL_MAX_S, 2 * delay)
+    return True
+
+
 class DeviceSync(ABC):
-    """Streams by name, work on a stream, events recorded and waited on."""
+    """Streams by name, work on a stream, events recorded and waited on, words written and
+    waited on."""
 
     @abstractmethod
     def run(self, stream: str, fn: Callable[[], Any], *, reads: Access | None = None,
@@ -95,6 +120,30 @@ class DeviceSync(ABC):
 
     def keep_alive(self, tensor: torch.Tensor, stream: str) -> None:
         """Tell the allocator ``tensor`` is used on ``stream`` (CUDA's ``record_stream``)."""
+
+    def write_value(self, stream: str, word: torch.Tensor, value: int) -> None:
+        """Enqueue on ``stream`` a write of ``value`` into ``word`` (one int32 or int64 of pinned
+        host memory), after the stream's earlier work and its writes; ``"host"`` writes it now."""
+        word.fill_(value)
+
+    def wait_value(self, stream: str, word: torch.Tensor, value: int) -> None:
+        """Later work on ``stream`` starts once ``word`` holds ``value``; on a CPU the caller
+        waits for it (at most ``WORD_WAIT_LIMIT_S``, then ``TimeoutError``)."""
+        if not poll(lambda: int(word) == value, WORD_WAIT_LIMIT_S):
+            raise TimeoutError(f"{stream} waited {WORD_WAIT_LIMIT_S:g} s for a word to hold {value}: whatever "
+                               "should write it has stopped; check the thread that answers it")
+
+    def read_value(self, word: torch.Tensor) -> int:
+        """The host reads ``word`` (what a stream or another thread wrote there)."""
+        return int(word)
+
+    def stream_memops(self) -> bool:
+        """Whether ``write_value``/``wait_value`` work on device streams (a CPU runs them at once)."""
+        return True
+
+    def capturing(self) -> bool:
+        """Whether the calling thread's current stream is being captured into a CUDA graph."""
+        return False
 
     def host_mapped(self, tensor: torch.Tensor) -> None:
         """Declare ``tensor`` pinned or registered host memory the device may read (tracing only)."""
@@ -286,6 +335,22 @@ class CudaSync(DeviceSync):
     def keep_alive(self, tensor, stream):
         if stream != HOST and tensor.is_cuda:
             tensor.record_stream(self.stream(stream))
+
+    def write_value(self, stream, word, value):
+        if stream == HOST:
+            return super().write_value(stream, word, value)
+        stream_ops.write_value(self.stream(stream), word, value)
+
+    def wait_value(self, stream, word, value):
+        if stream == HOST:
+            return super().wait_value(stream, word, value)
+        stream_ops.wait_value(self.stream(stream), word, value)
+
+    def stream_memops(self):
+        return stream_ops.supported(self.device)
+
+    def capturing(self):
+        return torch.cuda.is_current_stream_capturing()
 
 
 @contextlib.contextmanager
