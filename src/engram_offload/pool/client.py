@@ -142,6 +142,10 @@ def _redact_part(part: str) -> str:
     return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
 
 
+class _Unanswered(ConnectionError):
+    """A node that took the connection and did not answer its first command (AUTH)."""
+
+
 class NodeConnection:
     """One socket to one Redis node, with its own ``hiredis.Reader``."""
 
@@ -161,7 +165,7 @@ class NodeConnection:
                 reply = self.call("AUTH", *([user] if user else []), password)
             except OSError as exc:
                 self.close()
-                raise ConnectionError(f"{self.address} did not answer AUTH: {exc}") from exc
+                raise _Unanswered(f"{self.address}: {exc}") from exc  # as a silent node's first command
             if isinstance(reply, Exception) and "without any password configured" not in str(reply):
                 self.close()
                 raise PoolError(f"{self.address} refused the credentials (the pool URL's, else ${PASSWORD_ENV}'s, "
@@ -283,6 +287,8 @@ class PoolClient:
         if conn is None:
             try:
                 conn = self._conns[address] = NodeConnection(*self.nodes[node], self.timeout, self.auth)
+            except _Unanswered as exc:  # as a command it did not answer
+                raise PoolError(f"pool node {address} failed: {exc.__cause__}") from exc
             except ConnectionError as exc:
                 raise PoolError(str(exc)) from exc
         return conn
@@ -302,8 +308,8 @@ class PoolClient:
             moved: list[int] = []
             asked: dict[str, list[int]] = {}  # node address -> commands it takes for a migrating slot
             for node, idx in by_node.items():
-                conn = self.connection(node)
                 try:
+                    conn = self.connection(node)  # a new one authenticates: it can time out too
                     conn.send(b"".join(encode_command(*commands[i]) for i in idx))
                     got = conn.read_replies(len(idx))
                 except OSError as exc:
