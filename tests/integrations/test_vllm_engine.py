@@ -172,7 +172,7 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
         f"engram-offload: Engram layer 14 of rank 0/1 on {spec['table']} on memory (addressable backend, "
         "read by the GPU in place; columns [0, 24) of 24)",
         f"engram-offload: Engram layer 1 of rank 0/1 on {spec['table']} on {spec['socket']} (host-read backend, "
-        "read on the host; columns [0, 24) of 24)"]
+        "read on the host, the CPU waits for them; columns [0, 24) of 24)"]
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
     assert plugin["device_views"] == {"memory": True, "shared": True}  # two resident stores, a view of each

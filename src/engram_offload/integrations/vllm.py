@@ -20,16 +20,18 @@ the plugin uses is there (``missing_names``; else it logs them and does nothing)
   placeholders whose loader compares a few of the checkpoint's rows with the table's (a table
   converted from another checkpoint is refused) and keeps nothing.
 - ``Engram._finish_prefetch(event)``, which a layer calls before it reads its rows: for a
-  host-read tier the CPU waits there for the read and enqueues the copy to the GPU.
+  host-read tier it enqueues the wait for the read and the copy to the GPU. Where the driver
+  has stream memory operations (``gpu.stream_ops``) the GPU itself waits for the host read
+  (``docs/in-graph-reads.md``), so FULL CUDA graphs replay it; elsewhere the CPU waits here.
 
 An in-place tier's rows are read by the GPU where they lie; where it cannot (a read-only
 ``shared`` segment on a GPU that cannot register read-only memory, no coherent UVA) they are
 staged like a host-read tier's, and the start-up line says which.
 
 Start-up fails closed (one line each): an untested vLLM; a table whose Engram layout is not
-the checkpoint's; a host-read (or staged) tier under a CUDA-graph mode with FULL graphs (the
-host read would be captured once and never run again: ``--enforce-eager``, or
-``-cc.cudagraph_mode=PIECEWISE``).
+the checkpoint's; a host-read (or staged) tier under a CUDA-graph mode with FULL graphs on a
+driver without stream memory operations (the CPU's wait would be captured once and never run
+again: ``--enforce-eager``, or ``-cc.cudagraph_mode=PIECEWISE``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import torch
 
 from ..buffers.hostmem import device_reads_in_place
 from ..engram.config import EngramConfig
+from ..gpu import stream_ops
 from ..gpu.device_table import DeviceTable
 from ..gpu.sync import make_sync
 from ..serving.sharding import column_range
@@ -258,18 +261,18 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    full_graphs = _full_graphs()
-    settings = _resolved(settings, world, full_graphs)
+    device = torch.get_default_device()
+    # host reads break FULL graphs unless the GPU itself waits for them (stream memory operations)
+    graphs_refuse = _full_graphs() and not stream_ops.supported(device)
+    settings = _resolved(settings, world, graphs_refuse)
     layer_ids = tuple(int(i) for i in layout.layer_ids)
     layer_id = layer_ids[layer_hash_index]
-    check_graph_mode(settings, full_graphs, GRAPH_FIX, layer_id)
+    check_graph_mode(settings, graphs_refuse, GRAPH_FIX, layer_id)
     store, config = _store(settings, layout, rank, world)
     shard = LayerShard.of(config, layer_id, rank, world)
-    device = torch.get_default_device()
     tier, on_host = settings.tier_of(layer_id), settings.reads_on_host(layer_id)
     describe = f"{settings.table} on {settings.row_server or tier}"
     backend: AddressableLookup | HostReadLookup
-    how = "read on the host"
     found = None if on_host else _device_table(settings, rank, world, store, layer_id, device)
     if found is not None:
         table, first = found
@@ -280,11 +283,12 @@ def build_embedding(engram: ModuleType, layout: Any, layer_hash_index: int, sett
         if not on_host:  # e.g. a read-only segment the device cannot register
             why = (f"this GPU cannot read the {tier} tier's rows in place (read-only host memory it "
                    "cannot register, or no coherent UVA)")
-            if full_graphs:
+            if graphs_refuse:
                 raise ValueError(f"{why}: they would be staged on the host, which a FULL CUDA graph cannot "
                                  f"replay: {GRAPH_FIX}, or use the pinned tier")
-            how = f"staged on the host: {why}"
         backend = _host_read_backend(settings, shard, store, config, device, describe)
+        waits = "the GPU waits for them in its stream" if backend.in_graph else "the CPU waits for them"
+        how = f"read on the host, {waits}" + ("" if on_host else f" (staged: {why})")
     module = _embedding_class(engram)._build(layout, layer_hash_index, shard, store, backend, device, world)
     _modules.append(module)
     log.info("engram-offload: Engram layer %d of rank %d/%d on %s (%s backend, %s; columns [%d, %d) of %d)",
