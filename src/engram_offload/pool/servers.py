@@ -139,7 +139,7 @@ class RedisNode:
         """A connection to this node, authenticated when it has a password."""
         return NodeConnection(self.host, self.port, timeout, (None, self.password) if self.password else None)
 
-    def start(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 30.0) -> None:
         """Start the server; ``PortTakenError`` when its port (or bus port) is taken."""
         for port in (self.port, self.port + CLUSTER_BUS_OFFSET) if self.cluster else (self.port,):
             if not _port_free(port, self.host):
@@ -221,8 +221,9 @@ class LocalPool:
     def url(self) -> str:
         return "redis://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        """Wait until every node reports the cluster healthy (a plain server is ready at once)."""
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until every node reports the cluster healthy (a plain server is ready at once);
+        the bound leaves room for a machine whose cores are busy (a cluster's gossip takes seconds there)."""
         if not self.cluster:
             return
         deadline = time.monotonic() + timeout
