@@ -3,6 +3,7 @@ the rename."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -90,3 +91,38 @@ def test_a_json_value_that_cannot_be_written_leaves_nothing_behind(tmp_path):
     assert write_json_atomic(target, {"runs": [{"tier": "memory", "at": tmp_path}]}) == target
     assert json.loads(target.read_text())["runs"][0] == {"tier": "memory", "at": str(tmp_path)}
     assert target.read_text().endswith("}\n") and sorted(p.name for p in target.parent.iterdir()) == ["results.json"]
+
+
+NOREPLACE_WAYS = {
+    "renameat2": lambda monkeypatch: None,
+    "link": lambda monkeypatch: monkeypatch.setattr(atomic, "_renameat2", lambda: None),
+    "exclusive": lambda monkeypatch: (monkeypatch.setattr(atomic, "_renameat2", lambda: None),
+                                      monkeypatch.setattr(atomic.os, "link", _links_refused)),
+}
+
+
+def _links_refused(src, dst, **kwargs):
+    raise OSError(errno.EPERM, os.strerror(errno.EPERM), dst)  # as vfat refuses a hard link
+
+
+@pytest.mark.parametrize("way", NOREPLACE_WAYS)
+def test_no_replace_keeps_a_file_made_while_the_new_one_was_written(tmp_path, monkeypatch, way):
+    NOREPLACE_WAYS[way](monkeypatch)
+    target = tmp_path / "results.json"
+    with pytest.raises(FileExistsError) as caught:
+        with atomic_path(target, replace=False) as tmp:
+            tmp.write_bytes(b"new")
+            target.write_bytes(b"theirs")  # made after any check the caller did, before the rename
+    assert str(caught.value) == (f"{target} exists (made while it was written): it is not written over; "
+                                 "remove it or give another path")
+    assert target.read_bytes() == b"theirs" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert write_json_atomic(tmp_path / "new.json", [1], replace=False).read_text() == "[\n  1\n]\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "results.json"]
+
+
+def test_the_rename_itself_refuses_a_symbolic_link_in_the_way(tmp_path):
+    (tmp_path / "elsewhere").write_bytes(b"kept")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "out.json")
+    with pytest.raises(FileExistsError, match="out.json exists"):
+        write_bytes_atomic(tmp_path / "out.json", b"new", replace=False)
+    assert (tmp_path / "elsewhere").read_bytes() == b"kept" and os.path.islink(tmp_path / "out.json")

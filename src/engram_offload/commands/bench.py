@@ -450,7 +450,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ratios = comparisons(runs, **sample)
     limits = stall_limits(runs)
     json_path, plot_path = _outputs(args)  # again: made meanwhile, they are still not written over
-    write_json_atomic(json_path, _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0))
+    write_json_atomic(json_path, _document(plan, args, corpora, runs, ratios, limits, time.perf_counter() - t0),
+                      replace=args.force)
     budget = format_bytes(plan.budget) if plan.budget is not None else "none"
     frontier_plot(runs, plot_path,
                               title=f"{plan.header.config.name}, {format_bytes(plan.table_bytes)} table, "
