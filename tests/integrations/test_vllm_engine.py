@@ -176,6 +176,13 @@ def test_graph_modes_staging_slots_and_the_start_up_line(engine_runs):
     assert plugin["storage"] == "an engram-offload Engram table has no vLLM storage: its rows come from lookup()"
     assert plugin["collapse_huge_pages"] is None and plugin["stats_count"] and plugin["patched_once"]
     assert plugin["device_views"] == {"memory": True, "shared": True}  # two resident stores, a view of each
+    staged = plugin["staged"]  # a GPU that cannot register the read-only segment: staged, said, refused in graphs
+    assert staged["kind"] == "host-read" and staged["line"].endswith(
+        "(host-read backend, read on the host, the CPU waits for them (staged: this GPU cannot read the shared "
+        "tier's rows in place (read-only host memory it cannot register, or no coherent UVA)); columns [0, 24) of 24)")
+    assert staged["full_graphs"].startswith("this GPU cannot read the shared tier's rows in place (read-only host "
+                                            "memory it cannot register, or no coherent UVA): they would be staged "
+                                            "on the host, which a FULL CUDA graph cannot replay: start vLLM with ")
     # the patched _finish_prefetch runs vLLM's wait on the event, then the rows read in the background
     assert plugin["lookup_lines"] == [  # log_every=1: a line a lookup, each backend's
         f"engram-offload layer 14 (addressable, {spec['table']} on memory)",

@@ -431,6 +431,17 @@ def main():
                                        ).embed_tokens.engram_offload
                 views[tier] = backend.table.table.data_ptr() == backend.store.in_place_rows(layout.layer_ids[0])[0].data_ptr()
             out["device_views"] = views
+            # a GPU that cannot read the shared segment in place (read-only memory it cannot register):
+            # the rows are staged on the host, said at start-up, and refused under FULL graphs
+            reads_in_place, plugin.device_reads_in_place = plugin.device_reads_in_place, lambda rows, device: False
+            try:
+                shared = {"table": spec["table"], "tier": "shared"}
+                with logged("engram_offload.integrations.vllm") as lines:
+                    backend = build_engram(E, layout, 1, {"engram_offload": shared}).embed_tokens.engram_offload
+                out["staged"] = {"kind": backend.kind, "line": lines[-1],
+                                 "full_graphs": built({}, full_graphs=True, eager=False, settings=shared)}
+            finally:
+                plugin.device_reads_in_place = reads_in_place
             # the patched _finish_prefetch, as a GPU layer calls it after a background lookup: vLLM's
             # own body waits on the event (a CPU has no stream: a stand-in records the wait), then the
             # host read's rows are copied in
