@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -50,3 +53,26 @@ def test_zipf_corpus_is_seeded_and_skewed():
     assert a.documents[0].max() < 1000
     with pytest.raises(ValueError, match="exponent"):
         zipf_corpus(1000, alpha=1.0)
+
+
+def _unblocked(call, fifo):
+    """``call()`` in a thread that must end within 10 s; one still blocked on the FIFO fails the
+    test once the FIFO's other end is opened to free it."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY))  # the blocked reader's open returns, and it reads nothing
+        thread.join(10)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return result[0]
+
+
+def test_a_listed_file_that_became_a_fifo_or_grew_is_skipped_not_waited_on(tmp_path, monkeypatch):
+    fifo, big, text = tmp_path / "fifo.txt", tmp_path / "big.txt", tmp_path / "a.txt"
+    os.mkfifo(fifo)  # swapped in after the folder was listed
+    monkeypatch.setattr(corpus_module, "MAX_FILE_BYTES", 100)
+    big.write_text("x" * 101)  # grew past the bound after it was listed
+    text.write_text("text")
+    assert _unblocked(lambda: list(corpus_module._read_texts([fifo, big, text], seed=0)), fifo) == ["text"]

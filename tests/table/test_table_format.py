@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import xxhash
 from fuzz.table_damage import deadline, header_meta, rewrite_header
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,7 +28,7 @@ from engram_offload.table import (
     verify_table,
     write_table,
 )
-from engram_offload.table.format import PAGE_BYTES, SECTOR_BYTES
+from engram_offload.table.format import FORMAT_VERSION, MAGIC, PAGE_BYTES, PREFIX, SECTOR_BYTES
 from engram_offload.table.writer import boot_id, clean_temp_files, dead_temp_files
 
 
@@ -254,6 +255,19 @@ def test_header_that_is_not_an_object_is_refused(table, tmp_path):
     rewrite_header(table, tmp_path / "bad.tbl", [1, 2, 3])
     with pytest.raises(TableFormatError, match="JSON list"):
         read_header(tmp_path / "bad.tbl")
+
+
+def test_a_header_nested_too_deeply_to_parse_is_one_line(table, tmp_path):
+    """JSON nested deeper than the parser goes, under a valid checksum: the table's own error, not
+    a RecursionError."""
+    body = b"[" * 100_000 + b"]" * 100_000
+    data = bytearray(table.read_bytes())
+    data[:PREFIX.size + len(body)] = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    (tmp_path / "deep.tbl").write_bytes(bytes(data))
+    with pytest.raises(TableFormatError) as caught:
+        read_header(tmp_path / "deep.tbl")
+    assert str(caught.value) == (f"{tmp_path / 'deep.tbl'}: unreadable table header (the header nests JSON too "
+                                 "deeply to read: give a flat object); the file is damaged")
 
 
 def test_rewritten_header_with_the_same_fields_still_opens(table, tmp_path):

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..engram.tokenizer import encode_documents, load_tokenizer
+from ..table.safeio import read_input
 
 __all__ = ["Corpus", "DOCS_GLOBS", "MAX_FILE_BYTES", "docs_root", "load_corpus", "zipf_corpus"]
 
@@ -79,12 +80,13 @@ def _text_files(root: Path, suffixes: set[str] | None) -> list[Path]:
 
 
 def _read_texts(files: list[Path], seed: int) -> Iterator[str]:
-    """Texts of the files in a seeded order, so a token budget samples the whole corpus;
-    files that are not UTF-8 text are skipped."""
+    """Texts of the files in a seeded order, so a token budget samples the whole corpus; files
+    that are not UTF-8 text, or since listed became something else (a FIFO) or larger than
+    ``MAX_FILE_BYTES``, are skipped (``safeio``: never waited on, read with that bound)."""
     for i in np.random.default_rng(seed).permutation(len(files)):
         try:
-            yield files[i].read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
+            yield read_input(files[i], "corpus file", MAX_FILE_BYTES).decode("utf-8")
+        except (ValueError, OSError):  # UnicodeDecodeError is a ValueError
             continue
 
 

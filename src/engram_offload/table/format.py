@@ -36,7 +36,7 @@ import xxhash
 
 from ..engram.config import EngramConfig, check_config_fields
 from ..errors import TableFormatError
-from .safeio import open_input
+from .safeio import open_input, parse_json
 
 __all__ = [
     "MAGIC",
@@ -257,7 +257,7 @@ def _layout_from_header(path: Path, body: bytes, data_offset: int) -> TableLayou
     """The layout a header's JSON describes, every field checked (type, range, agreement with
     the layout derived from its config) before it is used."""
     try:
-        meta = json.loads(body)
+        meta = parse_json(body, "the header")  # nested too deeply for the parser: a ValueError
         if not isinstance(meta, dict):
             raise ValueError(f"the header is a JSON {type(meta).__name__}, not an object")
         check_config_fields(meta.get("config"))
