@@ -188,3 +188,26 @@ def test_bench_refuses_to_write_over_its_results_before_running(tmp_path, capsys
     assert one_error(["bench", "--out", str(tmp_path), "--plot", str(tmp_path / "plot.png")], capsys).endswith(
         f"{tmp_path / 'plot.png'} exists: the benchmark result is not written over it; give another path, or "
         "--force to replace it")
+
+
+def test_bench_keeps_results_made_while_it_ran(tmp_path, capsys, monkeypatch):
+    """A results file made after bench's last check, before its rename, is kept (not replaced)."""
+    from engram_offload.commands import bench as bench_command
+
+    table_path, results = tmp_path / "t.table", tmp_path / "out" / "results.json"
+    assert main(["make-table", "--scale", "0.0001", "--out", str(table_path), "--no-progress"]) == 0
+    document = bench_command._document
+
+    def made_meanwhile(*args, **kwargs):
+        results.parent.mkdir(exist_ok=True)
+        results.write_text("theirs")
+        return document(*args, **kwargs)
+
+    monkeypatch.setattr(bench_command, "_document", made_meanwhile)
+    argv = ["bench", "--table", str(table_path), "--tiers", "memory", "--cache-states", "cold", "--concurrency", "1",
+            "--seconds", "0.1", "--warmup-seconds", "0", "--corpus", "zipf", "--corpus-tokens", "2000",
+            "--repeats", "1", "--out", str(results.parent), "--no-progress"]
+    rc, err = run(argv, capsys)  # stderr: the plan and progress first, the error last
+    assert rc == 1 and err.splitlines()[-1] == (f"engram-offload bench: error: {results} exists (made while it was "
+                                                "written): it is not written over; remove it or give another path")
+    assert results.read_text() == "theirs" and sorted(p.name for p in results.parent.iterdir()) == ["results.json"]
