@@ -156,3 +156,17 @@ def write_tokenizer(path: Path) -> Path:
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(path))
     return path
+
+
+def table_rows(checkpoint: ReleasedCheckpoint) -> np.ndarray:
+    """Every Engram row of the checkpoint as its table holds them: ``uint8 [num_rows, row_bytes]``."""
+    return torch.cat([checkpoint.raw_rows(i) for i in checkpoint.config.layer_ids]).numpy()
+
+
+def write_indexed_checkpoint(directory: Path, seed: int = 0) -> tuple[ReleasedCheckpoint, np.ndarray]:
+    """The checkpoint written and indexed (its sidecar beside the shards), and its table rows."""
+    from engram_offload.table.checkpoint import index_checkpoint
+
+    checkpoint = write_released_checkpoint(directory, seed)
+    index_checkpoint(directory, checkpoint.config, progress=False)
+    return checkpoint, table_rows(checkpoint)

@@ -21,7 +21,7 @@ from typing import Iterator, NoReturn, Sequence
 from . import __version__
 from .commands import UsageError
 
-COMMAND_MODULES = ("core", "table", "plan", "trace", "bench", "pool", "shared", "rowserver", "model")
+COMMAND_MODULES = ("core", "table", "index", "plan", "trace", "bench", "pool", "shared", "rowserver", "model")
 
 _OS_HINTS = {
     errno.ENOSPC: "free space or write elsewhere",

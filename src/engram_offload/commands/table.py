@@ -165,10 +165,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..table import verify_table
+    from ..table.checkpoint import is_checkpoint
 
     if args.clean:
         return clean_directory(args.path)
-    if Path(args.path).is_dir():
+    if Path(args.path).is_dir() and not is_checkpoint(args.path):
         raise UsageError(f"{args.path} is a directory: give a table file, or --clean to remove the "
                          "temporary files dead writers left in it")
     try:

@@ -492,7 +492,9 @@ def open_table(
     **options: Any,
 ) -> TableStore | LayeredStore | RowClient:
     """Open a table file on a tier (``memory``, ``pinned``, ``shared``, ``mmap``, ``direct``,
-    ``remote``). ``shared`` is ``memory`` with one copy per machine: the first process loads
+    ``remote``); or a checkpoint, its folder or the sidecar ``engram-offload index`` wrote, as the
+    table ``convert`` would write from it (``table.checkpoint``: the rows read from its shards).
+    ``shared`` is ``memory`` with one copy per machine: the first process loads
     the table into shared memory, the others attach to it read-only.
 
     ``remote`` reads the rows from a Redis pool the table was published to (``pool=`` its

@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -203,12 +203,20 @@ class TableHeader:
         return xxhash.xxh3_64_intdigest(self.layout.header_json() + struct.pack("<Q", self.sums_digest))
 
 
+# What else opens as a table: each returns its header, or None for a path not its own
+# (``table.checkpoint``: a checkpoint's folder or sidecar, registered when the package loads).
+OPENERS: list[Callable[[Path], TableHeader | None]] = []
+
+
 def read_header(path: str | os.PathLike[str]) -> TableHeader:
     """Open ``path`` as a table: check magic, version, header, size and trailer.
 
     Raises ``TableFormatError`` saying what is wrong (foreign file, truncation, ...).
     """
     path = Path(path)
+    for opener in OPENERS:
+        if (other := opener(path)) is not None:
+            return other
     if path.is_dir():
         raise TableFormatError(f"{path} is a directory, not a table file: give the table's file")
     with open_input(path, "table file", TableFormatError) as f:  # a FIFO or device: refused, never waited on

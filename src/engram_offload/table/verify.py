@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from ..errors import ChecksumError
+from .checkpoint import CheckpointHeader, verify_checkpoint  # (a checkpoint opens as a table once this is loaded)
 from .format import TableHeader, read_header
 from .pagesum import page_sums
 from .progress import byte_progress
@@ -34,12 +35,15 @@ def bad_pages(header: TableHeader, pages: np.ndarray, data) -> np.ndarray:
 
 
 def verify_table(path: str | os.PathLike[str], progress: bool | None = None) -> TableHeader:
-    """Read every data page of the table at ``path`` and check it; return its header.
+    """Read every data page of the table at ``path`` and check it; return its header. A checkpoint
+    (folder or sidecar) has every Engram page checked against its sidecar.
 
     Raises ``TableFormatError`` for a damaged header, size or trailer, ``ChecksumError``
     naming the first bad page and its rows.
     """
     header = read_header(path)
+    if isinstance(header, CheckpointHeader):
+        return verify_checkpoint(header, progress)
     layout = header.layout
     step = max(1, VERIFY_CHUNK_BYTES // layout.page_bytes)
     buf = bytearray(step * layout.page_bytes)

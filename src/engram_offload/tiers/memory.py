@@ -19,13 +19,11 @@ pages (the default) load faster where faulting huge pages in is dear.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,16 +31,17 @@ import torch
 from ..buffers.rowcopy import move_rows
 from ..errors import TierError
 from ..machine import available_memory_bytes
-from ..table.format import PAGE_BYTES, TableHeader
+from ..table.checkpoint import checkpoint_of, load_rows
+from ..table.format import TableHeader
 from ..table.progress import byte_progress
-from ._buffers import aligned_empty, madvise_quietly, private_mapping
+from ..table.stream import ChunkReader, Span, open_for_load, read_fully
+from ._buffers import madvise_quietly, private_mapping
 from .base import Tier
 from .pagecheck import check_pages, run_of_pages
 
 __all__ = ["MemoryTier", "check_free_memory", "load_dense_rows"]
 
 LOAD_CHUNK_BYTES = 16 << 20
-LOAD_BUFFERS = 3  # one being read, one being checked and copied, one spare
 PREFAULT_STEP_BYTES = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PREFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1)))
@@ -60,87 +59,7 @@ def check_free_memory(header: TableHeader, what: str) -> None:
         )
 
 
-def _open_for_load(path) -> int:
-    """A descriptor on ``path``: O_DIRECT where the file system takes it (no page-cache copy,
-    no cache pollution), else buffered."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return os.open(path, os.O_RDONLY)
-    probe = aligned_empty(PAGE_BYTES)
-    try:
-        # some file systems take O_DIRECT at open and refuse it at read
-        os.preadv(fd, [probe], 0)  # type: ignore[list-item]  # NumPy's stubs lack __buffer__
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno != errno.EINVAL:
-            raise
-        return os.open(path, os.O_RDONLY)
-    return fd
-
-
-def _read_fully(fd: int, view: np.ndarray, offset: int, path) -> None:
-    done = 0
-    while done < len(view):
-        try:
-            got = os.preadv(fd, [view[done:]], offset + done)  # type: ignore[list-item]  # NumPy's stubs lack __buffer__
-        except OSError as exc:
-            raise TierError(f"{path}: reading {len(view) - done} bytes at offset {offset + done} while "
-                            f"loading failed: {exc.strerror or exc}") from exc
-        if got == 0:
-            raise TierError(f"{path} ended early while loading: the file changed under us; "
-                            "check it with `engram-offload verify` and reopen it")
-        done += got
-
-
-class _ChunkReader:
-    """Reads the data region in chunks on a thread, into a few reused page-aligned buffers,
-    so the next chunk is read while the caller checks and copies the previous one."""
-
-    def __init__(self, header: TableHeader, fd: int) -> None:
-        layout = header.layout
-        self.header, self.fd = header, fd
-        self.chunk_pages = max(1, LOAD_CHUNK_BYTES // layout.page_bytes)
-        self._free: queue.Queue = queue.Queue()
-        self._full: queue.Queue = queue.Queue()
-        for _ in range(LOAD_BUFFERS):
-            self._free.put(aligned_empty(self.chunk_pages * layout.page_bytes))
-        self._thread = threading.Thread(target=self._run, name="engram-load", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        layout = self.header.layout
-        try:
-            for first in range(0, layout.num_pages, self.chunk_pages):
-                buf = self._free.get()
-                if buf is None:  # the caller stopped
-                    return
-                pages = min(self.chunk_pages, layout.num_pages - first)
-                _read_fully(self.fd, buf[: pages * layout.page_bytes],
-                            layout.data_offset + first * layout.page_bytes, self.header.path)
-                self._full.put((first, pages, buf))
-            self._full.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            self._full.put(exc)
-
-    def __iter__(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(first page, pages, buffer holding them); hand the buffer back with ``release``."""
-        while True:
-            item = self._full.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def release(self, buf: np.ndarray) -> None:
-        self._free.put(buf)
-
-    def stop(self) -> None:
-        self._free.put(None)
-        self._thread.join()
+_read_fully = read_fully  # what a load reads a span with (tests put faults in here)
 
 
 class _Prefaulter:
@@ -202,23 +121,44 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
                    progress: bool | None = None, what: str = "loading",
                    on_chunk: Callable[[int], None] | None = None) -> None:
     """Read a table's rows into ``dense`` (``uint8 [num_rows, row_bytes]``, e.g. a shared
-    segment), checking as ``load_dense_rows`` says; ``on_chunk(bytes done)`` after each chunk."""
-    layout = header.layout
-    page = layout.page_bytes
-    pages_checked = verify is not False
+    segment), checking as ``load_dense_rows`` says; ``on_chunk(bytes done)`` after each chunk.
+    A checkpoint's rows (a ``CheckpointHeader``, or a slice of one: ``first_row`` of
+    ``layered.window_header``; of its ``parts`` only for ``scales_header``) come from its shards,
+    each page checked against its sidecar."""
     prefaulter = _Prefaulter(dense)
     try:
-        fd = _open_for_load(header.path)
-    except BaseException:
+        checkpoint = checkpoint_of(header)
+        if checkpoint is not None:
+            first = getattr(header, "first_row", 0)
+            load_rows(checkpoint, first, first + header.layout.num_rows, dense, parts=getattr(header, "parts", None),
+                      verify=verify is not False, progress=progress, what=what, on_chunk=on_chunk,
+                      chunk_bytes=LOAD_CHUNK_BYTES, read=_read_fully)
+        else:
+            _load_table(header, dense, verify is not False, progress, what, on_chunk)
+    finally:
         prefaulter.stop()
-        raise
-    reader = _ChunkReader(header, fd)
+
+
+def _load_table(header: TableHeader, dense: np.ndarray, verify: bool, progress: bool | None, what: str,
+                on_chunk: Callable[[int], None] | None) -> None:
+    """``load_rows_into`` of a table file: its data pages in chunks, checked, compacted into rows."""
+    layout = header.layout
+    page = layout.page_bytes
+    chunk_pages = max(1, LOAD_CHUNK_BYTES // page)
+    fd = open_for_load(header.path)
+
+    def chunks():
+        for first in range(0, layout.num_pages, chunk_pages):
+            n = min(chunk_pages, layout.num_pages - first) * page
+            yield (first, n // page), [Span(fd, layout.data_offset + first * page, n, n, header.path)]
+
+    reader = ChunkReader(chunks(), chunk_pages * page, _read_fully)
     done = 0
     try:
         with byte_progress(f"{what} {header.path.name}", layout.data_bytes, progress) as advance:
-            for first, pages, buf in reader:
+            for (first, pages), buf in reader:
                 view = buf[: pages * page]
-                if pages_checked:
+                if verify:
                     _check_loaded_pages(header, fd, first, view)
                 _compact(view, first, pages, layout, dense)
                 reader.release(buf)
@@ -228,7 +168,6 @@ def load_rows_into(header: TableHeader, dense: np.ndarray, verify: bool | None =
                     on_chunk(done)
     finally:
         reader.stop()
-        prefaulter.stop()
         os.close(fd)
 
 

@@ -20,6 +20,10 @@ the size and the modification time, so a table rewritten in place gives a ``Tier
 instead of a mix of old and new rows (a rewrite racing a read that already passed the
 check is not covered: replace table files by renaming a new file over them, as
 ``make-table`` and ``convert`` do).
+
+A checkpoint (``table.checkpoint``) is read the same way from its shards, each mapped: the
+pages under each row's pieces copied out, checked against the sidecar's page sums, the row put
+together (``pagecheck.plan_checkpoint``); each shard's size and mtime are checked before a read.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import torch
 
 from ..errors import TierError
 from ..table.format import TableHeader
+from ..table.stream import PAGE
 from ._buffers import ThreadBuffers, gather_at, madvise_quietly
 from .base import Tier
 from .guarded import guarded_copy, guarded_copy_available
-from .pagecheck import check_pages, plan_pages
+from .pagecheck import check_pages, gather_pieces, plan_checkpoint, plan_pages
 
 __all__ = ["MmapTier", "guarded_copy_available"]
 
@@ -47,55 +52,71 @@ class MmapTier(Tier):
 
     def __init__(self, header: TableHeader) -> None:
         super().__init__(header)
-        self._fd = os.open(header.path, os.O_RDONLY)  # kept for the size check and the pread path
+        self._checkpoint = getattr(header, "checkpoint", None)
+        files = [header.path] if self._checkpoint is None else list(self._checkpoint.shards)
+        sizes = [header.layout.file_bytes] if self._checkpoint is None else self._checkpoint.sizes.tolist()
+        self._files: list[tuple[int, mmap.mmap, int, int, int]] = []  # fd, mapping, its address, size, mtime
         try:
-            # Private mapping: writable as far as Python knows (torch wants that), never written.
-            self._mm = mmap.mmap(self._fd, header.layout.file_bytes, access=mmap.ACCESS_COPY)
+            for path, size in zip(files, sizes):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # kept for the size check and the pread path
+                try:
+                    # Private mapping: writable as far as Python knows (torch wants that), never written.
+                    mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                address = int(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
+                self._files.append((fd, mm, address, size, os.fstat(fd).st_mtime_ns))
         except BaseException:
-            os.close(self._fd)
+            self._release()
             raise
-        self._mtime_ns = os.fstat(self._fd).st_mtime_ns
-        self.random_advice = madvise_quietly(self._mm, "MADV_RANDOM")
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # [file_bytes]
+        self._fd, self._mm = self._files[0][:2]
+        self.random_advice = all([madvise_quietly(f[1], "MADV_RANDOM") for f in self._files])
         self._staging = ThreadBuffers()
 
     def _check_unchanged(self) -> None:
-        st = os.fstat(self._fd)
-        if st.st_size < self.layout.file_bytes:
-            what = f"shrank to {st.st_size:,} bytes (the table has {self.layout.file_bytes:,})"
-        elif st.st_mtime_ns != self._mtime_ns:
-            what = "was modified (its mtime changed)"
-        else:
-            return
-        raise self._changed(what)
+        for fd, _, _, size, mtime_ns in self._files:
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise self._changed(f"shrank to {st.st_size:,} bytes (it had {size:,})", fd)
+            if st.st_mtime_ns != mtime_ns:
+                raise self._changed("was modified (its mtime changed)", fd)
 
-    def _changed(self, what: str) -> TierError:
+    def _changed(self, what: str, fd: int | None = None) -> TierError:
+        path = self.header.path
+        if self._checkpoint is not None and fd is not None:
+            path = self._checkpoint.shards[[f[0] for f in self._files].index(fd)]
         return TierError(
-            f"{self.header.path} {what} while open: it was truncated or rewritten in place; "
+            f"{path} {what} while open: it was truncated or rewritten in place; "
             "close the store and reopen the table once it is whole (verify it first)"
         )
 
-    def _copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray) -> None:
-        """Copy file byte ranges into ``dest`` (uint8) at ``dests``; ``TierError``, never a
-        signal, when the file shrank under the mapping."""
-        if not guarded_copy(self._bytes.data_ptr(), self.layout.file_bytes, self._fd, offsets, lengths, dest, dests):
+    def _copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
+              file: int = 0) -> None:
+        """Copy byte ranges of file ``file`` into ``dest`` (uint8) at ``dests``; ``TierError``,
+        never a signal, when the file shrank under the mapping."""
+        fd, _, address, size, _ = self._files[file]
+        if not guarded_copy(address, size, fd, offsets, lengths, dest, dests):
             raise self._changed("shrank during a read (SIGBUS caught)" if guarded_copy_available()
-                                else "ended early during a read")
+                                else "ended early during a read", fd)
 
     def _faulting_copy(self, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dests: np.ndarray,
-                       pages: int) -> None:
+                       pages: int, file: int = 0) -> None:
         """``_copy``, counting the ``pages`` it touches and the major faults (drive reads) it
         took; the ``pread`` fallback takes no faults and counts neither."""
         if not guarded_copy_available():
-            self._copy(offsets, lengths, dest, dests)
+            self._copy(offsets, lengths, dest, dests, file)
             return
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
-        self._copy(offsets, lengths, dest, dests)
+        self._copy(offsets, lengths, dest, dests, file)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - before
         self._count(pages_touched=pages, page_faults=faults)
 
     def _read(self, ids: np.ndarray, out: torch.Tensor) -> None:
         self._check_unchanged()
+        if self._checkpoint is not None:
+            self._read_checkpoint(ids, out)
+            return
         plan = plan_pages(self.layout.row_offsets(ids), self.layout)
         page = self.layout.page_bytes
         buf = self._staging.get(plan.nbytes)
@@ -112,13 +133,43 @@ class MmapTier(Tier):
         check_pages(self.header, plan, buf, reread)
         gather_at(torch.from_numpy(buf[: plan.nbytes]), plan.positions, out)
 
+    def _read_checkpoint(self, ids: np.ndarray, out: torch.Tensor) -> None:
+        """A checkpoint's rows: the pages under their pieces copied out of the shards' mappings
+        (a page a shard ends in: its bytes, then zeros), checked, the pieces put together."""
+        ck = self._checkpoint
+        assert ck is not None
+        plan = plan_checkpoint(ids, ck)
+        assert plan.files is not None and plan.valid is not None
+        files, valid = plan.files, plan.valid
+        buf = self._staging.get(plan.nbytes)
+
+        def copy(which: np.ndarray, faults: bool) -> None:
+            for file in np.unique(files[which]).tolist():
+                sel = which[files[which] == file]
+                if faults:
+                    self._faulting_copy(plan.starts[sel], valid[sel], buf, plan.dests[sel], len(sel), file)
+                else:
+                    self._count(page_rereads=len(sel))
+                    view = memoryview(buf)  # type: ignore[arg-type]  # NumPy's stubs lack __buffer__
+                    for start, d, n in zip(plan.starts[sel].tolist(), plan.dests[sel].tolist(), valid[sel].tolist()):
+                        if os.preadv(self._files[file][0], [view[d: d + n]], start) != n:
+                            raise self._changed("ended early during a read", self._files[file][0])
+            for i in which[valid[which] < PAGE].tolist():
+                buf[plan.dests[i] + valid[i]: plan.dests[i] + PAGE] = 0
+
+        copy(np.arange(len(plan.pages)), True)
+        self._count(reads=len(ids), bytes_read=plan.nbytes, pages_checked=len(plan.pages))
+        check_pages(self.header, plan, buf, lambda bad: copy(bad, False))
+        gather_pieces(buf, plan, ck, out)
+
     def stats(self) -> dict:
         return {**super().stats(), "madv_random": self.random_advice, "guarded_copy": guarded_copy_available()}
 
     def _release(self) -> None:
-        self._bytes = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere; the GC unmaps later
-            pass
-        os.close(self._fd)
+        files, self._files = getattr(self, "_files", []), []
+        for fd, mm, _, _, _ in files:
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps later
+                pass
+            os.close(fd)
