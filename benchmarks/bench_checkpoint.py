@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -67,14 +68,16 @@ store.close()
 """
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
-    """Run ``cmd`` to its end; wall seconds from its start, and its stdout."""
+def timed(cmd: list[str]) -> tuple[float, str, float]:
+    """Run ``cmd`` to its end; wall seconds from its start, its stdout, and its CPU seconds (user and system)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return wall, done.stdout
+    return wall, done.stdout, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def evict(paths: list[Path]) -> None:
@@ -85,8 +88,8 @@ def evict(paths: list[Path]) -> None:
 def first_row(path: Path, tier: str, options: dict[str, Any], files: list[Path]) -> dict[str, Any]:
     """A fresh process opening ``path`` on ``tier`` and serving a row, the files' pages evicted first."""
     evict(files)
-    wall, out = timed([sys.executable, "-c", OPEN, str(path), tier, json.dumps(options), "12345"])
-    return {"wall_s": wall, **json.loads(out)}
+    wall, out, cpu = timed([sys.executable, "-c", OPEN, str(path), tier, json.dumps(options), "12345"])
+    return {"wall_s": wall, "cpu_s": cpu, **json.loads(out)}
 
 
 def opens(path: Path, files: list[Path], shm: Path) -> dict[str, dict[str, Any]]:
@@ -196,21 +199,23 @@ def main(argv: list[str] | None = None) -> int:
                 raw[f"fio_qd{depth}"].append(r)
             fio_rate = max(raw["fio_qd1"][-1]["bytes_per_s"], raw["fio_qd8"][-1]["bytes_per_s"])
             print(f"[{rep}] fio sequential: {fio_rate / 1e9:.2f} GB/s", flush=True)
-            raw["fixed"].append({"wall_s": timed([*CLI, "--version"])[0]})
+            wall, _, cpu = timed([*CLI, "--version"])
+            raw["fixed"].append({"wall_s": wall, "cpu_s": cpu})
             (ckpt / "engram-offload.index").unlink(missing_ok=True)
             evict(shards)
-            wall, out = timed([*CLI, "index", str(ckpt), "--no-progress"])
+            wall, out, cpu = timed([*CLI, "index", str(ckpt), "--no-progress"])
             passed = float(out.split(" read in ")[1].split(" s")[0])
-            raw["index"].append({"wall_s": wall, "pass_s": passed, "bytes_per_s": data_bytes / wall,
+            raw["index"].append({"wall_s": wall, "cpu_s": cpu, "pass_s": passed, "bytes_per_s": data_bytes / wall,
                                  "pass_bytes_per_s": data_bytes / passed, "vs_fio": data_bytes / passed / fio_rate,
                                  "wall_vs_fio": data_bytes / wall / fio_rate})
             evict(shards)
             table.unlink(missing_ok=True)
-            wall, _ = timed([*CLI, "convert", str(ckpt), "--out", str(table), "--no-progress"])
-            raw["convert"].append({"wall_s": wall, "bytes_per_s": data_bytes / wall, "vs_fio": data_bytes / wall / fio_rate})
+            wall, _, cpu = timed([*CLI, "convert", str(ckpt), "--out", str(table), "--no-progress"])
+            raw["convert"].append({"wall_s": wall, "cpu_s": cpu, "bytes_per_s": data_bytes / wall,
+                                   "vs_fio": data_bytes / wall / fio_rate})
             evict([table])
-            wall, _ = timed([*CLI, "verify", str(table), "--no-progress"])
-            raw["verify"].append({"wall_s": wall, "bytes_per_s": table.stat().st_size / wall})
+            wall, _, cpu = timed([*CLI, "verify", str(table), "--no-progress"])
+            raw["verify"].append({"wall_s": wall, "cpu_s": cpu, "bytes_per_s": table.stat().st_size / wall})
             print(f"[{rep}] index {raw['index'][-1]['wall_s']:.1f} s ({raw['index'][-1]['vs_fio']:.2f}x fio in its "
                   f"pass), convert {raw['convert'][-1]['wall_s']:.1f} s, verify {wall:.1f} s", flush=True)
             raw["opens_checkpoint"].append(opens(ckpt, shards, shm))
@@ -224,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     fio_best = max(median_of(raw["fio_qd1"])["bytes_per_s"], median_of(raw["fio_qd8"])["bytes_per_s"])
     start = {name: median_of(raw[name]) for name in ("index", "convert", "verify")}
     start["fixed_s"] = median_of(raw["fixed"])["wall_s"]
+    start["fixed_cpu_s"] = median_of(raw["fixed"])["cpu_s"]
+    # CPU a GB of each pass, less the command's start: what one core sustains on an idle machine
+    start["cpu_s_per_gb"] = {k: (start[k]["cpu_s"] - start["fixed_cpu_s"]) / (data_bytes / 1e9)
+                             for k in ("index", "convert", "verify")}
     start["opens"] = {name: {tier: median_of([r[tier] for r in raw[f"opens_{name}"]]) for tier in raw[f"opens_{name}"][0]}
                       for name in ("checkpoint", "table")}
     start["sidecar_bytes"] = (ckpt / "engram-offload.index").stat().st_size
