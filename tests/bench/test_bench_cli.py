@@ -264,3 +264,14 @@ def test_a_cached_benchmark_table_this_version_cannot_read_is_made_again(tmp_pat
     assert default_table("deepseek-demo", 1e-3, 7, progress=False) == path
     assert read_header(path).fingerprint() == fingerprint  # the same seed: the same table
     assert "making the benchmark table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--schedule", "in-graph"], "needs --backbone modeled"),
+    (["--backbone", "modeled", "--schedule", "in-graph", "--drafts", "ngram"], "drop --drafts"),
+    (["--backbone", "modeled", "--schedule", "cpu-wait", "--lookahead-tokens", "64"], "nothing is fetched ahead"),
+    (["--backbone", "modeled", "--eager-us", "100"], "--schedule cpu-wait only"),
+])
+def test_the_plugins_schedules_refuse_what_they_cannot_run(tiny_table, tmp_path, capsys, flags, message):
+    assert main(["bench", "--table", str(tiny_table), "--out", str(tmp_path), "--no-progress", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -12,7 +12,7 @@ from engram_offload.bench.engine import StepShape
 from engram_offload.bench.modeled import ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from engram_offload.engram.config import EngramConfig
 from engram_offload.planner import DEFAULT_ASSUMPTIONS, get_gpu, get_model
-from engram_offload.planner.perf import decode_step, step_time
+from engram_offload.planner.perf import decode_step, layer_offsets_us, step_time
 from engram_offload.planner.placement import fetch_time, mixed_step_stall_us, step_stall_us
 from engram_offload.planner.realtext import step_unique_fraction
 
@@ -206,3 +206,54 @@ def test_a_backbone_needs_one_gpu_and_layers_within_the_model():
     with pytest.raises(ValueError, match=r"^Engram layers \[40\] are beyond deepseek-v4.1-flash's 40 layers$"):
         ModeledBackbone(V41, get_gpu("b300"), 1, (1, 40))
     assert ModeledBackbone(V41, get_gpu("b300"), 1, (1, 39)).layer_ids == (1, 39)
+
+
+def _events(monkeypatch, model, shape):
+    """What ``run_step`` does, in order: its sleeps' deadlines (us after the start) and rows taken."""
+    import engram_offload.bench.modeled as modeled
+
+    now = [0.0]
+    events = []
+    monkeypatch.setattr(modeled.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(modeled, "_sleep_until", lambda deadline: events.append(("sleep", round(deadline * 1e6, 3))))
+    model.run_step(shape, lambda layer: events.append(("rows", layer)))
+    return events
+
+
+@pytest.mark.parametrize("schedule", ["prefetch", "in-graph"])
+def test_each_layer_waits_at_its_place_under_prefetch_and_in_graph(monkeypatch, schedule):
+    model = replace(backbone(), schedule=schedule)
+    shape = StepShape((), 32, 0, 32 * 4096)
+    a, b, c = model.segments_us(shape)
+    assert _events(monkeypatch, model, shape) == [("sleep", round(a, 3)), ("rows", 1), ("sleep", round(a + b, 3)),
+                                                   ("rows", 14), ("sleep", round(a + b + c, 3))]
+
+
+def test_cpu_wait_takes_every_layers_rows_before_the_first_and_costs_eager_time(monkeypatch):
+    model = replace(backbone(), schedule="cpu-wait", eager_us=400.0)
+    shape = StepShape((), 32, 0, 32 * 4096)
+    a, b, c = model.segments_us(shape)
+    assert _events(monkeypatch, model, shape) == [("sleep", round(a, 3)), ("rows", 1), ("rows", 14),
+                                                   ("sleep", round(a + b + c + 400.0, 3))]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        replace(model, schedule="ahead")
+
+
+def test_the_plugins_schedules_predict_every_row_due_from_forward_entry():
+    steps = [(3, 200, 2500), (32, 0, 32 * 4096)]
+    hit = 0.3
+    prefetch = planner_prediction(backbone(), "direct", steps, hit)
+    in_graph = planner_prediction(replace(backbone(), schedule="in-graph"), "direct", steps, hit)
+    cpu_wait = planner_prediction(replace(backbone(), schedule="cpu-wait", eager_us=400.0), "direct", steps, hit)
+    a = replace(DEFAULT_ASSUMPTIONS, host_fetch_cores=0.5, dram_rows_by_gpu=False)
+    want = []
+    for decode, prefill, kv in steps:
+        roofline = step_time(V41, get_gpu("b300"), 2, decode, prefill, kv, DEFAULT_ASSUMPTIONS).backbone_us
+        offsets = layer_offsets_us(V41, [1, 14], roofline)
+        f = fetch_time(V41, get_gpu("b300"), 2, "nvme", decode + prefill, hit, a, step_unique_fraction(decode, prefill))
+        want.append((max(0.0, step_stall_us(f, f, offsets, roofline)),
+                     max(0.0, step_stall_us(f, f, [offsets[0]] * 2, roofline)), roofline))
+    assert in_graph["stall_us"] == pytest.approx(sum(w[0] for w in want) / 2)
+    assert cpu_wait["stall_us"] == pytest.approx(sum(w[1] for w in want) / 2)
+    assert cpu_wait["step_us"] == pytest.approx(sum(w[1] + w[2] + 400.0 for w in want) / 2)
+    assert prefetch["stall_us"] <= in_graph["stall_us"] <= cpu_wait["stall_us"]

@@ -126,8 +126,8 @@ def test_the_reasons_for_a_stalling_dram_choice_with_a_prefill_wait():
     assert rec.reasons[2].endswith("= 3.0 MiB per GPU over test link; its fetch takes about 123 us; the layers before Engram "
                                    f"layer {FIRST} take 457 us, and each Engram layer waits only for its own "
                                    "rows: a 13 us stall per step.")
-    assert rec.reasons[3] == ("A prefill chunk would wait 2.3 ms for its rows unless they are fetched a chunk ahead "
-                              "(prompt tokens are known in advance).")
+    assert rec.reasons[3] == ("A prefill chunk of 8,192 tokens waits 2.3 ms for its rows: the plugin reads them at the "
+                              "chunk's own step, not a chunk ahead.")
 
 
 def test_the_reasons_for_an_hbm_choice():
@@ -202,7 +202,7 @@ def test_any_stall_counts_as_a_stall():
                     result("dram", 8, 1.0, meets=False, inter=40.0)])
     assert [r.tp for r in rec.ranking] == [8, 2]
     _, rec = picks([dram_choice(prefill_stall_us=0.5)])
-    assert "A prefill chunk would wait 0.0 ms" in rec.reasons[3]
+    assert "A prefill chunk of 8,192 tokens waits 0.0 ms" in rec.reasons[3]
 
 
 def test_a_comparison_with_a_small_but_positive_score():
@@ -214,10 +214,11 @@ def test_figures_in_reasons_are_rounded_from_the_right_units():
     nvme = result("nvme", 2, 500.0, cache_bytes_per_gpu=GiB, cache_hit_rate=None, nvme_iops_needed=1e5,
                   nvme_iops_available=8.75e6, tokens_per_dollar=1.75e6)
     _, rec = picks([nvme])
-    assert "gives a 0% hit rate (test curve); misses need 100k IOPS per server of 8.8M." in rec.reasons[3]
-    assert rec.reasons[4].endswith("1.8M tokens per dollar at $2.50/GPU-hour.")
+    assert "the in-graph schedule" in rec.reasons[3]  # a host-read choice: the plugin's wait named
+    assert "gives a 0% hit rate (test curve); misses need 100k IOPS per server of 8.8M." in rec.reasons[4]
+    assert rec.reasons[5].endswith("1.8M tokens per dollar at $2.50/GPU-hour.")
     _, rec = picks([dram_choice(prefill_stall_us=1750.0)])
-    assert rec.reasons[3].startswith("A prefill chunk would wait 1.8 ms for its rows")
+    assert rec.reasons[3].startswith("A prefill chunk of 8,192 tokens waits 1.8 ms for its rows")
 
 
 def test_a_recommendation_as_a_plain_dict():

@@ -9,6 +9,16 @@ a wait pushes the rest of the step back, as it would on the GPU. Sleeping uses n
 hashing, dedup, caches and storage have this machine's cores to themselves, as on a GPU
 server, at that GPU's step rate.
 
+``schedule`` says where a step waits for its rows (``SCHEDULES``): ``prefetch`` (the
+benchmark's own Prefetcher: decode rows from forward entry, each layer waiting for its own;
+prefill rows fetched steps ahead), ``in-graph`` (the plugin under FULL CUDA graphs: every
+row read from the step's own forward entry, ids known only then, and the GPU waits right
+before each Engram layer for that layer's rows) and ``cpu-wait`` (the plugin's CPU wait
+under eager or piecewise graphs: every row read from forward entry, the rows of every layer
+waited for before the first Engram layer, so the read overlaps only the work before it; and
+``eager_us`` more per step than FULL graphs take, ``EAGER_US``). ``in-graph`` and
+``cpu-wait`` fetch nothing ahead (the runner turns the prefill lookahead off).
+
 ``planner_prediction`` is what the planner predicts for the same steps: its roofline step
 time, the Engram layers' places in it, the fetch time of a placement
 (``planner.placement.fetch_time``) and so the stall (``placement.step_stall_us``) and the
@@ -31,13 +41,15 @@ from ..planner.realtext import step_unique_fraction
 from ..serving.layered import is_layered, parse_placement
 from .engine import RowsFor, StepShape
 
-__all__ = ["ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
+__all__ = ["EAGER_US", "SCHEDULES", "ModeledBackbone", "PLACEMENT_OF_TIER", "modeled_backbone", "planner_prediction", "local_nvme"]
 
 # The planner's placement each tier stands for: the table whole in host DRAM, on NVMe
 # behind a DRAM cache (mmap's is the page cache), or in a pool (the planner's remote
 # placement has no DRAM cache in front: its prediction is the all-miss one).
 PLACEMENT_OF_TIER = {"memory": "dram", "pinned": "dram", "shared": "dram", "direct": "nvme", "mmap": "mmap",
                      "remote": "remote"}
+SCHEDULES = ("prefetch", "in-graph", "cpu-wait")
+EAGER_US = DEFAULT_ASSUMPTIONS.eager_us  # cpu-wait's cost per step against FULL graphs (bench --eager-us)
 
 
 @dataclass(frozen=True)
@@ -50,8 +62,12 @@ class ModeledBackbone:
     tp: int
     layer_ids: tuple[int, ...]
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+    schedule: str = "prefetch"
+    eager_us: float = 0.0  # added at each step's end (cpu-wait with a host-read layer)
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from: {', '.join(SCHEDULES)}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         beyond = [i for i in self.layer_ids if i >= self.model.num_layers]
@@ -73,16 +89,21 @@ class ModeledBackbone:
     def run_step(self, shape: StepShape, rows_for: RowsFor) -> None:
         """Sleep each segment, taking each Engram layer's rows between them. Time spent
         waiting for (and taking) rows delays the rest of the step; a sleep's own lateness
-        does not add up (each segment ends at its deadline)."""
+        does not add up (each segment ends at its deadline). Under ``cpu-wait`` every layer's
+        rows are taken before the first Engram layer."""
         segments = self.segments_us(shape)
+        layers = sorted(self.layer_ids)
         deadline = time.perf_counter()
-        for layer_id, segment in zip(sorted(self.layer_ids), segments):
+        for k, (layer_id, segment) in enumerate(zip(layers, segments)):
             deadline += segment * 1e-6
+            if self.schedule == "cpu-wait" and k:
+                continue
             _sleep_until(deadline)
             asked = time.perf_counter()
-            rows_for(layer_id)
+            for taken in (layers if self.schedule == "cpu-wait" else [layer_id]):
+                rows_for(taken)
             deadline += time.perf_counter() - asked  # the wait for rows, not the sleep's lateness
-        _sleep_until(deadline + segments[-1] * 1e-6)
+        _sleep_until(deadline + (segments[-1] + self.eager_us) * 1e-6)
 
 
 def _sleep_until(deadline: float) -> None:
@@ -92,7 +113,8 @@ def _sleep_until(deadline: float) -> None:
 
 
 def modeled_backbone(table_config: EngramConfig, gpu: str, tp: int, model: str | None = None,
-                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> ModeledBackbone:
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS, schedule: str = "prefetch",
+                     eager_us: float = 0.0) -> ModeledBackbone:
     """The modeled backbone of a benchmark table: the planner's ``model`` (default: the
     table's layout, e.g. ``deepseek-v4.1-flash`` for a scaled ``deepseek-v4.1-flash@0.011``)
     with the table's own Engram layout."""
@@ -100,7 +122,7 @@ def modeled_backbone(table_config: EngramConfig, gpu: str, tp: int, model: str |
     if not name:
         raise ValueError("the table's layout has no name: pass --model (one of the planner's models)")
     spec = replace(get_model(name), engram=table_config)
-    return ModeledBackbone(spec, get_gpu(gpu), tp, tuple(table_config.layer_ids), assumptions)
+    return ModeledBackbone(spec, get_gpu(gpu), tp, tuple(table_config.layer_ids), assumptions, schedule, eager_us)
 
 
 def local_nvme(gpu: GpuSpec, tp: int, iops: float, bytes_per_s: float | None = None,
@@ -130,6 +152,11 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     its distinct rows only: ``unique`` of its row ids (a run's measured share), or by default
     real text's (``realtext.step_unique_fraction`` of its decode and prefill tokens).
 
+    Under the plugin's schedules (``backbone.schedule``: ``in-graph``, ``cpu-wait``) every
+    row of the step, prefill's included, is due from forward entry (nothing fetched ahead);
+    under ``cpu-wait`` every layer's rows are due at the first Engram layer and each step
+    takes ``backbone.eager_us`` more.
+
     A per-layer placement (``"1=memory/14=direct"``) has each layer wait for its own rows
     along its own medium (``placement.mixed_step_stall_us``); ``hit_rate`` is then its cached
     layers' and ``nvme_iops`` counts their reads only."""
@@ -145,15 +172,19 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
     # and with no GPU here, the host serves the memory tier's rows too (lookup, copy, decode)
     a = replace(a, host_fetch_cores=a.host_fetch_cores / tp, dram_rows_by_gpu=False)
     layers = sorted(backbone.layer_ids)
+    plugin = backbone.schedule != "prefetch"  # every row read from the step's own forward entry
     stall = first_only = step_total = reads = host = 0.0
     n = 0
     for decode, prefill, kv in steps:
         roofline = backbone.step_time(StepShape((), decode, prefill, kv)).backbone_us
         offsets = layer_offsets_us(model, layers, roofline)
-        due = {p: fetch_time(model, gpu, tp, p, decode, hit_rate, a, unique or step_unique_fraction(decode, 0))
-               for p in set(names)}
+        if backbone.schedule == "cpu-wait":
+            offsets = [offsets[0]] * len(offsets)
         total = {p: fetch_time(model, gpu, tp, p, decode + prefill, hit_rate, a,
                                unique or step_unique_fraction(decode, prefill)) for p in set(names)}
+        due = total if plugin else {
+            p: fetch_time(model, gpu, tp, p, decode, hit_rate, a, unique or step_unique_fraction(decode, 0))
+            for p in set(names)}
         if len(due) == 1:
             s = max(0.0, step_stall_us(due[names[0]], total[names[0]], offsets, roofline))
         else:
@@ -161,7 +192,7 @@ def planner_prediction(backbone: ModeledBackbone, tier: str, steps: Iterable[tup
         share = {p: names.count(p) / len(names) for p in total}
         first_only += max(0.0, max(f.fixed_us + f.rows_us * share[p] for p, f in total.items()) - offsets[0])
         stall += s
-        step_total += roofline + s
+        step_total += roofline + s + backbone.eager_us
         reads += sum(f.nvme_reads * share[p] for p, f in total.items()) * tp
         host += next(iter(total.values())).hash_us + sum(f.host_cpu_us * share[p] for p, f in total.items())
         n += 1

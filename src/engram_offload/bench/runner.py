@@ -65,7 +65,7 @@ from .drafts import Predictor, make_drafter
 from .engine import EngineRun, ServingEngine
 from .memcap import SLACK_BYTES, MemoryCap
 from .metrics import summarize_run
-from .modeled import PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
+from .modeled import EAGER_US, PLACEMENT_OF_TIER, ModeledBackbone, local_nvme, modeled_backbone, planner_prediction
 from .remote import publish
 from .workload import RequestStream, WorkloadShape
 
@@ -101,6 +101,8 @@ class BenchSettings:
     seed: int = 0
     drop_all_caches: bool = False  # cold runs also empty the whole machine's page cache
     backbone: str = "cpu"  # cpu: the small transformer computed here; modeled: a GPU's step time slept
+    schedule: str = "prefetch"  # the modeled backbone's wait for rows (bench.modeled.SCHEDULES)
+    eager_us: float = EAGER_US  # cpu-wait's cost per step against FULL graphs (host-read tiers)
     gpu: str = "b300"  # the modeled backbone's GPU (planner.hardware)
     tp: int = 1  # and its tensor-parallel degree
     model: str | None = None  # its planner model (default: the table's layout)
@@ -133,12 +135,17 @@ class Corpora:
         return {"cold": None, "warm": self.warm, "mixed": self.mixed}[state]
 
 
-def build_backbone(config: EngramConfig, settings: BenchSettings,
-                   vocab_size: int) -> EngramBackbone | ModeledBackbone:
+def build_backbone(config: EngramConfig, settings: BenchSettings, vocab_size: int,
+                   tier: str = "memory") -> EngramBackbone | ModeledBackbone:
     """The run's backbone: the seeded random-weight transformer (the same weights in every
-    run), or the modeled GPU."""
+    run), or the modeled GPU (``settings.eager_us`` charged under cpu-wait where ``tier``
+    has a host-read layer: resident ones keep FULL graphs)."""
     if settings.backbone == "modeled":
-        return modeled_backbone(config, settings.gpu, settings.tp, settings.model)
+        host_read = settings.schedule == "cpu-wait" and not all(is_resident(t) for t in tiers_of(tier))
+        return modeled_backbone(config, settings.gpu, settings.tp, settings.model, schedule=settings.schedule,
+                                eager_us=settings.eager_us if host_read else 0.0)
+    if settings.schedule != "prefetch":
+        raise ValueError(f"schedule {settings.schedule} needs the modeled backbone (--backbone modeled)")
     if settings.backbone != "cpu":
         raise ValueError(f"unknown backbone {settings.backbone!r}; choose from: {', '.join(BACKBONES)}")
     layers = settings.layers or max(config.layer_ids) + 2
@@ -223,7 +230,8 @@ def _serve(store: TableStore, tier: str, state: str, concurrency: int, settings:
         def engine_for(backbone: EngramBackbone | ModeledBackbone | None) -> ServingEngine:
             return ServingEngine(backbone, prefetcher, concurrency=concurrency,
                                  max_step_tokens=max(settings.max_step_tokens, concurrency),
-                                 lookahead_tokens=settings.lookahead_tokens, drafter=drafter)
+                                 lookahead_tokens=0 if settings.schedule != "prefetch" else settings.lookahead_tokens,
+                                 drafter=drafter)
 
         def progress(phase: str) -> Callable[[float], Any] | None:
             return (lambda t: on_step(phase, t)) if on_step else None
@@ -326,7 +334,7 @@ def execute_run(tier: str, state: str, concurrency: int, settings: BenchSettings
         cold_method = [f"pool table dropped and published again ({republished['seconds']:.1f} s)", *cold_method]
     options = _cache_options(tier, settings)
     config = read_header(settings.table).config
-    model = build_backbone(config, settings, token_map.size)
+    model = build_backbone(config, settings, token_map.size, tier)
     hasher = NgramHasher(config, token_map)
     if before_open is not None:
         before_open()
@@ -391,7 +399,8 @@ def _predicted(model: ModeledBackbone, tier: str, served: _Measured, settings: B
     step_us = float(sum(run.step_seconds)) / run.steps * 1e6 if run.steps else 0.0
     stall_us = float(sum(run.stall_seconds)) / run.steps * 1e6 if run.steps else 0.0
     out = {
-        "modeled": {"gpu": model.gpu.name, "tp": model.tp, "model": model.model.name,
+        "modeled": {"gpu": model.gpu.name, "tp": model.tp, "model": model.model.name, "schedule": model.schedule,
+                    "eager_us": model.eager_us,
                     "nvme": "the server's drives" if settings.nvme_iops is None
                     else f"this machine's: {gpu.nvme_iops_per_drive:,.0f} reads/s, {gpu.nvme_bw_per_drive:,.0f} B/s"},
         "measured_stall_us": stall_us,

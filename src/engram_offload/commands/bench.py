@@ -127,6 +127,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--backbone", default="cpu", choices=["cpu", "modeled"],
                    help="cpu: a small real transformer computed on this machine's cores (default); modeled: "
                    "sleep a GPU's roofline step time (--gpu, --tp), leaving the cores to the fetch path")
+    b.add_argument("--schedule", default="prefetch", choices=["prefetch", "in-graph", "cpu-wait"],
+                   help="where the modeled step waits for its rows: prefetch (this benchmark's Prefetcher: prefill "
+                   "rows fetched steps ahead, decode rows from forward entry, each layer waiting for its own; "
+                   "default), in-graph (the vLLM plugin under FULL CUDA graphs: every row read from the step's "
+                   "forward entry, the GPU waiting before each Engram layer for its rows) or cpu-wait (the plugin "
+                   "under eager or piecewise graphs: every layer's rows waited for before the first Engram layer, "
+                   "plus --eager-us a step)")
+    b.add_argument("--eager-us", type=non_negative_float, default=None,
+                   help="what eager or piecewise graphs cost a step against FULL graphs under --schedule cpu-wait, "
+                   "for tiers with a host-read layer (default: a modeled 400 us, docs/planner.md)")
     b.add_argument("--gpu", default="b300", type=gpu_arg, help="the modeled backbone's GPU, as in 'plan' (default b300)")
     b.add_argument("--tp", type=positive_int, default=1,
                    help="the modeled backbone's tensor-parallel degree, and with --ranks the ranks that split "
@@ -176,6 +186,21 @@ def _concurrency(text: str) -> list[int]:
     if any(v < 1 for v in values):
         raise UsageError("--concurrency values must be >= 1")
     return values
+
+
+def _eager_us(args: argparse.Namespace) -> float:
+    """``--eager-us`` (default the planner's), refused with flags the plugin's schedules cannot honour."""
+    from ..planner.assumptions import DEFAULT_ASSUMPTIONS
+
+    if args.schedule != "prefetch":
+        if args.backbone != "modeled":
+            raise UsageError(f"--schedule {args.schedule} needs --backbone modeled")
+        if args.drafts != "none" or args.lookahead_tokens:
+            raise UsageError(f"--schedule {args.schedule} reads each step's rows from its own forward entry: "
+                             "drop --drafts and --lookahead-tokens (nothing is fetched ahead)")
+    elif args.eager_us is not None:
+        raise UsageError("--eager-us applies to --schedule cpu-wait only")
+    return DEFAULT_ASSUMPTIONS.eager_us if args.eager_us is None else args.eager_us
 
 
 def default_table(preset: str, scale: float, seed: int, progress: bool) -> Path:
@@ -292,7 +317,7 @@ def _plan(args: argparse.Namespace, show: bool) -> _Plan:
         layers=args.layers, hidden=args.hidden, heads=args.heads,
         threads=args.threads or max(1, (os.cpu_count() or 2) - 1), seed=args.seed,
         drop_all_caches=args.drop_all_caches,
-        backbone=args.backbone, gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
+        backbone=args.backbone, schedule=args.schedule, eager_us=_eager_us(args), gpu=args.gpu, tp=args.tp, model=args.model, nvme_iops=args.nvme_iops,
         nvme_bytes_per_s=args.nvme_bytes_per_s, nvme_latency_us=args.nvme_latency_us, pool=args.pool,
         drafts=args.drafts, draft_predictor=_draft_predictor(args),
     )

@@ -63,6 +63,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-interactivity", type=positive_float, default=50.0, help="decode tokens/s per user to meet (default 50)")
     p.add_argument("--objective", choices=list(OBJECTIVES), default="tokens-per-gpu", help="what to rank by (default tokens-per-gpu)")
     p.add_argument("--price", type=non_negative_float, default=None, help="dollars per GPU-hour (default: the GPU preset's)")
+    p.add_argument("--schedule", choices=["in-graph", "cpu-wait"], default=DEFAULT_ASSUMPTIONS.schedule,
+                   help="where a host-read placement (nvme, remote) waits for its rows, as the vLLM plugin runs it: "
+                   "in-graph (FULL CUDA graphs, the GPU waiting before each Engram layer: drivers with stream memory "
+                   "operations; default) or cpu-wait (eager or piecewise graphs: every layer's rows waited for before "
+                   "the first Engram layer, plus --eager-us a step)")
+    p.add_argument("--eager-us", type=non_negative_float, default=DEFAULT_ASSUMPTIONS.eager_us,
+                   help="what eager or piecewise graphs cost a step against FULL graphs under --schedule cpu-wait "
+                   f"(default {DEFAULT_ASSUMPTIONS.eager_us:g}: a modeled constant, docs/planner.md)")
     add_json(p)
     p.add_argument("--wide", action="store_true", help="every column of the table (default: the ones that fit 100 columns)")
     s = p.add_argument_group("the server around the GPUs (default: the GPU preset's reference server, a DGX; "
@@ -162,7 +170,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                           host_hash_us_per_row=args.host_hash_us_per_row, host_us_per_hit=args.host_us_per_hit,
                           dram_rows_by_gpu=not args.host_serves_dram,
                           host_us_per_miss=args.host_us_per_miss, host_fetch_cores=args.host_fetch_cores,
-                          dram_price_per_gib=args.dram_price, nvme_price_per_tb=args.nvme_price)
+                          dram_price_per_gib=args.dram_price, nvme_price_per_tb=args.nvme_price,
+                          schedule=args.schedule, eager_us=args.eager_us)
     return make_plan(model, gpu, workload, args.objective, assumptions, server)
 
 

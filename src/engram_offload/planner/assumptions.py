@@ -90,6 +90,17 @@ class Assumptions:
     host_us_per_miss: float = 6.2
     dram_rows_by_gpu: bool = True
     host_fetch_cores: float = 1.0
+    # Where a host-read placement's step (nvme, remote; dram when the host serves its rows)
+    # waits for its rows, as the vLLM plugin runs it: ``in-graph`` (FULL CUDA graphs, the GPU
+    # waiting before each Engram layer for that layer's rows, read from the step's forward
+    # entry: drivers with stream memory operations) or ``cpu-wait`` (eager or piecewise
+    # graphs: the CPU waits for every layer's rows before the first Engram layer, and the
+    # step takes ``eager_us`` more than under FULL graphs). ``eager_us`` is a modeled
+    # constant, not a measurement: about 10 us of launches and Python for each of a V4.1
+    # backbone's 40-odd layers that piecewise graphs leave outside the graphs. ``plan
+    # --schedule``/``--eager-us`` and ``bench --schedule``/``--eager-us`` set them.
+    schedule: str = "in-graph"
+    eager_us: float = 400.0
     # List prices of the memory a placement buys, beside the GPU-hours (``plan --dram-price``,
     # ``--nvme-price``): server DDR5 RDIMMs about $5 a GiB (64 GB modules at about $300
     # in 2025 distributor list prices; they rose steeply in late 2025: give today's), and

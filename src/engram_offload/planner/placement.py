@@ -29,7 +29,8 @@ from .realtext import step_unique_fraction
 
 __all__ = ["LAYER_PLACEMENTS", "PLACEMENTS", "Fetch", "Workload", "PlacementResult", "evaluate", "evaluate_all",
            "evaluate_layered", "fetch_time", "host_cpu_us", "host_core_share", "layer_placements", "layered_name",
-           "layered_stall_us", "mixed_step_stall_us", "step_stall_us", "tp_degrees", "smallest_feasible_tp"]
+           "layered_stall_us", "mixed_step_stall_us", "host_reads", "scheduled", "step_stall_us", "tp_degrees",
+           "smallest_feasible_tp"]
 
 PLACEMENTS = ("hbm", "dram", "nvme", "remote")
 LAYER_PLACEMENTS = ("hbm", "dram", "nvme")  # what a per-layer placement mixes (each layer whole on one)
@@ -338,6 +339,22 @@ def mixed_step_stall_us(due: dict[str, Fetch], total: dict[str, Fetch], names: t
     return max(stall, busy - step_us), per_layer
 
 
+def host_reads(names: tuple[str, ...] | list[str], a: Assumptions) -> bool:
+    """Whether a placement has a layer whose rows a host thread reads (nvme, remote; dram when
+    the host serves its rows): the layers whose wait ``a.schedule`` places."""
+    return any(n in ("nvme", "remote") or (n == "dram" and not a.dram_rows_by_gpu) for n in names)
+
+
+def scheduled(offsets_us: list[float], names: tuple[str, ...] | list[str], a: Assumptions) -> tuple[list[float], float]:
+    """The Engram layers' offsets at which a step waits and the time it adds, under
+    ``a.schedule``: ``cpu-wait`` with a host-read layer waits for every layer's rows at the
+    first Engram layer and adds ``a.eager_us`` (eager or piecewise graphs); otherwise each
+    layer waits at its own place, nothing added."""
+    if a.schedule == "cpu-wait" and host_reads(names, a):
+        return [offsets_us[0]] * len(offsets_us), a.eager_us
+    return offsets_us, 0.0
+
+
 def layered_name(layer_ids: tuple[int, ...] | list[int], names: tuple[str, ...]) -> str:
     """``(1, 14), ("dram", "nvme")`` -> ``"1=dram/14=nvme"`` (the tier spec's form)."""
     return "/".join(f"{layer}={name}" for layer, name in zip(sorted(layer_ids), names))
@@ -401,8 +418,9 @@ def evaluate_layered(model: ModelSpec, gpu: GpuSpec, names: tuple[str, ...], tp:
         offsets = layer_offsets_us(model, layer_ids, step.backbone_us)
         unique = step_unique_fraction(batch, 0)
         fetch = {p: fetch_time(model, gpu, tp, p, batch, r.cache_hit_rate, a, unique) for p in set(names)}
-        stall, per_layer = mixed_step_stall_us(fetch, fetch, names, offsets, step.backbone_us)
-        step_us = step.backbone_us + stall
+        waits, eager = scheduled(offsets, names, a)
+        stall, per_layer = mixed_step_stall_us(fetch, fetch, names, waits, step.backbone_us)
+        step_us = step.backbone_us + stall + eager
         inter = 1e6 / step_us
         point = (step, step_us, stall, per_layer, fetch, decode_window_us(model, step))
         if fallback is None or inter > fallback[0]:
@@ -462,9 +480,11 @@ def _decode(model: ModelSpec, gpu: GpuSpec, tp: int, name: str, batch: int, w: W
     offsets = layer_offsets_us(model, sorted(model.engram.layer_ids), step.backbone_us)
     # the step's sequences share some n-grams (real text's repeats): each distinct row is read once
     fetch = fetch_time(model, gpu, tp, name, batch, r.cache_hit_rate, a, step_unique_fraction(batch, 0))
-    # a decode step's rows are all due in the step: each Engram layer waits for its own
-    stall = step_stall_us(fetch, fetch, offsets, step.backbone_us)
-    step_us = step.backbone_us + stall
+    # a decode step's rows are all due in the step, read from its forward entry: each Engram
+    # layer waits for its own (cpu-wait: every layer's at the first)
+    waits, eager = scheduled(offsets, (name,), a)
+    stall = step_stall_us(fetch, fetch, waits, step.backbone_us)
+    step_us = step.backbone_us + stall + eager
     iops = fetch.nvme_reads / (step_us * 1e-6) * min(gpu.gpus_per_server, w.gpus)
     return _DecodePoint(step=step, window_us=decode_window_us(model, step), link_bytes=fetch.link_bytes,
                         transfer_us=fetch.transfer_us, host_us=fetch.hash_us + fetch.host_cpu_us, stall_us=stall,

@@ -102,7 +102,7 @@ def make_plan(model: ModelSpec, gpu: GpuSpec, workload: Workload,
     results = evaluate_all(model, gpu, workload, assumptions)
     layered = [evaluate_layered(model, gpu, names, tp, workload, assumptions)
                for names in layer_placements(model) for tp in tp_degrees(workload.gpus)]
-    rec = recommend(model, gpu, results + layered, workload, objective)
+    rec = recommend(model, gpu, results + layered, workload, objective, assumptions)
     nvme = [r for r in results if r.name == "nvme" and r.fits]
     sweep: list[PlacementResult] = []
     if nvme:  # the cache in front of NVMe at each size, at the nvme placement's best TP

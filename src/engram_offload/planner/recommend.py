@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from .hardware import GpuSpec
 from .models import ModelSpec
-from .placement import PLACEMENTS, PlacementResult, Workload, smallest_feasible_tp
+from .placement import PLACEMENTS, PlacementResult, Workload, host_reads, smallest_feasible_tp
 
 __all__ = ["OBJECTIVES", "Recommendation", "recommend"]
 
@@ -55,9 +56,10 @@ def _fmt_bytes(b: float) -> str:
 
 
 def recommend(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], workload: Workload,
-              objective: str = "tokens-per-gpu") -> Recommendation:
+              objective: str = "tokens-per-gpu", assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Recommendation:
     """Pick the best feasible placement that meets the interactivity floor (or, if none
-    does, the feasible one closest to it) and explain the choice."""
+    does, the feasible one closest to it) and explain the choice; the results' stalls are
+    those of ``assumptions.schedule``, which the reasons name for a host-read placement."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose one of: {', '.join(OBJECTIVES)}")
     smallest = {name: smallest_feasible_tp(results, name) for name in PLACEMENTS}
@@ -79,7 +81,7 @@ def recommend(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], wo
         ranking = close + [r for r in ranking if r not in close]
     rec = Recommendation(objective=objective, choice=ranking[0] if ranking else None,
                          ranking=ranking, smallest_tp=smallest)
-    rec.reasons = _reasons(model, gpu, results, workload, rec)
+    rec.reasons = _reasons(model, gpu, results, workload, rec, assumptions)
     return rec
 
 
@@ -90,7 +92,7 @@ def _order(order: dict[str, int], r: PlacementResult) -> int:
 
 
 def _reasons(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], w: Workload,
-             rec: Recommendation) -> list[str]:
+             rec: Recommendation, a: Assumptions) -> list[str]:
     """Why this choice, in sentences: where the table fits, the choice's memory, its data
     movement, its figures, and how it compares with the alternatives."""
     c = rec.choice
@@ -99,7 +101,7 @@ def _reasons(model: ModelSpec, gpu: GpuSpec, results: list[PlacementResult], w: 
     return [
         _where_the_table_fits(model, w, rec),
         _memory(c, w),
-        *_data_movement(model, c, w),
+        *_data_movement(model, c, w, a),
         _figures(c, gpu, w),
         *_alternatives(c, w, rec),
     ]
@@ -137,23 +139,34 @@ def _memory(c: PlacementResult, w: Workload) -> str:
     )
 
 
-def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload) -> list[str]:
-    """An offloaded table's transfer per step, the prefill wait, and the NVMe cache and IOPS."""
+def _data_movement(model: ModelSpec, c: PlacementResult, w: Workload, a: Assumptions) -> list[str]:
+    """An offloaded table's transfer per step, where it waits, the prefill wait, and the NVMe
+    cache and IOPS."""
     out: list[str] = []
+    names = [x["placement"] for x in c.layers] or [c.name]
+    host = host_reads(names, a)
+    cpu_wait = host and a.schedule == "cpu-wait"
     if c.name != "hbm":
         verdict = ("no stall" if c.predicted_stall_us == 0
                    else f"a {c.predicted_stall_us:.0f} us stall per step")
+        waits = (f"the CPU waits for every layer's rows before Engram layer {model.first_engram_layer} (eager or "
+                 f"piecewise graphs, {a.eager_us:,.0f} us a step more than FULL graphs)" if cpu_wait
+                 else "each Engram layer waits only for its own rows")
         out.append(
             f"Each decode step moves {c.batch} x {c.bytes_per_token_per_gpu:,} B = "
             f"{_fmt_bytes(c.link_bytes_per_step)} per GPU over {c.link}; its fetch takes about "
             f"{c.transfer_us:,.0f} us{_fetch_terms(c)}; the layers before Engram layer "
-            f"{model.first_engram_layer} take {c.window_us:,.0f} us, and each Engram layer waits only for "
-            f"its own rows: {verdict}."
+            f"{model.first_engram_layer} take {c.window_us:,.0f} us, and {waits}: {verdict}."
         )
+        if host:
+            out.append("Host reads as the vLLM plugin runs them: from the step's own forward entry, nothing fetched "
+                       "ahead; " + ("under eager or piecewise graphs (drivers without stream memory operations)."
+                                    if cpu_wait else "the GPU waits inside FULL CUDA graphs (the in-graph schedule, "
+                                    "drivers with stream memory operations; elsewhere plan --schedule cpu-wait)."))
         if c.prefill_stall_us > 0:
             out.append(
-                f"A prefill chunk would wait {c.prefill_stall_us / 1000:.1f} ms for its rows unless "
-                "they are fetched a chunk ahead (prompt tokens are known in advance)."
+                f"A prefill chunk of {a.prefill_chunk_tokens:,} tokens waits {c.prefill_stall_us / 1000:.1f} ms for "
+                "its rows: the plugin reads them at the chunk's own step, not a chunk ahead."
             )
     if c.layers:
         out.append("Per layer: " + "; ".join(
