@@ -212,3 +212,42 @@ def test_split_holds_out_the_files_whose_name_hash_falls_in_the_held_bucket(tmp_
     training, held = split(files)
     assert held == [f for f in files if f.held_out] and training == [f for f in files if not f.held_out]
     assert 400 // corpus.HELD_OUT_EVERY // 2 < len(held) < 400 // corpus.HELD_OUT_EVERY * 2
+
+
+def test_the_training_corpus_leaves_out_every_file_the_out_of_domain_packages_installed(tmp_path, monkeypatch):
+    root = tmp_path / "doc"
+    theirs, ours = _write(root / "dictd" / "copyright"), _write(root / "bash" / "copyright")
+    cookies = _write(tmp_path / "fortunes" / "cookies", "One.\n%\nTwo.\n")
+    info = tmp_path / "info"
+    _write(info / "dictd.list", f"/.\n{theirs.parent}\n{theirs}\n")
+    _write(info / "libmaa4:amd64.list", "/usr/lib/libmaa.so.4\n")
+    _write(info / "fortunes.list", f"{cookies}\n")
+    _write(info / "bash.list", f"{ours}\n")
+    assert corpus.package_paths(["dictd", "libmaa4", "fortunes", "absent"], info) == {
+        "/.", str(theirs.parent), str(theirs), "/usr/lib/libmaa.so.4", str(cookies)}
+    monkeypatch.setattr(corpus, "DPKG_INFO", info)
+    fortunes = Source("fortunes", "prose", cookies.parent, ("*",), "fortunes", "free", "fortune")
+    monkeypatch.setattr(corpus, "OUT_OF_DOMAIN", (fortunes,))
+    copyright = Source("copyright", "prose", root, ("*/copyright",), "every installed package", "each")
+    assert [f.path for f in corpus_files(sources=[copyright])] == [ours]
+    assert [f.path for f in corpus_files(sources=[fortunes])] == [cookies]  # a source of its own keeps them
+
+
+def test_no_file_of_an_installed_out_of_domain_source_or_package_is_trained_on():
+    installed = corpus.find_sources(corpus.OUT_OF_DOMAIN)[0]
+    if not installed:
+        pytest.skip("no out-of-domain source is installed (apt-get install fortunes dict-devil)")
+    training = {str(f.path) for f in corpus_files()}
+    assert not training & {str(f.path) for s in installed for f in s.files()}
+    assert not training & corpus.package_paths(corpus.OUT_OF_DOMAIN_PACKAGES)
+    assert {s.label for s in corpus.OUT_OF_DOMAIN} == {"fortunes", "devil"}
+
+
+def test_fortunes_lose_their_separators_and_a_dictzip_file_is_gunzipped(tmp_path):
+    cookies = _write(tmp_path / "cookies", "One.\n%\nTwo,\n  three.\n%\n")
+    assert CorpusFile(cookies, "f/cookies", "prose", "fortune").text() == "One.\n\nTwo,\n  three.\n\n"
+    dz = tmp_path / "devil.dict.dz"
+    with gzip.open(dz, "wt") as f:
+        f.write("ABSURDITY, n. A statement.\n")
+    assert not CorpusFile(dz, "d/devil.dict.dz", "prose").plain
+    assert CorpusFile(dz, "d/devil.dict.dz", "prose").text() == "ABSURDITY, n. A statement.\n"

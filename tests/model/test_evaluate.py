@@ -15,7 +15,18 @@ from tiers.tier_cases import direct_io_refused
 
 from engram_offload.commands import model as model_commands
 from engram_offload.model.checkpoint_io import load_model, shipped_model_dir, twin_dir
-from engram_offload.model.evaluate import EvalResult, batches, combined, compare, evaluate, store_rows, windows
+from engram_offload.model.corpus import OUT_OF_DOMAIN, find_sources
+from engram_offload.model.evaluate import (
+    EvalResult,
+    GateNovelty,
+    batches,
+    combined,
+    compare,
+    evaluate,
+    store_rows,
+    windows,
+)
+from engram_offload.model.ngrams import SeenNgrams, ngram_keys
 from engram_offload.model.serving import served_table
 
 
@@ -216,3 +227,53 @@ def test_compare_lesions_every_gate_and_combines_the_kinds(model, held_out_piece
     alone = compare(bare, None, {"first": kinds["first"]}, lambda layer, ids: layers[layer].lookup(ids))
     assert list(alone["first"]) == list(alone["all"]) == ["engram", "lesion"]
     assert alone["all"]["engram"] == got["first"]["engram"] and alone["all"]["lesion"] == got["first"]["lesion"]
+
+
+def test_gate_novelty_splits_the_gate_by_whether_training_saw_the_ngram(model, model_dir, held_out_pieces):
+    pieces = held_out_pieces[:6]
+    gates: list[torch.Tensor] = []
+    every = SeenNgrams()
+    for chunk in batches(pieces, 4):
+        every.add(ngram_keys(model.hasher, chunk[:, :-1]))
+    runs = {name: GateNovelty(model, seen) for name, seen in
+            (("every", every), ("none", SeenNgrams()), ("trained", SeenNgrams.load(model_dir)))}
+
+    def record(*batch) -> None:
+        gates.append(torch.stack(list(model.gates().values())).mean(dim=(0, -1)).flatten())
+        for novelty in runs.values():
+            novelty(*batch)
+
+    evaluate(model, pieces, batch=4, on_batch=record)
+    mean = float(torch.cat(gates).double().mean())
+    every_seen, none_seen, trained = (runs[n].summary() for n in ("every", "none", "trained"))
+    assert every_seen["unseen_share"] == [0.0, 0.0] and every_seen["gate_seen"] == pytest.approx([mean, mean])
+    assert none_seen["unseen_share"] == [1.0, 1.0] and none_seen["gate_unseen"] == pytest.approx([mean, mean])
+    assert 0 < trained["unseen_share"][0] <= trained["unseen_share"][1] < 1  # an unseen 2-gram's 3-gram is unseen
+    assert all(0 < g < 1 for g in trained["gate_unseen"] + trained["gate_seen"])
+    assert trained["gate_unseen"][0] < 0.8 * trained["gate_seen"][0]  # trained to close on rows not its n-gram's
+
+
+def test_eval_reports_each_out_of_domain_source_or_why_it_is_skipped(capsys):
+    record = json.loads(_run(["eval", "--json", "--max-tokens", "3000"], capsys))
+    installed = {s.label for s in find_sources(OUT_OF_DOMAIN)[0]}
+    assert set(record["out_of_domain"]) == installed
+    assert record["out_of_domain_skipped"] == {s.label: f"not installed (apt-get install {s.package})"
+                                               for s in OUT_OF_DOMAIN if s.label not in installed}
+    for row in [*record["out_of_domain"].values(), *(v for k, v in record["by_kind"].items() if k != "all")]:
+        assert row["engram"]["tokens"] == row["twin"]["tokens"] == row["lesion"]["tokens"] > 300
+        assert set(row["engram"]["gates"]) == {"unseen_share", "gate_unseen", "gate_seen"}
+    assert record["tokens"] == record["by_kind"]["all"]["engram"]["tokens"]  # the unseen sources stand apart
+    printed = _run(["eval", "--max-tokens", "3000"], capsys)
+    assert all(f"unseen:{label}" in printed for label in ("fortunes", "devil"))
+    assert "gate on unseen / seen 2-grams, 3-grams" in printed
+
+
+def test_eval_cache_names_what_cache_bytes_takes_in_one_line(capsys):
+    parser = argparse.ArgumentParser(prog="engram-offload")
+    model_commands.register(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["eval", "--cache", "10%"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: --cache was removed; use --cache-bytes SIZE with --tier (bytes: 256KiB, 512M, 2G; "
+                        "not a percentage)"), err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sysconfig
 import threading
@@ -176,6 +177,7 @@ def test_row_reads_mark_what_training_read_and_drop_a_share_to_rows_of_the_same_
 
     config = _tiny_config()
     rows = config.rows_per_layer[1]
+    torch.manual_seed(1)  # ids where no dropped read draws its own row again
     table = torch.nn.Embedding(rows, 32)
     ids = torch.tensor(config.head_offsets(1)) + torch.randint(0, min(config.head_sizes(1)), (4, 50, 4))  # [B, T, C]
     plain = _RowReads(config, {1: table}, 0.0, torch.Generator().manual_seed(0))
@@ -459,7 +461,7 @@ def test_row_dropout_leaves_a_share_of_the_rows_read_unwritten(small_corpus, tmp
     written = {}
     for dropout in (0.0, 0.5):
         settings = tiny(5, small_corpus)
-        settings.row_dropout = dropout
+        settings.row_dropout, settings.unseen_rate = dropout, 0.0
         written[dropout] = int(written_rows(train(settings, tmp_path / str(dropout), progress=False,
                                                   log=lambda m: None).path).sum())
     assert 0.3 * written[0.0] < written[0.5] < 0.8 * written[0.0]
@@ -480,3 +482,72 @@ def test_a_model_and_its_twin_start_from_the_same_backbone(small_corpus, tmp_pat
     twin_weights = load_file(twin.path / "model.safetensors")
     assert backbone.keys() == twin_weights.keys()
     assert all(torch.equal(backbone[k], twin_weights[k]) for k in backbone)
+
+
+def test_unseen_ngrams_read_random_rows_of_their_heads_in_every_column_of_their_order():
+    """A position's unseen 2-gram makes its 3-gram unseen too; an unseen order reads random rows of
+    each head's own range (detached), the others their own rows; only these are marked written."""
+    from engram_offload.model.train import _RowReads
+
+    config = _tiny_config()
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(config.rows_per_layer[1], 32)
+    offsets, sizes = torch.tensor(config.head_offsets(1)), torch.tensor(config.head_sizes(1))
+    ids = offsets + torch.randint(0, int(sizes.min()), (4, 200, 4))  # [B, T, C]: 2-gram heads, then 3-gram heads
+    reads = _RowReads(config, {1: table}, 0.0, torch.Generator().manual_seed(0), unseen_rate=0.2)
+    reads.training = True
+    reads.draw(4, 200)
+    assert reads.unseen is not None and reads.unseen.shape == (4, 200, 2)
+    unseen2, unseen3 = reads.unseen[..., 0], reads.unseen[..., 1]
+    assert bool((unseen3 | ~unseen2).all())  # an unseen 2-gram's 3-gram is unseen
+    assert 0.12 < unseen2.float().mean() < 0.28 and 0.32 < unseen3.float().mean() < 0.48
+    got = reads(1, ids)
+    own = (got == table(ids)).all(dim=-1)  # [B, T, C]
+    replaced = reads.unseen.repeat_interleave(2, dim=-1)
+    assert bool((own | replaced).all()) and (~own).sum() > 0.95 * replaced.sum()
+    for b, t, c in (~own).nonzero().tolist()[:50]:
+        row = int((table.weight == got[b, t, c]).all(dim=1).nonzero()[0])
+        assert offsets[c] <= row < offsets[c] + sizes[c]
+    assert reads.written[1].nonzero().flatten().tolist() == ids[~replaced].unique().tolist()
+    got.sum().backward()
+    assert table.weight.grad is not None and table.weight.grad[~reads.written[1]].abs().sum() == 0
+
+
+def test_the_gate_loss_is_the_gates_cross_entropy_against_the_share_of_orders_kept():
+    from types import SimpleNamespace
+
+    from engram_offload.model.train import _RowReads
+
+    reads = _RowReads(_tiny_config(), {}, 0.0, torch.Generator())
+    reads.unseen = torch.tensor([[[True, True], [False, True], [False, False]]])  # [1, 3, orders]
+    gates = {1: torch.tensor([[[0.5, 0.7], [0.4, 0.2], [0.9, 0.9]]]), 2: torch.full((1, 3, 2), 0.1)}
+    targets = [0.0, 0.5, 1.0]
+
+    def bce(g: float, y: float) -> float:
+        return -(y * math.log(g) + (1 - y) * math.log(1 - g))
+
+    expected = [sum(bce(float(g[0, t, b]), targets[t]) for t in range(3) for b in range(2)) / 6 for g in gates.values()]
+    assert float(reads.gate_loss(SimpleNamespace(gates=lambda: gates))) == pytest.approx(sum(expected) / 2)
+
+
+def test_training_with_unseen_ngrams_is_seeded_and_refuses_bad_settings(small_corpus, tmp_path):
+    """The same seed writes the same bytes with unseen n-grams and the gate loss on."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = []
+        for name in ("a", "b"):
+            settings = tiny(5, small_corpus)
+            settings.unseen_rate, settings.gate_loss = 0.2, 1.0
+            runs.append(train(settings, tmp_path / name, progress=False, log=lambda m: None))
+    finally:
+        torch.set_num_threads(threads)
+    assert _bytes(runs[0].path) == _bytes(runs[1].path)
+    assert json.loads((runs[0].path / "training.json").read_text())["settings"]["unseen_rate"] == 0.2
+    settings = tiny(5, small_corpus)
+    for bad in ({"unseen_rate": 0.6}, {"unseen_rate": -0.1}, {"gate_loss": -1.0}):
+        for name, value in bad.items():
+            setattr(settings, name, value)
+        with pytest.raises(ValueError, match=r"unseen_rate must be in \[0, 1/2\] and gate_loss at least 0"):
+            train(settings, tmp_path / "bad", progress=False, log=lambda m: None)
+        settings.unseen_rate, settings.gate_loss = 0.0, 0.0

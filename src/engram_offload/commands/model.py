@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -51,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--row-dropout", type=float, default=None,
                     help="share of row reads replaced by another row of their head while training, as an unseen "
                     "n-gram's read is (default 0)")
+    tr.add_argument("--unseen-rate", type=float, default=None,
+                    help="share of positions whose 2-gram (and 3-gram) is read as unseen while training, its rows "
+                    "replaced by random rows of their heads; as many more get an unseen 3-gram (default 0.3)")
+    tr.add_argument("--gate-loss", type=float, default=None,
+                    help="weight of the gate's cross-entropy as a detector of the rows replaced for unseen n-grams, added to the loss (default 5)")
     tr.add_argument("--table-init", choices=("normal", "zero"), default=None,
                     help="what a row no training n-gram writes holds (default normal: random, std 0.1)")
     tr.add_argument("--prime-start", type=positive_int, default=None,
@@ -72,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "unless --table is given); default: the checkpoint's own rows")
     ev.add_argument("--table", help="an already converted table file of the model (with --tier; default: converted from the checkpoint)")
     add_cache_bytes(ev, 0, percent=False, what="DRAM row cache in front of the tier (with --tier)")
-    removed_option(ev, "--cache", "--cache-bytes")
+    removed_option(ev, "--cache", "--cache-bytes SIZE with --tier (bytes: 256KiB, 512M, 2G; not a percentage)")
     ev.add_argument(
         "--lesion", action="store_true", help="report the model with every gate forced to 0 (the lesion) as its "
         "perplexity; the table printed below always gives the Engram model, the lesion and the twin")
@@ -155,7 +161,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     s = TrainSettings(seed=args.seed, corpus=args.corpus, engram=not args.no_engram)
     if args.row_dropout is not None and not 0 <= args.row_dropout < 1:
         raise UsageError(f"--row-dropout must be at least 0 and below 1, got {args.row_dropout}")
-    for name in ("steps", "batch", "seq_len", "max_train_tokens", "row_dropout", "table_init", "prime_start"):
+    if args.unseen_rate is not None and not 0 <= args.unseen_rate <= 0.5:
+        raise UsageError(f"--unseen-rate must be between 0 and 0.5, got {args.unseen_rate}")
+    if args.gate_loss is not None and not args.gate_loss >= 0:
+        raise UsageError(f"--gate-loss must be at least 0, got {args.gate_loss}")
+    for name in ("steps", "batch", "seq_len", "max_train_tokens", "row_dropout", "table_init", "prime_start",
+                 "unseen_rate", "gate_loss"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     b, t, v, h = s.batch, s.seq_len, s.vocab, s.attention_heads
@@ -263,6 +274,20 @@ def _held_out_by_kind(args: argparse.Namespace, model_dir: Path) -> dict[str, li
     return {kind: windows(seqs, args.seq_len) for kind, seqs in by_kind.items()}
 
 
+def _out_of_domain(args: argparse.Namespace, kinds: int) -> tuple[dict[str, list], dict[str, str]]:
+    """The windows of each installed ``OUT_OF_DOMAIN`` source (a kind's share of ``--max-tokens``,
+    its files in the order of their names' SHA-256), and why each other source is skipped."""
+    from ..engram.tokenizer import load_tokenizer
+    from ..model.corpus import OUT_OF_DOMAIN, find_sources, token_sequences
+    from ..model.evaluate import windows
+
+    found, missing = find_sources(OUT_OF_DOMAIN)
+    budget = args.max_tokens // max(1, kinds) or None
+    pieces = {s.label: windows(token_sequences(sorted(s.files(), key=lambda f: hashlib.sha256(f.name.encode()).digest()),
+                                               load_tokenizer(), budget, min_tokens=2), args.seq_len) for s in found}
+    return pieces, {s.label: f"not installed (apt-get install {s.package})" for s in missing}
+
+
 def _load(args: argparse.Namespace, table: bool):
     import torch
 
@@ -277,6 +302,7 @@ def _load(args: argparse.Namespace, table: bool):
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..model.checkpoint_io import load_model, twin_dir
     from ..model.evaluate import compare, store_rows
+    from ..model.ngrams import SeenNgrams
     from ..model.serving import served_table
 
     if (args.table or args.cache_bytes) and not args.tier:
@@ -289,16 +315,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if twin is not None and twin.has_engram:
         raise UsageError(f"--twin {twin_path} has Engram layers: give the folder `train --no-engram` wrote")
     by_kind = _held_out_by_kind(args, model_dir)
+    unseen, skipped = _out_of_domain(args, len(by_kind)) if args.corpus is None else ({}, {})
+    seen = SeenNgrams.load(model_dir)
     serving = served_table(model_dir, args.tier, table=args.table, cache_bytes=args.cache_bytes) if args.tier \
         else nullcontext(None)
     with serving as store:
-        table = compare(model, twin, by_kind, store_rows(store, model) if store is not None else None)
+        rows = store_rows(store, model) if store is not None else None
+        table = compare(model, twin, by_kind, rows, seen)
+        other = {k: v for k, v in compare(model, twin, unseen, rows, seen).items() if k != "all"} if unseen else {}
         stats = store.stats() if store is not None else None
     result = table["all"]["lesion" if args.lesion else "engram"]
     record = {**result.to_dict(), "model": str(model_dir), "tier": args.tier or "checkpoint",
               "engram": not args.lesion, "windows": sum(len(p) for p in by_kind.values()), "seq_len": args.seq_len,
               "twin": str(twin_path) if twin is not None else None,
-              "by_kind": {kind: {name: r.to_dict() for name, r in row.items()} for kind, row in table.items()}}
+              "by_kind": {kind: {name: r.to_dict() for name, r in row.items()} for kind, row in table.items()},
+              "out_of_domain": {k: {name: r.to_dict() for name, r in row.items()} for k, row in other.items()},
+              "out_of_domain_skipped": skipped}
     everything = table["all"]
     record["lesion_over_engram"] = everything["lesion"].perplexity / everything["engram"].perplexity
     if twin is not None:
@@ -311,11 +343,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     print(f"{record['tokens']:,} tokens  perplexity {result.perplexity:.3f}  (nll {result.nll:.4f}; "
           f"rows from {record['tier']}; Engram {'on' if record['engram'] else 'zeroed'})")
-    print(f"{'text':>14} {'tokens':>9} {'Engram':>9} {'twin':>9} {'lesion':>9}")
-    for kind, row in table.items():
-        twin_ppl = f"{row['twin'].perplexity:>9.3f}" if "twin" in row else f"{'-':>9}"
-        print(f"{kind:>14} {row['engram'].tokens:>9,} {row['engram'].perplexity:>9.3f} {twin_ppl} "
-              f"{row['lesion'].perplexity:>9.3f}")
+    print(f"{'text':>14} {'tokens':>9} {'Engram':>9} {'twin':>9} {'twin/Engram':>11} {'lesion':>9}  "
+          "gate on unseen / seen 2-grams, 3-grams (unseen share)")
+    for kind, row in [*table.items(), *((f"unseen:{k}", row) for k, row in other.items())]:
+        e = row["engram"]
+        twin_ppl = f"{row['twin'].perplexity:>9.3f} {row['twin'].perplexity / e.perplexity:>10.3f}x" \
+            if "twin" in row else f"{'-':>9} {'-':>11}"
+        gates = "  ".join(f"{u:.3f} / {g:.3f} ({share:.0%})" for u, g, share in
+                          zip(e.gates["gate_unseen"], e.gates["gate_seen"], e.gates["unseen_share"])) if e.gates else ""
+        print(f"{kind:>14} {e.tokens:>9,} {e.perplexity:>9.3f} {twin_ppl} {row['lesion'].perplexity:>9.3f}  {gates}")
+    for k, why in skipped.items():
+        print(f"{'unseen:' + k:>14} skipped: {why}")
     worth = f"twin / Engram {record['twin_over_engram']:.3f}x" if twin is not None else \
         f"no twin at {twin_path} (train one with `train --no-engram`, or pass --twin)"
     print(f"table's worth: {worth}; lesion (gate forced to 0) / Engram {record['lesion_over_engram']:.3f}x")

@@ -26,11 +26,13 @@ import numpy as np
 from ..engram.tokenizer import append_capped
 
 __all__ = ["CorpusFile", "Source", "SOURCES", "KINDS", "corpus_files", "find_sources", "missing_sources_message",
-           "split", "token_sequences", "kind_sequences", "text_pieces", "DOCS_ROOT", "EOS_ID",
+           "split", "token_sequences", "kind_sequences", "text_pieces", "DOCS_ROOT", "EOS_ID", "OUT_OF_DOMAIN",
+           "OUT_OF_DOMAIN_PACKAGES", "package_paths",
            "HELD_OUT_EVERY", "PIECE_CHARS"]
 
 DOCS_ROOT = Path("/usr/share/doc/python3.11/html/_sources")  # Debian's python3.11-doc
 HELD_OUT_EVERY = 20  # one file in 20 is held out
+DPKG_INFO = Path("/var/lib/dpkg/info")  # <package>.list: the paths each installed package holds
 EOS_ID = 1  # DeepSeek's "<｜end▁of▁sentence｜>"
 SUFFIXES = (".py", ".txt", ".rst")
 KINDS = ("code", "documentation", "prose")
@@ -48,7 +50,7 @@ class Source:
     patterns: tuple[str, ...]  # globs under root
     package: str  # the Debian package(s) that install it
     licence: str
-    format: str = "text"  # "text", "man" (roff) or "html"; a ".gz" file is gunzipped first
+    format: str = "text"  # "text", "man" (roff), "html" or "fortune"; a ".gz" or ".dz" file is gunzipped first
     exclude: tuple[str, ...] = ()  # globs of file names left out
 
     def files(self) -> list["CorpusFile"]:
@@ -89,6 +91,25 @@ SOURCES: tuple[Source, ...] = (
 )
 
 
+# Text of kinds the corpus never holds, for `eval` only: every file their packages (and the
+# packages they pull in) install is left out of the training corpus, so they stay unseen whole.
+OUT_OF_DOMAIN: tuple[Source, ...] = (
+    Source("fortunes", "prose", Path("/usr/share/games/fortunes"), ("*",), "fortunes",
+           "fortune cookies collected from many authors (distributed freely with fortune-mod)", "fortune",
+           exclude=("*.dat", "*.u8", "ascii-art")),
+    Source("devil", "prose", Path("/usr/share/dictd"), ("devil.dict.dz",), "dict-devil",
+           "public domain (Ambrose Bierce, The Devil's Dictionary, 1911)"),
+)
+OUT_OF_DOMAIN_PACKAGES = ("fortunes", "fortunes-min", "fortune-mod", "librecode0", "dict-devil", "dictd",
+                          "dictzip", "libmaa4", "update-inetd")
+
+
+def package_paths(packages: Iterable[str], info: Path = DPKG_INFO) -> set[str]:
+    """Every path dpkg lists for the installed ``packages`` (none for a package not installed)."""
+    lists = [f for p in packages for f in sorted(info.glob(f"{p}.list")) + sorted(info.glob(f"{p}:*.list"))]
+    return {line for f in lists for line in f.read_text().splitlines()}
+
+
 @dataclass(frozen=True)
 class CorpusFile:
     path: Path
@@ -108,20 +129,22 @@ class CorpusFile:
     @property
     def plain(self) -> bool:
         """Read as it is (and so in pieces when large), not decoded from roff, HTML or gzip."""
-        return self.format == "text" and self.path.suffix != ".gz"
+        return self.format == "text" and self.path.suffix not in (".gz", ".dz")
 
     def text(self) -> str:
         """The file's text: UTF-8 (bad bytes replaced, universal newlines), gunzipped, man pages
         and HTML as plain text (those at most ``MAX_DECODED_CHARS``)."""
         if self.plain:
             return _read(self.path)
-        with (gzip.open(self.path, "rb") if self.path.suffix == ".gz" else open(self.path, "rb")) as f:
+        with (open(self.path, "rb") if self.path.suffix not in (".gz", ".dz") else gzip.open(self.path, "rb")) as f:
             raw = f.read(4 * MAX_DECODED_CHARS)
         text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
         if self.format == "man":
             text = roff_text(text)
         elif self.format == "html":
             text = html_text(text)
+        elif self.format == "fortune":
+            text = re.sub(r"^%\n", "\n", text, flags=re.M)  # the cookies' separators
         return text[:MAX_DECODED_CHARS]
 
 
@@ -150,7 +173,8 @@ def missing_sources_message(missing: list[Source]) -> str:
 
 
 def corpus_files(roots: Iterable[str | Path] | None = None, sources: Iterable[Source] | None = None) -> list[CorpusFile]:
-    """Text files under ``roots`` (default: every installed source of ``SOURCES``).
+    """Text files under ``roots`` (default: every installed source of ``SOURCES``; of any
+    source but ``OUT_OF_DOMAIN``, no file that ``OUT_OF_DOMAIN_PACKAGES`` installed).
 
     A given root is labelled by its folder name (its ``.py``, ``.txt`` and ``.rst`` files, of
     the kind ``kind_of_suffix`` says). A given root may be one such file: a corpus of that file
@@ -158,7 +182,8 @@ def corpus_files(roots: Iterable[str | Path] | None = None, sources: Iterable[So
     """
     if roots is None:
         found = find_sources(sources)[0]
-        installed = [f for s in found for f in s.files()]
+        unseen = package_paths(OUT_OF_DOMAIN_PACKAGES, DPKG_INFO)
+        installed = [f for s in found for f in s.files() if s in OUT_OF_DOMAIN or str(f.path) not in unseen]
         if not installed:
             raise FileNotFoundError("no corpus source is installed: " + missing_sources_message(list(SOURCES)))
         return installed

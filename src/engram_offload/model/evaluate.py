@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from .lm import EngramLM, RowsFor
+from .ngrams import SeenNgrams, ngram_keys
 
-__all__ = ["EvalResult", "evaluate", "windows", "batches", "store_rows", "compare", "combined"]
+__all__ = ["EvalResult", "GateNovelty", "evaluate", "windows", "batches", "store_rows", "compare", "combined"]
 
 
 @dataclass
@@ -25,9 +26,10 @@ class EvalResult:
     tokens: int  # predicted tokens
     nll: float  # mean negative log-likelihood (nats per token, model vocabulary)
     perplexity: float
+    gates: dict[str, list[float]] | None = None  # GateNovelty.summary() of the Engram model, when measured
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def windows(sequences: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
@@ -89,6 +91,28 @@ def evaluate(model: EngramLM, pieces: list[np.ndarray], rows_for: RowsFor | None
     return EvalResult(count, nll, math.exp(nll))
 
 
+class GateNovelty:
+    """An ``on_batch`` of ``evaluate``: per order (2-grams first), the mean gate (over the Engram
+    layers and branches) at positions whose n-gram no training window held (not in ``seen``) and
+    at the others."""
+
+    def __init__(self, model: EngramLM, seen: SeenNgrams) -> None:
+        self.model, self.seen = model, seen
+        self.sums = np.zeros((4, model.config.num_orders))  # unseen positions, their gates, seen ones, theirs
+
+    def __call__(self, inputs: torch.Tensor, row_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        gate = torch.stack(list(self.model.gates().values())).mean(dim=(0, -1)).numpy()[..., None]  # [B, T, 1]
+        new = ~self.seen.contains(ngram_keys(self.model.hasher, inputs))  # [B, T, orders]
+        self.sums += np.stack([new.sum((0, 1)), (gate * new).sum((0, 1)), (~new).sum((0, 1)), (gate * ~new).sum((0, 1))])
+
+    def summary(self) -> dict[str, list[float]]:
+        """``unseen_share``, ``gate_unseen`` and ``gate_seen``, one value per order."""
+        unseen, unseen_gates, seen, seen_gates = self.sums
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return {"unseen_share": (unseen / (unseen + seen)).tolist(), "gate_unseen": (unseen_gates / unseen).tolist(),
+                    "gate_seen": (seen_gates / seen).tolist()}
+
+
 def combined(results: list[EvalResult]) -> EvalResult:
     """The results of disjoint texts as one: their token-weighted NLL."""
     tokens = sum(r.tokens for r in results)
@@ -97,13 +121,17 @@ def combined(results: list[EvalResult]) -> EvalResult:
 
 
 def compare(model: EngramLM, twin: EngramLM | None, pieces_by_kind: dict[str, list[np.ndarray]],
-            rows_for: RowsFor | None = None) -> dict[str, dict[str, EvalResult]]:
+            rows_for: RowsFor | None = None, seen: SeenNgrams | None = None) -> dict[str, dict[str, EvalResult]]:
     """Per kind of text, and for ``"all"`` of it: the Engram model (rows from ``rows_for``), the
     same model with every gate forced to 0 (the lesion) and, when given, its ``twin`` trained
-    without Engram, all on the same windows."""
+    without Engram, all on the same windows. Given the training n-grams ``seen``, the Engram
+    model's results of each kind carry its ``GateNovelty`` summary."""
     out: dict[str, dict[str, EvalResult]] = {}
     for kind, pieces in pieces_by_kind.items():
-        row = {"engram": evaluate(model, pieces, rows_for)}
+        novelty = GateNovelty(model, seen) if seen is not None else None
+        row = {"engram": evaluate(model, pieces, rows_for, on_batch=novelty)}
+        if novelty is not None:
+            row["engram"].gates = novelty.summary()
         model.set_gate_scale(0.0)
         try:
             row["lesion"] = evaluate(model, pieces, rows_for)

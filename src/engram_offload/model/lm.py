@@ -36,7 +36,7 @@ class ProbedEngramLayer(EngramLayer):
 
     ``gate_scale`` (None, a number, or a tensor broadcastable to ``[B, T, hc]``) multiplies the
     gate: 0 zeroes the layer's contribution (the output is the input hidden state). After a
-    forward, ``last_gate`` holds the gates used, ``[B, T, hc]`` float32.
+    forward, ``last_gate`` holds the gates used, ``[B, T, hc]`` float32 (with their graph while training).
     """
 
     gate_scale: float | torch.Tensor | None = None
@@ -46,7 +46,7 @@ class ProbedEngramLayer(EngramLayer):
         g = super().gate(h, key, dead_mask)  # [B, T, hc]
         if self.gate_scale is not None:
             g = g * self.gate_scale
-        self.last_gate = g.detach()
+        self.last_gate = g if self.training and torch.is_grad_enabled() else g.detach()
         return g
 
 

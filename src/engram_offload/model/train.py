@@ -9,6 +9,10 @@ backbone weights. Engram tables train as float ``nn.Embedding`` s (sparse gradie
 32x32 block scales. ``row_dropout`` trains with that share of row reads replaced by another
 row of the same head (not trained by that read), as a read of an n-gram never seen in training
 gets what colliding n-grams wrote: the gate may learn to close on rows that do not fit.
+``unseen_rate`` reads whole n-grams as unseen: at that share of positions the 2-gram's rows (and so
+the 3-gram's), at as many more the 3-gram's alone, are all replaced by random rows of their heads,
+as an n-gram no training window held hashes to; ``gate_loss`` adds that weight times the gate's
+binary cross-entropy as a detector of them (target: the share of the position's orders kept).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class TrainSettings:
     engram: bool = True  # False: the twin without Engram (same backbone, data and steps)
     row_dropout: float = 0.0  # share of row reads replaced by another row of their head while training
     table_init: str = "normal"  # "normal" (std table_init_std) or "zero": what an unwritten row holds
+    unseen_rate: float = 0.3  # share of positions whose 2-gram (and 3-gram) is read as unseen; as many more: the 3-gram
+    gate_loss: float = 5.0  # weight of the gate's cross-entropy as a detector of the rows replaced, added to the loss
 
 
 @dataclass
@@ -104,6 +110,9 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
         raise ValueError(f"table_init must be 'normal' or 'zero', got {s.table_init!r}")
     if not 0 <= s.row_dropout < 1:
         raise ValueError(f"row_dropout must be in [0, 1), got {s.row_dropout}")
+    if not 0 <= s.unseen_rate * (s.max_ngram - 1) <= 1 or s.gate_loss < 0:
+        raise ValueError(f"unseen_rate must be in [0, 1/{s.max_ngram - 1}] and gate_loss at least 0, "
+                         f"got {s.unseen_rate} and {s.gate_loss}")
     torch.manual_seed(s.seed)
     if s.corpus is None and (missing := find_sources()[1]):
         (warn or log)(missing_sources_message(missing))
@@ -137,7 +146,7 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
             nn.init.zeros_(table.weight)
         else:
             nn.init.normal_(table.weight, std=s.table_init_std)
-    reads = _RowReads(config, tables, s.row_dropout, torch.Generator().manual_seed(s.seed + 1))
+    reads = _RowReads(config, tables, s.row_dropout, torch.Generator().manual_seed(s.seed + 1), s.unseen_rate)
     optimizers, schedules = _optimizers(model, tables, s)
     seen = SeenNgrams() if tables else None  # the n-grams of every training window
     g = torch.Generator().manual_seed(s.seed)
@@ -151,7 +160,12 @@ def train(settings: TrainSettings, out: str | Path, *, progress: bool = True, lo
             chunk = _batch(stream, s, g)  # [B, T+1]
             if seen is not None:
                 seen.add(ngram_keys(model.hasher, chunk[:, :-1]))
-            record = {"step": step + 1, "train_loss": _step(model, optimizers, schedules, chunk, rows_for)}
+            extra = None
+            if s.unseen_rate and tables:
+                reads.draw(s.batch, s.seq_len)
+                if s.gate_loss:
+                    extra = lambda: s.gate_loss * reads.gate_loss(model)  # noqa: E731
+            record = {"step": step + 1, "train_loss": _step(model, optimizers, schedules, chunk, rows_for, extra)}
             if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
                 model.eval()
                 reads.training = False
@@ -181,28 +195,49 @@ def _optimizers(model: nn.Module, tables: dict[int, nn.Embedding], s: TrainSetti
 
 class _RowReads:
     """The model's row reads from the trained tables (``rows_for(layer_id, ids)``): while
-    ``training``, each row read is marked written, and a ``row_dropout`` share of the reads get
-    another row of their head instead (untrained by that read), as an unseen n-gram would."""
+    ``training``, each row read is marked written, except those replaced by a random row of their
+    head (untrained by that read), as an unseen n-gram's are: every row of the n-grams ``draw``
+    chose, and a ``row_dropout`` share of the other reads."""
 
     def __init__(self, config: EngramConfig, tables: dict[int, nn.Embedding], row_dropout: float,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, unseen_rate: float = 0.0) -> None:
         self.tables, self.row_dropout, self.generator = tables, row_dropout, generator
+        self.unseen_rate, self.n_heads = unseen_rate, config.n_heads
+        self.orders = torch.arange(1, config.num_orders + 1)
+        self.unseen: torch.Tensor | None = None  # bool [B, T, orders]: the n-grams this batch reads as unseen
         self.training = False
         self.written = {i: torch.zeros(config.rows_per_layer[i], dtype=torch.bool) for i in tables}
         self.heads = {i: (torch.tensor(config.head_offsets(i)), torch.tensor(config.head_sizes(i))) for i in tables}
+
+    def draw(self, b: int, t: int) -> None:
+        """Choose the batch's unseen n-grams: the order-k n-gram (k = 2, 3, ...) at a position
+        where a uniform draw is below ``(k - 1) * unseen_rate`` (an unseen 2-gram's 3-gram is unseen)."""
+        self.unseen = torch.rand((b, t, 1), generator=self.generator) < self.unseen_rate * self.orders
+
+    def gate_loss(self, model: EngramLM) -> torch.Tensor:
+        """The binary cross-entropy of every Engram layer's and branch's gate (of the last forward,
+        with its graph) against the share of the position's orders read as seen: the gate is
+        trained to tell a position's own rows from replaced ones."""
+        assert self.unseen is not None
+        target = 1 - self.unseen.float().mean(-1, keepdim=True)  # [B, T, 1]
+        return torch.stack([F.binary_cross_entropy(g.clamp(1e-6, 1 - 1e-6), target.expand_as(g))
+                            for g in model.gates().values()]).mean()
 
     def __call__(self, layer_id: int, ids: torch.Tensor) -> torch.Tensor:
         rows = self.tables[layer_id](ids)  # [B, T, C, d]
         if not self.training:
             return rows
+        if self.unseen is None and not self.row_dropout:
+            self.written[layer_id][ids.reshape(-1)] = True
+            return rows
+        replaced = torch.zeros(ids.shape, dtype=torch.bool) if self.unseen is None else \
+            self.unseen.repeat_interleave(self.n_heads, dim=-1)  # [B, T, C]
         if self.row_dropout:
-            dropped = torch.rand(ids.shape, generator=self.generator) < self.row_dropout  # [B, T, C]
-            offsets, sizes = self.heads[layer_id]  # [C] each
-            other = (torch.rand(ids.shape, generator=self.generator) * sizes).long() + offsets
-            self.written[layer_id][ids[~dropped]] = True
-            return torch.where(dropped.unsqueeze(-1), self.tables[layer_id](other).detach(), rows)
-        self.written[layer_id][ids.reshape(-1)] = True
-        return rows
+            replaced |= torch.rand(ids.shape, generator=self.generator) < self.row_dropout
+        offsets, sizes = self.heads[layer_id]  # [C] each
+        other = (torch.rand(ids.shape, generator=self.generator) * sizes).long() + offsets
+        self.written[layer_id][ids[~replaced]] = True
+        return torch.where(replaced.unsqueeze(-1), self.tables[layer_id](other).detach(), rows)
 
 
 def _batch(stream: torch.Tensor, s: TrainSettings, generator: torch.Generator) -> torch.Tensor:
@@ -212,11 +247,16 @@ def _batch(stream: torch.Tensor, s: TrainSettings, generator: torch.Generator) -
 
 
 def _step(model: EngramLM, optimizers: list[torch.optim.Optimizer],
-          schedules: list[torch.optim.lr_scheduler.LambdaLR], chunk: torch.Tensor, rows_for: Any) -> float:
+          schedules: list[torch.optim.lr_scheduler.LambdaLR], chunk: torch.Tensor, rows_for: Any,
+          extra: Any = None) -> float:
     """One optimizer step on ``chunk`` ``[B, T+1]`` (inputs its first T tokens, targets its last
-    T), gradients clipped to norm 1; the batch's loss before the step."""
+    T), gradients clipped to norm 1; the batch's loss before the step (without ``extra()``, a
+    term added to the loss after the forward)."""
     logits = model(chunk[:, :-1], rows_for)
     loss = F.cross_entropy(logits.flatten(0, 1), model.to_model_ids(chunk[:, 1:]).reshape(-1))
+    reported = float(loss.detach())
+    if extra is not None:
+        loss = loss + extra()
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     loss.backward()
@@ -225,7 +265,7 @@ def _step(model: EngramLM, optimizers: list[torch.optim.Optimizer],
         o.step()
     for schedule in schedules:
         schedule.step()
-    return float(loss.detach())
+    return reported
 
 
 def _interleave(lists: list[list[Any]]) -> list[Any]:
