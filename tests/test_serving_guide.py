@@ -45,6 +45,7 @@ TIMEOUT_S = 300  # the longest one command (or a server's start) may take
 STAND_INS = {
     "/models/DeepSeek-V4.1-Flash": "checkpoint",  # a tiny checkpoint in the released V4.1 format
     "/nvme/engram/v41f.table": "table",  # a path in a temporary folder (convert writes it)
+    "/nvme/engram/v41f.index": "index",  # beside it (index writes the checkpoint's sidecar there)
     "/run/engram/rows.sock": "socket",  # a path in a private folder of /tmp (socket paths are short)
     "redis://10.0.0.5:7000": "pool",  # a Redis server on 127.0.0.1 started here
 }
@@ -192,6 +193,7 @@ def guide(tmp_path_factory) -> Iterator[Guide]:
     except pytest.skip.Exception as exc:  # no redis-server: the pool's commands skip with this
         why_no_pool = str(exc)
     stand_ins = {"checkpoint": str(checkpoint.path), "table": str(folder / "nvme" / "v41f.table"),
+                 "index": str(folder / "nvme" / "v41f.index"),
                  "socket": str(sockets / "rows.sock"), "pool": pool.url if pool is not None else None}
     result = Guide(checkpoint, stand_ins, why_no_pool, [])
     try:
@@ -224,7 +226,15 @@ def _check_convert(guide: Guide, run: Run) -> None:
 
 
 def _check_verify(guide: Guide, run: Run) -> None:
-    assert run.stdout.startswith(f"{guide.table}: OK, "), run.stdout
+    assert run.stdout.startswith(f"{run.argv[-1]}: OK"), run.stdout  # the table, or the checkpoint's sidecar
+
+
+def _check_index(guide: Guide, run: Run) -> None:
+    sidecar = guide.stand_ins["index"]
+    assert sidecar in run.stdout, run.stdout
+    with open_table(sidecar, "mmap") as store:  # the checkpoint's shards, served as its table
+        rows = store.read_raw(np.arange(store.num_rows))
+    assert torch.equal(rows, _table_rows(guide.checkpoint))
 
 
 def _check_plan(guide: Guide, run: Run) -> None:
@@ -265,6 +275,7 @@ def _check_shared_list(guide: Guide, run: Run) -> None:
 CHECKS: dict[str, Callable[[Guide, Run], None]] = {
     "convert": _check_convert,
     "verify": _check_verify,
+    "index": _check_index,
     "plan": _check_plan,
     "row-server": _check_row_server,
     "pool publish": _check_pool_publish,
