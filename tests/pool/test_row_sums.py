@@ -1,5 +1,5 @@
 """The pool's per-row checksums: MACs under the operator's key, as documented, that fail for
-every altered, misplaced or foreign row; and the table's unkeyed row sums (C and xxhash)."""
+every altered, misplaced or foreign row."""
 
 from __future__ import annotations
 
@@ -7,31 +7,11 @@ import hashlib
 
 import numpy as np
 import pytest
-import xxhash
 
 from engram_offload.pool.key import CHUNK_ROWS, PoolKey, _aes_ecb
 from engram_offload.pool.layout import ROW_SUM_BYTES, bad_rows, rows_with_sums
-from engram_offload.table import pagesum
-from engram_offload.table.pagesum import row_sums
 
 KEY = PoolKey(None, bytes(range(32)))
-
-
-@pytest.fixture(params=["native", "xxhash"])
-def helper(request, monkeypatch):
-    if request.param == "native":
-        if not pagesum.native_available():
-            pytest.skip("the _pagesum helper is not built")
-    else:
-        monkeypatch.setenv("ENGRAM_OFFLOAD_NO_NATIVE", "1")
-    return request.param
-
-
-@pytest.mark.parametrize("row_bytes", [1, 68, 264, 4400])
-def test_row_sums_are_the_low_half_of_xxh3_of_each_row(helper, row_bytes):
-    rows = np.random.default_rng(row_bytes).integers(0, 256, (37, row_bytes + 9), dtype=np.uint8)
-    want = [xxhash.xxh3_64_intdigest(r[:row_bytes].tobytes()) & 0xFFFFFFFF for r in rows]
-    assert row_sums(rows, row_bytes, row_bytes + 9).tolist() == want
 
 
 def test_the_cipher_is_aes_128():
@@ -111,7 +91,5 @@ def test_a_row_holds_its_checksum_only_at_its_own_place_in_its_own_table_under_i
 
 
 def test_a_buffer_of_partial_rows_is_refused():
-    with pytest.raises(ValueError, match="whole number of 268-byte strides holding a 264-byte row"):
-        row_sums(bytes(268 * 2 + 1), 264, 268)
     with pytest.raises(ValueError, match="whole number of 270-byte strides holding a 264-byte row and its checksum"):
         bad_rows(bytes(270 * 2), 264, 270, "00", np.arange(2), KEY)

@@ -6,10 +6,6 @@
  *   data   bytes-like, len = pages * page_bytes
  *   out    writable uint32 [pages] (written)
  *
- * row_sums(data, length, stride, out)
- *   the same checksum of each row: data[i*stride : i*stride+length] for i < len(data)/stride
- *   out    writable uint32 [rows] (written)
- *
  * XXH3 comes from the vendored single-header xxHash (xxhash.h beside this file, BSD
  * 2-clause), inlined; it is the same function the xxhash Python package computes, which
  * is the fallback when this helper is not built. On x86-64 CPUs with AVX2 the loop of
@@ -57,45 +53,12 @@ done:
 }
 
 /* The rows of a buffer of n rows of `length` bytes at `stride`: checks the arguments. */
-static int row_shape(Py_buffer *data, Py_ssize_t length, Py_ssize_t stride, Py_ssize_t *rows) {
-    if (length <= 0 || stride < length || data->len % stride) {
-        PyErr_Format(PyExc_ValueError,
-                     "data of %zd bytes is not a whole number of %zd-byte strides holding a %zd-byte row",
-                     data->len, stride, length);
-        return -1;
-    }
-    *rows = data->len / stride;
-    return 0;
-}
-
-static PyObject *row_sums(PyObject *self, PyObject *args) {
-    Py_buffer data, out;
-    Py_ssize_t length, stride, rows;
-    if (!PyArg_ParseTuple(args, "y*nnw*", &data, &length, &stride, &out)) return NULL;
-    PyObject *result = NULL;
-    if (row_shape(&data, length, stride, &rows) < 0) goto done;
-    if (!holds_sums(&out, rows, "row")) goto done;
-    const uint8_t *src = data.buf;
-    uint32_t *dst = out.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < rows; i++) dst[i] = (uint32_t)XXH3_64bits(src + i * stride, (size_t)length);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&out);
-    return result;
-}
-
 static PyObject *uses_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(pagesum_avx2); }
 
 static PyMethodDef methods[] = {
     {"page_sums", page_sums, METH_VARARGS,
      "page_sums(data, page_bytes, out, portable=False): low 32 bits of XXH3-64 of each page into out "
      "(uint32); portable skips the AVX2 loop."},
-    {"row_sums", row_sums, METH_VARARGS,
-     "row_sums(data, length, stride, out): low 32 bits of XXH3-64 of each row (length bytes at stride) "
-     "into out (uint32)."},
     {"uses_avx2", uses_avx2, METH_NOARGS, "Whether the AVX2 loop is used."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,7 +1,6 @@
 """Checksums of data pages: the low 32 bits of XXH3-64.
 
-``page_sums(data, page_bytes)`` returns one ``uint32`` per page; ``row_sums`` the same of
-rows laid at a stride (the pool's row checksums). The native helper
+``page_sums(data, page_bytes)`` returns one ``uint32`` per page. The native helper
 (``table/_pagesum.c``, XXH3 from the vendored ``xxhash.h``) releases the GIL, so a reader
 thread overlaps it with I/O. Without it (not built, or ``ENGRAM_OFFLOAD_NO_NATIVE`` set)
 the ``xxhash`` package computes the same values, one call per page.
@@ -18,7 +17,7 @@ import xxhash
 
 from .._native import native_disabled
 
-__all__ = ["CHECKSUM_NAME", "page_sums", "row_sums", "native_available"]
+__all__ = ["CHECKSUM_NAME", "page_sums", "native_available"]
 
 CHECKSUM_NAME = "xxh3_64_low32"
 
@@ -48,22 +47,7 @@ def page_sums(data, page_bytes: int, *, portable: bool = False) -> np.ndarray:
     return out
 
 
-def row_sums(data, length: int, stride: int) -> np.ndarray:
-    """Checksum of the ``length``-byte row at the start of each ``stride`` bytes of ``data``
-    -> ``uint32 [rows]`` (the page checksum's function: low 32 bits of XXH3-64)."""
-    view = memoryview(data).cast("B")
-    if length <= 0 or stride < length or len(view) % stride:
-        raise ValueError(f"data of {len(view)} bytes is not a whole number of {stride}-byte strides holding "
-                         f"a {length}-byte row")
-    out = np.empty(len(view) // stride, np.uint32)
-    if native_available():
-        _pagesum.row_sums(view, length, stride, out)
-        return out
-    out[:] = _python_sums(view, length, stride)
-    return out
-
-
 def _python_sums(view: memoryview, length: int, stride: int) -> list[int]:
-    """The fallback of both: low 32 bits of XXH3-64 of the ``length`` bytes at each ``stride``."""
+    """The fallback: low 32 bits of XXH3-64 of the ``length`` bytes at each ``stride``."""
     digest = xxhash.xxh3_64_intdigest
     return [digest(view[i: i + length]) & 0xFFFFFFFF for i in range(0, len(view), stride)]
